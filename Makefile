@@ -1,0 +1,27 @@
+# make demo: set up .venv, then train the shapes demo end to end
+# make test: set up .venv, then run the tests
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup test demo lint clean
+
+$(VENV)/.installed: requirements.txt requirements-dev.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt
+	touch $@
+
+setup: $(VENV)/.installed
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+demo: setup
+	@echo "make demo: coming soon (the shapes demo lands with the training issue)"
+
+clean:
+	rm -rf $(VENV) .pytest_cache

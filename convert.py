@@ -1,0 +1,546 @@
+"""
+Weights in and out of llavax: Hugging Face LLaVA / LLaMA / CLIP, original haotian-liu/LLaVA,
+and our checkpoint directory (model.safetensors + config.json).
+
+    python convert.py from-hf --llava HF_DIR --out CKPT_DIR
+    python convert.py from-hf --llm LLAMA_DIR --vision CLIP_DIR --out CKPT_DIR [--projector mlp2x_gelu] [--vision-layer -2]
+    python convert.py from-llava --llava DIR --vision CLIP_DIR [--llm LLAMA_DIR] --out CKPT_DIR
+    python convert.py to-hf --ckpt CKPT_DIR --out HF_DIR
+
+Every conversion goes through an explicit table (our name -> their name). Every source key
+must be consumed and every shape must match, or ConversionError lists what did not.
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from model import VLM, LlamaConfig, Projector, ViTConfig, VLMConfig, build_model, projector_depth
+
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "chat_template.jinja")
+SHARD_BYTES = 5 * 2**30  # shard above this, like HF's default max_shard_size
+PROGRESS_BYTES = 2**30  # show a progress bar for reads and writes larger than this
+
+
+class ConversionError(ValueError):
+    pass
+
+
+def say(msg):
+    print(f"convert: {msg}", file=sys.stderr)
+
+
+# -----------------------------------------------------------------------------
+# mapping tables: our name -> their name
+
+
+def vit_table(cfg: ViTConfig, prefix):
+    t = {"vision.conv1.weight": "embeddings.patch_embedding.weight",
+         "vision.class_embedding": "embeddings.class_embedding",
+         "vision.positional_embedding": "embeddings.position_embedding.weight"}
+    for ours, theirs in (("ln_pre", "pre_layrnorm"), ("ln_post", "post_layernorm")):
+        t |= {f"vision.{ours}.{p}": f"{theirs}.{p}" for p in ("weight", "bias")}
+    block = {"ln_1": "layer_norm1", "ln_2": "layer_norm2", "attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj",
+             "attn.wv": "self_attn.v_proj", "attn.wo": "self_attn.out_proj", "mlp.c_fc": "mlp.fc1", "mlp.c_proj": "mlp.fc2"}
+    for i in range(cfg.n_layers):
+        for ours, theirs in block.items():
+            t |= {f"vision.blocks.{i}.{ours}.{p}": f"encoder.layers.{i}.{theirs}.{p}" for p in ("weight", "bias")}
+    return {k: prefix + v for k, v in t.items()}
+
+
+def llama_table(cfg: LlamaConfig, prefix, head):
+    """HF LlamaForCausalLM names under `prefix` (e.g. 'model.'), lm_head at `head`."""
+    t = {"llm.tok_embeddings.weight": "embed_tokens.weight", "llm.norm.weight": "norm.weight"}
+    block = {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+             "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
+             "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w2": "mlp.down_proj",
+             "feed_forward.w3": "mlp.up_proj"}
+    for i in range(cfg.n_layers):
+        t |= {f"llm.layers.{i}.{ours}.weight": f"layers.{i}.{theirs}.weight" for ours, theirs in block.items()}
+        if cfg.qkv_bias:
+            t |= {f"llm.layers.{i}.attention.w{x}.bias": f"layers.{i}.self_attn.{x}_proj.bias" for x in "qkv"}
+    t = {k: prefix + v for k, v in t.items()}
+    if not cfg.tie_embeddings:
+        t["llm.output.weight"] = head
+    return t
+
+
+def llava_table(cfg: VLMConfig):
+    """The HF hub layout (llava-hf/*): the one we write and the one other layouts are renamed to."""
+    if cfg.projector != "mlp2x_gelu":
+        raise ConversionError(f"HF LlavaForConditionalGeneration holds only mlp2x_gelu projectors, not {cfg.projector!r}")
+    t = vit_table(cfg.vision, "vision_tower.vision_model.")
+    t |= {f"projector.fc.{i}.{p}": f"multi_modal_projector.linear_{i + 1}.{p}" for i in range(2) for p in ("weight", "bias")}
+    return t | llama_table(cfg.llm, "language_model.model.", "language_model.lm_head.weight")
+
+
+def hub_name(key):
+    """Rename the transformers >= 5.6 and in-memory (model.*) layouts to the hub layout."""
+    if key == "lm_head.weight":
+        return "language_model.lm_head.weight"
+    key = re.sub(r"^model\.language_model\.(?!model\.|lm_head)", "language_model.model.", key)
+    key = re.sub(r"^model\.", "", key)
+    return re.sub(r"^vision_tower\.(?!vision_model\.)", "vision_tower.vision_model.", key)
+
+
+def projector_table(cfg: VLMConfig, prefix):
+    """Original LLaVA's nn.Sequential projector: Linear at even indices, GELU between; or one Linear."""
+    if cfg.projector == "linear":
+        return {f"projector.fc.0.{p}": f"{prefix}{p}" for p in ("weight", "bias")}
+    n = projector_depth(cfg.projector)
+    return {f"projector.fc.{i}.{p}": f"{prefix}{2 * i}.{p}" for i in range(n) for p in ("weight", "bias")}
+
+
+def expected_shapes(cfg: VLMConfig):
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in VLM(cfg).state_dict().items()
+                if not (cfg.llm.tie_embeddings and k == "llm.output.weight")}
+
+
+# buffers older HF checkpoints carry that hold nothing we need
+IGNORED = (r".*\.rotary_emb\.inv_freq$", r".*embeddings\.position_ids$")
+
+
+def remap(source, table, shapes, what, ignore=()):
+    """Pick our tensors out of `source` by `table`; raise listing every unconsumed, missing or misshapen key."""
+    ignore = IGNORED + tuple(ignore)
+    missing = sorted(v for v in table.values() if v not in source)
+    used = set(table.values())
+    unconsumed = sorted(k for k in source if k not in used and not any(re.match(p, k) for p in ignore))
+    out = {k: source[v] for k, v in table.items() if v in source}
+    wrong = sorted(f"{table[k]}: got {tuple(t.shape)}, expected {shapes.get(k)}" for k, t in out.items()
+                   if tuple(t.shape) != shapes.get(k))
+    if missing or unconsumed or wrong:
+        lines = [f"{what}: the weights do not fit the model config"]
+        for title, keys in (("missing", missing), ("unconsumed (no place in the model)", unconsumed),
+                            ("shape mismatch", wrong)):
+            if keys:
+                lines.append(f"  {title} ({len(keys)}): " + ", ".join(keys[:20]) + (" ..." if len(keys) > 20 else ""))
+        raise ConversionError("\n".join(lines))
+    return out
+
+
+def check_complete(state, cfg, what):
+    missing = sorted(set(expected_shapes(cfg)) - set(state))
+    if missing:
+        raise ConversionError(f"{what}: no weights for {len(missing)} model tensors: {', '.join(missing[:20])}")
+    return state
+
+
+# -----------------------------------------------------------------------------
+# reading and writing weight files
+
+
+def weight_files(directory):
+    d = Path(directory)
+    if not d.is_dir():
+        raise ConversionError(f"{d}: not a directory")
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if (d / index).exists():
+            return [d / f for f in sorted(set(json.loads((d / index).read_text())["weight_map"].values()))]
+    files = sorted(d.glob("*.safetensors")) or sorted(d.glob("pytorch_model*.bin")) or sorted(d.glob("mm_projector.bin"))
+    if not files:
+        raise ConversionError(f"{d}: no *.safetensors, pytorch_model*.bin or mm_projector.bin weights found")
+    return files
+
+
+def read_weights(directory):
+    files = weight_files(directory)
+    total = sum(f.stat().st_size for f in files if f.exists())
+    state = {}
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"reading {directory}", disable=total < PROGRESS_BYTES) as bar:
+        for f in files:
+            if not f.exists():
+                raise ConversionError(f"{f}: listed in the index but missing")
+            if f.suffix == ".bin":
+                # a pickle: weights_only=True refuses anything but tensors and plain containers
+                say(f"{f} is a pickle; loading it with torch.load(weights_only=True)")
+                try:
+                    state |= torch.load(f, map_location="cpu", weights_only=True)
+                except Exception as e:
+                    raise ConversionError(f"{f}: cannot load as a weights-only torch file ({e})") from None
+            else:
+                try:
+                    with safe_open(f, framework="pt") as sf:
+                        state |= {k: sf.get_tensor(k) for k in sf.keys()}
+                except (SafetensorError, OSError, RuntimeError) as e:
+                    raise ConversionError(f"{f}: not a readable safetensors file ({e}); "
+                                          "it may be truncated by an interrupted download or copy") from None
+            bar.update(f.stat().st_size)
+    return state
+
+
+def write_weights(state, directory, prefix="model", shard_bytes=SHARD_BYTES):
+    """One file, or HF-style shards plus `{prefix}.safetensors.index.json` when larger than shard_bytes."""
+    shards, size = [[]], 0
+    for k, t in state.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(k)
+        size += n
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    names = [f"{prefix}.safetensors"] if len(shards) == 1 else \
+        [f"{prefix}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, keys in tqdm(list(zip(names, shards)), desc=f"writing {directory}", disable=total < PROGRESS_BYTES):
+        save_file({k: state[k].contiguous() for k in keys}, os.path.join(directory, name), metadata={"format": "pt"})
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": {k: n for n, ks in zip(names, shards) for k in ks}}
+        Path(directory, f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def write_dir(out, fill, overwrite=False):
+    """Run fill(tmp_dir) and rename tmp_dir to `out` only when complete, so no half-written `out` exists."""
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise ConversionError(f"{out}: already exists; refusing to overwrite it (choose another --out)")
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        fill(tmp)
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def copy_tokenizer(src, dst):
+    for name in TOKENIZER_FILES:
+        if src and Path(src, name).exists():
+            shutil.copy(Path(src, name), Path(dst, name))
+
+
+# -----------------------------------------------------------------------------
+# our checkpoint directory
+
+
+def save_checkpoint(state, cfg: VLMConfig, out, tokenizer_dir=None, overwrite=False, shard_bytes=SHARD_BYTES):
+    def fill(tmp):
+        write_weights(state, tmp, shard_bytes=shard_bytes)
+        Path(tmp, "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        copy_tokenizer(tokenizer_dir, tmp)
+    return write_dir(out, fill, overwrite)
+
+
+def save_model(model, ckpt_dir, tokenizer_dir=None, overwrite=False, shard_bytes=SHARD_BYTES):
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()
+             if not (model.cfg.llm.tie_embeddings and k == "llm.output.weight")}
+    return save_checkpoint(state, model.cfg, ckpt_dir, tokenizer_dir, overwrite, shard_bytes)
+
+
+def read_checkpoint(ckpt_dir):
+    """(state dict, VLMConfig) from our directory, or from an HF LLaVA directory converted in memory."""
+    path = Path(ckpt_dir, "config.json")
+    if not path.exists():
+        raise ConversionError(f"{ckpt_dir}: no config.json; not a llavax or HF LLaVA checkpoint directory")
+    raw = json.loads(path.read_text())
+    if raw.get("model_type") == "llava":
+        return llava_from_hf(ckpt_dir)
+    try:
+        cfg = VLMConfig.from_dict(raw)
+    except (TypeError, ValueError) as e:
+        raise ConversionError(f"{path}: not a llavax config ({e})") from None
+    state = read_weights(ckpt_dir)
+    shapes = expected_shapes(cfg)
+    return remap(state, {k: k for k in shapes}, shapes, str(ckpt_dir)), cfg
+
+
+def load_model(ckpt_dir, device="cpu", dtype=torch.float32):
+    state, cfg = read_checkpoint(ckpt_dir)
+    model = build_model(cfg, device=device, init=False)
+    model.load_state_dict(state, strict=not cfg.llm.tie_embeddings)
+    return model.to(dtype)
+
+
+# -----------------------------------------------------------------------------
+# Hugging Face configs. Missing fields take transformers' class defaults, as from_pretrained does.
+
+LLAMA_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=None, head_dim=None, rms_norm_eps=1e-6,
+                      max_position_embeddings=2048, rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=False,
+                      attention_bias=False, mlp_bias=False, hidden_act="silu")
+CLIP_DEFAULTS = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                     image_size=224, patch_size=32, layer_norm_eps=1e-5, hidden_act="quick_gelu")
+
+
+def llama_config(hf, where):
+    c = LLAMA_DEFAULTS | {k: v for k, v in hf.items() if v is not None}
+    rope = dict(c.get("rope_parameters") or {})  # transformers 5 folds rope_theta/rope_scaling in here
+    theta = rope.pop("rope_theta", c["rope_theta"])
+    scaling = rope if rope.get("rope_type", "default") != "default" else c["rope_scaling"]
+    qwen = hf.get("model_type") == "qwen2"
+    if c["hidden_act"] != "silu" or c["mlp_bias"] or (c["attention_bias"] and not qwen):
+        raise ConversionError(f"{where}: unsupported LLaMA variant (hidden_act={c['hidden_act']}, "
+                              f"mlp_bias={c['mlp_bias']}, attention_bias={c['attention_bias']})")
+    return LlamaConfig(vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=c["num_hidden_layers"],
+                       n_heads=c["num_attention_heads"], n_kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"],
+                       ffn_dim=c["intermediate_size"], norm_eps=c["rms_norm_eps"], rope_theta=float(theta),
+                       rope_scaling=scaling, max_seq_len=c["max_position_embeddings"], qkv_bias=qwen,
+                       tie_embeddings=c["tie_word_embeddings"])
+
+
+def vit_config(hf):
+    c = CLIP_DEFAULTS | hf.get("vision_config", hf)  # a CLIPModel config nests the tower
+    return ViTConfig(image_size=c["image_size"], patch_size=c["patch_size"], dim=c["hidden_size"],
+                     n_layers=c["num_hidden_layers"], n_heads=c["num_attention_heads"], ffn_dim=c["intermediate_size"],
+                     norm_eps=c["layer_norm_eps"], act=c["hidden_act"])
+
+
+def llama_hf_config(cfg: LlamaConfig):
+    out = dict(model_type="llama", vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
+               num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+               head_dim=cfg.head_dim, rms_norm_eps=cfg.norm_eps, max_position_embeddings=cfg.max_seq_len,
+               tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu", attention_bias=False, mlp_bias=False,
+               rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta, **(cfg.rope_scaling or {})})
+    if cfg.qkv_bias:
+        out |= dict(model_type="qwen2", attention_bias=True)
+    return out
+
+
+def llava_hf_config(cfg: VLMConfig):
+    v = cfg.vision
+    return {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
+            "image_token_index": cfg.image_token_id, "image_seq_length": cfg.n_image_tokens,
+            "projector_hidden_act": "gelu", "multimodal_projector_bias": True,
+            "vision_feature_layer": cfg.vision_layer,
+            "vision_feature_select_strategy": "default" if cfg.vision_select == "patch" else "full",
+            "tie_word_embeddings": cfg.llm.tie_embeddings, "text_config": llama_hf_config(cfg.llm),
+            "vision_config": dict(model_type="clip_vision_model", hidden_size=v.dim, intermediate_size=v.ffn_dim,
+                                  num_hidden_layers=v.n_layers, num_attention_heads=v.n_heads,
+                                  image_size=v.image_size, patch_size=v.patch_size, layer_norm_eps=v.norm_eps,
+                                  hidden_act=v.act, num_channels=3)}
+
+
+def read_json(path):
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConversionError(f"{path}: missing") from None
+    except json.JSONDecodeError as e:
+        raise ConversionError(f"{path}: malformed JSON ({e})") from None
+
+
+# -----------------------------------------------------------------------------
+# conversions
+
+
+def llava_from_hf(hf_dir):
+    hf = read_json(Path(hf_dir, "config.json"))
+    if hf.get("projector_hidden_act", "gelu") != "gelu" or not hf.get("multimodal_projector_bias", True):
+        raise ConversionError(f"{hf_dir}: unsupported projector (projector_hidden_act="
+                              f"{hf.get('projector_hidden_act')}, multimodal_projector_bias={hf.get('multimodal_projector_bias')})")
+    tied = hf.get("tie_word_embeddings", hf.get("text_config", {}).get("tie_word_embeddings", False))
+    llm = llama_config(hf.get("text_config", {}) | {"tie_word_embeddings": tied}, hf_dir)
+    select = hf.get("vision_feature_select_strategy", "default")
+    cfg = VLMConfig(vision=vit_config(hf.get("vision_config", {})), llm=llm, projector="mlp2x_gelu",
+                    vision_layer=hf.get("vision_feature_layer", -2),
+                    vision_select={"default": "patch", "full": "cls_patch"}[select],
+                    image_token_id=hf.get("image_token_index", hf.get("image_token_id", 32000)))
+    state = {hub_name(k): v for k, v in read_weights(hf_dir).items()}
+    return check_complete(remap(state, llava_table(cfg), expected_shapes(cfg), str(hf_dir)), cfg, hf_dir), cfg
+
+
+def llava_to_hf(ckpt_dir, out):
+    state, cfg = read_checkpoint(ckpt_dir)
+    table = llava_table(cfg)
+    hub = {table[k]: v for k, v in state.items()}
+
+    def fill(tmp):
+        write_weights(hub, tmp)
+        Path(tmp, "config.json").write_text(json.dumps(llava_hf_config(cfg), indent=2))
+        copy_tokenizer(ckpt_dir, tmp)
+    return write_dir(out, fill)
+
+
+def image_token(tokenizer_dir, vocab_size):
+    """The id of '<image>' if the tokenizer already has one, else None."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        p = Path(tokenizer_dir, name)
+        if p.exists():
+            tok = read_json(p)
+            for t in tok.get("added_tokens", []):
+                if t.get("content") == "<image>":
+                    return t["id"]
+            for i, t in tok.get("added_tokens_decoder", {}).items():
+                if t.get("content") == "<image>":
+                    return int(i)
+            if "<image>" in tok.get("model", {}).get("vocab", {}):
+                return tok["model"]["vocab"]["<image>"]
+    return None
+
+
+def add_image_token(state, llm: LlamaConfig, tokenizer_dir, pad_to):
+    """Use the tokenizer's <image> id, or append one: new embedding/output rows are the mean of the old ones,
+    and the vocab is padded to a multiple of pad_to (as llava-hf does: 32000 -> 32064)."""
+    found = image_token(tokenizer_dir, llm.vocab_size) if tokenizer_dir else None
+    if found is not None and found < llm.vocab_size:
+        say(f"the tokenizer in {tokenizer_dir} has <image> as id {found}; using it")
+        return found, llm
+    old = llm.vocab_size
+    new = -(-(old + 1) // pad_to) * pad_to
+    for k in ("llm.tok_embeddings.weight", "llm.output.weight"):
+        if k in state:
+            w = state[k]
+            state[k] = torch.cat([w, w.float().mean(0, keepdim=True).to(w.dtype).expand(new - old, -1)])
+    say(f"the tokenizer has no <image> token: added id {old} for it and grew the vocab {old} -> {new} "
+        f"(rows initialised to the mean embedding). data.py inserts this id directly; the tokenizer files are unchanged.")
+    return old, LlamaConfig(**{**llm.__dict__, "vocab_size": new})
+
+
+
+
+def fresh_projector(cfg: VLMConfig, seed):
+    projector = Projector(cfg.projector, cfg.vision.dim * len(cfg.vision_layers), cfg.llm.dim)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for fc in projector.fc:
+            torch.nn.init.normal_(fc.weight, std=0.02, generator=gen)
+            torch.nn.init.zeros_(fc.bias)
+    return {f"projector.{k}": v for k, v in projector.state_dict().items()}
+
+
+def vision_from_clip(clip_dir, shapes_cfg):
+    """A CLIPVisionModel or a full CLIPModel directory; CLIP's text half and projections are dropped on purpose."""
+    state = {re.sub(r"^vision_model\.", "", k): v for k, v in read_weights(clip_dir).items()}
+    text = (r"^text_model\.", r"^visual_projection\.", r"^text_projection\.", r"^logit_scale$")
+    dropped = [k for k in state if any(re.match(p, k) for p in text)]
+    if dropped:
+        say(f"{clip_dir}: ignoring {len(dropped)} tensors of CLIP's text tower and projections")
+    return remap(state, vit_table(shapes_cfg.vision, ""), expected_shapes(shapes_cfg), str(clip_dir), text)
+
+
+def assemble(llm_state, llm_cfg, vision_dir, vision_state, tokenizer_dir, projector, vision_layer, vision_select,
+             projector_state=None, pad_vocab=64, seed=0):
+    """Join an LLM, a vision tower and a projector (fresh when projector_state is None) into one checkpoint."""
+    vision_cfg = vit_config(read_json(Path(vision_dir, "config.json"))) if vision_dir else None
+    cfg = VLMConfig(vision=vision_cfg or ViTConfig(), llm=llm_cfg, projector=projector, vision_layer=vision_layer,
+                    vision_select=vision_select, image_token_id=0)
+    if vision_state is None:
+        vision_state = vision_from_clip(vision_dir, cfg)
+    if projector_state is None:
+        projector_state = fresh_projector(cfg, seed)
+        say(f"initialised a fresh {projector} projector (normal std 0.02, seed {seed})")
+    state = llm_state | vision_state | projector_state
+    image_id, llm_cfg = add_image_token(state, llm_cfg, tokenizer_dir, pad_vocab)
+    cfg = VLMConfig(**{**cfg.__dict__, "llm": llm_cfg, "image_token_id": image_id})
+    shapes = expected_shapes(cfg)
+    return check_complete(remap(state, {k: k for k in shapes}, shapes, "assembled model"), cfg, "assembled model"), cfg
+
+
+def llm_from_hf(llm_dir):
+    llm_cfg = llama_config(read_json(Path(llm_dir, "config.json")), llm_dir)
+    probe = VLMConfig(llm=llm_cfg)
+    table = llama_table(llm_cfg, "model.", "lm_head.weight")
+    return remap(read_weights(llm_dir), table, expected_shapes(probe), str(llm_dir)), llm_cfg
+
+
+def from_hf_parts(llm_dir, vision_dir, projector="mlp2x_gelu", vision_layer=-2, vision_select="patch", pad_vocab=64,
+                  seed=0):
+    llm_state, llm_cfg = llm_from_hf(llm_dir)
+    return assemble(llm_state, llm_cfg, vision_dir, None, llm_dir, projector, vision_layer, vision_select,
+                    pad_vocab=pad_vocab, seed=seed)
+
+
+def from_llava(llava_dir, vision_dir, llm_dir=None, pad_vocab=64):
+    """Original haotian-liu/LLaVA: a full checkpoint, or a stage-1 directory holding only mm_projector.bin."""
+    hf = read_json(Path(llava_dir, "config.json"))
+    if hf.get("mm_use_im_start_end") or hf.get("mm_use_im_patch_token"):
+        raise ConversionError(f"{llava_dir}: mm_use_im_start_end / mm_use_im_patch_token are not supported")
+    projector = hf.get("mm_projector_type", "linear")
+    layer = hf.get("mm_vision_select_layer", -1)
+    select = hf.get("mm_vision_select_feature", "patch")
+    say(f"{llava_dir}: projector {projector}, vision layer {layer}, features {select!r}; "
+        f"vision tower was {hf.get('mm_vision_tower')!r}, loading it from {vision_dir}")
+    source = read_weights(llava_dir)
+    llm_cfg = llama_config({k: v for k, v in hf.items() if not k.startswith("mm_")}, llava_dir)
+    shape_cfg = VLMConfig(llm=llm_cfg, projector=projector, vision_layer=layer, vision_select=select,
+                          vision=vit_config(read_json(Path(vision_dir, "config.json"))))
+    shapes = expected_shapes(shape_cfg)
+    prefix = "model.mm_projector." if any(k.startswith("model.mm_projector.") for k in source) else "mm_projector."
+    if all(k.startswith(prefix) for k in source):  # stage-1 output: the projector alone
+        if not llm_dir:
+            raise ConversionError(f"{llava_dir} holds only the projector (a stage-1 output); pass --llm with the "
+                                  f"base LLM it was trained on ({hf.get('_name_or_path', 'see config.json')})")
+        llm_state, llm_cfg = llm_from_hf(llm_dir)
+        tokenizer_dir = llm_dir
+        projector_state = remap(source, projector_table(shape_cfg, prefix), shapes, str(llava_dir))
+    else:
+        table = llama_table(llm_cfg, "model.", "lm_head.weight") | projector_table(shape_cfg, prefix)
+        both = remap(source, table, shapes, str(llava_dir), ignore=(r"^model\.vision_tower\.",))
+        llm_state = {k: v for k, v in both.items() if k.startswith("llm.")}
+        projector_state = {k: v for k, v in both.items() if k.startswith("projector.")}
+        tokenizer_dir = llava_dir if Path(llava_dir, "tokenizer.model").exists() else llm_dir
+    return assemble(llm_state, llm_cfg, vision_dir, None, tokenizer_dir, projector, layer, select,
+                    projector_state=projector_state, pad_vocab=pad_vocab)
+
+
+# -----------------------------------------------------------------------------
+# command line
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("from-hf", help="HF LlavaForConditionalGeneration, or LlamaForCausalLM + CLIP")
+    a.add_argument("--llava", help="HF LLaVA directory (hub, transformers-5 or in-memory key layout)")
+    a.add_argument("--llm", help="HF LlamaForCausalLM directory (with --vision)")
+    a.add_argument("--vision", help="HF CLIPVisionModel or CLIPModel directory (with --llm)")
+    a.add_argument("--projector", default="mlp2x_gelu")
+    a.add_argument("--vision-layer", type=int, default=-2)
+    a.add_argument("--vision-select", default="patch", choices=["patch", "cls_patch"])
+    a.add_argument("--pad-vocab", type=int, default=64, help="pad a grown vocab to a multiple of this")
+    a.add_argument("--seed", type=int, default=0, help="seed of the fresh projector")
+    a.add_argument("--out", required=True)
+    b = sub.add_parser("from-llava", help="original haotian-liu/LLaVA checkpoint or stage-1 mm_projector.bin")
+    b.add_argument("--llava", required=True)
+    b.add_argument("--vision", required=True, help="the CLIP directory its config's mm_vision_tower names")
+    b.add_argument("--llm", help="base LLM, needed when --llava holds only mm_projector.bin")
+    b.add_argument("--pad-vocab", type=int, default=64)
+    b.add_argument("--out", required=True)
+    c = sub.add_parser("to-hf", help="our checkpoint -> HF LlavaForConditionalGeneration (hub layout)")
+    c.add_argument("--ckpt", required=True)
+    c.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    try:
+        if args.cmd == "to-hf":
+            out = llava_to_hf(args.ckpt, args.out)
+        else:
+            if args.cmd == "from-llava":
+                state, cfg = from_llava(args.llava, args.vision, args.llm, args.pad_vocab)
+                tokenizer_dir = args.llava if Path(args.llava, "tokenizer.model").exists() else args.llm
+            elif args.llava:
+                state, cfg = llava_from_hf(args.llava)
+                tokenizer_dir = args.llava
+            elif args.llm and args.vision:
+                state, cfg = from_hf_parts(args.llm, args.vision, args.projector, args.vision_layer,
+                                           args.vision_select, args.pad_vocab, args.seed)
+                tokenizer_dir = args.llm
+            else:
+                p.error("from-hf needs --llava, or both --llm and --vision")
+            out = save_checkpoint(state, cfg, args.out, tokenizer_dir)
+    except ConversionError as e:
+        sys.exit(f"convert: error: {e}")
+    n = sum(t.numel() for t in state.values()) if args.cmd != "to-hf" else None
+    say(f"wrote {out}" + (f" ({n / 1e6:.1f}M parameters)" if n else ""))
+
+
+if __name__ == "__main__":
+    main()

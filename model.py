@@ -1,0 +1,497 @@
+"""
+The LLaVA-style vision-language model in one file: a CLIP ViT, a projector and LLaMA.
+
+No device, distributed or file code lives here (see STYLE.md); train.py and convert.py
+do that. Parameter names follow OpenAI CLIP for the ViT and Meta's reference model.py for
+LLaMA; Hugging Face names exist only in convert.py's mapping tables.
+"""
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# -----------------------------------------------------------------------------
+# configs
+
+
+@dataclass
+class ViTConfig:
+    image_size: int = 336
+    patch_size: int = 14
+    dim: int = 1024
+    n_layers: int = 24
+    n_heads: int = 16
+    ffn_dim: int = 4096
+    norm_eps: float = 1e-5
+    act: str = "quick_gelu"  # CLIP's; "gelu" for SigLIP-style towers
+
+    @property
+    def n_patches(self):
+        return (self.image_size // self.patch_size) ** 2
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 32000
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None  # None: same as n_heads (no GQA)
+    head_dim: int | None = None  # None: dim // n_heads
+    ffn_dim: int = 11008
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # None, or {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"} as Llama 3.1 publishes it
+    rope_scaling: dict | None = None
+    max_seq_len: int = 4096
+    qkv_bias: bool = False  # Qwen2-style bias on wq, wk, wv
+    tie_embeddings: bool = False
+
+    def __post_init__(self):
+        self.n_kv_heads = self.n_kv_heads or self.n_heads
+        self.head_dim = self.head_dim or self.dim // self.n_heads
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+
+
+@dataclass
+class VLMConfig:
+    vision: ViTConfig = field(default_factory=ViTConfig)
+    llm: LlamaConfig = field(default_factory=LlamaConfig)
+    projector: str = "mlp2x_gelu"  # "linear" or "mlp{N}x_gelu"
+    vision_layer: int | list = -2  # hidden state index as in HF (0 = after ln_pre); a list concatenates
+    vision_select: str = "patch"  # "patch" drops CLS (HF "default"), "cls_patch" keeps it (HF "full")
+    image_token_id: int = 32000
+
+    def __post_init__(self):
+        if isinstance(self.vision, dict):
+            self.vision = _from_dict(ViTConfig, self.vision, "vision")
+        if isinstance(self.llm, dict):
+            self.llm = _from_dict(LlamaConfig, self.llm, "llm")
+        if self.vision_select not in ("patch", "cls_patch"):
+            raise ValueError(f"vision_select must be 'patch' or 'cls_patch', got {self.vision_select!r}")
+        projector_depth(self.projector)  # validates the name
+
+    @property
+    def vision_layers(self):
+        return list(self.vision_layer) if isinstance(self.vision_layer, (list, tuple)) else [self.vision_layer]
+
+    @property
+    def n_image_tokens(self):
+        return self.vision.n_patches + (self.vision_select == "cls_patch")
+
+    def to_dict(self):
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d):
+        return _from_dict(cls, d, "config")
+
+
+def _from_dict(cls, d, where):
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown {cls.__name__} keys {unknown}; known keys are {sorted(known)}")
+    return cls(**d)
+
+
+def projector_depth(name):
+    if name == "linear":
+        return 1
+    if name.startswith("mlp") and name.endswith("x_gelu") and name[3:-6].isdigit():
+        return int(name[3:-6])
+    raise ValueError(f"unknown projector {name!r}: expected 'linear' or 'mlp{{N}}x_gelu' such as 'mlp2x_gelu'")
+
+
+VIT_PRESETS = {
+    "debug": ViTConfig(image_size=28, patch_size=14, dim=64, n_layers=2, n_heads=4, ffn_dim=256),
+    "clip-vit-l-336": ViTConfig(),  # openai/clip-vit-large-patch14-336
+    "clip-vit-l-224": ViTConfig(image_size=224),
+}
+LLM_PRESETS = {
+    "debug": LlamaConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192, max_seq_len=512),
+    "vicuna-7b": LlamaConfig(),  # LLaMA-2 7B shapes; vicuna-7b-v1.5
+    "vicuna-13b": LlamaConfig(dim=5120, n_layers=40, n_heads=40, ffn_dim=13824),
+    "tinyllama-1.1b": LlamaConfig(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_dim=5632, max_seq_len=2048),
+    "llama3-8b": LlamaConfig(  # Llama 3.1 8B
+        vocab_size=128256, n_kv_heads=8, ffn_dim=14336, rope_theta=500000.0, max_seq_len=8192,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+    ),
+}
+
+
+def vlm_preset(name):
+    """Named VLM configs. LLaVA-1.5 appends <image> after the 32000 text tokens and pads the vocab to 32064."""
+    if name == "debug":
+        return VLMConfig(vision=VIT_PRESETS["debug"], llm=LLM_PRESETS["debug"], image_token_id=511)
+    if name in ("llava-1.5-7b", "llava-1.5-13b"):
+        llm = LLM_PRESETS["vicuna-7b" if name.endswith("7b") else "vicuna-13b"]
+        llm = LlamaConfig(**{**asdict(llm), "vocab_size": 32064})
+        return VLMConfig(vision=VIT_PRESETS["clip-vit-l-336"], llm=llm, image_token_id=32000)
+    if name == "llava-llama3-8b":
+        llm = LlamaConfig(**{**asdict(LLM_PRESETS["llama3-8b"]), "vocab_size": 128320})
+        return VLMConfig(vision=VIT_PRESETS["clip-vit-l-336"], llm=llm, image_token_id=128256)
+    if name == "bench":  # TinyLlama-shaped LLM + ViT-L/14-336, the target of bench.py
+        llm = LlamaConfig(**{**asdict(LLM_PRESETS["tinyllama-1.1b"]), "vocab_size": 32064})
+        return VLMConfig(vision=VIT_PRESETS["clip-vit-l-336"], llm=llm, image_token_id=32000)
+    raise ValueError(f"unknown VLM preset {name!r}; known: debug, llava-1.5-7b, llava-1.5-13b, llava-llama3-8b, bench")
+
+
+# -----------------------------------------------------------------------------
+# the CLIP vision tower
+
+
+def quick_gelu(x):
+    return x * torch.sigmoid(1.702 * x)
+
+
+class ViTAttention(nn.Module):
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, cfg.dim)
+        self.wk = nn.Linear(cfg.dim, cfg.dim)
+        self.wv = nn.Linear(cfg.dim, cfg.dim)
+        self.wo = nn.Linear(cfg.dim, cfg.dim)
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = (w(x).view(B, T, self.n_heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))  # (B, H, T, hd)
+        y = F.scaled_dot_product_attention(q, k, v)
+        return self.wo(y.transpose(1, 2).reshape(B, T, D))  # (B, T, D)
+
+
+class ViTMLP(nn.Module):
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.dim, cfg.ffn_dim)
+        self.c_proj = nn.Linear(cfg.ffn_dim, cfg.dim)
+        self.act = quick_gelu if cfg.act == "quick_gelu" else F.gelu
+
+    def forward(self, x):
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class ViTBlock(nn.Module):
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attn = ViTAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.mlp = ViTMLP(cfg)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class ViT(nn.Module):
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.conv1 = nn.Conv2d(3, cfg.dim, kernel_size=cfg.patch_size, stride=cfg.patch_size, bias=False)
+        self.class_embedding = nn.Parameter(torch.empty(cfg.dim))
+        self.positional_embedding = nn.Parameter(torch.empty(cfg.n_patches + 1, cfg.dim))
+        self.ln_pre = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.blocks = nn.ModuleList(ViTBlock(cfg) for _ in range(cfg.n_layers))
+        # ln_post only feeds CLIP's pooled output; LLaVA never uses it, but we keep it so
+        # checkpoints round-trip without losing weights.
+        self.ln_post = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+
+    def forward(self, pixel_values, layers=(-1,)):
+        """Hidden states at the given HF indices: 0 is after ln_pre, i after block i, -1 the last."""
+        n = self.cfg.n_layers
+        wanted = [i if i >= 0 else n + 1 + i for i in layers]
+        if not all(0 <= i <= n for i in wanted):
+            raise ValueError(f"vision layers {list(layers)} out of range for a {n}-layer ViT")
+        x = self.conv1(pixel_values.to(self.conv1.weight.dtype))  # (B, D, h, w)
+        x = x.flatten(2).transpose(1, 2)  # (B, n_patches, D)
+        cls = self.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1)  # (B, 1, D)
+        x = torch.cat([cls, x], dim=1) + self.positional_embedding.to(x.dtype)  # (B, 1 + n_patches, D)
+        x = self.ln_pre(x)
+        states = {0: x}
+        for i, block in enumerate(self.blocks[: max(wanted)], start=1):
+            x = block(x)
+            states[i] = x
+        return [states[i] for i in wanted]
+
+
+# -----------------------------------------------------------------------------
+# the projector
+
+
+class Projector(nn.Module):
+    """LLaVA's mm_projector: Linear, then (GELU, Linear) N-1 times. GELU is exact erf."""
+
+    def __init__(self, kind, in_dim, out_dim):
+        super().__init__()
+        depth = projector_depth(kind)
+        self.fc = nn.ModuleList(nn.Linear(in_dim if i == 0 else out_dim, out_dim) for i in range(depth))
+
+    def forward(self, x):
+        x = self.fc[0](x)
+        for fc in self.fc[1:]:
+            x = fc(F.gelu(x))
+        return x
+
+
+# -----------------------------------------------------------------------------
+# LLaMA
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x):
+        # normalise in fp32, then cast back before the scale, as HF and Meta do
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_frequencies(cfg: LlamaConfig):
+    """Inverse frequencies, with Llama 3.1's smooth low/high frequency rescaling when asked."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    rs = cfg.rope_scaling
+    if not rs or rs.get("rope_type", rs.get("type")) in (None, "default"):
+        return inv_freq
+    if rs.get("rope_type", rs.get("type")) != "llama3":
+        raise ValueError(f"unsupported rope_scaling {rs}: only 'llama3' is implemented")
+    factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    old_len = rs["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_mid, blended, scaled)
+
+
+def apply_rope(x, cos, sin):
+    # HF's half-rotation convention, so HF weights load without permuting wq/wk
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class KVCache:
+    """Preallocated keys and values for generation: one (B, n_kv_heads, max_len, head_dim) pair per layer."""
+
+    def __init__(self, cfg: LlamaConfig, batch_size, max_len, dtype, device):
+        shape = (batch_size, cfg.n_kv_heads, max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer_id):
+        super().__init__()
+        self.layer_id = layer_id
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x, cos, sin, cache=None, start_pos=0):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        mask, causal = None, True
+        if cache is not None:
+            end = start_pos + T
+            cache.k[self.layer_id][:, :, start_pos:end] = k
+            cache.v[self.layer_id][:, :, start_pos:end] = v
+            k, v = cache.k[self.layer_id][:, :, :end], cache.v[self.layer_id][:, :, :end]  # (B, Hkv, end, hd)
+            # query t sits at start_pos + t and sees every key up to there
+            mask = torch.arange(end, device=x.device)[None, :] <= torch.arange(start_pos, end, device=x.device)[:, None]
+            causal = False
+        rep = self.n_heads // self.n_kv_heads
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, H, S, hd)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, D)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # gate
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)  # down
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # up
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer_id):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg, layer_id)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x, cos, sin, cache=None, start_pos=0):
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache, start_pos)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # real cos/sin tables (no complex dtypes: XLA handles them poorly); rebuilt by init_buffers
+        self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
+
+    def init_buffers(self):
+        inv_freq = rope_frequencies(self.cfg).to(self.rope_cos.device)
+        t = torch.arange(self.cfg.max_seq_len, dtype=torch.float32, device=inv_freq.device)
+        freqs = torch.outer(t, inv_freq)  # (max_seq_len, head_dim / 2)
+        emb = torch.cat([freqs, freqs], dim=-1)  # (max_seq_len, head_dim)
+        self.rope_cos.copy_(emb.cos())
+        self.rope_sin.copy_(emb.sin())
+
+    def forward(self, h, cache=None, start_pos=0):
+        """Embeddings (B, T, D) in, final-normed hidden states (B, T, D) out; self.output makes logits."""
+        T = h.shape[1]
+        if start_pos + T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {start_pos + T} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
+        cos = self.rope_cos[start_pos : start_pos + T].to(h.dtype)
+        sin = self.rope_sin[start_pos : start_pos + T].to(h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, cache, start_pos)
+        return self.norm(h)
+
+
+# -----------------------------------------------------------------------------
+# the VLM
+
+
+class VLM(nn.Module):
+    def __init__(self, cfg: VLMConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.vision = ViT(cfg.vision)
+        self.projector = Projector(cfg.projector, cfg.vision.dim * len(cfg.vision_layers), cfg.llm.dim)
+        self.llm = Llama(cfg.llm)
+
+    @torch.no_grad()
+    def init_weights(self, seed=None):
+        """Random init for a model built on the meta device and moved with to_empty()."""
+        gen = None if seed is None else torch.Generator(device=self.llm.rope_cos.device).manual_seed(seed)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv2d)):
+                nn.init.normal_(module.weight, std=0.02, generator=gen)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, (nn.LayerNorm, RMSNorm)):
+                nn.init.ones_(module.weight)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+        nn.init.normal_(self.vision.class_embedding, std=0.02, generator=gen)
+        nn.init.normal_(self.vision.positional_embedding, std=0.02, generator=gen)
+        self.llm.init_buffers()
+
+    def encode_images(self, pixel_values):
+        """(B, 3, H, W) or (B, n_images, 3, H, W) -> (B, n_images * n_image_tokens, llm dim)."""
+        B = pixel_values.shape[0]
+        images = pixel_values.flatten(0, 1) if pixel_values.dim() == 5 else pixel_values  # (B * n_images, 3, H, W)
+        states = self.vision(images, self.cfg.vision_layers)
+        if self.cfg.vision_select == "patch":
+            states = [s[:, 1:] for s in states]  # drop CLS
+        features = self.projector(torch.cat(states, dim=-1))  # (B * n_images, n_image_tokens, D)
+        return features.reshape(B, -1, features.shape[-1])  # (B, n_images * n_image_tokens, D)
+
+    def embed(self, input_ids, pixel_values=None):
+        """Token embeddings with each row's image features written over its image placeholders.
+
+        Row b's k-th placeholder takes feature k of row b's images, found by a cumulative count,
+        so shapes stay static: no boolean-mask assignment, no loop over the batch. A row with no
+        placeholders ignores its (dummy) image."""
+        is_image = input_ids == self.cfg.image_token_id
+        h = self.llm.tok_embeddings(torch.where(is_image, 0, input_ids))  # the image id may lie outside the vocab
+        if pixel_values is None:
+            return h
+        features = self.encode_images(pixel_values).to(h.dtype)  # (B, S, D)
+        slot = (is_image.long().cumsum(dim=1) - 1).clamp(0, features.shape[1] - 1)  # (B, T)
+        placed = torch.gather(features, 1, slot[..., None].expand(-1, -1, h.shape[-1]))  # (B, T, D)
+        return torch.where(is_image[..., None], placed, h)
+
+    def forward(self, input_ids, pixel_values=None, labels=None):
+        """Logits (B, T, vocab) and, with labels aligned to input_ids (-100 = ignore), the mean next-token loss."""
+        h = self.llm(self.embed(input_ids, pixel_values))
+        logits = self.llm.output(h)
+        if labels is None:
+            return logits, None
+        targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # (B, T): position t predicts token t + 1
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, input_ids, pixel_values=None, max_new_tokens=32, temperature=0.0, top_p=1.0,
+                 eos_id=None, generator=None):
+        """New tokens (B, <= max_new_tokens) after equal-length prompts; greedy when temperature == 0.
+        Rows that reached eos_id keep emitting eos_id until every row has."""
+        B, T = input_ids.shape
+        h = self.embed(input_ids, pixel_values)
+        cache = KVCache(self.cfg.llm, B, T + max_new_tokens, h.dtype, h.device)
+        logits = self.llm.output(self.llm(h, cache, 0)[:, -1])  # (B, vocab)
+        done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+        out = []
+        for i in range(max_new_tokens):
+            token = sample_token(logits, temperature, top_p, generator)  # (B,)
+            if eos_id is not None:
+                token = torch.where(done, eos_id, token)
+                done = done | (token == eos_id)
+            out.append(token)
+            if (eos_id is not None and bool(done.all())) or i == max_new_tokens - 1:
+                break
+            h = self.llm.tok_embeddings(token[:, None])  # (B, 1, D)
+            logits = self.llm.output(self.llm(h, cache, T + i)[:, -1])
+        return torch.stack(out, dim=1)
+
+
+def sample_token(logits, temperature, top_p, generator=None):
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the top token always survives)
+        drop = sorted_probs.cumsum(-1) - sorted_probs > top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def build_model(cfg: VLMConfig, device="cpu", seed=None, init=True):
+    """Build on the meta device, materialise on `device`, then one init pass (buffers only if init=False)."""
+    with torch.device("meta"):
+        model = VLM(cfg)
+    model.to_empty(device=device)
+    if cfg.llm.tie_embeddings:  # to_empty replaces parameters one by one, which unties them
+        model.llm.output.weight = model.llm.tok_embeddings.weight
+    if init:
+        model.init_weights(seed)
+    else:
+        model.llm.init_buffers()
+    return model

@@ -1,0 +1,52 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(2)
+
+
+def tiny_hf_llava(vocab=512, image_token=511, rope_parameters=None, vision_layer=-2, strategy="default", kv_heads=2,
+                  image_size=28, seed=0):
+    """A random, tiny transformers LlavaForConditionalGeneration: 2 layers, width 64, 28 px images."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(seed)
+    vision = CLIPVisionConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                              image_size=image_size, patch_size=14, projection_dim=32)
+    text = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                       rms_norm_eps=1e-5, **({"rope_parameters": rope_parameters} if rope_parameters else {}))
+    n_tokens = (image_size // 14) ** 2 + (strategy == "full")
+    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_token, image_seq_length=n_tokens,
+                      vision_feature_layer=vision_layer, vision_feature_select_strategy=strategy)
+    model = LlavaForConditionalGeneration(cfg).eval()
+    # HF initialises norms to 1 and biases to 0; perturb them so a mixed-up key cannot hide
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias") or "layrnorm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def image_batch(model_cfg_n_tokens, image_token, vocab, batch=2, seq=16, image_at=2, image_size=28, seed=1):
+    """input_ids with one run of image placeholders per row, random pixels, and labels."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, image_token if image_token < vocab else vocab, (batch, seq), generator=g)
+    ids[:, image_at:image_at + model_cfg_n_tokens] = image_token
+    pixels = torch.randn(batch, 3, image_size, image_size, generator=g)
+    labels = ids.clone()
+    labels[:, : image_at + model_cfg_n_tokens] = -100
+    return ids, pixels, labels
+
+
+@pytest.fixture
+def hf_llava_dir(tmp_path):
+    model = tiny_hf_llava()
+    model.save_pretrained(tmp_path / "hf")
+    return model, tmp_path / "hf"

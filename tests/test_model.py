@@ -1,0 +1,153 @@
+"""Model parity against transformers at float32, on tiny random models."""
+
+import pytest
+import torch
+from conftest import image_batch, tiny_hf_llava
+
+import convert
+from model import VLM, Llama, ViT, VLMConfig, build_model, vlm_preset
+
+TOL = 1e-4
+
+
+def ours_from_hf(hf_model, tmp_path):
+    hf_model.save_pretrained(tmp_path / "hf")
+    state, cfg = convert.llava_from_hf(tmp_path / "hf")
+    model = build_model(cfg, init=False)
+    model.load_state_dict(state)
+    return model.eval()
+
+
+@pytest.mark.parametrize("rope", [None, {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                         "original_max_position_embeddings": 64}])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_llama_logits_match_transformers(tmp_path, rope, kv_heads):
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(HFLlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                                        **({"rope_parameters": rope} if rope else {}))).eval()
+    hf.save_pretrained(tmp_path)
+    state, cfg = convert.llm_from_hf(tmp_path)
+    if rope:
+        assert cfg.rope_scaling["rope_type"] == "llama3" and cfg.rope_theta == 500000.0
+    llm = Llama(cfg)
+    llm.init_buffers()
+    llm.load_state_dict({k.removeprefix("llm."): v for k, v in state.items()})
+    ids = torch.randint(0, 300, (2, 200))  # long enough for the low-frequency rope bands to matter
+    with torch.no_grad():
+        ours = llm.output(llm(llm.tok_embeddings(ids)))
+        theirs = hf(ids).logits
+    assert (ours - theirs).abs().max().item() <= TOL
+
+
+def test_clip_hidden_states_match_transformers(tmp_path):
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(0)
+    hf = CLIPVisionModel(CLIPVisionConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=3,
+                                          num_attention_heads=4, image_size=56, patch_size=14)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path)
+    cfg = VLMConfig(vision=convert.vit_config(convert.read_json(tmp_path / "config.json")), llm=vlm_preset("debug").llm)
+    vit = ViT(cfg.vision)
+    vit.load_state_dict({k.removeprefix("vision."): v for k, v in convert.vision_from_clip(tmp_path, cfg).items()})
+    pixels = torch.randn(2, 3, 56, 56)
+    with torch.no_grad():
+        theirs = hf(pixels, output_hidden_states=True).hidden_states
+        ours = vit(pixels, layers=[-2, 0, 1, -1])
+    for o, t in zip(ours, (theirs[-2], theirs[0], theirs[1], theirs[-1])):
+        assert (o - t).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("vision_layer,strategy", [(-2, "default"), (-1, "full"), ([-2, -1], "default")])
+def test_llava_logits_and_loss_match_transformers(tmp_path, vision_layer, strategy):
+    hf = tiny_hf_llava(vision_layer=vision_layer, strategy=strategy)
+    ours = ours_from_hf(hf, tmp_path)
+    ids, pixels, labels = image_batch(ours.cfg.n_image_tokens, 511, 512)
+    with torch.no_grad():
+        out = hf(input_ids=ids, pixel_values=pixels, labels=labels)
+        logits, loss = ours(ids, pixels, labels)
+    assert (logits - out.logits).abs().max().item() <= TOL
+    assert abs(loss.item() - out.loss.item()) <= TOL
+
+
+def test_text_only_row_beside_an_image_row(tmp_path):
+    hf = tiny_hf_llava()
+    ours = ours_from_hf(hf, tmp_path)
+    ids, pixels, _ = image_batch(ours.cfg.n_image_tokens, 511, 512)
+    ids[1] = torch.randint(3, 500, (ids.shape[1],))  # row 1 has no placeholders: its image is a dummy
+    with torch.no_grad():
+        logits, _ = ours(ids, pixels)
+        row0 = hf(input_ids=ids[:1], pixel_values=pixels[:1]).logits
+        row1 = hf(input_ids=ids[1:]).logits
+        no_pixels, _ = ours(ids[1:])
+    assert (logits[0] - row0[0]).abs().max().item() <= TOL
+    assert (logits[1] - row1[0]).abs().max().item() <= TOL
+    assert (no_pixels[0] - row1[0]).abs().max().item() <= TOL
+
+
+def test_greedy_generation_matches_transformers(tmp_path):
+    hf = tiny_hf_llava()
+    ours = ours_from_hf(hf, tmp_path)
+    ids, pixels, _ = image_batch(ours.cfg.n_image_tokens, 511, 512, batch=2, seq=10)
+    with torch.no_grad():
+        theirs = hf.generate(input_ids=ids, pixel_values=pixels, max_new_tokens=20, min_new_tokens=20,
+                             do_sample=False, attention_mask=torch.ones_like(ids))[:, ids.shape[1]:]
+        mine = ours.generate(ids, pixels, max_new_tokens=20)
+    assert mine.shape == (2, 20)
+    assert torch.equal(mine, theirs)
+
+
+def test_generation_stops_at_eos_and_pads_finished_rows():
+    model = build_model(vlm_preset("debug"), seed=0).eval()
+    ids = torch.randint(0, 500, (2, 6))
+    first = model.generate(ids, max_new_tokens=8)
+    eos = int(first[0, 2])  # row 0 emits this at step 2
+    out = model.generate(ids, max_new_tokens=8, eos_id=eos)
+    assert out[0, 2] == eos and (out[0, 2:] == eos).all()
+    assert torch.equal(out[0, :2], first[0, :2])
+    sampled = model.generate(ids, max_new_tokens=5, temperature=0.8, top_p=0.9, generator=torch.Generator().manual_seed(0))
+    assert sampled.shape == (2, 5) and (sampled < model.cfg.llm.vocab_size).all()
+
+
+def test_meta_build_then_init_is_deterministic_and_finite():
+    a = build_model(vlm_preset("debug"), seed=3)
+    b = build_model(vlm_preset("debug"), seed=3)
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.isfinite(p).all(), name
+        assert torch.equal(p, q), name
+    assert torch.allclose(a.llm.rope_cos[0], torch.ones(a.cfg.llm.head_dim))
+
+
+def test_tied_embeddings_stay_tied_after_meta_build():
+    cfg = vlm_preset("debug")
+    cfg.llm.tie_embeddings = True
+    model = build_model(cfg, seed=0)
+    assert model.llm.output.weight is model.llm.tok_embeddings.weight
+
+
+def test_config_rejects_unknown_keys():
+    d = vlm_preset("debug").to_dict()
+    d["llm"]["n_layer"] = 3
+    with pytest.raises(ValueError, match="n_layer"):
+        VLMConfig.from_dict(d)
+    with pytest.raises(ValueError, match="projector"):
+        VLMConfig(projector="mlp2x_relu")
+
+
+def test_presets_have_published_shapes():
+    with torch.device("meta"):
+        llava = VLM(vlm_preset("llava-1.5-7b"))
+        llama3 = VLM(vlm_preset("llava-llama3-8b"))
+    n = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    assert abs(n(llava.llm) - 6.74e9) / 6.74e9 < 0.01  # LLaMA-2-7B: 6.74B
+    assert abs(n(llava.vision) - 303.5e6) / 303.5e6 < 0.01  # CLIP ViT-L/14-336 vision tower: 303.5M
+    assert abs(n(llama3.llm) - 8.03e9) / 8.03e9 < 0.01  # Llama-3-8B: 8.03B
+    assert vlm_preset("llava-1.5-7b").n_image_tokens == 576
