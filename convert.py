@@ -345,8 +345,8 @@ def read_json(path):
 def llava_from_hf(hf_dir):
     hf = read_json(Path(hf_dir, "config.json"))
     if hf.get("projector_hidden_act", "gelu") != "gelu" or not hf.get("multimodal_projector_bias", True):
-        raise ConversionError(f"{hf_dir}: unsupported projector (projector_hidden_act="
-                              f"{hf.get('projector_hidden_act')}, multimodal_projector_bias={hf.get('multimodal_projector_bias')})")
+        act, bias = hf.get("projector_hidden_act"), hf.get("multimodal_projector_bias")
+        raise ConversionError(f"{hf_dir}: unsupported projector (projector_hidden_act={act}, bias={bias})")
     tied = hf.get("tie_word_embeddings", hf.get("text_config", {}).get("tie_word_embeddings", False))
     llm = llama_config(hf.get("text_config", {}) | {"tie_word_embeddings": tied}, hf_dir)
     select = hf.get("vision_feature_select_strategy", "default")
