@@ -282,7 +282,7 @@ class Tokenizer:
 
     def decode(self, ids):
         ids = [int(i) for i in ids if 0 <= int(i) < self.vocab_size]
-        return self.sp.decode(ids) if self.sp is not None else self.hf.decode(ids)
+        return self.sp.decode(ids) if self.sp is not None else self.hf.decode(ids, skip_special_tokens=False)
 
 
 VICUNA_SYSTEM = ("A chat between a curious user and an artificial intelligence assistant. "
@@ -429,15 +429,15 @@ def load_image(data, size, mode="pad"):
     w, h = img.size
     scale = size / (max(w, h) if mode == "pad" else min(w, h))
     if mode == "resize":
-        return np.asarray(img.resize((size, size), Image.BICUBIC))
+        return np.array(img.resize((size, size), Image.BICUBIC))
     nw, nh = max(1, round(w * scale)), max(1, round(h * scale))
     img = img.resize((nw, nh), Image.BICUBIC)
     if mode == "crop":
         left, top = (nw - size) // 2, (nh - size) // 2
-        return np.asarray(img.crop((left, top, left + size, top + size)))
+        return np.array(img.crop((left, top, left + size, top + size)))
     canvas = Image.new("RGB", (size, size), tuple(int(m * 255) for m in CLIP_MEAN))
     canvas.paste(img, ((size - nw) // 2, (size - nh) // 2))
-    return np.asarray(canvas)
+    return np.array(canvas)
 
 
 def normalize_images(images):
@@ -600,8 +600,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         labels = torch.full((B, T), -100, dtype=torch.long)
         images = np.zeros((B, S, S, 3), dtype=np.uint8)
         has_image, dropped = torch.zeros(B, dtype=torch.bool), torch.zeros(B, dtype=torch.bool)
-        for row in range(B):
-            sample = self.sample_at(k * B + row)
+        sample_ids = torch.tensor([self.sample_at(k * B + row) for row in range(B)])
+        for row, sample in enumerate(sample_ids.tolist()):
             try:
                 ids, lab, pixels = self.encode(sample)
             except DropSample as e:
@@ -618,7 +618,7 @@ class ShardStream(torch.utils.data.IterableDataset):
             if pixels is not None:
                 images[row], has_image[row] = pixels, True
         return {"input_ids": input_ids, "labels": labels, "pixel_values": normalize_images(images),
-                "has_image": has_image, "dropped": dropped}
+                "has_image": has_image, "dropped": dropped, "sample_id": sample_ids}
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()

@@ -1,0 +1,350 @@
+"""data.py against webdataset, megatron-energon and transformers' CLIP processor, plus its own promises."""
+
+import hashlib
+import io
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT
+from PIL import Image
+
+import data
+
+# -----------------------------------------------------------------------------
+# fixtures: a small LLaVA-format dataset with every kind of bad record
+
+
+def jpeg_bytes(w, h, seed=0, fmt="JPEG"):
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray((rng.random((h, w, 3)) * 255).astype(np.uint8)).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def conv(q, a, image=True):
+    return [{"from": "human", "value": (f"{data.IMAGE_TAG}\n" if image else "") + q}, {"from": "gpt", "value": a}]
+
+
+@pytest.fixture(scope="module")
+def llava_json(tmp_path_factory):
+    d = tmp_path_factory.mktemp("llava")
+    (d / "images").mkdir()
+    good = []
+    for i in range(12):
+        (d / "images" / f"{i}.jpg").write_bytes(jpeg_bytes(40 + i, 30, seed=i))
+        good.append({"id": f"good{i}", "image": f"{i}.jpg", "conversations": conv(f"What is {i}?", f"It is {i}.")})
+    (d / "images/p.png").write_bytes(jpeg_bytes(20, 20, fmt="PNG"))
+    good.append({"id": "png", "image": "p.png", "conversations": conv("A png?", "Yes.")})
+    good.append({"id": "text", "conversations": conv("Hello?", "Hi there.", image=False)
+                 + [{"from": "human", "value": "Again?"}, {"from": "gpt", "value": "Sure."}]})
+    (d / "images/bad.jpg").write_bytes(jpeg_bytes(64, 64)[:300])  # truncated
+    bad = [{"id": "missing", "image": "nope.jpg", "conversations": conv("q", "a")},
+           {"id": "corrupt", "image": "bad.jpg", "conversations": conv("q", "a")},
+           {"id": "no_gpt", "image": "0.jpg", "conversations": conv("q", "a")[:1]},
+           {"id": "empty", "image": "0.jpg", "conversations": conv("q", "  ")},
+           {"id": "two_tags", "image": "0.jpg", "conversations": conv("q <image>", "a")}]
+    lines = [json.dumps(r) for r in good[:6]] + ['{"id": "broken", "conversations": ['] + \
+            [json.dumps(r) for r in bad + good[6:]]
+    (d / "data.jsonl").write_text("\n".join(lines) + "\n")
+    return d, good
+
+
+@pytest.fixture(scope="module")
+def packed(llava_json, tmp_path_factory):
+    d, good = llava_json
+    out = tmp_path_factory.mktemp("shards")
+    skips = data.pack(d / "data.jsonl", d / "images", out, shard_size=4, val_ratio=0.0)
+    return out, good, skips
+
+
+def test_bad_records_are_counted_by_reason_and_no_good_record_is_lost(packed):
+    out, good, skips = packed
+    assert dict(skips.counts) == {"malformed_json": 1, "missing_image": 1, "corrupt_image": 1, "no_gpt_turn": 1,
+                                  "empty_answer": 1, "multiple_image_tags": 1}
+    assert skips.examples["missing_image"] == ["missing"] and skips.examples["malformed_json"] == ["line 7"]
+    info = json.loads((out / ".nv-meta/.info.json").read_text())
+    assert sum(info["shard_counts"].values()) == len(good) == 14
+
+
+def test_strict_exits_nonzero_and_summary_names_ids(llava_json, tmp_path):
+    d, _ = llava_json
+    r = subprocess.run([sys.executable, str(ROOT / "data.py"), "pack", "--json", str(d / "data.jsonl"), "--images",
+                        str(d / "images"), "--out", str(tmp_path / "s"), "--strict"], capture_output=True, text=True)
+    assert r.returncode != 0
+    assert "corrupt_image: 1 (first: corrupt)" in r.stderr and "--strict" in r.stderr
+
+
+def test_repacking_gives_byte_identical_shards(llava_json, packed, tmp_path):
+    d, _ = llava_json
+    out, _, _ = packed
+    data.pack(d / "data.jsonl", d / "images", tmp_path, shard_size=4, workers=2)
+    digest = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
+    first = {p.name: digest(p) for p in out.glob("*.tar*")}
+    assert first and first == {p.name: digest(p) for p in tmp_path.glob("*.tar*")}
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_webdataset_reads_every_packed_sample(packed):
+    import webdataset as wds
+
+    out, good, _ = packed
+    samples = list(wds.WebDataset(sorted(str(p) for p in out.glob("*.tar")), shardshuffle=False))
+    assert len(samples) == len(good)
+    keys = [s["__key__"] for s in samples]
+    assert len(set(keys)) == len(keys)
+    by_id = {json.loads(s["json"])["id"]: s for s in samples}
+    for rec in good:
+        s = by_id[rec["id"]]
+        meta = json.loads(s["json"])
+        assert s["txt"].decode() == rec["conversations"][1]["value"]
+        assert meta["question"] == rec["conversations"][0]["value"].replace(data.IMAGE_TAG, "").strip()
+        assert meta["conversations"][-1] == rec["conversations"][-1]
+        if "image" in rec:
+            assert Image.open(io.BytesIO(s["jpg"])).format == "JPEG"  # the PNG was converted
+        else:
+            assert "jpg" not in s
+
+
+def test_energon_opens_packed_folder_as_vqa_without_prepare(tmp_path, llava_json):
+    from megatron.energon import WorkerConfig, get_loader, get_train_dataset
+
+    d, good = llava_json
+    with_images = [r for r in good if "image" in r]
+    (tmp_path / "imgs.json").write_text(json.dumps(with_images))
+    data.pack(tmp_path / "imgs.json", d / "images", tmp_path / "shards", shard_size=5)
+    assert not (tmp_path / "shards/.nv-meta/index.sqlite").exists()  # we did not run energon prepare
+    ds = get_train_dataset(tmp_path / "shards", batch_size=None, shuffle_buffer_size=None, max_samples_per_sequence=None,
+                           worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0), repeat=False)
+    seen = {}
+    for sample in get_loader(ds):
+        assert type(sample).__name__ == "VQASample" and sample.image.shape[0] == 3
+        seen[sample.context] = sample.answers
+    assert seen == {r["conversations"][0]["value"].split("\n", 1)[1]: r["conversations"][1]["value"] for r in with_images}
+    lint = subprocess.run([str(ROOT / ".venv/bin/energon"), "lint", str(tmp_path / "shards")], capture_output=True)
+    assert lint.returncode == 0, lint.stderr[-2000:]
+
+
+# -----------------------------------------------------------------------------
+# the stream
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    out = tmp_path_factory.mktemp("shapes")
+    data.make_shapes(out, n=240, seed=0, val_fraction=0.25)
+    return out
+
+
+def stream(shapes, **kw):
+    args = {"batch_size": 4, "seq_len": 64, "image_size": 28, "image_token_id": 512, "n_image_tokens": 4,
+            "template": "plain"} | kw
+    return data.ShardStream(shapes / "shards", shapes / "tokenizer.model", **args)
+
+
+def take(loader, n):
+    out = []
+    for batch in loader:
+        out.append(batch)
+        if len(out) == n:
+            break
+    return out
+
+
+def test_same_seed_same_order_other_seed_other_order(shapes):
+    a = [b["sample_id"] for b in take(data.Loader(stream(shapes, seed=1)), 5)]
+    b = [b["sample_id"] for b in take(data.Loader(stream(shapes, seed=1), num_workers=2), 5)]
+    c = [b["sample_id"] for b in take(data.Loader(stream(shapes, seed=2)), 5)]
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not all(torch.equal(x, y) for x, y in zip(a, c))
+
+
+@pytest.mark.parametrize("workers_before,workers_after", [(0, 0), (2, 0), (0, 2)])
+def test_resume_continues_at_the_exact_next_sample(shapes, workers_before, workers_after):
+    straight = take(data.Loader(stream(shapes), num_workers=0), 60)  # crosses the 180-sample epoch boundary
+    first = data.Loader(stream(shapes), num_workers=workers_before)
+    take(first, 23)
+    state = json.loads(json.dumps(first.state_dict()))  # it must survive JSON, as checkpoints store it
+    resumed = data.Loader(stream(shapes), num_workers=workers_after)
+    resumed.load_state_dict(state)
+    for a, b in zip(straight[23:], take(resumed, 37)):
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+
+
+def test_resume_refuses_a_state_from_another_setup(shapes):
+    loader = data.Loader(stream(shapes, seed=0))
+    with pytest.raises(ValueError, match="seed"):
+        loader.load_state_dict(data.Loader(stream(shapes, seed=5)).state_dict())
+
+
+@pytest.mark.parametrize("world_size,workers", [(1, 2), (2, 2), (3, 0)])
+def test_ranks_and_workers_cover_every_sample_once_per_epoch(shapes, world_size, workers):
+    n = len(stream(shapes))
+    seen = []
+    for rank in range(world_size):
+        s = stream(shapes, rank=rank, world_size=world_size, batch_size=5)
+        per_rank = n // world_size  # 180 divides by 1, 2 and 3
+        for batch in take(data.Loader(s, num_workers=workers), per_rank // 5):
+            seen += batch["sample_id"].tolist()
+    assert sorted(seen) == list(range(n))
+
+
+def test_batches_have_static_shapes_and_image_tokens_in_place(shapes):
+    batch = take(data.Loader(stream(shapes, template="vicuna_v1", seq_len=160)), 1)[0]
+    assert batch["input_ids"].shape == batch["labels"].shape == (4, 160)
+    assert batch["pixel_values"].shape == (4, 3, 28, 28) and batch["pixel_values"].dtype == torch.float32
+    assert ((batch["input_ids"] == 512).sum(1) == 4).all() and batch["has_image"].all()
+    assert ((batch["labels"] != -100).sum(1) > 0).all()
+
+
+def test_val_split_is_held_out(shapes):
+    train = stream(shapes, split="train")
+    val = stream(shapes, split="val")
+    assert (len(train), len(val)) == (180, 60)
+    assert not set(map(str, train.files)) & set(map(str, val.files))
+
+
+def test_our_loader_reads_webdataset_tarwriter_shards(tmp_path, shapes):
+    import webdataset as wds
+
+    with wds.TarWriter(str(tmp_path / "foreign.tar")) as sink:
+        sink.write({"__key__": "dir/a", "jpg": jpeg_bytes(32, 24), "json": {"question": "What is it?"}, "txt": "A cat."})
+        sink.write({"__key__": "dir/b", "png": jpeg_bytes(24, 32, fmt="PNG"), "txt": "A caption."})
+    s = data.ShardStream(tmp_path / "foreign.tar", shapes / "tokenizer.model", batch_size=2, seq_len=200, image_size=28,
+                         image_token_id=512, n_image_tokens=4, template="vicuna_v1", shuffle_block=1)
+    assert len(s) == 2
+    batch = s.batch(0)
+    tok = data.Tokenizer(shapes / "tokenizer.model")
+    answers = sorted(tok.decode([t for t in row if t != -100]) for row in batch["labels"].tolist())
+    assert answers == ["A caption.", "A cat."] and batch["has_image"].all() and not batch["dropped"].any()
+
+
+def test_truncation_rule(shapes):
+    tok = data.Tokenizer(shapes / "tokenizer.model")
+    c = conv("How many circles are there?", "two")
+    full, labels, cut = data.encode_conversation(c, True, "vicuna_v1", tok, 512, 512, 4)
+    assert not cut
+    image_end = max(i for i, t in enumerate(full) if t == 512)
+    with pytest.raises(data.DropSample, match="image_beyond_seq_len"):
+        data.encode_conversation(c, True, "vicuna_v1", tok, image_end, 512, 4)
+    with pytest.raises(data.DropSample, match="no_supervised_tokens"):
+        data.encode_conversation(c, True, "vicuna_v1", tok, image_end + 3, 512, 4)
+    ids, lab, cut = data.encode_conversation(c, True, "vicuna_v1", tok, len(full) - 1, 512, 4)
+    assert cut and ids == full[:-1] and lab == labels[:-1]
+
+
+def test_dropped_samples_become_empty_rows_and_are_counted(shapes):
+    s = stream(shapes, template="vicuna_v1", seq_len=40)  # the vicuna system prompt alone is longer
+    batch = s.batch(0)
+    assert batch["dropped"].all() and (batch["labels"] == -100).all()
+    assert s.skips.counts["image_beyond_seq_len"] == 4
+
+
+# -----------------------------------------------------------------------------
+# templates: golden strings in the published formats, and label masks
+
+CONV = [{"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "value": "A cat."},
+        {"from": "human", "value": "Color?"}, {"from": "gpt", "value": "Black."}]
+
+GOLDEN = {
+    # haotian-liu/LLaVA conv_vicuna_v1: sep " ", sep2 "</s>", the tokenizer's BOS in front
+    "vicuna_v1": "<s>" + data.VICUNA_SYSTEM + " USER: <image>\nWhat is it? ASSISTANT: A cat.</s>USER: Color? ASSISTANT:"
+                 " Black.</s>",
+    # Meta's Llama 2 chat format, as LLaVA's conv_llava_llama_2 writes it
+    "llama_2": "<s>[INST] <<SYS>>\n" + data.LLAMA2_SYSTEM + "\n<</SYS>>\n\n<image>\nWhat is it? [/INST] A cat. </s>"
+               "<s>[INST] Color? [/INST] Black. </s>",
+    # Meta's Llama 3 instruct format
+    "llama_3": "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n<image>\nWhat is it?<|eot_id|>"
+               "<|start_header_id|>assistant<|end_header_id|>\n\nA cat.<|eot_id|><|start_header_id|>user<|end_header_id|>"
+               "\n\nColor?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nBlack.<|eot_id|>",
+    # ChatML as Qwen publishes it, default system prompt included
+    "chatml": "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n<image>\nWhat is it?"
+              "<|im_end|>\n<|im_start|>assistant\nA cat.<|im_end|>\n<|im_start|>user\nColor?<|im_end|>\n"
+              "<|im_start|>assistant\nBlack.<|im_end|>\n",
+    # LLaVA's preprocess_plain: image, caption, "\n"
+    "plain": "<s><image>A cat.\n",
+}
+TARGETS = {"vicuna_v1": [" A cat.</s>", " Black.</s>"], "llama_2": [" A cat. </s>", " Black. </s>"],
+           "llama_3": ["A cat.<|eot_id|>", "Black.<|eot_id|>"], "chatml": ["A cat.<|im_end|>", "Black.<|im_end|>"],
+           "plain": ["A cat.\n"]}
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN))
+def test_template_golden_strings_and_targets(name):
+    pieces = data.TEMPLATES[name](CONV)
+    assert "".join(t for t, _ in pieces) == GOLDEN[name]
+    assert [t for t, target in pieces if target] == TARGETS[name]
+
+
+def bpe_tokenizer(tmp_path):
+    """A tiny HF tokenizer.json with Llama-3 and ChatML special tokens, trained here."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|im_start|>",
+                "<|im_end|>", "<|endoftext|>"]
+    tok.train_from_iterator(["What is it? A cat. Color? Black. user assistant system You are a helpful assistant."] * 20,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
+                                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    return data.Tokenizer(tmp_path / "tokenizer.json")
+
+
+@pytest.mark.parametrize("name", ["llama_3", "chatml"])
+def test_labels_cover_exactly_the_assistant_turns(tmp_path, name):
+    tok = bpe_tokenizer(tmp_path)
+    ids, labels = data.tokenize(data.TEMPLATES[name](CONV), tok, 999, 3)
+    assert ids.count(999) == 3
+    assert tok.decode(ids[: ids.index(999)]) + "<image>" + tok.decode(ids[ids.index(999) + 3:]) == GOLDEN[name]
+    kept = [i for i, lab in zip(ids, labels) if lab != -100]
+    assert tok.decode(kept) == "".join(TARGETS[name])
+    eot = tok.specials["<|eot_id|>" if name == "llama_3" else "<|im_end|>"]
+    assert labels.count(eot) == 2  # the end-of-turn token is trained, so the model learns to stop
+
+
+def test_sentencepiece_targets_decode_to_the_answers(shapes):
+    tok = data.Tokenizer(shapes / "tokenizer.model")
+    ids, labels = data.tokenize(data.TEMPLATES["vicuna_v1"](CONV), tok, 999, 3)
+    assert ids[0] == tok.bos_id and labels.count(tok.eos_id) == 2
+    assert tok.decode([t for t in labels if t != -100]) == "A cat. Black."
+    assert data.generation_prompt("vicuna_v1", "What?").endswith("USER: What? ASSISTANT:")
+
+
+# -----------------------------------------------------------------------------
+# images
+
+
+def test_crop_mode_matches_transformers_clip_processor():
+    from transformers import CLIPImageProcessor
+
+    raw = jpeg_bytes(90, 60, fmt="PNG")
+    proc = CLIPImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
+    ref = proc(images=Image.open(io.BytesIO(raw)), return_tensors="pt")["pixel_values"]
+    ours = data.normalize_images(data.load_image(raw, 56, "crop")[None])
+    assert (ref - ours).abs().max() < 1e-5
+
+
+def test_pad_mode_pads_with_the_mean_colour_and_keeps_the_image_centred():
+    img = np.zeros((20, 80, 3), dtype=np.uint8)  # black, 4:1
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, format="PNG")
+    out = data.load_image(buf.getvalue(), 40, "pad")
+    mean = [int(m * 255) for m in data.CLIP_MEAN]
+    assert out.shape == (40, 40, 3)
+    assert (out[0, 0] == mean).all() and (out[-1, -1] == mean).all()  # padding above and below
+    assert (out[20, 5] == 0).all()  # the image itself, in the middle rows
+
+
+def test_draft_mode_decodes_large_jpegs_at_reduced_scale():
+    big = jpeg_bytes(2048, 1536)
+    img = Image.open(io.BytesIO(big))
+    img.draft("RGB", (336, 252))
+    assert img.size == (512, 384)  # libjpeg's 1/4 scale, still >= the target
+    out = data.load_image(big, 336, "pad")
+    assert out.shape == (336, 336, 3)
