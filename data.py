@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image, ImageDraw
 from tqdm import tqdm
 
@@ -417,7 +418,7 @@ class DropSample(Exception):
 
 
 def load_image(data, size, mode="pad"):
-    """JPEG/PNG bytes -> (size, size, 3) uint8. 'pad': fit the long side, pad with the CLIP mean colour
+    """JPEG/PNG bytes -> (3, size, size) uint8. 'pad': fit the long side, pad with the CLIP mean colour
     (LLaVA's pad); 'crop': fit the short side, centre crop (CLIP's processor); 'resize': squash."""
     img = Image.open(io.BytesIO(data))
     w, h = img.size
@@ -425,26 +426,31 @@ def load_image(data, size, mode="pad"):
     if img.format == "JPEG":
         # libjpeg decodes at 1/2, 1/4 or 1/8 scale when the result is still at least this large
         img.draft("RGB", (max(1, round(w * scale)), max(1, round(h * scale))))
-    img = img.convert("RGB")
+    img = img if img.mode == "RGB" else img.convert("RGB")
     w, h = img.size
     scale = size / (max(w, h) if mode == "pad" else min(w, h))
+    nw, nh = (size, size) if mode == "resize" else (max(1, round(w * scale)), max(1, round(h * scale)))
+    x = torch.from_numpy(np.array(img)).permute(2, 0, 1)[None]  # (1, 3, h, w) uint8, channels-last in memory
+    # torch's uint8 antialiased bicubic is ~4x faster than PIL's and within one level of it
+    x = F.interpolate(x, size=(nh, nw), mode="bicubic", antialias=True)[0]  # (3, nh, nw)
     if mode == "resize":
-        return np.array(img.resize((size, size), Image.BICUBIC))
-    nw, nh = max(1, round(w * scale)), max(1, round(h * scale))
-    img = img.resize((nw, nh), Image.BICUBIC)
+        return x.contiguous()
     if mode == "crop":
-        left, top = (nw - size) // 2, (nh - size) // 2
-        return np.array(img.crop((left, top, left + size, top + size)))
-    canvas = Image.new("RGB", (size, size), tuple(int(m * 255) for m in CLIP_MEAN))
-    canvas.paste(img, ((size - nw) // 2, (size - nh) // 2))
-    return np.array(canvas)
+        top, left = (nh - size) // 2, (nw - size) // 2
+        return x[:, top : top + size, left : left + size].contiguous()
+    canvas = torch.tensor([int(m * 255) for m in CLIP_MEAN], dtype=torch.uint8).view(3, 1, 1).repeat(1, size, size)
+    top, left = (size - nh) // 2, (size - nw) // 2
+    canvas[:, top : top + nh, left : left + nw] = x
+    return canvas
 
 
 def normalize_images(images):
-    """(B, H, W, 3) uint8 -> (B, 3, H, W) float32 with CLIP mean/std."""
-    x = torch.from_numpy(images).permute(0, 3, 1, 2).float().div_(255)
-    mean, std = torch.tensor(CLIP_MEAN).view(1, 3, 1, 1), torch.tensor(CLIP_STD).view(1, 3, 1, 1)
-    return (x - mean) / std
+    """(B, 3, H, W) uint8 -> float32 with CLIP mean/std, as one multiply-add per pixel."""
+    return images.float().mul_(NORM_SCALE).add_(NORM_SHIFT)
+
+
+NORM_SCALE = torch.tensor([1 / (255 * s) for s in CLIP_STD]).view(1, 3, 1, 1)  # (x/255 - mean)/std = x*scale + shift
+NORM_SHIFT = torch.tensor([-m / s for m, s in zip(CLIP_MEAN, CLIP_STD)]).view(1, 3, 1, 1)
 
 
 # -----------------------------------------------------------------------------
@@ -598,7 +604,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         B, T, S = self.batch_size, self.seq_len, self.image_size
         input_ids = torch.full((B, T), self.tok.pad_id, dtype=torch.long)
         labels = torch.full((B, T), -100, dtype=torch.long)
-        images = np.zeros((B, S, S, 3), dtype=np.uint8)
+        images = torch.zeros((B, 3, S, S), dtype=torch.uint8)
         has_image, dropped = torch.zeros(B, dtype=torch.bool), torch.zeros(B, dtype=torch.bool)
         sample_ids = torch.tensor([self.sample_at(k * B + row) for row in range(B)])
         for row, sample in enumerate(sample_ids.tolist()):
