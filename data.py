@@ -174,7 +174,8 @@ def write_energon_meta(out_dir, train, val):
     counts = {name: n for name, n in train + val}
     (meta / ".info.json").write_text(json.dumps({"energon_version": ENERGON_VERSION, "shard_counts": counts}, indent=2))
     listing = lambda shards: "".join(f"\n    - {name}" for name, _ in shards) or " []"  # noqa: E731
-    (meta / "split.yaml").write_text(f"split_parts:\n  train:{listing(train)}\n  val:{listing(val)}\n  test: []\nexclude: []\n")
+    split = f"split_parts:\n  train:{listing(train)}\n  val:{listing(val)}\n  test: []\nexclude: []\n"
+    (meta / "split.yaml").write_text(split)
     (meta / "dataset.yaml").write_text(
         "sample_type:\n  __module__: megatron.energon\n  __class__: VQASample\n"
         "field_map:\n  image: jpg\n  context: json[question]\n  answers: txt\n")
