@@ -256,7 +256,8 @@ class Tokenizer:
             self.vocab_size = self.sp.get_piece_size()
             self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
             self.pad_id = self.sp.pad_id() if self.sp.pad_id() >= 0 else 0
-            self.specials = {self.sp.id_to_piece(i): i for i in (self.bos_id, self.eos_id) if i >= 0}
+            # BOS/EOS and chat markers such as <|eot_id|> map straight to their ids
+            self.specials = {p: i for i in range(self.vocab_size) if re.fullmatch(r"</?s>|<\|[a-z_]+\|>", p := self.sp.id_to_piece(i))}
         else:
             from tokenizers import Tokenizer as HFTokenizer
 
@@ -412,6 +413,20 @@ def encode_conversation(conv, has_image, template, tok, seq_len, image_token_id,
 
 class DropSample(Exception):
     pass
+
+
+def prompt_and_answer(conv, has_image, template, tok, image_token_id, n_image_tokens):
+    """The ids the model sees before the first answer (exactly as in training) and that answer's text."""
+    ids, labels = tokenize(TEMPLATES[template](conv), tok, image_token_id, n_image_tokens)
+    first = next(i for i, lab in enumerate(labels) if lab != -100)
+    return ids[:first], next(t for r, t in turns(conv) if r == "assistant")
+
+
+def stop_token_id(template, tok):
+    """The token that ends an assistant turn in `template`."""
+    marker = {"llama_3": "<|eot_id|>", "chatml": "<|im_end|>"}.get(template)
+    ids = tok.encode(marker) if marker else []
+    return ids[-1] if len(ids) and tok.decode(ids[-1:]) == marker else tok.eos_id
 
 
 # -----------------------------------------------------------------------------
@@ -585,11 +600,15 @@ class ShardStream(torch.utils.data.IterableDataset):
         epoch, i = divmod(position, self.per_rank)
         return int(self.order(epoch)[(i * self.world_size + self.rank) % len(self.index)])
 
-    def encode(self, sample):
+    def read(self, sample):
+        """(key, {ext: bytes}) of one sample."""
         shard, start, end = self.index[sample]
         f = self._files.get(shard) or self._files.setdefault(shard, open(self.files[shard], "rb"))  # noqa: SIM115
-        key, members = read_members(f, start, end)
-        where = f"{self.files[shard].name}:{key}"
+        return read_members(f, start, end)
+
+    def encode(self, sample):
+        key, members = self.read(sample)
+        where = f"{self.files[self.index[sample][0]].name}:{key}"
         try:
             conv, image = sample_conversation(members)
             pixels = load_image(image, self.image_size, self.image_mode) if image is not None else None
@@ -719,6 +738,8 @@ def train_tokenizer(texts, out_prefix, vocab_size):
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(texts), model_prefix=str(out_prefix), vocab_size=vocab_size, model_type="unigram",
         character_coverage=1.0, byte_fallback=True, pad_id=3, bos_id=1, eos_id=2, unk_id=0,
+        user_defined_symbols=["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                              "<|im_start|>", "<|im_end|>"],
         hard_vocab_limit=False, num_threads=1, minloglevel=2)
 
 

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 # -----------------------------------------------------------------------------
 # configs
@@ -203,6 +204,7 @@ class ViT(nn.Module):
         # ln_post only feeds CLIP's pooled output; LLaVA never uses it, but we keep it so
         # checkpoints round-trip without losing weights.
         self.ln_post = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.checkpoint = False  # recompute each block in backward (train.py sets it)
 
     def forward(self, pixel_values, layers=(-1,)):
         """Hidden states at the given HF indices: 0 is after ln_pre, i after block i, -1 the last."""
@@ -217,7 +219,7 @@ class ViT(nn.Module):
         x = self.ln_pre(x)
         states = {0: x}
         for i, block in enumerate(self.blocks[: max(wanted)], start=1):
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpoint and self.training else block(x)
             states[i] = x
         return [states[i] for i in wanted]
 
@@ -361,6 +363,7 @@ class Llama(nn.Module):
         # real cos/sin tables (no complex dtypes: XLA handles them poorly); rebuilt by init_buffers
         self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
+        self.checkpoint = False  # recompute each block in backward (train.py sets it)
 
     def init_buffers(self):
         inv_freq = rope_frequencies(self.cfg).to(self.rope_cos.device)
@@ -378,7 +381,10 @@ class Llama(nn.Module):
         cos = self.rope_cos[start_pos : start_pos + T].to(h.dtype)
         sin = self.rope_sin[start_pos : start_pos + T].to(h.dtype)
         for layer in self.layers:
-            h = layer(h, cos, sin, cache, start_pos)
+            if self.checkpoint and self.training:
+                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin, cache, start_pos)
         return self.norm(h)
 
 
@@ -436,14 +442,15 @@ class VLM(nn.Module):
         placed = torch.gather(features, 1, slot[..., None].expand(-1, -1, h.shape[-1]))  # (B, T, D)
         return torch.where(is_image[..., None], placed, h)
 
-    def forward(self, input_ids, pixel_values=None, labels=None):
-        """Logits (B, T, vocab) and, with labels aligned to input_ids (-100 = ignore), the mean next-token loss."""
+    def forward(self, input_ids, pixel_values=None, labels=None, loss_reduction="mean"):
+        """Logits (B, T, vocab) and, with labels aligned to input_ids (-100 = ignore), the next-token loss:
+        the mean over supervised tokens, or their sum with loss_reduction="sum" (train.py divides by a global count)."""
         h = self.llm(self.embed(input_ids, pixel_values))
         logits = self.llm.output(h)
         if labels is None:
             return logits, None
         targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # (B, T): position t predicts token t + 1
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction=loss_reduction)
         return logits, loss
 
     @torch.no_grad()
