@@ -148,7 +148,9 @@ def weight_files(directory):
     for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         if (d / index).exists():
             return [d / f for f in sorted(set(json.loads((d / index).read_text())["weight_map"].values()))]
-    files = sorted(d.glob("*.safetensors")) or sorted(d.glob("pytorch_model*.bin")) or sorted(d.glob("mm_projector.bin"))
+    # model*.safetensors first: a training checkpoint also holds optimizer.safetensors and rng.safetensors
+    files = sorted(d.glob("model*.safetensors")) or sorted(d.glob("*.safetensors")) or \
+        sorted(d.glob("pytorch_model*.bin")) or sorted(d.glob("mm_projector.bin"))
     if not files:
         raise ConversionError(f"{d}: no *.safetensors, pytorch_model*.bin or mm_projector.bin weights found")
     return files

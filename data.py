@@ -695,8 +695,9 @@ SHAPES = ("circle", "square", "triangle")
 NUMBERS = ("zero", "one", "two", "three")
 
 
-def draw_scene(rng, size=64):
-    """1-3 shapes in distinct cells of a 3x3 grid, with jittered position and size. -> (image, objects)"""
+def draw_scene(rng, size=48):
+    """1-3 shapes in distinct cells of a 3x3 grid, with jittered position and size. -> (image, objects)
+    With size 48 and 16 px patches, each cell is exactly one ViT patch."""
     img = Image.new("RGB", (size, size), (255, 255, 255))
     draw, cell, objects = ImageDraw.Draw(img), size / 3, []
     for c in rng.choice(9, size=rng.integers(1, 4), replace=False):
@@ -743,7 +744,7 @@ def train_tokenizer(texts, out_prefix, vocab_size):
         hard_vocab_limit=False, num_threads=1, minloglevel=2)
 
 
-def make_shapes(out, n=20000, seed=0, val_fraction=0.1, image_size=64, vocab_size=512):
+def make_shapes(out, n=20000, seed=0, val_fraction=0.1, image_size=48, vocab_size=512):
     out = Path(out)
     (out / "images").mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -851,7 +852,7 @@ def main(argv=None):
     b.add_argument("--out", required=True)
     b.add_argument("--n", type=int, default=20000)
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--image-size", type=int, default=64)
+    b.add_argument("--image-size", type=int, default=48)
     c = sub.add_parser("bench", help="decode + preprocess images/s per core, ours vs webdataset + PIL")
     c.add_argument("--shards", help="shards to read (default: generate 640x480 JPEGs in --workdir)")
     c.add_argument("--workdir", default="out/bench-data")

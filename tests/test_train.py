@@ -1,0 +1,190 @@
+"""train.py: exact resume (single, DDP, FSDP under real torchrun), equivalence, preemption, config, stages."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT
+from safetensors.torch import load_file
+
+import convert
+import data
+import train
+from model import build_model, vlm_preset
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    out = tmp_path_factory.mktemp("shapes")
+    data.make_shapes(out, n=400, seed=0, val_fraction=0.1)
+    return out
+
+
+def args(shapes, out, *extra):
+    return [str(ROOT / "configs/debug.py"), f"--data_dir={shapes / 'shards'}", f"--tokenizer={shapes / 'tokenizer.model'}",
+            f"--out_dir={out}", "--lr_decay_iters=20", "--log_interval=1", "--eval_interval=0", *extra]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(argv, nproc=1, check=True, **kw):
+    if nproc == 1:
+        cmd = [sys.executable, str(ROOT / "train.py"), *argv]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+               "127.0.0.1", "--master_port", str(free_port()), str(ROOT / "train.py"), *argv]
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300, **kw)
+    if check and r.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return r
+
+
+def losses(out):
+    return {e["step"]: e["loss"] for e in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "loss" in e}
+
+
+def weights(path):
+    return (path / "model.safetensors").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def single_run(shapes, tmp_path_factory):
+    out = tmp_path_factory.mktemp("single")
+    run(args(shapes, out, "--max_iters=20", "--keep_last=5"))
+    return out
+
+
+def test_single_process_resume_is_bit_identical(shapes, single_run, tmp_path):
+    run(args(shapes, tmp_path, "--max_iters=10"))
+    run(args(shapes, tmp_path, "--max_iters=20", "--init_from=resume"))
+    assert weights(tmp_path / "step-000020") == weights(single_run / "step-000020")
+    assert (tmp_path / "step-000020/optimizer.safetensors").read_bytes() == \
+        (single_run / "step-000020/optimizer.safetensors").read_bytes()
+    state = json.loads((tmp_path / "step-000020/state.json").read_text())
+    assert state["iter"] == 20 and state["loader"]["position"] == 20 * 8
+    assert (tmp_path / "DONE").exists()
+
+
+def test_gradient_accumulation_matches_one_big_batch(shapes, single_run, tmp_path):
+    run(args(shapes, tmp_path, "--max_iters=5", "--micro_batch_size=4"))
+    ref, got = losses(single_run), losses(tmp_path)
+    assert all(abs(got[s] - ref[s]) < 1e-5 for s in range(1, 6)), (got, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_process_run_matches_single_and_resumes_exactly(shapes, single_run, tmp_path, parallel):
+    a, b = tmp_path / "a", tmp_path / "b"
+    common = [f"--parallel={parallel}", "--micro_batch_size=4"]  # 2 ranks x 4 = the single run's global batch
+    run(args(shapes, a, "--max_iters=20", *common), nproc=2)
+    ref, got = losses(single_run), losses(a)
+    assert all(abs(got[s] - ref[s]) < 1e-5 for s in range(1, 6)), (got, ref)
+    run(args(shapes, b, "--max_iters=10", *common), nproc=2)
+    run(args(shapes, b, "--max_iters=20", "--init_from=resume", *common), nproc=2)
+    assert weights(b / "step-000020") == weights(a / "step-000020")
+
+
+def test_sigterm_finishes_the_step_checkpoints_and_resumes(shapes, tmp_path):
+    cmd = [sys.executable, str(ROOT / "train.py"), *args(shapes, tmp_path, "--max_iters=100000", "--ckpt_interval=0")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    for line in proc.stdout:
+        if line.startswith("step 3:"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest = proc.stdout.read()
+    assert proc.wait(timeout=120) == 0, rest
+    assert "stopping after this step" in rest
+    (ckpt,) = train.checkpoints(tmp_path)
+    stopped = json.loads((ckpt / "state.json").read_text())["iter"]
+    assert stopped >= 3 and not (tmp_path / "DONE").exists()
+    r = run(args(shapes, tmp_path, f"--max_iters={stopped + 2}", "--init_from=resume"))
+    assert f"resuming from {ckpt}" in r.stdout and f"step {stopped + 2}:" in r.stdout and (tmp_path / "DONE").exists()
+
+
+def test_kill_during_checkpoint_write_keeps_the_previous_one(shapes, tmp_path):
+    # fault injection: SIGKILL ourselves halfway through writing the step-10 checkpoint
+    script = (f"import sys, os, signal; sys.path.insert(0, {str(ROOT)!r}); import convert, train\n"
+              "real = convert.write_weights\n"
+              "def dying(state, d, **kw):\n"
+              "    real(state, d, **kw)\n"
+              "    if 'step-000010' in str(d): os.kill(os.getpid(), signal.SIGKILL)\n"
+              "convert.write_weights = dying\n"
+              f"train.main({args(shapes, tmp_path, '--max_iters=20', '--ckpt_interval=5')!r})\n")
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == -signal.SIGKILL
+    assert [p.name for p in train.checkpoints(tmp_path)] == ["step-000005"]
+    assert list(tmp_path.glob(".step-000010.tmp-*"))  # the half-written one
+    r = run(args(shapes, tmp_path, "--max_iters=12", "--init_from=resume"))
+    assert "resuming from" in r.stdout and "step-000005" in r.stdout
+    assert not list(tmp_path.glob(".step-*.tmp-*"))
+    assert [p.name for p in train.checkpoints(tmp_path)][-1] == "step-000012"
+
+
+def test_skip_steps_consume_batches_without_training(shapes, single_run, tmp_path):
+    run(args(shapes, tmp_path, "--max_iters=10", "--skip_steps=[(3, 6)]"))
+    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in log if e.get("skipped")] == [3, 4, 5]
+    ref, got = losses(single_run), losses(tmp_path)
+    assert all(got[s] == ref[s] for s in (1, 2, 3)) and got[7] != ref[7]
+    assert json.loads((tmp_path / "step-000010/state.json").read_text())["loader"]["position"] == 80
+
+
+# -----------------------------------------------------------------------------
+# in-process: config and stages
+
+
+def test_config_errors_name_the_key(tmp_path):
+    with pytest.raises(SystemExit, match="unknown key 'n_layer'"):
+        train.load_config(["--n_layer=3"])
+    with pytest.raises(SystemExit, match="max_iters must be int"):
+        train.load_config(["--max_iters=ten"])
+    with pytest.raises(SystemExit, match="lr must be float"):
+        train.load_config(["--lr='fast'"])
+    bad = tmp_path / "bad.py"
+    bad.write_text("batch_size = 8\nlearning_rate = 1e-3\n")
+    with pytest.raises(SystemExit, match=f"unknown key 'learning_rate' in {bad}"):
+        train.load_config([str(bad)])
+    cfg = train.load_config([str(ROOT / "configs/debug.py"), "--lr=3e-4", "--skip_steps=[(1, 2)]", "--template=vicuna_v1"])
+    assert cfg["lr"] == 3e-4 and cfg["skip_steps"] == [(1, 2)] and cfg["template"] == "vicuna_v1"
+
+
+@pytest.mark.parametrize("stage,trained", [(1, {"projector"}), (2, {"projector", "llm"})])
+def test_stages_change_exactly_the_intended_parameters(shapes, tmp_path, stage, trained):
+    cfg = vlm_preset("debug")
+    cfg.vision.image_size, cfg.llm.vocab_size, cfg.image_token_id = 28, 576, 512
+    convert.save_model(build_model(cfg, seed=0), tmp_path / "init")
+    train.main(args(shapes, tmp_path / "out", f"--stage={stage}", f"--init_from={tmp_path / 'init'}", "--max_iters=3"))
+    before, after = load_file(tmp_path / "init/model.safetensors"), load_file(tmp_path / "out/step-000003/model.safetensors")
+    changed = {k.split(".")[0] for k in before if not torch.equal(before[k], after[k])}
+    assert changed == trained
+    for k in before:  # every parameter of a trained module moved, except the ones no loss reaches
+        if k.split(".")[0] in trained:
+            assert not torch.equal(before[k], after[k]), k
+
+
+def test_trained_checkpoint_converts_to_hf_and_transformers_agrees(shapes, single_run, tmp_path):
+    from transformers import LlavaForConditionalGeneration
+
+    subprocess.run([sys.executable, str(ROOT / "convert.py"), "to-hf", "--ckpt", str(single_run / "step-000020"),
+                    "--out", str(tmp_path / "hf")], check=True, cwd=ROOT)
+    hf = LlavaForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
+    ours = convert.load_model(single_run / "step-000020").eval()
+    s = data.ShardStream(shapes / "shards", shapes / "tokenizer.model", batch_size=2, seq_len=48, image_size=28,
+                         image_token_id=512, n_image_tokens=4, template="llama_3", split="val")
+    b = s.batch(0)
+    with torch.no_grad():
+        theirs = hf(input_ids=b["input_ids"], pixel_values=b["pixel_values"]).logits
+        mine, _ = ours(b["input_ids"], b["pixel_values"])
+    assert (theirs - mine).abs().max() < 1e-4
+    assert (tmp_path / "hf/tokenizer.model").exists()
