@@ -672,13 +672,13 @@ class Loader:
 
     def state_dict(self):
         s = self.stream
+        # every rank is at the same position of its own stream, so one state serves all ranks
         return {"position": self.position, "seed": s.seed, "n_samples": len(s), "world_size": s.world_size,
-                "rank": s.rank, "batch_size": s.batch_size}
+                "batch_size": s.batch_size}
 
     def load_state_dict(self, state):
         s = self.stream
-        mine = {"seed": s.seed, "n_samples": len(s), "world_size": s.world_size, "rank": s.rank,
-                "batch_size": s.batch_size}
+        mine = {"seed": s.seed, "n_samples": len(s), "world_size": s.world_size, "batch_size": s.batch_size}
         differ = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
         if differ:
             raise ValueError(f"data loader state does not match this run (saved, now): {differ}")
