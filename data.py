@@ -257,7 +257,8 @@ class Tokenizer:
             self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
             self.pad_id = self.sp.pad_id() if self.sp.pad_id() >= 0 else 0
             # BOS/EOS and chat markers such as <|eot_id|> map straight to their ids
-            self.specials = {p: i for i in range(self.vocab_size) if re.fullmatch(r"</?s>|<\|[a-z_]+\|>", p := self.sp.id_to_piece(i))}
+            pieces = {self.sp.id_to_piece(i): i for i in range(self.vocab_size)}
+            self.specials = {p: i for p, i in pieces.items() if re.fullmatch(r"</?s>|<\|[a-z_]+\|>", p)}
         else:
             from tokenizers import Tokenizer as HFTokenizer
 
@@ -702,9 +703,9 @@ def draw_scene(rng, size=48):
     draw, cell, objects = ImageDraw.Draw(img), size / 3, []
     for c in rng.choice(9, size=rng.integers(1, 4), replace=False):
         shape, color = SHAPES[rng.integers(3)], list(COLORS)[rng.integers(len(COLORS))]
-        r = cell * rng.uniform(0.28, 0.45)
-        x = (c % 3 + 0.5) * cell + rng.uniform(-0.45, 0.45) * (cell / 2 - r)
-        y = (c // 3 + 0.5) * cell + rng.uniform(-0.45, 0.45) * (cell / 2 - r)
+        r = cell * rng.uniform(0.34, 0.46)
+        x = (c % 3 + 0.5) * cell + rng.uniform(-1, 1) * (cell / 2 - r)
+        y = (c // 3 + 0.5) * cell + rng.uniform(-1, 1) * (cell / 2 - r)
         box = [x - r, y - r, x + r, y + r]
         if shape == "circle":
             draw.ellipse(box, fill=COLORS[color])

@@ -1,7 +1,8 @@
 """
 Ask a trained model about an image.
 
-    python sample.py --ckpt out/shapes/step-001500 --image data/shapes/images/019999.png --prompt "How many circles are there?"
+    python sample.py --ckpt out/shapes/step-001500 --image data/shapes/images/019999.png \
+        --prompt "How many circles are there?"
     python sample.py --ckpt llava-1.5-7b-hf --image cat.jpg --prompt "What is this?" --template vicuna_v1
 
 --ckpt is a llavax checkpoint directory (a training step or a convert.py output) or an HF LLaVA

@@ -259,7 +259,8 @@ def flops_per_sample(raw, stage, seq_tokens):
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     vit_tokens = cfg.vision.n_patches + 1
     vit_mult = 6 if stage == 0 else 2
-    vit = vit_mult * count(raw.vision.blocks) * vit_tokens + (vit_mult * 2) * cfg.vision.n_layers * cfg.vision.dim * vit_tokens**2
+    vit_attention = (vit_mult * 2) * cfg.vision.n_layers * cfg.vision.dim * vit_tokens**2
+    vit = vit_mult * count(raw.vision.blocks) * vit_tokens + vit_attention
     proj = 6 * count(raw.projector) * cfg.n_image_tokens
     llm_params = count(raw.llm) - raw.llm.tok_embeddings.weight.numel() * (not cfg.llm.tie_embeddings)
     llm_mult = 6 if stage in (0, 2) else 4
@@ -549,8 +550,8 @@ def main(argv=None):
     if it >= cfg["max_iters"]:
         if cfg["final_accuracy_samples"] and val_stream is not None:
             acc, shown = answer_accuracy(raw, val_stream, env, cfg, cfg["final_accuracy_samples"])
-            print0(env, f"held-out exact-match accuracy: {100 * acc:.1f}% on {min(cfg['final_accuracy_samples'], len(val_stream))} "
-                   "questions")
+            n_asked = min(cfg["final_accuracy_samples"], len(val_stream))
+            print0(env, f"held-out exact-match accuracy: {100 * acc:.1f}% on {n_asked} questions")
             for q, said, answer in shown:
                 print0(env, f"  Q: {q:<36} model: {said:<8} truth: {answer}")
             log({"step": it, "accuracy": acc})

@@ -188,3 +188,9 @@ def test_trained_checkpoint_converts_to_hf_and_transformers_agrees(shapes, singl
         mine, _ = ours(b["input_ids"], b["pixel_values"])
     assert (theirs - mine).abs().max() < 1e-4
     assert (tmp_path / "hf/tokenizer.model").exists()
+
+
+@pytest.mark.parametrize("name", ["debug", "shapes", "pretrain", "finetune"])
+def test_shipped_configs_parse(name):
+    cfg = train.load_config([str(ROOT / "configs" / f"{name}.py")])
+    assert cfg["batch_size"] % cfg["micro_batch_size"] == 0
