@@ -20,8 +20,12 @@ test: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 
+SHAPES := data/shapes
+
+# the embedded default: draw the shapes data, then train a small VLM from scratch on the CPU
 demo: setup
-	@echo "make demo: coming soon (the shapes demo lands with the training issue)"
+	@test -f $(SHAPES)/shards/.nv-meta/.info.json || $(PY) data.py shapes --out $(SHAPES) --n 20000
+	$(PY) train.py configs/shapes.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -713,23 +713,32 @@ def draw_scene(rng, size=48):
             draw.rectangle(box, fill=COLORS[color])
         else:
             draw.polygon([(x, y - r), (x - r, y + r), (x + r, y + r)], fill=COLORS[color])
-        objects.append((shape, color, x))
+        objects.append((shape, color, x, int(c)))
     return img, objects
 
 
+CELLS = ("top left", "top", "top right", "left", "centre", "right", "bottom left", "bottom", "bottom right")
+
+
 def shape_question(objects, rng):
-    """One question with exactly one right answer about the scene."""
-    count = Counter(s for s, _, _ in objects)
+    """One question with exactly one right answer about the scene. "What is at the top left?" names
+    what one patch holds: the most direct lesson in shape identity, which the others build on."""
+    count = Counter(s for s, *_ in objects)
     unique = [s for s in SHAPES if count[s] == 1]
-    kinds = ["count"] + ["color"] * bool(unique) + ["left"] * (len(unique) >= 2)
+    column = {s: c % 3 for s, _, _, c in objects if s in unique}
+    # "left of" only for shapes in different grid columns, so the answer never hangs on a pixel of jitter
+    pairs = [(a, b) for a in unique for b in unique if column[a] != column[b]]
+    kinds = ["count", "where"] + ["color"] * bool(unique) + ["left"] * bool(pairs)
     kind = kinds[rng.integers(len(kinds))]
+    if kind == "where":
+        cell = int(rng.integers(9))
+        return f"What is at the {CELLS[cell]}?", next((s for s, _, _, c in objects if c == cell), "nothing")
     if kind == "color":
         shape = unique[rng.integers(len(unique))]
-        return f"What color is the {shape}?", next(c for s, c, _ in objects if s == shape)
+        return f"What color is the {shape}?", next(c for s, c, *_ in objects if s == shape)
     if kind == "left":
-        a, b = (unique[i] for i in rng.choice(len(unique), 2, replace=False))
-        xa, xb = (next(x for s, _, x in objects if s == t) for t in (a, b))
-        return f"Is the {a} left of the {b}?", "yes" if xa < xb else "no"
+        a, b = pairs[rng.integers(len(pairs))]
+        return f"Is the {a} left of the {b}?", "yes" if column[a] < column[b] else "no"
     shape = SHAPES[rng.integers(3)]
     return f"How many {shape}s are there?", NUMBERS[count[shape]]
 

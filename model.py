@@ -413,6 +413,12 @@ class VLM(nn.Module):
                 nn.init.ones_(module.weight)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
+        # GPT-2's scaled init for the projections that write into a residual stream
+        for name, p in self.named_parameters():
+            if name.endswith(("attn.wo.weight", "mlp.c_proj.weight")):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.cfg.vision.n_layers), generator=gen)
+            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.cfg.llm.n_layers), generator=gen)
         nn.init.normal_(self.vision.class_embedding, std=0.02, generator=gen)
         nn.init.normal_(self.vision.positional_embedding, std=0.02, generator=gen)
         self.llm.init_buffers()

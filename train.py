@@ -36,37 +36,42 @@ from model import VLMConfig, build_model, vlm_preset
 out_dir = "out/shapes"
 init_from = "scratch"  # 'scratch', 'resume' (newest checkpoint in out_dir) or a convert.py checkpoint directory
 model = "debug"  # the VLM preset when init_from='scratch'
-model_overrides = {}  # merged into the preset, e.g. {"llm": {"n_layers": 4}, "projector": "linear"}
+model_overrides = {  # merged into the preset; these make the shapes demo's 1.8M-parameter VLM
+    "vision": {"image_size": 48, "patch_size": 16, "dim": 128, "n_layers": 4, "n_heads": 4, "ffn_dim": 512},
+    "llm": {"vocab_size": 448, "dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 4, "ffn_dim": 384, "max_seq_len": 64},
+    "vision_layer": -1,
+    "image_token_id": 397,  # the first id after the shapes tokenizer's vocabulary
+}
 # data
 data_dir = "data/shapes/shards"
 tokenizer = "data/shapes/tokenizer.model"
 template = "llama_3"
-seq_len = 64
+seq_len = 40
 image_mode = "pad"
 num_workers = 1
 shuffle_block = 1000
 # what to train, and how
-stage = 0
-batch_size = 32  # global: across ranks and accumulation micro-steps
-micro_batch_size = 32  # per rank per micro-step
-max_iters = 1000
-lr = 1e-3
-min_lr = 1e-4
-warmup_iters = 50
+stage = 0  # 0 everything, 1 the projector, 2 the projector and the LLM
+batch_size = 64  # global: across ranks and accumulation micro-steps
+micro_batch_size = 64  # per rank per micro-step
+max_iters = 2000
+lr = 7e-4
+min_lr = 5e-5
+warmup_iters = 100
 lr_decay_iters = 0  # 0: max_iters
 lr_scale = {"vision": 1.0, "projector": 1.0, "llm": 1.0}  # per-module multipliers
-weight_decay = 0.0
+weight_decay = 0.01
 beta1 = 0.9
 beta2 = 0.95
 grad_clip = 1.0
 skip_steps = []  # [(first, end), ...]: iterations whose batches are consumed but not trained on
 # evaluation, logging, checkpoints
-eval_interval = 200
-eval_iters = 10
-log_interval = 10
-ckpt_interval = 200
+eval_interval = 500
+eval_iters = 4
+log_interval = 50
+ckpt_interval = 500
 keep_last = 2
-final_accuracy_samples = 0  # > 0: exact-match accuracy of generated answers on that many val samples
+final_accuracy_samples = 500  # > 0: exact-match accuracy of generated answers on that many val samples
 wandb_log = False
 wandb_project = "llavax"
 wandb_run_name = ""
@@ -411,6 +416,9 @@ def main(argv=None):
             shutil.rmtree(stale, ignore_errors=True)
         (out / "config.json").write_text(json.dumps(cfg, indent=2))
         print0(env, "config:", json.dumps(cfg))
+    if not Path(cfg["data_dir"]).exists():
+        raise SystemExit(f"data_dir {cfg['data_dir']!r} does not exist. For the shapes demo run "
+                         "`python data.py shapes --out data/shapes` first (make demo does it).")
     per_step = cfg["micro_batch_size"] * env.world
     if cfg["batch_size"] % per_step:
         raise SystemExit(f"config: batch_size={cfg['batch_size']} is not a multiple of micro_batch_size x world size "

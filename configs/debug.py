@@ -16,3 +16,6 @@ eval_interval = 10
 eval_iters = 2
 ckpt_interval = 10
 num_workers = 0
+weight_decay = 0.0
+min_lr = 1e-4
+final_accuracy_samples = 0

@@ -194,3 +194,15 @@ def test_trained_checkpoint_converts_to_hf_and_transformers_agrees(shapes, singl
 def test_shipped_configs_parse(name):
     cfg = train.load_config([str(ROOT / "configs" / f"{name}.py")])
     assert cfg["batch_size"] % cfg["micro_batch_size"] == 0
+
+
+def test_bench_runs_ours_against_transformers_on_cpu():
+    r = subprocess.run([sys.executable, str(ROOT / "bench.py"), "train", "--size", "debug", "--peer", "hf", "--steps", "2",
+                        "--warmup", "1", "--rounds", "1", "--dtype", "float32", "--device", "cpu"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    assert report["ours"]["tokens_per_s"] > 0 and report["ratio"]["tokens_per_s"] > 0
+    # the same weights and batch: the first losses agree
+    assert abs(report["ours"]["first_loss"] - report["hf"]["first_loss"]) < 1e-4
+    assert 0 < report["padding_share"] < 1
