@@ -754,7 +754,7 @@ def train_tokenizer(texts, out_prefix, vocab_size):
         hard_vocab_limit=False, num_threads=1, minloglevel=2)
 
 
-def make_shapes(out, n=20000, seed=0, val_fraction=0.1, image_size=48, vocab_size=512):
+def make_shapes(out, n=20000, seed=0, val_fraction=0.1, image_size=48, vocab_size=512, turns=1):
     out = Path(out)
     (out / "images").mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -762,11 +762,15 @@ def make_shapes(out, n=20000, seed=0, val_fraction=0.1, image_size=48, vocab_siz
     for i in tqdm(range(n), desc="drawing shapes", unit="img"):
         img, objects = draw_scene(rng, image_size)
         img.save(out / "images" / f"{i:06d}.png")
-        question, answer = shape_question(objects, rng)
+        qa = {}
+        for _ in range(4 * turns):  # several different questions about one image: more supervision per image
+            if len(qa) < turns:
+                q, a = shape_question(objects, rng)
+                qa.setdefault(q, a)
+        conv = [t for q, a in qa.items() for t in ({"from": "human", "value": q}, {"from": "gpt", "value": a})]
+        conv[0] = {"from": "human", "value": f"{IMAGE_TAG}\n{conv[0]['value']}"}
         split = "val" if i >= n * (1 - val_fraction) else "train"
-        records.append({"id": f"{split}-{i:06d}", "image": f"{i:06d}.png",
-                        "conversations": [{"from": "human", "value": f"{IMAGE_TAG}\n{question}"},
-                                          {"from": "gpt", "value": answer}]})
+        records.append({"id": f"{split}-{i:06d}", "image": f"{i:06d}.png", "conversations": conv})
     (out / "shapes.json").write_text(json.dumps(records))
     texts = [t["value"].replace(IMAGE_TAG, "").strip() for r in records for t in r["conversations"]]
     for fn in TEMPLATES.values():  # so the template scaffolding tokenizes compactly too
@@ -863,6 +867,7 @@ def main(argv=None):
     b.add_argument("--n", type=int, default=20000)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--image-size", type=int, default=48)
+    b.add_argument("--turns", type=int, default=1, help="questions per image, as a multi-turn conversation")
     c = sub.add_parser("bench", help="decode + preprocess images/s per core, ours vs webdataset + PIL")
     c.add_argument("--shards", help="shards to read (default: generate 640x480 JPEGs in --workdir)")
     c.add_argument("--workdir", default="out/bench-data")
@@ -872,7 +877,7 @@ def main(argv=None):
     if args.cmd == "pack":
         pack(args.json, args.images, args.out, args.shard_size, args.val_ratio, args.workers, args.strict)
     elif args.cmd == "shapes":
-        make_shapes(args.out, args.n, args.seed, image_size=args.image_size)
+        make_shapes(args.out, args.n, args.seed, image_size=args.image_size, turns=args.turns)
     else:
         shards = args.shards or make_bench_shards(args.workdir, args.n)
         r = bench_images(shards, args.size)

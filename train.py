@@ -456,6 +456,13 @@ def main(argv=None):
                    "n_image_tokens": raw.cfg.n_image_tokens, "template": cfg["template"], "image_mode": cfg["image_mode"],
                    "seed": cfg["seed"], "rank": env.rank, "world_size": env.world, "shuffle_block": cfg["shuffle_block"]}
     loader = data.Loader(data.ShardStream(cfg["data_dir"], split="train", **stream_args), cfg["num_workers"])
+    vocab, image_id, llm = loader.stream.tok.vocab_size, raw.cfg.image_token_id, raw.cfg.llm
+    if cfg["seq_len"] > llm.max_seq_len:
+        raise SystemExit(f"config: seq_len={cfg['seq_len']} exceeds the model's max_seq_len={llm.max_seq_len}")
+    collides = image_id < vocab and loader.stream.tok.decode([image_id]) != data.IMAGE_TAG  # an HF <image> is fine
+    if collides or image_id >= llm.vocab_size or vocab > llm.vocab_size:
+        raise SystemExit(f"config: image_token_id={image_id} must lie in [tokenizer vocab {vocab}, model vocab "
+                         f"{llm.vocab_size}) so it never collides with a text token ({cfg['tokenizer']})")
     try:
         val_stream = data.ShardStream(cfg["data_dir"], split="val", **stream_args)
         val_loader = data.Loader(val_stream, 0)

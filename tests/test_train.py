@@ -159,6 +159,16 @@ def test_config_errors_name_the_key(tmp_path):
     assert cfg["lr"] == 3e-4 and cfg["skip_steps"] == [(1, 2)] and cfg["template"] == "vicuna_v1"
 
 
+def test_model_and_data_mismatches_are_config_errors(shapes, tmp_path):
+    with pytest.raises(SystemExit, match="seq_len=600 exceeds the model's max_seq_len=512"):
+        train.main(args(shapes, tmp_path / "a", "--seq_len=600"))
+    overrides = "--model_overrides={'vision': {'image_size': 28}, 'llm': {'vocab_size': 576}, 'image_token_id': 5}"
+    with pytest.raises(SystemExit, match="image_token_id=5 must lie in"):
+        train.main(args(shapes, tmp_path / "b", overrides))
+    with pytest.raises(SystemExit, match="python data.py shapes"):
+        train.main(args(shapes, tmp_path / "c", f"--data_dir={tmp_path / 'nowhere'}"))
+
+
 @pytest.mark.parametrize("stage,trained", [(1, {"projector"}), (2, {"projector", "llm"})])
 def test_stages_change_exactly_the_intended_parameters(shapes, tmp_path, stage, trained):
     cfg = vlm_preset("debug")
