@@ -38,9 +38,9 @@ init_from = "scratch"  # 'scratch', 'resume' (newest checkpoint in out_dir) or a
 model = "debug"  # the VLM preset when init_from='scratch'
 model_overrides = {  # merged into the preset; these make the shapes demo's 1.8M-parameter VLM
     "vision": {"image_size": 48, "patch_size": 16, "dim": 128, "n_layers": 4, "n_heads": 4, "ffn_dim": 512},
-    "llm": {"vocab_size": 448, "dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 4, "ffn_dim": 384, "max_seq_len": 64},
+    "llm": {"vocab_size": 576, "dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 4, "ffn_dim": 384, "max_seq_len": 64},
     "vision_layer": -1,
-    "image_token_id": 397,  # the first id after the shapes tokenizer's vocabulary
+    "image_token_id": 512,  # the shapes tokenizer holds at most 512 pieces; the vocab is padded to 576
 }
 # data
 data_dir = "data/shapes/shards"
