@@ -404,21 +404,25 @@ class VLM(nn.Module):
     def init_weights(self, seed=None):
         """Random init for a model built on the meta device and moved with to_empty()."""
         gen = None if seed is None else torch.Generator(device=self.llm.rope_cos.device).manual_seed(seed)
+        # std 1/sqrt(fan_in) for matmuls: at small widths GPT-2's fixed 0.02 starves the attention of
+        # signal, and a from-scratch VLM then takes hundreds of steps to start reading its image tokens
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding, nn.Conv2d)):
-                nn.init.normal_(module.weight, std=0.02, generator=gen)
-                if getattr(module, "bias", None) is not None:
+            if isinstance(module, (nn.Linear, nn.Conv2d)):
+                fan_in = module.weight[0].numel()
+                nn.init.normal_(module.weight, std=fan_in**-0.5, generator=gen)
+                if module.bias is not None:
                     nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=0.02, generator=gen)
             elif isinstance(module, (nn.LayerNorm, RMSNorm)):
                 nn.init.ones_(module.weight)
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
         # GPT-2's scaled init for the projections that write into a residual stream
         for name, p in self.named_parameters():
-            if name.endswith(("attn.wo.weight", "mlp.c_proj.weight")):
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.cfg.vision.n_layers), generator=gen)
-            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
-                nn.init.normal_(p, std=0.02 / math.sqrt(2 * self.cfg.llm.n_layers), generator=gen)
+            n_layers = self.cfg.vision.n_layers if name.startswith("vision.") else self.cfg.llm.n_layers
+            if name.endswith(("attn.wo.weight", "mlp.c_proj.weight", "attention.wo.weight", "feed_forward.w2.weight")):
+                p.mul_(1 / math.sqrt(2 * n_layers))
         nn.init.normal_(self.vision.class_embedding, std=0.02, generator=gen)
         nn.init.normal_(self.vision.positional_embedding, std=0.02, generator=gen)
         self.llm.init_buffers()
