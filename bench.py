@@ -2,7 +2,7 @@
 Benchmarks. Figures go to BENCHMARKS.md with the command, date and machine.
 
     python bench.py train [--size bench|debug] [--stage 1|2] [--peer hf] [--steps N] [--batch B]
-    python bench.py data                       # decode + preprocess images/s per core (data.py bench)
+    python bench.py data [--shards DIR]        # decode + preprocess images/s per core, ours vs webdataset + PIL
 
 `train` times full training steps (forward, backward, AdamW) on random weights and synthetic
 batches after warm-up, and reports tokens/s, samples/s, MFU (README's formula), peak memory and
@@ -17,11 +17,15 @@ import json
 import sys
 import tempfile
 import time
+from pathlib import Path
 
+import numpy as np
 import torch
+from PIL import Image
 
 import convert
-import data
+from data import CLIP_MEAN, CLIP_STD, IMAGE_TAG, load_image, normalize_images, pack, read_members, \
+    sample_offsets, shard_files
 import train
 from model import build_model, vlm_preset
 
@@ -154,6 +158,73 @@ def bench_train(args):
     return report
 
 
+# -----------------------------------------------------------------------------
+# benchmark: decode + preprocess to `size` px, ours against webdataset + PIL
+
+
+def make_bench_shards(out, n=400, width=640, height=480, seed=0):
+    """Photo-like 640x480 JPEGs (smooth gradients plus noise), packed."""
+    out = Path(out)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:height, 0:width]
+    records = []
+    for i in range(n):
+        base = np.stack([np.sin(xx / rng.uniform(20, 90) + c) * np.cos(yy / rng.uniform(20, 90)) for c in range(3)], -1)
+        pixels = np.clip(127 + 100 * base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
+        Image.fromarray(pixels).save(out / "images" / f"{i}.jpg", quality=90)
+        records.append({"id": i, "image": f"{i}.jpg", "conversations": [
+            {"from": "human", "value": f"{IMAGE_TAG}\nDescribe the image."}, {"from": "gpt", "value": "Waves."}]})
+    (out / "bench.json").write_text(json.dumps(records))
+    pack(out / "bench.json", out / "images", out / "shards", shard_size=100)
+    return out / "shards"
+
+
+def bench_images(shards, size=336, repeats=2):
+    """images/s on one core for our reader (draft decode, resize, pad, batched normalize) and webdataset + PIL."""
+    import time
+
+    torch.set_num_threads(1)
+    files = shard_files(shards)
+
+    def ours():
+        n = 0
+        for path in files:
+            with open(path, "rb") as f:
+                for start, end in sample_offsets(path):
+                    _, members = read_members(f, start, end)
+                    normalize_images(load_image(members["jpg"], size, "pad")[None])
+                    n += 1
+        return n
+
+    def webdataset_pil():
+        import webdataset as wds
+
+        mean = np.array(CLIP_MEAN, dtype=np.float32)
+        std = np.array(CLIP_STD, dtype=np.float32)
+        n = 0
+        for sample in wds.WebDataset([str(f) for f in files], shardshuffle=False).decode("pil"):
+            img = sample["jpg"].convert("RGB")
+            w, h = img.size  # LLaVA's expand2square, then the processor's resize and normalize
+            square = Image.new("RGB", (max(w, h),) * 2, tuple(int(m * 255) for m in CLIP_MEAN))
+            square.paste(img, ((max(w, h) - w) // 2, (max(w, h) - h) // 2))
+            x = np.asarray(square.resize((size, size), Image.BICUBIC), dtype=np.float32) / 255
+            ((x - mean) / std).transpose(2, 0, 1)
+            n += 1
+        return n
+
+    results = {}
+    for name, fn in (("llavax", ours), ("webdataset+PIL", webdataset_pil)):
+        best = 0.0
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            n = fn()
+            best = max(best, n / (time.perf_counter() - t0))
+        results[name] = best
+    return results
+
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -169,13 +240,18 @@ def main(argv=None):
     t.add_argument("--compile", action="store_true", help="torch.compile our blocks")
     t.add_argument("--device", default="")
     t.add_argument("--peak-flops", type=float, default=0.0)
-    sub.add_parser("data", add_help=False)
-    args, rest = p.parse_known_args(argv)
+    d = sub.add_parser("data")
+    d.add_argument("--shards", help="shards to read (default: generate 640x480 JPEGs in --workdir)")
+    d.add_argument("--workdir", default="out/bench-data")
+    d.add_argument("--size", type=int, default=336)
+    d.add_argument("--n", type=int, default=400)
+    args = p.parse_args(argv)
     if args.cmd == "data":
-        data.main(["bench", *rest])
+        shards = args.shards or make_bench_shards(args.workdir, args.n)
+        r = bench_images(shards, args.size)
+        print(f"decode+preprocess to {args.size}px, 1 core: llavax {r['llavax']:.0f} img/s, "
+              f"webdataset+PIL {r['webdataset+PIL']:.0f} img/s, ratio {r['llavax'] / r['webdataset+PIL']:.2f}x")
     else:
-        if rest:
-            p.error(f"unknown arguments {rest}")
         bench_train(args)
 
 

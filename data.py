@@ -2,8 +2,7 @@
 Data for llavax: LLaVA conversations -> Energon-compatible tar shards -> fixed-shape batches.
 
     python data.py pack --json llava_v1_5_mix665k.json --images DIR --out SHARDS [--shard-size 1000] [--val-ratio 0.01]
-    python data.py shapes --out DIR [--n 20000] [--seed 0]      # the synthetic demo dataset
-    python data.py bench --shards SHARDS                          # decode + preprocess images/s per core
+    python data.py shapes --out DIR [--n 20000] [--seed 0]      # the synthetic demo dataset (shapes.py)
 
 A sample is KEY.jpg (image), KEY.txt (first answer) and KEY.json ({"question", "conversations", "id"}),
 the layout of Megatron-Energon's VQA datasets; .nv-meta/ and SHARD.tar.idx are written too, so
@@ -26,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image, ImageDraw
+from PIL import Image
 from tqdm import tqdm
 
 IMAGE_TAG = "<image>"
@@ -688,166 +687,6 @@ class Loader:
 
 
 # -----------------------------------------------------------------------------
-# the synthetic shapes dataset: the embedded default that `make demo` trains on
-
-COLORS = {"red": (220, 40, 40), "green": (30, 160, 60), "blue": (40, 80, 220), "yellow": (235, 200, 30),
-          "purple": (140, 60, 170)}
-SHAPES = ("circle", "square", "triangle")
-NUMBERS = ("zero", "one", "two", "three")
-
-
-def draw_scene(rng, size=48):
-    """1-3 shapes in distinct cells of a 3x3 grid, with jittered position and size. -> (image, objects)
-    With size 48 and 16 px patches, each cell is exactly one ViT patch."""
-    img = Image.new("RGB", (size, size), (255, 255, 255))
-    draw, cell, objects = ImageDraw.Draw(img), size / 3, []
-    for c in rng.choice(9, size=rng.integers(1, 4), replace=False):
-        shape, color = SHAPES[rng.integers(3)], list(COLORS)[rng.integers(len(COLORS))]
-        r = cell * rng.uniform(0.34, 0.46)
-        x = (c % 3 + 0.5) * cell + rng.uniform(-1, 1) * (cell / 2 - r)
-        y = (c // 3 + 0.5) * cell + rng.uniform(-1, 1) * (cell / 2 - r)
-        box = [x - r, y - r, x + r, y + r]
-        if shape == "circle":
-            draw.ellipse(box, fill=COLORS[color])
-        elif shape == "square":
-            draw.rectangle(box, fill=COLORS[color])
-        else:
-            draw.polygon([(x, y - r), (x - r, y + r), (x + r, y + r)], fill=COLORS[color])
-        objects.append((shape, color, x, int(c)))
-    return img, objects
-
-
-CELLS = ("top left", "top", "top right", "left", "centre", "right", "bottom left", "bottom", "bottom right")
-
-
-def shape_question(objects, rng):
-    """One question with exactly one right answer about the scene. "What is at the top left?" names
-    what one patch holds: the most direct lesson in shape identity, which the others build on."""
-    count = Counter(s for s, *_ in objects)
-    unique = [s for s in SHAPES if count[s] == 1]
-    column = {s: c % 3 for s, _, _, c in objects if s in unique}
-    # "left of" only for shapes in different grid columns, so the answer never hangs on a pixel of jitter
-    pairs = [(a, b) for a in unique for b in unique if column[a] != column[b]]
-    kinds = ["count", "where"] + ["color"] * bool(unique) + ["left"] * bool(pairs)
-    kind = kinds[rng.integers(len(kinds))]
-    if kind == "where":
-        cell = int(rng.integers(9))
-        return f"What is at the {CELLS[cell]}?", next((s for s, _, _, c in objects if c == cell), "nothing")
-    if kind == "color":
-        shape = unique[rng.integers(len(unique))]
-        return f"What color is the {shape}?", next(c for s, c, *_ in objects if s == shape)
-    if kind == "left":
-        a, b = pairs[rng.integers(len(pairs))]
-        return f"Is the {a} left of the {b}?", "yes" if column[a] < column[b] else "no"
-    shape = SHAPES[rng.integers(3)]
-    return f"How many {shape}s are there?", NUMBERS[count[shape]]
-
-
-def train_tokenizer(texts, out_prefix, vocab_size):
-    import sentencepiece as spm
-
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(texts), model_prefix=str(out_prefix), vocab_size=vocab_size, model_type="unigram",
-        character_coverage=1.0, byte_fallback=True, pad_id=3, bos_id=1, eos_id=2, unk_id=0,
-        user_defined_symbols=["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
-                              "<|im_start|>", "<|im_end|>"],
-        hard_vocab_limit=False, num_threads=1, minloglevel=2)
-
-
-def make_shapes(out, n=20000, seed=0, val_fraction=0.1, image_size=48, vocab_size=512, turns=1):
-    out = Path(out)
-    (out / "images").mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    records = []
-    for i in tqdm(range(n), desc="drawing shapes", unit="img"):
-        img, objects = draw_scene(rng, image_size)
-        img.save(out / "images" / f"{i:06d}.png")
-        qa = {}
-        for _ in range(4 * turns):  # several different questions about one image: more supervision per image
-            if len(qa) < turns:
-                q, a = shape_question(objects, rng)
-                qa.setdefault(q, a)
-        conv = [t for q, a in qa.items() for t in ({"from": "human", "value": q}, {"from": "gpt", "value": a})]
-        conv[0] = {"from": "human", "value": f"{IMAGE_TAG}\n{conv[0]['value']}"}
-        split = "val" if i >= n * (1 - val_fraction) else "train"
-        records.append({"id": f"{split}-{i:06d}", "image": f"{i:06d}.png", "conversations": conv})
-    (out / "shapes.json").write_text(json.dumps(records))
-    texts = [t["value"].replace(IMAGE_TAG, "").strip() for r in records for t in r["conversations"]]
-    for fn in TEMPLATES.values():  # so the template scaffolding tokenizes compactly too
-        texts += ["".join(t for t, _ in fn(r["conversations"])).replace(IMAGE_TAG, "") for r in records[:50]]
-    train_tokenizer(texts, out / "tokenizer", vocab_size)
-    pack(out / "shapes.json", out / "images", out / "shards", shard_size=2000, val_ids=lambda i: str(i).startswith("val"))
-    log(f"shapes: {n} images, tokenizer {out / 'tokenizer.model'}, shards in {out / 'shards'}")
-    return out
-
-
-# -----------------------------------------------------------------------------
-# benchmark: decode + preprocess to `size` px, ours against webdataset + PIL
-
-
-def make_bench_shards(out, n=400, width=640, height=480, seed=0):
-    """Photo-like 640x480 JPEGs (smooth gradients plus noise), packed."""
-    out = Path(out)
-    (out / "images").mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    yy, xx = np.mgrid[0:height, 0:width]
-    records = []
-    for i in range(n):
-        base = np.stack([np.sin(xx / rng.uniform(20, 90) + c) * np.cos(yy / rng.uniform(20, 90)) for c in range(3)], -1)
-        pixels = np.clip(127 + 100 * base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8)
-        Image.fromarray(pixels).save(out / "images" / f"{i}.jpg", quality=90)
-        records.append({"id": i, "image": f"{i}.jpg", "conversations": [
-            {"from": "human", "value": f"{IMAGE_TAG}\nDescribe the image."}, {"from": "gpt", "value": "Waves."}]})
-    (out / "bench.json").write_text(json.dumps(records))
-    pack(out / "bench.json", out / "images", out / "shards", shard_size=100)
-    return out / "shards"
-
-
-def bench_images(shards, size=336, repeats=2):
-    """images/s on one core for our reader (draft decode, resize, pad, batched normalize) and webdataset + PIL."""
-    import time
-
-    torch.set_num_threads(1)
-    files = shard_files(shards)
-
-    def ours():
-        n = 0
-        for path in files:
-            with open(path, "rb") as f:
-                for start, end in sample_offsets(path):
-                    _, members = read_members(f, start, end)
-                    normalize_images(load_image(members["jpg"], size, "pad")[None])
-                    n += 1
-        return n
-
-    def webdataset_pil():
-        import webdataset as wds
-
-        mean = np.array(CLIP_MEAN, dtype=np.float32)
-        std = np.array(CLIP_STD, dtype=np.float32)
-        n = 0
-        for sample in wds.WebDataset([str(f) for f in files], shardshuffle=False).decode("pil"):
-            img = sample["jpg"].convert("RGB")
-            w, h = img.size  # LLaVA's expand2square, then the processor's resize and normalize
-            square = Image.new("RGB", (max(w, h),) * 2, tuple(int(m * 255) for m in CLIP_MEAN))
-            square.paste(img, ((max(w, h) - w) // 2, (max(w, h) - h) // 2))
-            x = np.asarray(square.resize((size, size), Image.BICUBIC), dtype=np.float32) / 255
-            ((x - mean) / std).transpose(2, 0, 1)
-            n += 1
-        return n
-
-    results = {}
-    for name, fn in (("llavax", ours), ("webdataset+PIL", webdataset_pil)):
-        best = 0.0
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            n = fn()
-            best = max(best, n / (time.perf_counter() - t0))
-        results[name] = best
-    return results
-
-
-# -----------------------------------------------------------------------------
 # command line
 
 
@@ -868,21 +707,13 @@ def main(argv=None):
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--image-size", type=int, default=48)
     b.add_argument("--turns", type=int, default=1, help="questions per image, as a multi-turn conversation")
-    c = sub.add_parser("bench", help="decode + preprocess images/s per core, ours vs webdataset + PIL")
-    c.add_argument("--shards", help="shards to read (default: generate 640x480 JPEGs in --workdir)")
-    c.add_argument("--workdir", default="out/bench-data")
-    c.add_argument("--size", type=int, default=336)
-    c.add_argument("--n", type=int, default=400)
     args = p.parse_args(argv)
     if args.cmd == "pack":
         pack(args.json, args.images, args.out, args.shard_size, args.val_ratio, args.workers, args.strict)
-    elif args.cmd == "shapes":
-        make_shapes(args.out, args.n, args.seed, image_size=args.image_size, turns=args.turns)
     else:
-        shards = args.shards or make_bench_shards(args.workdir, args.n)
-        r = bench_images(shards, args.size)
-        print(f"decode+preprocess to {args.size}px, 1 core: llavax {r['llavax']:.0f} img/s, "
-              f"webdataset+PIL {r['webdataset+PIL']:.0f} img/s, ratio {r['llavax'] / r['webdataset+PIL']:.2f}x")
+        import shapes  # the demo's dataset lives in its own file; it packs with pack() above
+
+        shapes.make_shapes(args.out, args.n, args.seed, image_size=args.image_size, turns=args.turns)
 
 
 if __name__ == "__main__":

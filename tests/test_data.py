@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import ROOT
+from shapes import make_shapes
 from PIL import Image
 
 import data
@@ -135,7 +136,7 @@ def test_energon_opens_packed_folder_as_vqa_without_prepare(tmp_path, llava_json
 @pytest.fixture(scope="module")
 def shapes(tmp_path_factory):
     out = tmp_path_factory.mktemp("shapes")
-    data.make_shapes(out, n=240, seed=0, val_fraction=0.25)
+    make_shapes(out, n=240, seed=0, val_fraction=0.25)
     return out
 
 

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 from conftest import ROOT
+from shapes import make_shapes
 from safetensors.torch import load_file
 
 import convert
@@ -21,7 +22,7 @@ from model import build_model, vlm_preset
 @pytest.fixture(scope="module")
 def shapes(tmp_path_factory):
     out = tmp_path_factory.mktemp("shapes")
-    data.make_shapes(out, n=400, seed=0, val_fraction=0.1)
+    make_shapes(out, n=400, seed=0, val_fraction=0.1)
     return out
 
 
@@ -216,3 +217,10 @@ def test_bench_runs_ours_against_transformers_on_cpu():
     # the same weights and batch: the first losses agree
     assert abs(report["ours"]["first_loss"] - report["hf"]["first_loss"]) < 1e-4
     assert 0 < report["padding_share"] < 1
+
+
+def test_bench_data_runs_both_pipelines(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "bench.py"), "data", "--workdir", str(tmp_path), "--n", "12"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "llavax" in r.stdout and "webdataset+PIL" in r.stdout and "ratio" in r.stdout
