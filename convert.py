@@ -372,7 +372,7 @@ def llava_to_hf(ckpt_dir, out):
     return write_dir(out, fill)
 
 
-def image_token(tokenizer_dir, vocab_size):
+def image_token(tokenizer_dir):
     """The id of '<image>' if the tokenizer already has one, else None."""
     for name in ("tokenizer.json", "tokenizer_config.json"):
         p = Path(tokenizer_dir, name)
@@ -392,7 +392,7 @@ def image_token(tokenizer_dir, vocab_size):
 def add_image_token(state, llm: LlamaConfig, tokenizer_dir, pad_to):
     """Use the tokenizer's <image> id, or append one: new embedding/output rows are the mean of the old ones,
     and the vocab is padded to a multiple of pad_to (as llava-hf does: 32000 -> 32064)."""
-    found = image_token(tokenizer_dir, llm.vocab_size) if tokenizer_dir else None
+    found = image_token(tokenizer_dir) if tokenizer_dir else None
     if found is not None and found < llm.vocab_size:
         say(f"the tokenizer in {tokenizer_dir} has <image> as id {found}; using it")
         return found, llm
