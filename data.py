@@ -136,13 +136,13 @@ def prepare_record(args):
 class ShardWriter:
     """Deterministic tars (fixed mtime/owner) written as NAME.tmp then renamed, each with an energon .tar.idx."""
 
-    def __init__(self, out_dir, shard_size, first_shard=0):
-        self.out_dir, self.shard_size, self.next_shard = Path(out_dir), shard_size, first_shard
+    def __init__(self, out_dir, shard_size, prefix="shard"):
+        self.out_dir, self.shard_size, self.prefix, self.next_shard = Path(out_dir), shard_size, prefix, 0
         self.tar, self.offsets, self.done = None, [], []
 
     def add(self, key, members):
         if self.tar is None:
-            self.name = f"shard-{self.next_shard:06d}.tar"
+            self.name = f"{self.prefix}-{self.next_shard:06d}.tar"
             self.tar = tarfile.open(self.out_dir / (self.name + ".tmp"), "w", format=tarfile.USTAR_FORMAT)
             self.offsets = []
         self.offsets.append(self.tar.offset)
@@ -189,38 +189,30 @@ def pack(json_path, images_dir, out_dir, shard_size=1000, val_ratio=0.0, workers
     """Pack a LLaVA JSON/JSONL file; a record goes to val by a hash of its id (val_ratio) or by val_ids(id)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    skips, good = Skips(), {"train": [], "val": []}
+    skips = Skips()
     records = list(read_records(json_path))
-    jobs = ((i, rec, images_dir) for i, (rec, _) in enumerate(records) if rec is not None)
     for where, reason in (err for _, err in records if err):
         skips.add(reason, where)
-    # samples are held in memory per split only as far as a shard; order follows the input file
-    writers = {"train": ShardWriter(out_dir, shard_size, 0), "val": None}
-    val_samples = []
+    indexed = [(i, rec) for i, (rec, _) in enumerate(records) if rec is not None]
+    jobs = ((i, rec, images_dir) for i, rec in indexed)
+    # train and val stream into their own shards; keys count across both, so they stay unique
+    writers = {split: ShardWriter(out_dir, shard_size, prefix) for split, prefix in (("train", "shard"), ("val", "val"))}
     pool = Pool(workers) if workers > 1 else None
     results = pool.imap(prepare_record, jobs, chunksize=16) if pool else map(prepare_record, jobs)
-    ok_records = [r for r, _ in records if r is not None]
-    bar = tqdm(zip(ok_records, results), total=len(ok_records), desc=f"packing {json_path}", unit="rec")
     n = 0
-    for rec, (sample, reason) in bar:
-        sample_id = rec.get("id", n) if isinstance(rec, dict) else n
+    for (i, rec), (sample, reason) in tqdm(zip(indexed, results), total=len(indexed), desc=f"packing {json_path}",
+                                           unit="rec"):
+        sample_id = rec.get("id", i) if isinstance(rec, dict) else i  # the same fallback prepare_record stores
         if reason:
             skips.add(reason, sample_id)
             continue
         members = [(ext, sample[ext]) for ext in ("jpg", "txt", "json") if sample[ext] is not None]
-        if (val_ids(sample_id) if val_ids else val_ratio and is_val(sample_id, val_ratio)):
-            val_samples.append(members)
-        else:
-            writers["train"].add(f"sample{n:09d}", members)
-            n += 1
+        split = "val" if (val_ids(sample_id) if val_ids else val_ratio and is_val(sample_id, val_ratio)) else "train"
+        writers[split].add(f"sample{n:09d}", members)
+        n += 1
     if pool:
         pool.close()
-    good["train"] = writers["train"].close()
-    val_writer = ShardWriter(out_dir, shard_size, len(good["train"]))
-    for members in val_samples:
-        val_writer.add(f"sample{n:09d}", members)
-        n += 1
-    good["val"] = val_writer.close()
+    good = {split: w.close() for split, w in writers.items()}
     write_energon_meta(out_dir, good["train"], good["val"])
     n_train, n_val = sum(c for _, c in good["train"]), sum(c for _, c in good["val"])
     log(f"pack: wrote {n_train} train and {n_val} val samples in {len(good['train']) + len(good['val'])} shards "
@@ -566,9 +558,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.index = [(i, s, e) for i, f in enumerate(self.files) for s, e in sample_offsets(f)]
         if not self.index:
             raise ValueError(f"the {split} shards in {paths} hold no samples")
-        counts = Counter(i for i, _, _ in self.index)
-        ends = np.cumsum([counts[i] for i in range(len(self.files))])
-        self.shard_ranges = list(zip(ends - [counts[i] for i in range(len(self.files))], ends))
+        ends = np.cumsum(np.bincount([i for i, _, _ in self.index], minlength=len(self.files)))
+        self.shard_ranges = list(zip([0, *ends[:-1]], ends))  # each shard's samples, as a range of the index
         self.tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer(tokenizer)
         if template not in TEMPLATES:
             raise ValueError(f"unknown template {template!r}; choose from {sorted(TEMPLATES)}")

@@ -83,8 +83,7 @@ compile = False
 activation_checkpointing = False
 peak_flops = 0.0  # per device, for MFU; 0 uses the bf16 dense peak of a known GPU
 seed = 0
-DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, list, dict))
-            and k not in ("DEFAULTS",)}
+DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, list, dict))}
 
 # -----------------------------------------------------------------------------
 # configuration
@@ -313,13 +312,12 @@ def save_checkpoint(path, model, raw, optimizer, loader, it, cfg, env):
         weights = {k: v.detach().cpu() for k, v in msd.items() if not (tied and k == "llm.output.weight")}
         moments = {f"{name}/{k}": v.detach().cpu().reshape(-1) if k == "step" else v.detach().cpu()
                    for name, s in osd["state"].items() for k, v in s.items()}
-        groups = [{k: v for k, v in g.items()} for g in osd["param_groups"]]
 
         def fill(tmp):
             convert.write_weights(weights, tmp)
             (tmp / "config.json").write_text(json.dumps(raw.cfg.to_dict(), indent=2))
             save_file({k: v.contiguous() for k, v in moments.items()}, tmp / "optimizer.safetensors")
-            (tmp / "optimizer.json").write_text(json.dumps({"param_groups": groups}, indent=2))
+            (tmp / "optimizer.json").write_text(json.dumps({"param_groups": osd["param_groups"]}, indent=2))
             save_file({f"rank{r}.{k}": v for r, s in enumerate(ranks) for k, v in s.items()}, tmp / "rng.safetensors")
             for name in ("tokenizer.model", "tokenizer.json"):
                 if Path(cfg["tokenizer"]).name == name and Path(cfg["tokenizer"]).exists():
@@ -498,11 +496,12 @@ def main(argv=None):
     batches = iter(loader)
     loss_sum, tokens_sum = torch.zeros((), device=env.device), torch.zeros((), device=env.device)
     t_last, data_wait, it = time.perf_counter(), 0.0, start
-    samples_done = 0
+    samples_done, dropped = 0, 0
     while it < cfg["max_iters"]:
         t0 = time.perf_counter()
         micro = [next(batches) for _ in range(grad_accum)]
         data_wait += time.perf_counter() - t0
+        dropped += sum(int(b["dropped"].sum()) for b in micro)  # CPU tensors: no device sync
         if any(a <= it < b for a, b in cfg["skip_steps"]):
             print0(env, f"step {it}: skipped (skip_steps); its {cfg['batch_size']} samples are consumed")
             log({"step": it, "skipped": True})
@@ -539,15 +538,16 @@ def main(argv=None):
                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
             event = {"step": it, "loss": loss_val, "lr": lr_now, "grad_norm": gn.item(), "tokens_per_s": tok_s,
                      "samples_per_s": samples_done / dt, "mfu": flops / (peak * env.world) if peak else None,
-                     "data_wait": data_wait / dt, "peak_mem_gib": mem}
+                     "data_wait": data_wait / dt, "peak_mem_gib": mem, "dropped_samples": dropped}
             mfu = f"{100 * event['mfu']:.1f}%" if peak else "n/a"
             print0(env, f"step {it}: loss {loss_val:.4f}, lr {lr_now:.2e}, grad norm {event['grad_norm']:.3f}, "
                    f"{tok_s:,.0f} tok/s, {event['samples_per_s']:.1f} samples/s, MFU {mfu}, data wait "
-                   f"{100 * event['data_wait']:.1f}%, peak mem {mem:.2f} GiB ({steps:.0f} steps in {dt:.1f}s)")
+                   f"{100 * event['data_wait']:.1f}%, peak mem {mem:.2f} GiB ({steps:.0f} steps in {dt:.1f}s)"
+                   + (f", {dropped} samples dropped (see data: lines)" if dropped else ""))
             log(event)
             loss_sum.zero_()
             tokens_sum.zero_()
-            t_last, data_wait, samples_done = time.perf_counter(), 0.0, 0
+            t_last, data_wait, samples_done, dropped = time.perf_counter(), 0.0, 0, 0
         if val_loader and cfg["eval_interval"] and (it % cfg["eval_interval"] == 0 or it == cfg["max_iters"]):
             val = evaluate(model, val_loader, env, cfg, cfg["eval_iters"])
             print0(env, f"step {it}: val loss {val:.4f}")

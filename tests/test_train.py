@@ -224,3 +224,9 @@ def test_bench_data_runs_both_pipelines(tmp_path):
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "llavax" in r.stdout and "webdataset+PIL" in r.stdout and "ratio" in r.stdout
+
+
+def test_dropped_samples_are_counted_in_the_training_log(shapes, tmp_path):
+    train.main(args(shapes, tmp_path, "--seq_len=6", "--max_iters=2"))  # too short for the image: every sample drops
+    events = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert sum(e.get("dropped_samples", 0) for e in events) == 2 * 8
