@@ -24,7 +24,7 @@ import torch
 from PIL import Image
 
 import convert
-from data import CLIP_MEAN, CLIP_STD, IMAGE_TAG, load_image, normalize_images, pack, read_members, \
+from data import CLIP_MEAN, CLIP_STD, IMAGE_TAG, load_image, normalize_images, pack, pack_rows, packed_batch, read_members, \
     sample_offsets, shard_files
 import train
 from model import build_model, vlm_preset
@@ -35,22 +35,50 @@ SIZES = {  # (preset, seq_len, micro batch, real tokens per sample)
 }
 
 
-def synthetic_batches(cfg, seq_len, batch, real_tokens, n, seed=0):
-    """Image placeholders first, then random text; `real_tokens` per sample (jittered), the rest padding."""
+def synthetic_samples(cfg, real_tokens, n, seed=0):
+    """(ids, labels) of n samples: image placeholders first, then random text, `real_tokens` long (jittered)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
-        ids = torch.zeros(batch, seq_len, dtype=torch.long)
-        labels = torch.full((batch, seq_len), -100, dtype=torch.long)
-        for row in range(batch):
-            jitter = int(torch.randint(-real_tokens // 8, real_tokens // 8 + 1, (), generator=g))
-            length = min(seq_len, max(cfg.n_image_tokens + 16, real_tokens + jitter))
-            text = torch.randint(3, min(cfg.llm.vocab_size, cfg.image_token_id), (length,), generator=g)
-            text[: cfg.n_image_tokens] = cfg.image_token_id
-            ids[row, :length] = text
-            labels[row, cfg.n_image_tokens : length] = text[cfg.n_image_tokens :]
-        pixels = torch.randn(batch, 3, cfg.vision.image_size, cfg.vision.image_size, generator=g)
-        out.append((ids, pixels, labels))
+        jitter = int(torch.randint(-real_tokens // 8, real_tokens // 8 + 1, (), generator=g))
+        length = max(cfg.n_image_tokens + 16, real_tokens + jitter)
+        ids = torch.randint(3, min(cfg.llm.vocab_size, cfg.image_token_id), (length,), generator=g)
+        ids[: cfg.n_image_tokens] = cfg.image_token_id
+        labels = ids.clone()
+        labels[: cfg.n_image_tokens] = -100
+        out.append((ids, labels))
+    return out
+
+
+def synthetic_batches(cfg, seq_len, rows, real_tokens, n, pack=False, seed=0):
+    """n batches of `rows` x seq_len and the samples in each. Unpacked: a sample a row, right-padded. Packed: as
+    many samples a row as fit (data.packed_batch), images in placeholder order, their count padded to a fixed
+    number so shapes stay static."""
+    samples = synthetic_samples(cfg, real_tokens, n * rows * (seq_len // real_tokens + 2), seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    out, next_sample = [], 0
+    for _ in range(n):
+        if not pack:
+            chosen = samples[next_sample : next_sample + rows]
+            ids = torch.zeros(rows, seq_len, dtype=torch.long)
+            labels = torch.full((rows, seq_len), -100, dtype=torch.long)
+            for r, (i, lab) in enumerate(chosen):
+                ids[r, : len(i)], labels[r, : len(lab)] = i, lab
+            positions = None
+        else:
+            # the longest run of the next samples that fits the rows (first-fit decreasing)
+            take = 1
+            while all(w is not None for w in pack_rows([len(i) for i, _ in samples[next_sample : next_sample + take + 1]],
+                                                       rows, seq_len)[0]):
+                take += 1
+            chosen = samples[next_sample : next_sample + take]
+            b = packed_batch(chosen, rows, seq_len, pad_id=0)
+            ids, labels, positions = b["input_ids"], b["labels"], b["position_ids"]
+        next_sample += len(chosen)
+        out.append({"ids": ids, "labels": labels, "positions": positions, "lengths": [len(i) for i, _ in chosen]})
+    n_images = max(len(b["lengths"]) for b in out)
+    for b in out:
+        b["pixels"] = torch.randn(n_images if pack else rows, 3, cfg.vision.image_size, cfg.vision.image_size, generator=g)
     return out
 
 
@@ -76,13 +104,16 @@ def run_phase(kind, raw_cpu, batches, args, device, steps, warmup):
         model = build_model(raw_cpu.cfg, device=device, init=False)
         model.load_state_dict(raw_cpu.state_dict())
         train.freeze(model, args.stage)
+        model.loss_chunk = args.loss_chunk
+        model.llm.flex_attention = args.pack and device.type == "cuda"
+        train.set_checkpointing(model, args.checkpointing)
         if args.compile:
             train.compile_blocks(model)
-        step_fn = lambda ids, px, lab: model(ids, px, lab)[1]  # noqa: E731
+        step_fn = lambda b: model(b["ids"], b["pixels"], b["labels"], "sum", b["positions"])[1] / b["n_targets"]  # noqa: E731
     else:
         model = hf_model(raw_cpu, device)
         hf_freeze(model, args.stage)
-        step_fn = lambda ids, px, lab: model(input_ids=ids, pixel_values=px, labels=lab).loss  # noqa: E731
+        step_fn = lambda b: model(input_ids=b["ids"], pixel_values=b["pixels"], labels=b["labels"]).loss  # noqa: E731
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5, **({"fused": True} if device.type == "cuda" else {"foreach": True}))
@@ -95,15 +126,17 @@ def run_phase(kind, raw_cpu, batches, args, device, steps, warmup):
         if i == warmup:
             sync(device)
             t0 = time.perf_counter()
-        ids, px, lab = (t.to(device, non_blocking=True) for t in batches[i % len(batches)])
+        b = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batches[i % len(batches)].items()}
         with amp:
-            loss = step_fn(ids, px, lab)
+            loss = step_fn(b)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
     sync(device)
     dt = time.perf_counter() - t0
+    if args.profile and kind == "ours":
+        profile_steps(step_fn, opt, batches, device, amp, args.profile)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
     first_loss = losses[0].item()
     model = opt = step_fn = None  # free before the next phase builds its model
@@ -113,6 +146,23 @@ def run_phase(kind, raw_cpu, batches, args, device, steps, warmup):
     return {"seconds_per_step": dt / steps, "peak_mem_gib": peak, "first_loss": first_loss}
 
 
+def profile_steps(step_fn, opt, batches, device, amp, path, n=3):
+    """The torch profiler's top kernels over n more steps, as a table in `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for i in range(n):
+            b = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batches[i % len(batches)].items()}
+            with amp:
+                step_fn(b).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        sync(device)
+    key = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    Path(path).write_text(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -120,40 +170,54 @@ def sync(device):
 
 def bench_train(args):
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    preset, seq_len, batch, real = SIZES[args.size]
-    batch = args.batch or batch
+    preset, seq_len, rows, real = SIZES[args.size]
+    rows = args.batch or rows
     torch.manual_seed(0)
     raw = build_model(vlm_preset(preset), device="cpu", seed=0)
-    batches = synthetic_batches(raw.cfg, seq_len, batch, real, n=4)
-    padding = 1 - sum(int((ids != 0).sum()) for ids, _, _ in batches) / sum(ids.numel() for ids, _, _ in batches)
-    flops = train.flops_per_sample(raw, args.stage, seq_len) * batch
     env = type("E", (), {"kind": device.type, "device": device})()
     peak = args.peak_flops or train.known_peak_flops(env)
+    # HF always takes a sample a row; ours the same, or packed rows with --pack
+    batches = {kind: synthetic_batches(raw.cfg, seq_len, rows, real, n=4, pack=args.pack and kind == "ours")
+               for kind in ("ours", "hf")}
+    for b in batches["ours"] + batches["hf"]:
+        b["n_targets"] = (b["labels"][:, 1:] != -100).sum()
     kinds = ["ours", "hf"] * args.rounds if args.peer == "hf" else ["ours"] * args.rounds
     results = {}
     for kind in kinds:
-        r = run_phase(kind, raw, batches, args, device, args.steps, args.warmup)
+        r = run_phase(kind, raw, batches[kind], args, device, args.steps, args.warmup)
         best = results.get(kind)
         if best is None or r["seconds_per_step"] < best["seconds_per_step"]:
             results[kind] = r
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "size": args.size,
-              "stage": args.stage, "batch": batch, "seq_len": seq_len, "dtype": args.dtype, "padding_share": padding}
+              "stage": args.stage, "rows": rows, "seq_len": seq_len, "dtype": args.dtype, "pack": args.pack,
+              "loss_chunk": args.loss_chunk, "compile": args.compile, "checkpointing": args.checkpointing}
     for kind, r in results.items():
-        s = r["seconds_per_step"]
-        report[kind] = {"tokens_per_s": batch * seq_len / s, "samples_per_s": batch / s,
+        s, bs = r["seconds_per_step"], batches[kind]
+        samples = sum(len(b["lengths"]) for b in bs) / len(bs)  # per step
+        real_tokens = sum(sum(b["lengths"]) for b in bs) / len(bs)
+        # useful FLOPs: each sample at its own length (README's formula); padding does no useful work
+        flops = sum(train.flops_per_sample(raw, args.stage, n) for b in bs for n in b["lengths"]) / len(bs)
+        report[kind] = {"tokens_per_s": rows * seq_len / s, "real_tokens_per_s": real_tokens / s,
+                        "samples_per_s": samples / s, "samples_per_step": samples,
+                        "padding_share": 1 - real_tokens / (rows * seq_len),
                         "mfu": flops / s / peak if peak else None, "peak_mem_gib": r["peak_mem_gib"],
                         "step_ms": 1000 * s, "first_loss": r["first_loss"]}
     if "hf" in results:
-        report["ratio"] = {"tokens_per_s": report["ours"]["tokens_per_s"] / report["hf"]["tokens_per_s"],
-                           "peak_mem": report["ours"]["peak_mem_gib"] / report["hf"]["peak_mem_gib"]}
+        report["ratio"] = {k: report["ours"][k] / report["hf"][k] for k in ("tokens_per_s", "real_tokens_per_s",
+                                                                           "samples_per_s", "peak_mem_gib")}
     for kind in results:
         r = report[kind]
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "n/a"
-        print(f"{kind:>4}: {r['tokens_per_s']:,.0f} tok/s, {r['samples_per_s']:.2f} samples/s, MFU {mfu}, "
-              f"peak mem {r['peak_mem_gib']:.2f} GiB, {r['step_ms']:.1f} ms/step, first loss {r['first_loss']:.4f}")
+        print(f"{kind:>4}: {r['real_tokens_per_s']:,.0f} real tok/s ({r['tokens_per_s']:,.0f} with padding, "
+              f"{100 * r['padding_share']:.1f}% padding), {r['samples_per_s']:.2f} samples/s "
+              f"({r['samples_per_step']:.1f} a step), MFU {mfu}, peak mem {r['peak_mem_gib']:.2f} GiB, "
+              f"{r['step_ms']:.1f} ms/step, first loss {r['first_loss']:.4f}")
     if "ratio" in report:
-        print(f"ours/HF: tokens/s x{report['ratio']['tokens_per_s']:.2f}, peak memory x{report['ratio']['peak_mem']:.2f}")
-    print(f"padding share {100 * padding:.1f}% ({report['batch']} x {seq_len}, stage {args.stage}, {args.dtype})")
+        q = report["ratio"]
+        print(f"ours/HF: real tokens/s x{q['real_tokens_per_s']:.2f}, samples/s x{q['samples_per_s']:.2f}, "
+              f"tokens/s with padding x{q['tokens_per_s']:.2f}, peak memory x{q['peak_mem_gib']:.2f}")
+    print(f"{rows} x {seq_len}, stage {args.stage}, {args.dtype}; ours: pack {args.pack}, loss_chunk {args.loss_chunk}, "
+          f"compile {args.compile}, checkpointing {args.checkpointing}")
     print(json.dumps(report))
     return report
 
@@ -238,6 +302,10 @@ def main(argv=None):
     t.add_argument("--batch", type=int, default=0, help="micro batch (default: the size's)")
     t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     t.add_argument("--compile", action="store_true", help="torch.compile our blocks")
+    t.add_argument("--pack", action="store_true", help="ours: several samples a row (FlexAttention on CUDA)")
+    t.add_argument("--loss-chunk", type=int, default=0, help="ours: cross-entropy this many positions at a time")
+    t.add_argument("--checkpointing", action="store_true", help="ours: recompute every block in backward")
+    t.add_argument("--profile", default="", help="write the torch profiler's top kernels of ours to this file")
     t.add_argument("--device", default="")
     t.add_argument("--peak-flops", type=float, default=0.0)
     d = sub.add_parser("data")

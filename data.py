@@ -647,6 +647,43 @@ class ShardStream(torch.utils.data.IterableDataset):
             k += n_workers
 
 
+def pack_rows(lengths, n_rows, seq_len):
+    """First-fit decreasing: place samples of the given lengths into n_rows rows of seq_len tokens.
+    Returns (row, offset) per sample, None for a sample that found no room, and each row's samples in order."""
+    free, rows, where = [seq_len] * n_rows, [[] for _ in range(n_rows)], [None] * len(lengths)
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        row = next((r for r in range(n_rows) if free[r] >= lengths[i]), None)
+        if row is not None:
+            where[i] = (row, seq_len - free[row])
+            free[row] -= lengths[i]
+            rows[row].append(i)
+    for r in rows:
+        r.sort(key=lambda i: where[i][1])
+    return where, rows
+
+
+def packed_batch(samples, n_rows, seq_len, pad_id):
+    """Several samples a row: input_ids, labels and position_ids (B, T); position 0 starts a sample, so the
+    model keeps samples apart (model.Llama.forward). `order` lists the placed samples in flattened order: their
+    images (text-only ones have none) go to pixel_values in that order; `where` is None for an unplaced sample."""
+    where, rows = pack_rows([len(ids) for ids, _ in samples], n_rows, seq_len)
+    input_ids = torch.full((n_rows, seq_len), pad_id, dtype=torch.long)
+    labels = torch.full((n_rows, seq_len), -100, dtype=torch.long)
+    position_ids = torch.zeros((n_rows, seq_len), dtype=torch.long)
+    for r, members in enumerate(rows):
+        end = 0
+        for i in members:
+            ids, lab = samples[i]
+            _, end = where[i]
+            input_ids[r, end : end + len(ids)] = torch.as_tensor(ids)
+            labels[r, end : end + len(lab)] = torch.as_tensor(lab)
+            position_ids[r, end : end + len(ids)] = torch.arange(len(ids))
+            end += len(ids)
+        position_ids[r, end:] = torch.arange(seq_len - end)  # the padding tail: one more (unsupervised) sample
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids,
+            "order": [i for r in rows for i in r], "where": where}
+
+
 class Loader:
     """Wraps ShardStream in a DataLoader and counts what it hands out; state_dict() is that position."""
 

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 # -----------------------------------------------------------------------------
@@ -304,13 +305,16 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x, cos, sin, cache=None, start_pos=0):
+    def forward(self, x, cos, sin, cache=None, start_pos=0, mask=None):
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        mask, causal = None, True
+        if isinstance(mask, BlockMask):  # packed rows on CUDA: FlexAttention skips the masked blocks
+            y = flex_attention(q, k, v, block_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads)
+            return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, D)
+        causal = mask is None
         if cache is not None:
             end = start_pos + T
             cache.k[self.layer_id][:, :, start_pos:end] = k
@@ -345,8 +349,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x, cos, sin, cache=None, start_pos=0):
-        x = x + self.attention(self.attention_norm(x), cos, sin, cache, start_pos)
+    def forward(self, x, cos, sin, cache=None, start_pos=0, mask=None):
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache, start_pos, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -364,6 +368,7 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
         self.checkpoint = False  # recompute each block in backward (train.py sets it)
+        self.flex_attention = False  # packed rows through FlexAttention (CUDA, compiled blocks) rather than a dense mask
 
     def init_buffers(self):
         inv_freq = rope_frequencies(self.cfg).to(self.rope_cos.device)
@@ -373,19 +378,51 @@ class Llama(nn.Module):
         self.rope_cos.copy_(emb.cos())
         self.rope_sin.copy_(emb.sin())
 
-    def forward(self, h, cache=None, start_pos=0):
-        """Embeddings (B, T, D) in, final-normed hidden states (B, T, D) out; self.output makes logits."""
+    def forward(self, h, cache=None, start_pos=0, position_ids=None):
+        """Embeddings (B, T, D) in, final-normed hidden states (B, T, D) out; self.output makes logits.
+
+        position_ids (B, T) marks packed rows: a new sample starts wherever the position is 0, and no
+        sample attends to another (tokens after the last sample form one more, unsupervised, sample)."""
         T = h.shape[1]
         if start_pos + T > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {start_pos + T} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
-        cos = self.rope_cos[start_pos : start_pos + T].to(h.dtype)
-        sin = self.rope_sin[start_pos : start_pos + T].to(h.dtype)
+        mask = None
+        if position_ids is None:
+            cos = self.rope_cos[start_pos : start_pos + T].to(h.dtype)  # (T, hd)
+            sin = self.rope_sin[start_pos : start_pos + T].to(h.dtype)
+        else:
+            cos = self.rope_cos[position_ids].to(h.dtype)[:, None]  # (B, 1, T, hd)
+            sin = self.rope_sin[position_ids].to(h.dtype)[:, None]
+            mask = self.document_mask((position_ids == 0).cumsum(dim=1))
         for layer in self.layers:
             if self.checkpoint and self.training:
-                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+                h = checkpoint(layer, h, cos, sin, None, 0, mask, use_reentrant=False)
             else:
-                h = layer(h, cos, sin, cache, start_pos)
+                h = layer(h, cos, sin, cache, start_pos, mask)
         return self.norm(h)
+
+    def document_mask(self, doc):
+        """Causal attention within each sample of a packed row; doc (B, T) numbers the samples along the row."""
+        B, T = doc.shape
+        if self.flex_attention:
+            same_doc = lambda b, h, q, kv: (doc[b, q] == doc[b, kv]) & (q >= kv)  # noqa: E731
+            return create_block_mask(same_doc, B, None, T, T, device=doc.device)
+        causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
+        return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]  # (B, 1, T, T): static, XLA compiles it
+
+
+def chunked_cross_entropy(h, weight, targets, chunk):
+    """Summed token losses of logits = h @ weight.T, `chunk` positions at a time. Each chunk's logits are
+    recomputed in backward, so the full fp32 (B*T, vocab) logits never exist (2.1 GB at 8 x 2048 x 32k)."""
+    h, targets = h.flatten(0, 1), targets.flatten()  # (B*T, D), (B*T,)
+    total = h.new_zeros((), dtype=torch.float32)
+    for i in range(0, h.shape[0], chunk):
+        total = total + checkpoint(_chunk_loss, h[i : i + chunk], weight, targets[i : i + chunk], use_reentrant=False)
+    return total
+
+
+def _chunk_loss(h, weight, targets):
+    return F.cross_entropy(F.linear(h, weight).float(), targets, ignore_index=-100, reduction="sum")
 
 
 # -----------------------------------------------------------------------------
@@ -399,6 +436,7 @@ class VLM(nn.Module):
         self.vision = ViT(cfg.vision)
         self.projector = Projector(cfg.projector, cfg.vision.dim * len(cfg.vision_layers), cfg.llm.dim)
         self.llm = Llama(cfg.llm)
+        self.loss_chunk = 0  # > 0: the loss is computed this many positions at a time and forward returns no logits
 
     @torch.no_grad()
     def init_weights(self, seed=None):
@@ -437,31 +475,41 @@ class VLM(nn.Module):
         features = self.projector(torch.cat(states, dim=-1))  # (B * n_images, n_image_tokens, D)
         return features.reshape(B, -1, features.shape[-1])  # (B, n_images * n_image_tokens, D)
 
-    def embed(self, input_ids, pixel_values=None):
-        """Token embeddings with each row's image features written over its image placeholders.
+    def embed(self, input_ids, pixel_values=None, packed=False):
+        """Token embeddings with image features written over the image placeholders.
 
-        Row b's k-th placeholder takes feature k of row b's images, found by a cumulative count,
-        so shapes stay static: no boolean-mask assignment, no loop over the batch. A row with no
-        placeholders ignores its (dummy) image."""
+        Unpacked, row b's k-th placeholder takes feature k of row b's images (a row with no placeholders
+        ignores its dummy image). Packed, pixel_values is (N, 3, H, W) in the order the placeholders appear in
+        the flattened batch (HF's convention), unused images at the end. Slots come from a cumulative count,
+        so shapes stay static: no boolean-mask assignment, no loop over the batch."""
         is_image = input_ids == self.cfg.image_token_id
         h = self.llm.tok_embeddings(torch.where(is_image, 0, input_ids))  # the image id may lie outside the vocab
         if pixel_values is None:
             return h
+        B, T, D = h.shape
         features = self.encode_images(pixel_values).to(h.dtype)  # (B, S, D)
+        if packed:
+            features, is_image, h = features.reshape(1, -1, D), is_image.reshape(1, -1), h.reshape(1, -1, D)  # one row
         slot = (is_image.long().cumsum(dim=1) - 1).clamp(0, features.shape[1] - 1)  # (B, T)
-        placed = torch.gather(features, 1, slot[..., None].expand(-1, -1, h.shape[-1]))  # (B, T, D)
-        return torch.where(is_image[..., None], placed, h)
+        placed = torch.gather(features, 1, slot[..., None].expand(-1, -1, D))  # (B, T, D)
+        return torch.where(is_image[..., None], placed, h).reshape(B, T, D)
 
-    def forward(self, input_ids, pixel_values=None, labels=None, loss_reduction="mean"):
-        """Logits (B, T, vocab) and, with labels aligned to input_ids (-100 = ignore), the next-token loss:
-        the mean over supervised tokens, or their sum with loss_reduction="sum" (train.py divides by a global count)."""
-        h = self.llm(self.embed(input_ids, pixel_values))
-        logits = self.llm.output(h)
+    def forward(self, input_ids, pixel_values=None, labels=None, loss_reduction="mean", position_ids=None):
+        """Logits (B, T, vocab) and, with labels aligned to input_ids (-100 = ignore), the next-token loss: the mean
+        over supervised tokens, their sum with loss_reduction="sum" (train.py divides by a global count), or
+        per position (B, T) with "none". position_ids (B, T) packs several samples into a row (see Llama.forward)."""
+        packed = position_ids is not None
+        h = self.llm(self.embed(input_ids, pixel_values, packed), position_ids=position_ids)
         if labels is None:
-            return logits, None
+            return self.llm.output(h), None
         targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # (B, T): position t predicts token t + 1
+        if packed:  # the last token of a sample does not predict the first of the next
+            targets = targets.masked_fill(F.pad(position_ids[:, 1:], (0, 1), value=0) == 0, -100)
+        if self.loss_chunk and loss_reduction == "sum":
+            return None, chunked_cross_entropy(h, self.llm.output.weight, targets, self.loss_chunk)
+        logits = self.llm.output(h)
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction=loss_reduction)
-        return logits, loss
+        return logits, loss.view(targets.shape) if loss_reduction == "none" else loss
 
     @torch.no_grad()
     def generate(self, input_ids, pixel_values=None, max_new_tokens=32, temperature=0.0, top_p=1.0,
