@@ -12,6 +12,7 @@ prints ours/HF. The two alternate in phases (ours, HF, ours, HF), one model in m
 """
 
 import argparse
+import functools
 import gc
 import json
 import sys
@@ -22,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
+from torch.utils.checkpoint import checkpoint
 
 import convert
 from data import CLIP_MEAN, CLIP_STD, IMAGE_TAG, load_image, normalize_images, pack, pack_rows, packed_batch, read_members, \
@@ -106,7 +108,7 @@ def run_phase(kind, raw_cpu, batches, args, device, steps, warmup):
         train.freeze(model, args.stage)
         model.loss_chunk = args.loss_chunk
         model.llm.flex_attention = args.pack and device.type == "cuda"
-        train.set_checkpointing(model, args.checkpointing)
+        train.set_checkpointing(model, functools.partial(checkpoint, use_reentrant=False) if args.checkpointing else None)
         if args.compile:
             train.compile_blocks(model)
         step_fn = lambda b: model(b["ids"], b["pixels"], b["labels"], "sum", b["positions"])[1] / b["n_targets"]  # noqa: E731

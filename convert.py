@@ -16,12 +16,12 @@ import json
 import os
 import re
 import shutil
+import struct
 import sys
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 from model import VLM, LlamaConfig, Projector, ViTConfig, VLMConfig, build_model, projector_depth
@@ -182,6 +182,27 @@ def read_weights(directory):
     return state
 
 
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+                      torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def write_safetensors(tensors, path, metadata=None):
+    """A safetensors file written one tensor at a time: the header comes from shapes alone, then each tensor is
+    fetched to the host and written. Tensors may live on any device (sharded XLA tensors are gathered one by one),
+    so the host never holds more than one of them."""
+    header, offset = {"__metadata__": metadata or {"format": "pt"}}, 0
+    for k, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[k] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for t in tensors.values():
+            f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
 def write_weights(state, directory, prefix="model", shard_bytes=SHARD_BYTES):
     """One file, or HF-style shards plus `{prefix}.safetensors.index.json` when larger than shard_bytes."""
     shards, size = [[]], 0
@@ -196,7 +217,7 @@ def write_weights(state, directory, prefix="model", shard_bytes=SHARD_BYTES):
     names = [f"{prefix}.safetensors"] if len(shards) == 1 else \
         [f"{prefix}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for name, keys in tqdm(list(zip(names, shards)), desc=f"writing {directory}", disable=total < PROGRESS_BYTES):
-        save_file({k: state[k].contiguous() for k in keys}, os.path.join(directory, name), metadata={"format": "pt"})
+        write_safetensors({k: state[k] for k in keys}, os.path.join(directory, name))
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": {k: n for n, ks in zip(names, shards) for k in ks}}
         Path(directory, f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2))

@@ -205,7 +205,7 @@ class ViT(nn.Module):
         # ln_post only feeds CLIP's pooled output; LLaVA never uses it, but we keep it so
         # checkpoints round-trip without losing weights.
         self.ln_post = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
-        self.checkpoint = False  # recompute each block in backward (train.py sets it)
+        self.checkpoint = None  # checkpoint(fn, *args): recompute each block in backward (train.py sets torch's or XLA's)
 
     def forward(self, pixel_values, layers=(-1,)):
         """Hidden states at the given HF indices: 0 is after ln_pre, i after block i, -1 the last."""
@@ -220,7 +220,7 @@ class ViT(nn.Module):
         x = self.ln_pre(x)
         states = {0: x}
         for i, block in enumerate(self.blocks[: max(wanted)], start=1):
-            x = checkpoint(block, x, use_reentrant=False) if self.checkpoint and self.training else block(x)
+            x = self.checkpoint(block, x) if self.checkpoint and self.training else block(x)
             states[i] = x
         return [states[i] for i in wanted]
 
@@ -310,7 +310,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # RoPE in the tables' precision, as HF; then back to v's dtype (autocast on XLA does not cast SDPA's inputs)
+        q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)
         if isinstance(mask, BlockMask):  # packed rows on CUDA: FlexAttention skips the masked blocks
             y = flex_attention(q, k, v, block_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads)
             return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, D)
@@ -367,7 +368,7 @@ class Llama(nn.Module):
         # real cos/sin tables (no complex dtypes: XLA handles them poorly); rebuilt by init_buffers
         self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
-        self.checkpoint = False  # recompute each block in backward (train.py sets it)
+        self.checkpoint = None  # checkpoint(fn, *args): recompute each block in backward (train.py sets torch's or XLA's)
         self.flex_attention = False  # packed rows through FlexAttention (CUDA, compiled blocks) rather than a dense mask
 
     def init_buffers(self):
@@ -396,7 +397,7 @@ class Llama(nn.Module):
             mask = self.document_mask((position_ids == 0).cumsum(dim=1))
         for layer in self.layers:
             if self.checkpoint and self.training:
-                h = checkpoint(layer, h, cos, sin, None, 0, mask, use_reentrant=False)
+                h = self.checkpoint(layer, h, cos, sin, None, 0, mask)
             else:
                 h = layer(h, cos, sin, cache, start_pos, mask)
         return self.norm(h)

@@ -12,23 +12,23 @@ stage 0 trains everything, stage 1 the projector only, stage 2 the projector and
 import ast
 import json
 import math
-import os
 import re
 import resource
 import shutil
 import signal
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import convert
 import data
 from model import VLMConfig, build_model, vlm_preset
+from parallel import Env, autocast, checkpoint_fn, grad_sync, init_optimizer_state, place_like, print0, shard
 
 # -----------------------------------------------------------------------------
 # config: typed defaults; configs/*.py and --key=value may change only these keys
@@ -76,8 +76,10 @@ wandb_log = False
 wandb_project = "llavax"
 wandb_run_name = ""
 # backend
-device = ""  # '' picks cuda when available, else cpu
+device = ""  # '' picks cuda when available, else cpu; 'xla' is torch_xla SPMD (TPU, or CPU devices in tests)
 parallel = "ddp"  # under torchrun: 'ddp' or 'fsdp'
+mesh = [1, -1, 1]  # xla: devices as (dp, fsdp, tp); one -1 takes what the others leave
+dcn_mesh = [1, 1, 1]  # xla: slices as (dp, fsdp, tp) for multi-slice pods (dp across slices is usual)
 dtype = "float32"  # 'bfloat16': bf16 compute with fp32 master weights
 compile = False
 activation_checkpointing = False
@@ -136,48 +138,6 @@ def load_config(argv):
 # backends: small functions applied in a fixed order: freeze -> checkpointing -> compile -> shard
 
 
-class Env:
-    def __init__(self, device_cfg):
-        self.distributed = "RANK" in os.environ
-        self.rank = int(os.environ.get("RANK", 0))
-        self.world = int(os.environ.get("WORLD_SIZE", 1))
-        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        kind = device_cfg or ("cuda" if torch.cuda.is_available() else "cpu")
-        if kind not in ("cpu", "cuda"):
-            raise SystemExit(f"config: device must be '', 'cpu' or 'cuda', got {kind!r}")
-        self.kind = kind
-        self.device = torch.device(f"cuda:{self.local_rank}" if kind == "cuda" else "cpu")
-        if kind == "cuda":
-            torch.cuda.set_device(self.device)
-        if self.distributed:
-            dist.init_process_group("nccl" if kind == "cuda" else "gloo", device_id=self.device if kind == "cuda" else None)
-            # a CPU group for stop-flag agreement, so checking it never waits on the GPU
-            self.cpu_group = dist.new_group(backend="gloo") if kind == "cuda" else None
-        self.master = self.rank == 0
-
-    def sync(self):
-        if self.kind == "cuda":
-            torch.cuda.synchronize()
-
-    def all_sum(self, t):
-        if self.distributed:
-            dist.all_reduce(t)
-        return t
-
-    def agree(self, flag):
-        """True on every rank if any rank says True."""
-        if not self.distributed:
-            return flag
-        t = torch.tensor([int(flag)])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.cpu_group)
-        return bool(t.item())
-
-
-def print0(env, *args):
-    if env.master:
-        print(*args, flush=True)
-
-
 def freeze(model, stage):
     """requires_grad by stage. ViT blocks above the selected layer and ln_post never reach the loss: frozen too."""
     trained = {0: ("vision", "projector", "llm"), 1: ("projector",), 2: ("projector", "llm")}[stage]
@@ -188,46 +148,13 @@ def freeze(model, stage):
         p.requires_grad_(name.split(".")[0] in trained and not unused)
 
 
-def set_checkpointing(model, on):
-    model.vision.checkpoint = model.llm.checkpoint = on
+def set_checkpointing(model, fn):
+    model.vision.checkpoint = model.llm.checkpoint = fn
 
 
 def compile_blocks(model):
     for block in list(model.vision.blocks) + list(model.llm.layers):
         block.compile()
-
-
-def shard(model, env, cfg):
-    if not env.distributed:
-        return model
-    if cfg["parallel"] == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        return DistributedDataParallel(model, device_ids=[env.local_rank] if env.kind == "cuda" else None)
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if cfg["dtype"] == "bfloat16" else MixedPrecisionPolicy()
-    for block in list(model.vision.blocks) + list(model.llm.layers):
-        fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    return model
-
-
-def autocast(env, cfg):
-    # FSDP casts parameters itself; DDP and single-process runs use autocast
-    if cfg["dtype"] == "bfloat16" and not (env.distributed and cfg["parallel"] == "fsdp"):
-        return torch.autocast(env.kind, dtype=torch.bfloat16)
-    return nullcontext()
-
-
-def grad_sync(model, env, cfg, last):
-    """Skip the gradient all-reduce on all but the last accumulation micro-step."""
-    if env.distributed and cfg["parallel"] == "ddp" and not last:
-        return model.no_sync()
-    if env.distributed and cfg["parallel"] == "fsdp":
-        model.set_requires_gradient_sync(last)
-    return nullcontext()
 
 
 # -----------------------------------------------------------------------------
@@ -242,7 +169,7 @@ def make_optimizer(raw, cfg, env):
             g = groups.setdefault((module, decay), {"params": [], "lr_scale": cfg["lr_scale"][module],
                                                     "weight_decay": cfg["weight_decay"] if decay else 0.0})
             g["params"].append(p)
-    kw = {"fused": True} if env.kind == "cuda" else {"foreach": True}
+    kw = {"fused": True} if env.kind == "cuda" else {"foreach": True} if env.kind == "cpu" else {}
     return torch.optim.AdamW(list(groups.values()), lr=cfg["lr"], betas=(cfg["beta1"], cfg["beta2"]), **kw)
 
 
@@ -288,7 +215,14 @@ def known_peak_flops(env):
 # directory and renamed, so a crash mid-write leaves the previous checkpoint as the newest.
 
 
-def full_state(model, optimizer, env):
+def full_state(model, raw, optimizer, env):
+    """Model and optimizer state by parameter name. Under SPMD the tensors stay sharded on the device: the
+    writer gathers one at a time, so a host never holds more than one full tensor (a 7B-13B model saves on a pod)."""
+    if env.kind == "xla":
+        names = {p: n for n, p in raw.named_parameters()}
+        groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [names[p] for p in g["params"]]}
+                  for g in optimizer.param_groups]
+        return raw.state_dict(), {"state": {names[p]: s for p, s in optimizer.state.items()}, "param_groups": groups}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True) if env.distributed else StateDictOptions()
@@ -300,25 +234,26 @@ def checkpoints(out):
 
 
 def save_checkpoint(path, model, raw, optimizer, loader, it, cfg, env):
-    msd, osd = full_state(model, optimizer, env)
+    msd, osd = full_state(model, raw, optimizer, env)
     rng = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state(env.device)} if env.kind == "cuda" else {})
     ranks = [None] * env.world
     if env.distributed:
         dist.all_gather_object(ranks, rng)
     else:
         ranks = [rng]
-    if env.master:
+    if env.master or env.kind == "xla":  # torchrun gathers to rank 0 only; SPMD tensors are global on every host
         tied = raw.cfg.llm.tie_embeddings
-        weights = {k: v.detach().cpu() for k, v in msd.items() if not (tied and k == "llm.output.weight")}
-        moments = {f"{name}/{k}": v.detach().cpu().reshape(-1) if k == "step" else v.detach().cpu()
+        weights = {k: v.detach() for k, v in msd.items() if not (tied and k == "llm.output.weight")}
+        moments = {f"{name}/{k}": v.detach().reshape(-1) if k == "step" else v.detach()
                    for name, s in osd["state"].items() for k, v in s.items()}
-
+    if env.master:
         def fill(tmp):
             convert.write_weights(weights, tmp)
             (tmp / "config.json").write_text(json.dumps(raw.cfg.to_dict(), indent=2))
-            save_file({k: v.contiguous() for k, v in moments.items()}, tmp / "optimizer.safetensors")
+            convert.write_safetensors(moments, tmp / "optimizer.safetensors")
             (tmp / "optimizer.json").write_text(json.dumps({"param_groups": osd["param_groups"]}, indent=2))
-            save_file({f"rank{r}.{k}": v for r, s in enumerate(ranks) for k, v in s.items()}, tmp / "rng.safetensors")
+            convert.write_safetensors({f"rank{r}.{k}": v for r, s in enumerate(ranks) for k, v in s.items()},
+                                      tmp / "rng.safetensors")
             for name in ("tokenizer.model", "tokenizer.json"):
                 if Path(cfg["tokenizer"]).name == name and Path(cfg["tokenizer"]).exists():
                     shutil.copy(cfg["tokenizer"], tmp / name)
@@ -327,7 +262,10 @@ def save_checkpoint(path, model, raw, optimizer, loader, it, cfg, env):
         convert.write_dir(path, fill)
         for old in checkpoints(path.parent)[: -cfg["keep_last"]] if cfg["keep_last"] > 0 else []:
             shutil.rmtree(old)
-    if env.distributed:
+    elif env.kind == "xla":  # every host takes part in gathering each tensor, in the same order; host 0 writes
+        for t in [*weights.values(), *moments.values()]:
+            t.cpu()
+    if dist.is_initialized():
         dist.barrier()
 
 
@@ -341,8 +279,20 @@ def load_checkpoint(path, model, raw, optimizer, loader, env):
     for key, v in moments.items():
         name, k = key.rsplit("/", 1)
         osd["state"].setdefault(name, {})[k] = v.reshape(()) if k == "step" else v
-    opts = StateDictOptions(full_state_dict=True) if env.distributed else StateDictOptions()
-    set_optimizer_state_dict(model, optimizer, osd, options=opts)
+    if env.kind == "xla":  # each moment goes to the device sharded like its parameter
+        params = dict(raw.named_parameters())
+        unknown = sorted(set(osd["state"]) - {n for n, p in params.items() if p.requires_grad})
+        if unknown or len(groups) != len(optimizer.param_groups):
+            raise SystemExit(f"{path}: optimizer state does not fit this run (stage or model differ): "
+                             f"{len(groups)} vs {len(optimizer.param_groups)} groups, unknown {unknown[:5]}")
+        for name, s in osd["state"].items():
+            optimizer.state[params[name]] = {k: v if k == "step" else place_like(v, name, env)
+                                             for k, v in s.items()}
+        for g, saved in zip(optimizer.param_groups, groups):
+            g.update({k: v for k, v in saved.items() if k not in ("params", "lr")})
+    else:
+        opts = StateDictOptions(full_state_dict=True) if env.distributed else StateDictOptions()
+        set_optimizer_state_dict(model, optimizer, osd, options=opts)
     rng = load_file(path / "rng.safetensors")
     if f"rank{env.rank}.cpu" in rng:
         torch.set_rng_state(rng[f"rank{env.rank}.cpu"])
@@ -364,11 +314,12 @@ def evaluate(model, val_loader, env, cfg, n_batches):
     for i, batch in enumerate(val_loader):
         if i == n_batches:
             break
-        b = {k: v.to(env.device) for k, v in batch.items()}
+        b = env.to_device(batch)
         with autocast(env, cfg):
             _, loss = model(b["input_ids"], b["pixel_values"], b["labels"], loss_reduction="sum")
         total += loss
         count += (b["labels"][:, 1:] != -100).sum()
+        env.step_end()
     model.train()
     return (env.all_sum(total) / env.all_sum(count).clamp(min=1)).item()
 
@@ -406,7 +357,7 @@ def answer_accuracy(raw, stream, env, cfg, n, show=5):
 
 def main(argv=None):
     cfg = load_config(sys.argv[1:] if argv is None else argv)
-    env = Env(cfg["device"])
+    env = Env(cfg)
     out = Path(cfg["out_dir"])
     if env.master:
         out.mkdir(parents=True, exist_ok=True)
@@ -417,11 +368,24 @@ def main(argv=None):
     if not Path(cfg["data_dir"]).exists():
         raise SystemExit(f"data_dir {cfg['data_dir']!r} does not exist. For the shapes demo run "
                          "`python data.py shapes --out data/shapes` first (make demo does it).")
-    per_step = cfg["micro_batch_size"] * env.world
+    # batch_size is global. Under torchrun micro_batch_size is per rank; under SPMD it is global (one program),
+    # split over the hosts for reading and over the (dp, fsdp) devices for computing
+    per_step = cfg["micro_batch_size"] * env.replicas
     if cfg["batch_size"] % per_step:
-        raise SystemExit(f"config: batch_size={cfg['batch_size']} is not a multiple of micro_batch_size x world size "
-                         f"= {cfg['micro_batch_size']} x {env.world}")
+        raise SystemExit(f"config: batch_size={cfg['batch_size']} is not a multiple of micro_batch_size x ranks "
+                         f"= {cfg['micro_batch_size']} x {env.replicas}")
     grad_accum = cfg["batch_size"] // per_step
+    rows_per_host = cfg["micro_batch_size"] // (env.world if env.kind == "xla" else 1)
+    if env.kind == "xla":
+        data_devices = env.mesh.shape()["dp"] * env.mesh.shape()["fsdp"]
+        if cfg["micro_batch_size"] % data_devices or cfg["micro_batch_size"] % env.world:
+            raise SystemExit(f"config: micro_batch_size={cfg['micro_batch_size']} must split evenly over the "
+                             f"{data_devices} dp x fsdp devices and the {env.world} hosts")
+        if cfg["compile"]:
+            raise SystemExit("config: compile is for CUDA; under XLA the whole step is traced and compiled already")
+        print0(env, f"xla: mesh {dict(env.mesh.shape())} over {env.n_devices} devices, {env.world} host(s); global batch "
+               f"{cfg['batch_size']} = {grad_accum} micro-steps x {cfg['micro_batch_size']} rows "
+               f"({cfg['micro_batch_size'] // data_devices} a device, {rows_per_host} read by each host)")
     torch.manual_seed(cfg["seed"])
 
     # model: from scratch, from a converted checkpoint, or the newest checkpoint of this run
@@ -431,25 +395,27 @@ def main(argv=None):
         resume_from = found[-1] if found else None
         print0(env, f"resuming from {resume_from}" if resume_from else f"no checkpoint in {out}: starting from scratch")
     source = resume_from or (cfg["init_from"] if cfg["init_from"] not in ("scratch", "resume") else None)
+    build_on = "cpu" if env.kind == "xla" else env.device  # XLA: built and initialised on the host, then sharded
     if source:
-        raw = convert.load_model(source, device=env.device)
+        raw = convert.load_model(source, device=build_on)
     else:
         vcfg = vlm_preset(cfg["model"]).to_dict()
         for key, value in cfg["model_overrides"].items():
             vcfg[key] = vcfg[key] | value if isinstance(value, dict) else value
-        raw = build_model(VLMConfig.from_dict(vcfg), device=env.device, seed=cfg["seed"])
+        raw = build_model(VLMConfig.from_dict(vcfg), device=build_on, seed=cfg["seed"])
     freeze(raw, cfg["stage"])
-    set_checkpointing(raw, cfg["activation_checkpointing"])
+    set_checkpointing(raw, checkpoint_fn(env) if cfg["activation_checkpointing"] else None)
     if cfg["compile"]:
         compile_blocks(raw)
     model = shard(raw, env, cfg)
     optimizer = make_optimizer(raw, cfg, env)
+    init_optimizer_state(raw, optimizer, env)
     n_trained = sum(p.numel() for p in raw.parameters() if p.requires_grad)
     print0(env, f"model: {sum(p.numel() for p in raw.parameters()) / 1e6:.2f}M parameters, {n_trained / 1e6:.2f}M "
            f"trained (stage {cfg['stage']}); {env.world} x {env.kind}, {cfg['parallel'] if env.distributed else 'single'}")
 
     # data
-    stream_args = {"tokenizer": cfg["tokenizer"], "batch_size": cfg["micro_batch_size"], "seq_len": cfg["seq_len"],
+    stream_args = {"tokenizer": cfg["tokenizer"], "batch_size": rows_per_host, "seq_len": cfg["seq_len"],
                    "image_size": raw.cfg.vision.image_size, "image_token_id": raw.cfg.image_token_id,
                    "n_image_tokens": raw.cfg.n_image_tokens, "template": cfg["template"], "image_mode": cfg["image_mode"],
                    "seed": cfg["seed"], "rank": env.rank, "world_size": env.world, "shuffle_block": cfg["shuffle_block"]}
@@ -512,17 +478,18 @@ def main(argv=None):
             g["lr"] = lr_now * g["lr_scale"]
         # the loss is a sum over supervised tokens divided by their count over all micro-steps and ranks;
         # DDP and FSDP average gradients over ranks, hence the factor world
-        count = env.all_sum(sum((b["labels"][:, 1:] != -100).sum() for b in micro).to(env.device).float())
-        for i, batch in enumerate(micro):
-            b = {k: v.to(env.device, non_blocking=True) for k, v in batch.items()}
+        micro = [env.to_device(b) for b in micro]
+        count = env.all_sum(sum((b["labels"][:, 1:] != -100).sum() for b in micro).float())
+        for i, b in enumerate(micro):
             with grad_sync(model, env, cfg, i == grad_accum - 1), autocast(env, cfg):
                 _, loss = model(b["input_ids"], b["pixel_values"], b["labels"], loss_reduction="sum")
-                (loss * env.world / count.clamp(min=1)).backward()
+                (loss * env.replicas / count.clamp(min=1)).backward()
             loss_sum += loss.detach()
-        tokens_sum += count / env.world
+        tokens_sum += count / env.replicas
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf"))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        env.step_end()
         it += 1
         samples_done += cfg["batch_size"]
 
@@ -537,13 +504,18 @@ def main(argv=None):
             mem = torch.cuda.max_memory_allocated(env.device) / 2**30 if env.kind == "cuda" else \
                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
             event = {"step": it, "loss": loss_val, "lr": lr_now, "grad_norm": gn.item(), "tokens_per_s": tok_s,
-                     "samples_per_s": samples_done / dt, "mfu": flops / (peak * env.world) if peak else None,
+                     "samples_per_s": samples_done / dt, "mfu": flops / (peak * env.n_devices) if peak else None,
                      "data_wait": data_wait / dt, "peak_mem_gib": mem, "dropped_samples": dropped}
+            if env.kind == "xla":  # a count that grows after warm-up means the step recompiles: see README
+                import torch_xla.debug.metrics as met
+
+                event["xla_compiles"] = (met.metric_data("CompileTime") or [0])[0]
             mfu = f"{100 * event['mfu']:.1f}%" if peak else "n/a"
             print0(env, f"step {it}: loss {loss_val:.4f}, lr {lr_now:.2e}, grad norm {event['grad_norm']:.3f}, "
                    f"{tok_s:,.0f} tok/s, {event['samples_per_s']:.1f} samples/s, MFU {mfu}, data wait "
                    f"{100 * event['data_wait']:.1f}%, peak mem {mem:.2f} GiB ({steps:.0f} steps in {dt:.1f}s)"
-                   + (f", {dropped} samples dropped (see data: lines)" if dropped else ""))
+                   + (f", {dropped} samples dropped (see data: lines)" if dropped else "")
+                   + (f", {event['xla_compiles']} XLA compiles so far" if env.kind == "xla" else ""))
             log(event)
             loss_sum.zero_()
             tokens_sum.zero_()
@@ -564,7 +536,14 @@ def main(argv=None):
 
     if it >= cfg["max_iters"]:
         if cfg["final_accuracy_samples"] and val_stream is not None:
-            acc, shown = answer_accuracy(raw, val_stream, env, cfg, cfg["final_accuracy_samples"])
+            if env.kind == "xla":  # token-by-token generation would recompile at every length: answer on the host
+                host = build_model(raw.cfg, device="cpu", init=False)
+                host.load_state_dict({k: v.cpu() for k, v in raw.state_dict().items()})
+                acc, shown = answer_accuracy(host, val_stream, SimpleNamespace(kind="cpu", device=torch.device("cpu"),
+                                                                               distributed=False), cfg,
+                                             cfg["final_accuracy_samples"])
+            else:
+                acc, shown = answer_accuracy(raw, val_stream, env, cfg, cfg["final_accuracy_samples"])
             n_asked = min(cfg["final_accuracy_samples"], len(val_stream))
             print0(env, f"held-out exact-match accuracy: {100 * acc:.1f}% on {n_asked} questions")
             for q, said, answer in shown:

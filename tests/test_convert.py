@@ -225,3 +225,20 @@ def test_to_hf_refuses_projectors_hf_cannot_hold(tmp_path):
     convert.save_model(build_model(cfg, seed=0), tmp_path / "ckpt")
     with pytest.raises(convert.ConversionError, match="only mlp2x_gelu"):
         convert.llava_to_hf(tmp_path / "ckpt", tmp_path / "hf")
+
+
+def test_streamed_safetensors_read_back_with_the_safetensors_library(tmp_path):
+    """Our one-tensor-at-a-time writer against the safetensors package's reader: every dtype we write."""
+    from safetensors import safe_open
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"w": torch.randn(3, 5, generator=g), "bf16": torch.randn(7, generator=g).to(torch.bfloat16),
+               "step": torch.tensor([12.0]), "ids": torch.arange(6).view(2, 3), "flags": torch.tensor([True, False]),
+               "t": torch.randn(4, 6, generator=g).t()}  # not contiguous
+    convert.write_safetensors(tensors, tmp_path / "a.safetensors")
+    back = load_file(tmp_path / "a.safetensors")
+    assert set(back) == set(tensors)
+    for k, t in tensors.items():
+        assert back[k].dtype == t.dtype and torch.equal(back[k], t), k
+    with safe_open(tmp_path / "a.safetensors", "pt") as f:
+        assert f.metadata() == {"format": "pt"}

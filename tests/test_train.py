@@ -207,16 +207,24 @@ def test_shipped_configs_parse(name):
     assert cfg["batch_size"] % cfg["micro_batch_size"] == 0
 
 
-def test_bench_runs_ours_against_transformers_on_cpu():
+def bench(*extra):
     r = subprocess.run([sys.executable, str(ROOT / "bench.py"), "train", "--size", "debug", "--peer", "hf", "--steps", "2",
-                        "--warmup", "1", "--rounds", "1", "--dtype", "float32", "--device", "cpu"],
+                        "--warmup", "1", "--rounds", "1", "--dtype", "float32", "--device", "cpu", *extra],
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    report = json.loads(r.stdout.strip().splitlines()[-1])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_bench_runs_ours_against_transformers_on_cpu():
+    report = bench()
     assert report["ours"]["tokens_per_s"] > 0 and report["ratio"]["tokens_per_s"] > 0
     # the same weights and batch: the first losses agree
     assert abs(report["ours"]["first_loss"] - report["hf"]["first_loss"]) < 1e-4
-    assert 0 < report["padding_share"] < 1
+    assert report["ours"]["padding_share"] == report["hf"]["padding_share"] > 0.5
+    packed = bench("--pack", "--loss-chunk", "64")
+    assert packed["ours"]["padding_share"] < 0.3 < packed["hf"]["padding_share"]
+    assert packed["ours"]["samples_per_step"] >= 2 * packed["hf"]["samples_per_step"]
+    assert abs(packed["ours"]["first_loss"] - packed["hf"]["first_loss"]) < 0.1  # other samples, the same model
 
 
 def test_bench_data_runs_both_pipelines(tmp_path):

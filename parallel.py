@@ -1,0 +1,256 @@
+"""
+Backends for train.py, applied after freezing, checkpointing and compile: torchrun (DDP or FSDP2, CUDA or
+CPU/gloo) and torch_xla SPMD over a (dp, fsdp, tp) device mesh. The model knows nothing of them.
+
+Under torchrun each process is a rank that averages gradients with the others. Under SPMD there is one
+process per host running one program over every device: tensors are global, the compiler inserts the
+collectives from the sharding annotations below, and each host reads its own part of the data.
+"""
+
+import functools
+import os
+import re
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+
+AXES = ("dp", "fsdp", "tp")
+BATCH = ("dp", "fsdp")  # the batch dimension of inputs and activations is split over both data axes
+
+
+class Env:
+    """Where this process runs: device, ranks or hosts, and the few collectives the loop needs."""
+
+    def __init__(self, cfg):
+        kind = cfg["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
+        if kind not in ("cpu", "cuda", "xla"):
+            raise SystemExit(f"config: device must be '', 'cpu', 'cuda' or 'xla', got {kind!r}")
+        self.kind, self.mesh = kind, None
+        if kind == "xla":
+            import torch_xla
+            import torch_xla.runtime as xr
+
+            xr.use_spmd()
+            self.device = torch_xla.device()
+            # hosts, not ranks: each reads its part of the data; gradients need no averaging (one program)
+            self.rank, self.world, self.local_rank = xr.process_index(), xr.process_count(), 0
+            self.n_devices = xr.global_runtime_device_count()
+            self.mesh = make_mesh(cfg["mesh"], cfg["dcn_mesh"], self.n_devices)
+            self.distributed, self.replicas = False, 1
+            if self.world > 1:  # a CPU group over the hosts, only to agree on stopping
+                import torch_xla.distributed.xla_backend  # noqa: F401  registers the xla:// rendezvous
+
+                dist.init_process_group("gloo", init_method="xla://")
+            self.cpu_group = None
+        else:
+            self.distributed = "RANK" in os.environ
+            self.rank = int(os.environ.get("RANK", 0))
+            self.world = self.replicas = int(os.environ.get("WORLD_SIZE", 1))
+            self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+            self.n_devices = self.world
+            self.device = torch.device(f"cuda:{self.local_rank}" if kind == "cuda" else "cpu")
+            if kind == "cuda":
+                torch.cuda.set_device(self.device)
+            if self.distributed:
+                dist.init_process_group("nccl" if kind == "cuda" else "gloo",
+                                        device_id=self.device if kind == "cuda" else None)
+                # a CPU group for stop-flag agreement, so checking it never waits on the GPU
+                self.cpu_group = dist.new_group(backend="gloo") if kind == "cuda" else None
+        self.master = self.rank == 0
+
+    def sync(self):
+        """Wait for the device (before reading a clock)."""
+        if self.kind == "cuda":
+            torch.cuda.synchronize()
+        elif self.kind == "xla":
+            import torch_xla.core.xla_model as xm
+
+            xm.wait_device_ops()
+
+    def step_end(self):
+        """XLA records the step lazily: cut the graph here, so every step runs the same compiled program."""
+        if self.kind == "xla":
+            import torch_xla
+
+            torch_xla.sync()
+
+    def all_sum(self, t):
+        if self.distributed:
+            dist.all_reduce(t)
+        return t  # under SPMD tensors are already global
+
+    def agree(self, flag):
+        """True on every rank (or host) if any says True."""
+        if not dist.is_initialized():
+            return flag
+        t = torch.tensor([int(flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.cpu_group)
+        return bool(t.item())
+
+    def to_device(self, batch):
+        """The model's inputs on the device; under SPMD the host's rows become its part of a global batch."""
+        keys = [k for k in ("input_ids", "labels", "pixel_values", "position_ids") if k in batch]
+        if self.kind != "xla":
+            return {k: batch[k].to(self.device, non_blocking=True) for k in keys}
+        import torch_xla.core.xla_model as xm
+        import torch_xla.distributed.spmd as xs
+
+        out = {}
+        for k in keys:
+            spec = xs.ShardingSpec(self.mesh, (BATCH,) + (None,) * (batch[k].dim() - 1), minibatch=self.world > 1)
+            out[k] = xm.send_cpu_data_to_device([batch[k]], self.device, spec)[0]
+        return out
+
+
+def print0(env, *args):
+    if env.master:
+        print(*args, flush=True)
+
+
+def checkpoint_fn(env):
+    """The activation checkpointing function the model's blocks call: torch_xla's on XLA."""
+    if env.kind == "xla":
+        import torch_xla.utils.checkpoint
+
+        return torch_xla.utils.checkpoint.checkpoint
+    return functools.partial(checkpoint, use_reentrant=False)
+
+
+def shard(model, env, cfg):
+    if env.kind == "xla":
+        return shard_spmd(model, env)
+    if not env.distributed:
+        return model
+    if cfg["parallel"] == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[env.local_rank] if env.kind == "cuda" else None)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if cfg["dtype"] == "bfloat16" else MixedPrecisionPolicy()
+    for block in list(model.vision.blocks) + list(model.llm.layers):
+        fully_shard(block, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+def autocast(env, cfg):
+    # FSDP casts parameters itself; DDP, single-process and XLA runs keep fp32 weights and use autocast
+    if cfg["dtype"] == "bfloat16" and not (env.distributed and cfg["parallel"] == "fsdp"):
+        return torch.autocast(env.kind, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def grad_sync(model, env, cfg, last):
+    """Skip the gradient all-reduce on all but the last accumulation micro-step."""
+    if env.distributed and cfg["parallel"] == "ddp" and not last:
+        return model.no_sync()
+    if env.distributed and cfg["parallel"] == "fsdp":
+        model.set_requires_gradient_sync(last)
+    return nullcontext()
+
+
+# -----------------------------------------------------------------------------
+# torch_xla SPMD: the mesh, the sharding rules, and sharded optimizer state
+
+
+def make_mesh(shape, dcn_shape, n_devices):
+    """(dp, fsdp, tp) over every device; one entry may be -1 to take what the others leave (EasyLM's mesh_dim).
+    A dcn_mesh other than (1, 1, 1) spans slices: the product of both shapes per axis, slices on the outside."""
+    import torch_xla.distributed.spmd as xs
+
+    shape, dcn_shape = list(shape), list(dcn_shape)
+    if len(shape) != 3 or len(dcn_shape) != 3 or shape.count(-1) > 1 or any(d == 0 or d < -1 for d in shape):
+        raise SystemExit(f"config: mesh must be [dp, fsdp, tp] of positive sizes with at most one -1, got {shape}")
+    n_slices = int(np.prod(dcn_shape))
+    per_slice = n_devices // n_slices
+    if -1 in shape:
+        known = -int(np.prod(shape))
+        if per_slice % known:
+            raise SystemExit(f"config: mesh {shape} cannot cover {per_slice} devices a slice ({n_devices} in all)")
+        shape[shape.index(-1)] = per_slice // known
+    if int(np.prod(shape)) * n_slices != n_devices:
+        raise SystemExit(f"config: mesh {shape} x dcn_mesh {dcn_shape} = {int(np.prod(shape)) * n_slices} devices, "
+                         f"but there are {n_devices} devices")
+    if n_slices > 1:
+        return xs.HybridMesh(ici_mesh_shape=tuple(shape), dcn_mesh_shape=tuple(dcn_shape), axis_names=AXES)
+    return xs.Mesh(np.arange(n_devices), tuple(shape), AXES)
+
+
+# The first rule whose pattern matches a parameter's whole name gives its spec: one mesh axis (or None) per
+# dimension. Weights are (out, in). FSDP shards one dimension of every matrix over `fsdp`; TP is Megatron's:
+# attention heads and the MLP hidden dimension over `tp`, column-parallel in (out over tp), row-parallel out
+# (in over tp), so each block needs one reduction. The embedding and the output layer split the vocabulary
+# over tp (vocab-parallel), like Megatron. Frozen towers are sharded the same way: a frozen 7B LLM in stage 1
+# must fit too. Norms, biases after a row-parallel layer and the class embedding are small and replicated.
+SHARDING_RULES = [
+    (r"llm\.(tok_embeddings|output)\.weight", ("tp", "fsdp")),
+    (r"llm\.layers\.\d+\.attention\.(wq|wk|wv)\.weight", ("tp", "fsdp")),
+    (r"llm\.layers\.\d+\.attention\.(wq|wk|wv)\.bias", ("tp",)),
+    (r"llm\.layers\.\d+\.attention\.wo\.weight", ("fsdp", "tp")),
+    (r"llm\.layers\.\d+\.feed_forward\.(w1|w3)\.weight", ("tp", "fsdp")),
+    (r"llm\.layers\.\d+\.feed_forward\.w2\.weight", ("fsdp", "tp")),
+    (r"vision\.blocks\.\d+\.(attn\.(wq|wk|wv)|mlp\.c_fc)\.weight", ("tp", "fsdp")),
+    (r"vision\.blocks\.\d+\.(attn\.(wq|wk|wv)|mlp\.c_fc)\.bias", ("tp",)),
+    (r"vision\.blocks\.\d+\.(attn\.wo|mlp\.c_proj)\.weight", ("fsdp", "tp")),
+    (r"vision\.conv1\.weight", ("fsdp", None, None, None)),
+    (r"vision\.positional_embedding", (None, "fsdp")),
+    (r"projector\.fc\.\d+\.weight", ("fsdp", None)),  # small: FSDP only
+    (r".*", None),  # replicated
+]
+
+
+def param_spec(name, ndim):
+    for pattern, spec in SHARDING_RULES:
+        if re.fullmatch(pattern, name):
+            return (None,) * ndim if spec is None else spec
+    raise AssertionError(name)  # the last rule matches everything
+
+
+def shard_spmd(model, env):
+    """Move to the XLA device, annotate every parameter by the rules, and keep block outputs batch-sharded."""
+    import torch_xla.distributed.spmd as xs
+
+    model.to(env.device)
+    if model.cfg.llm.tie_embeddings:
+        model.llm.output.weight = model.llm.tok_embeddings.weight
+    for name, p in model.named_parameters():
+        xs.mark_sharding(p, env.mesh, param_spec(name, p.dim()))
+
+    # without these the compiler may replicate activations between blocks
+    def batch_sharded(module, args, output):
+        xs.mark_sharding(output, env.mesh, (BATCH, None, None))
+
+    for block in list(model.vision.blocks) + list(model.llm.layers):
+        block.register_forward_hook(batch_sharded)
+    return model
+
+
+def init_optimizer_state(raw, optimizer, env):
+    """AdamW's moments created up front and sharded like their parameters (zeros_like would replicate them)."""
+    if env.kind != "xla":
+        return
+    import torch_xla.distributed.spmd as xs
+
+    for name, p in raw.named_parameters():
+        if p.requires_grad:
+            state = optimizer.state[p]
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = torch.zeros(p.shape, dtype=p.dtype, device=env.device)
+                xs.mark_sharding(state[key], env.mesh, param_spec(name, p.dim()))
+            state["step"] = torch.tensor(0.0)
+
+
+def place_like(t, name, env):
+    """A CPU tensor (a loaded weight or moment) on the device, sharded like parameter `name`."""
+    if env.kind != "xla":
+        return t.to(env.device)
+    import torch_xla.distributed.spmd as xs
+
+    t = t.to(env.device)
+    xs.mark_sharding(t, env.mesh, param_spec(name, t.dim()))
+    return t

@@ -1,0 +1,103 @@
+"""The torch_xla SPMD path on CPU virtual devices: the same losses as the CPU eager run on four meshes and
+two stages, a flat compile count, the sharding rules, checkpoints across XLA and CPU, and mesh errors.
+The XLA runs share one subprocess (tests/xla_runs.py), so they neither disturb nor slow the other tests."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+from test_train import args, losses, run
+
+pytestmark = pytest.mark.slow
+REL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def xla(tmp_path_factory):
+    from shapes import make_shapes
+
+    shapes = tmp_path_factory.mktemp("xla_shapes")
+    make_shapes(shapes, n=400, seed=0, val_fraction=0.1)
+    out = tmp_path_factory.mktemp("xla")
+    cpu = {}
+    for stage in (1, 2):
+        cpu[stage] = out / f"cpu-stage{stage}"
+        run(args(shapes, cpu[stage], f"--stage={stage}", "--max_iters=5", "--ckpt_interval=0"))
+    run(args(shapes, out / "cpu-straight", "--max_iters=20", "--ckpt_interval=10", "--keep_last=5"))
+    (out / "xla-resume").mkdir()
+    shutil.copytree(out / "cpu-straight/step-000010", out / "xla-resume/step-000010")  # the CPU run's checkpoint
+    env = os.environ | {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    r = subprocess.run([sys.executable, str(ROOT / "tests/xla_runs.py"), str(shapes), str(out)], capture_output=True,
+                       text=True, env=env, cwd=ROOT, timeout=900)
+    assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    results = json.loads((out / "results.json").read_text())
+    # and the CPU side resumes what XLA saved
+    run(args(shapes, out / "xla-save", "--max_iters=20", "--ckpt_interval=10", "--init_from=resume"))
+    return out, shapes, cpu, results
+
+
+def close(a, b):
+    return abs(a - b) <= REL * abs(b)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("mesh", ["4x1x1", "1x4x1", "1x2x2", "2x2x1"])
+def test_xla_losses_match_cpu_eager(xla, stage, mesh):
+    out, _, cpu, results = xla
+    expected = list(losses(cpu[stage]).values())
+    got = results["losses"][f"stage{stage}-{mesh}"]
+    assert len(got) == len(expected) == 5
+    assert all(close(g, e) for g, e in zip(got, expected)), (got, expected)
+
+
+def test_compile_count_is_flat_after_warmup(xla):
+    _, _, _, results = xla
+    compiles = results["compiles"]
+    assert len(compiles) == 10 and results["dropped"] > 0  # varying data, some rows dropped to padding
+    # the count is the process's running total (earlier runs included): the first two steps compile (the
+    # second sees AdamW's step count > 0), then steps 3-10 reuse the same graphs whatever the data and lr
+    assert compiles[1] == compiles[-1], compiles
+
+
+def test_parameters_and_moments_are_sharded_by_the_rules(xla):
+    _, _, _, results = xla
+    fsdp, mixed = results["sharding"]["1x4x1"], results["sharding"]["1x2x2"]
+    # 4-way fsdp: column-parallel (out, in) weights shard `in`, row-parallel ones shard `out`
+    assert fsdp["llm.layers.0.attention.wq.weight"]["param"] == [64, 16]
+    assert fsdp["llm.layers.0.attention.wo.weight"]["param"] == [16, 64]
+    assert fsdp["llm.tok_embeddings.weight"]["param"] == [512, 16]
+    assert fsdp["llm.norm.weight"]["param"] == [64]  # replicated
+    # fsdp 2 x tp 2: heads / the MLP hidden dimension over tp, the other dimension over fsdp
+    assert mixed["llm.layers.1.feed_forward.w2.weight"]["param"] == [32, 96]
+    assert mixed["vision.blocks.0.mlp.c_fc.bias"]["param"] == [128]
+    for shapes in (fsdp, mixed):
+        for name, s in shapes.items():
+            assert s["exp_avg"] == s["param"], name  # AdamW state sharded like its parameter
+
+
+def test_checkpoints_move_between_xla_and_cpu(xla):
+    out, _, _, results = xla
+    straight = losses(out / "cpu-straight")
+    # XLA saved step 10, the CPU resumed it to 20
+    after_xla = losses(out / "xla-save")
+    assert sorted(after_xla) == list(range(1, 21))
+    assert all(close(after_xla[s], straight[s]) for s in range(1, 21)), (after_xla, straight)
+    # the CPU saved step 10, XLA resumed it to 20
+    resumed = {int(k): v for k, v in results["xla_resume_losses"].items()}
+    assert sorted(resumed) == list(range(11, 21))
+    assert all(close(resumed[s], straight[s]) for s in resumed), (resumed, straight)
+    state = json.loads((out / "xla-save/step-000010/state.json").read_text())
+    assert state["iter"] == 10 and state["loader"]["position"] == 80
+
+
+def test_bad_meshes_are_clear_errors(xla):
+    _, _, _, results = xla
+    errors = results["mesh_errors"]
+    assert "3 devices, but there are 4" in errors["[3,1,1]"]
+    assert "at most one -1" in errors["[-1,-1,1]"]
+    assert "[dp, fsdp, tp]" in errors["[1,2]"]
+    assert "8 devices" in errors["[2,2,2]"]

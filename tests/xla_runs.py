@@ -1,0 +1,89 @@
+"""The torch_xla SPMD runs of test_xla.py, in one process on CPU virtual devices (PJRT_DEVICE=CPU
+CPU_NUM_DEVICES=4): python tests/xla_runs.py SHAPES_DIR OUT_DIR writes OUT_DIR/results.json."""
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import parallel  # noqa: E402
+import train  # noqa: E402
+from model import build_model, vlm_preset  # noqa: E402
+
+MESHES = ([4, 1, 1], [1, 4, 1], [1, 2, 2], [2, 2, 1])
+
+
+def common(shapes, out):
+    return [str(ROOT / "configs/debug.py"), f"--data_dir={shapes / 'shards'}", f"--tokenizer={shapes / 'tokenizer.model'}",
+            f"--out_dir={out}", "--lr_decay_iters=20", "--log_interval=1", "--eval_interval=0", "--device=xla"]
+
+
+def log(out):
+    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+
+
+def shard_shapes(mesh_shape):
+    """Local shard shape of a few parameters and of their AdamW moments, by the sharding rules."""
+    import torch_xla
+    import torch_xla.core.xla_model
+    import torch_xla.runtime as xr
+
+    xr.use_spmd()
+    env = SimpleNamespace(kind="xla", device=torch_xla.device(), mesh=parallel.make_mesh(mesh_shape, [1, 1, 1], 4))
+    model = build_model(vlm_preset("debug"), seed=0)
+    parallel.shard_spmd(model, env)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    parallel.init_optimizer_state(model, optimizer, env)
+    params = dict(model.named_parameters())
+    names = ["llm.layers.0.attention.wq.weight", "llm.layers.0.attention.wo.weight", "llm.layers.1.feed_forward.w2.weight",
+             "llm.tok_embeddings.weight", "vision.blocks.0.mlp.c_fc.bias", "llm.norm.weight"]
+
+    torch_xla.sync()
+    torch_xla.core.xla_model.wait_device_ops()
+
+    def local(t):
+        return list(torch_xla._XLAC._get_local_shards([t])[0][0][0].shape)  # (tensor, device) pairs
+
+    return {n: {"param": local(params[n]), "exp_avg": local(optimizer.state[params[n]]["exp_avg"])} for n in names}
+
+
+def main(shapes, out):
+    results = {"losses": {}, "sharding": {}, "mesh_errors": {}}
+    for stage in (1, 2):
+        for mesh in MESHES:
+            d = out / f"stage{stage}-{'x'.join(map(str, mesh))}"
+            checkpointing = mesh == [2, 2, 1]  # torch_xla's activation checkpointing must not change the losses
+            train.main(common(shapes, d) + [f"--stage={stage}", "--max_iters=5", "--ckpt_interval=0", f"--mesh={mesh}",
+                                            f"--activation_checkpointing={checkpointing}"])
+            results["losses"][d.name] = [e["loss"] for e in log(d) if "loss" in e]
+
+    # compiles: 10 steps of varying data (stage 0, with a dropped sample or two from a short seq_len)
+    d = out / "compiles"
+    train.main(common(shapes, d) + ["--max_iters=10", "--ckpt_interval=0", "--mesh=[2,2,1]", "--seq_len=24"])
+    results["compiles"] = [e["xla_compiles"] for e in log(d) if "loss" in e]
+    results["dropped"] = sum(e.get("dropped_samples", 0) for e in log(d))
+
+    # checkpoints: XLA writes step 10 (the CPU side resumes it); XLA resumes the CPU run's step 10 to 20
+    train.main(common(shapes, out / "xla-save") + ["--max_iters=10", "--ckpt_interval=10", "--mesh=[1,2,2]"])
+    train.main(common(shapes, out / "xla-resume") + ["--max_iters=20", "--ckpt_interval=10", "--mesh=[2,1,2]",
+                                                     "--init_from=resume"])
+    results["xla_resume_losses"] = {e["step"]: e["loss"] for e in log(out / "xla-resume") if "loss" in e}
+
+    for mesh in ([1, 2, 2], [1, 4, 1]):
+        results["sharding"]["x".join(map(str, mesh))] = shard_shapes(mesh)
+    for bad in ("[3,1,1]", "[-1,-1,1]", "[1,2]", "[2,2,2]"):
+        try:
+            train.main(common(shapes, out / "bad") + [f"--mesh={bad}", "--max_iters=1"])
+            results["mesh_errors"][bad] = None
+        except SystemExit as e:
+            results["mesh_errors"][bad] = str(e)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]))
