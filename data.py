@@ -549,11 +549,13 @@ class ShardStream(torch.utils.data.IterableDataset):
     Epoch e visits every sample once in a deterministic order: the shards shuffled by (seed, e), then
     each block of `shuffle_block` consecutive samples shuffled, so reads stay mostly sequential. Rank r
     of W takes every W-th sample of that order (wrapping round so all ranks get the same count). Batch
-    k of a rank is samples [k*B, (k+1)*B) of its stream and is built by worker k % n_workers; the
+    k of a rank is samples [k*N, (k+1)*N) of its stream (N = B, or pack x B when packing) and is built by
+    worker k % n_workers; the
     DataLoader hands batches back in k order, so a resume needs only the position: no replay."""
 
     def __init__(self, paths, tokenizer, batch_size, seq_len, image_size, image_token_id, n_image_tokens,
-                 template="plain", image_mode="pad", split="train", seed=0, rank=0, world_size=1, shuffle_block=1000):
+                 template="plain", image_mode="pad", split="train", seed=0, rank=0, world_size=1, shuffle_block=1000,
+                 pack=0):
         self.files = shard_files(paths, split)
         self.index = [(i, s, e) for i, f in enumerate(self.files) for s, e in sample_offsets(f)]
         if not self.index:
@@ -564,6 +566,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         if template not in TEMPLATES:
             raise ValueError(f"unknown template {template!r}; choose from {sorted(TEMPLATES)}")
         self.batch_size, self.seq_len, self.image_size = batch_size, seq_len, image_size
+        # pack > 0: a batch reads pack x batch_size samples and packs them into its rows (packed_batch)
+        self.pack, self.samples_per_batch = pack, batch_size * pack if pack else batch_size
         self.image_token_id, self.n_image_tokens = image_token_id, n_image_tokens
         self.template, self.image_mode, self.split = template, image_mode, split
         self.seed, self.rank, self.world_size, self.shuffle_block = seed, rank, world_size, shuffle_block
@@ -611,37 +615,60 @@ class ShardStream(torch.utils.data.IterableDataset):
             self.skips.add("truncated_not_dropped", where)
         return ids, labels, pixels
 
+    def encode_or_drop(self, sample):
+        """encode(sample), or None for a sample that cannot be trained on: counted, and the first few printed."""
+        try:
+            return self.encode(sample)
+        except DropSample as e:
+            self.drop(sample, str(e))
+            return None
+
+    def drop(self, sample, why):
+        shard, _, _ = self.index[sample]
+        reason = why.split(" ")[0]
+        self.skips.add(reason, f"{self.files[shard].name}#{sample}")
+        if self.skips.counts[reason] <= 3:
+            log(f"data: dropped sample {sample} of {self.files[shard].name}: {why}")
+
     def batch(self, k):
-        B, T, S = self.batch_size, self.seq_len, self.image_size
-        input_ids = torch.full((B, T), self.tok.pad_id, dtype=torch.long)
-        labels = torch.full((B, T), -100, dtype=torch.long)
-        images = torch.zeros((B, 3, S, S), dtype=torch.uint8)
-        has_image, dropped = torch.zeros(B, dtype=torch.bool), torch.zeros(B, dtype=torch.bool)
-        sample_ids = torch.tensor([self.sample_at(k * B + row) for row in range(B)])
-        for row, sample in enumerate(sample_ids.tolist()):
-            try:
-                ids, lab, pixels = self.encode(sample)
-            except DropSample as e:
-                # the row stays padding with no labels: shapes are static and the position arithmetic holds
-                shard, _, _ = self.index[sample]
-                reason = str(e).split(" ")[0]
-                self.skips.add(reason, f"{self.files[shard].name}#{sample}")
-                if self.skips.counts[reason] <= 3:
-                    log(f"data: dropped sample {sample} of {self.files[shard].name}: {e}")
-                dropped[row] = True
-                continue
-            input_ids[row, : len(ids)] = torch.tensor(ids)
-            labels[row, : len(lab)] = torch.tensor(lab)
-            if pixels is not None:
-                images[row], has_image[row] = pixels, True
+        B, T, S, N = self.batch_size, self.seq_len, self.image_size, self.samples_per_batch
+        sample_ids = torch.tensor([self.sample_at(k * N + i) for i in range(N)])
+        encoded = [self.encode_or_drop(sample) for sample in sample_ids.tolist()]
+        # a dropped sample keeps its place as padding with no labels: shapes are static, the position arithmetic holds
+        dropped = torch.tensor([e is None for e in encoded])
+        images = torch.zeros((N, 3, S, S), dtype=torch.uint8)
+        has_image = torch.zeros(N, dtype=torch.bool)
+        if self.pack:
+            kept = [i for i, e in enumerate(encoded) if e is not None]
+            b = packed_batch([encoded[i][:2] for i in kept], B, T, self.tok.pad_id)
+            for i, where in zip(kept, b["where"]):
+                if where is None:  # no room left in this batch's rows: lower `pack` if this is frequent
+                    self.drop(int(sample_ids[i]), f"no_room_in_pack ({len(encoded[i][0])} tokens)")
+                    dropped[i] = True
+            with_image = [kept[j] for j in b["order"] if encoded[kept[j]][2] is not None]
+            for slot, i in enumerate(with_image):  # in placeholder order, as the model's packed convention wants
+                images[slot], has_image[i] = encoded[i][2], True
+            extra = {"position_ids": b["position_ids"]}
+            input_ids, labels = b["input_ids"], b["labels"]
+        else:
+            input_ids = torch.full((B, T), self.tok.pad_id, dtype=torch.long)
+            labels = torch.full((B, T), -100, dtype=torch.long)
+            for row, e in enumerate(encoded):
+                if e is not None:
+                    ids, lab, pixels = e
+                    input_ids[row, : len(ids)] = torch.tensor(ids)
+                    labels[row, : len(lab)] = torch.tensor(lab)
+                    if pixels is not None:
+                        images[row], has_image[row] = pixels, True
+            extra = {}
         return {"input_ids": input_ids, "labels": labels, "pixel_values": normalize_images(images),
-                "has_image": has_image, "dropped": dropped, "sample_id": sample_ids}
+                "has_image": has_image, "dropped": dropped, "sample_id": sample_ids} | extra
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker, n_workers = (info.id, info.num_workers) if info else (0, 1)
         self._files = {}
-        k = self.start // self.batch_size + worker
+        k = self.start // self.samples_per_batch + worker
         while True:
             yield self.batch(k)
             k += n_workers
@@ -695,18 +722,19 @@ class Loader:
         self.stream.start = self.position
         kw = {"prefetch_factor": self.prefetch_factor, "persistent_workers": False} if self.num_workers else {}
         for batch in torch.utils.data.DataLoader(self.stream, batch_size=None, num_workers=self.num_workers, **kw):
-            self.position += self.stream.batch_size
+            self.position += self.stream.samples_per_batch
             yield batch
 
     def state_dict(self):
         s = self.stream
         # every rank is at the same position of its own stream, so one state serves all ranks
         return {"position": self.position, "seed": s.seed, "n_samples": len(s), "world_size": s.world_size,
-                "batch_size": s.batch_size}
+                "batch_size": s.batch_size, "pack": s.pack}
 
     def load_state_dict(self, state):
-        s = self.stream
-        mine = {"seed": s.seed, "n_samples": len(s), "world_size": s.world_size, "batch_size": s.batch_size}
+        s, state = self.stream, {"pack": 0} | state  # states from before packing existed
+        mine = {"seed": s.seed, "n_samples": len(s), "world_size": s.world_size, "batch_size": s.batch_size,
+                "pack": s.pack}
         differ = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
         if differ:
             raise ValueError(f"data loader state does not match this run (saved, now): {differ}")

@@ -8,6 +8,7 @@ LLaMA; Hugging Face names exist only in convert.py's mapping tables.
 
 import math
 from dataclasses import asdict, dataclass, field, fields
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -412,13 +413,13 @@ class Llama(nn.Module):
         return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]  # (B, 1, T, T): static, XLA compiles it
 
 
-def chunked_cross_entropy(h, weight, targets, chunk):
+def chunked_cross_entropy(h, weight, targets, chunk, recompute):
     """Summed token losses of logits = h @ weight.T, `chunk` positions at a time. Each chunk's logits are
     recomputed in backward, so the full fp32 (B*T, vocab) logits never exist (2.1 GB at 8 x 2048 x 32k)."""
     h, targets = h.flatten(0, 1), targets.flatten()  # (B*T, D), (B*T,)
     total = h.new_zeros((), dtype=torch.float32)
     for i in range(0, h.shape[0], chunk):
-        total = total + checkpoint(_chunk_loss, h[i : i + chunk], weight, targets[i : i + chunk], use_reentrant=False)
+        total = total + recompute(_chunk_loss, h[i : i + chunk], weight, targets[i : i + chunk])
     return total
 
 
@@ -438,6 +439,7 @@ class VLM(nn.Module):
         self.projector = Projector(cfg.projector, cfg.vision.dim * len(cfg.vision_layers), cfg.llm.dim)
         self.llm = Llama(cfg.llm)
         self.loss_chunk = 0  # > 0: the loss is computed this many positions at a time and forward returns no logits
+        self.recompute = partial(checkpoint, use_reentrant=False)  # for the loss chunks; train.py sets torch_xla's on XLA
 
     @torch.no_grad()
     def init_weights(self, seed=None):
@@ -507,7 +509,7 @@ class VLM(nn.Module):
         if packed:  # the last token of a sample does not predict the first of the next
             targets = targets.masked_fill(F.pad(position_ids[:, 1:], (0, 1), value=0) == 0, -100)
         if self.loss_chunk and loss_reduction == "sum":
-            return None, chunked_cross_entropy(h, self.llm.output.weight, targets, self.loss_chunk)
+            return None, chunked_cross_entropy(h, self.llm.output.weight, targets, self.loss_chunk, self.recompute)
         logits = self.llm.output(h)
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction=loss_reduction)
         return logits, loss.view(targets.shape) if loss_reduction == "none" else loss

@@ -47,6 +47,7 @@ data_dir = "data/shapes/shards"
 tokenizer = "data/shapes/tokenizer.model"
 template = "llama_3"
 seq_len = 40
+pack = 0  # > 0: each micro-batch reads pack x rows samples and packs them into its rows (no padding waste)
 image_mode = "pad"
 num_workers = 1
 shuffle_block = 1000
@@ -83,6 +84,7 @@ dcn_mesh = [1, 1, 1]  # xla: slices as (dp, fsdp, tp) for multi-slice pods (dp a
 dtype = "float32"  # 'bfloat16': bf16 compute with fp32 master weights
 compile = False
 activation_checkpointing = False
+loss_chunk = 0  # > 0: cross-entropy over this many positions at a time, never the full fp32 logits
 peak_flops = 0.0  # per device, for MFU; 0 uses the bf16 dense peak of a known GPU
 seed = 0
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, list, dict))}
@@ -316,7 +318,7 @@ def evaluate(model, val_loader, env, cfg, n_batches):
             break
         b = env.to_device(batch)
         with autocast(env, cfg):
-            _, loss = model(b["input_ids"], b["pixel_values"], b["labels"], loss_reduction="sum")
+            _, loss = model(b["input_ids"], b["pixel_values"], b["labels"], "sum", b.get("position_ids"))
         total += loss
         count += (b["labels"][:, 1:] != -100).sum()
         env.step_end()
@@ -404,6 +406,10 @@ def main(argv=None):
             vcfg[key] = vcfg[key] | value if isinstance(value, dict) else value
         raw = build_model(VLMConfig.from_dict(vcfg), device=build_on, seed=cfg["seed"])
     freeze(raw, cfg["stage"])
+    raw.loss_chunk, raw.recompute = cfg["loss_chunk"], checkpoint_fn(env)
+    # FlexAttention needs compiled blocks; its kernels failed to compile on an H100 (torch 2.11) for a 96-token row but
+    # ran for 128, 256 and 2048: use it when rows are whole 128-token blocks, else SDPA with the dense mask
+    raw.llm.flex_attention = cfg["pack"] > 0 and env.kind == "cuda" and cfg["compile"] and cfg["seq_len"] % 128 == 0
     set_checkpointing(raw, checkpoint_fn(env) if cfg["activation_checkpointing"] else None)
     if cfg["compile"]:
         compile_blocks(raw)
@@ -418,7 +424,8 @@ def main(argv=None):
     stream_args = {"tokenizer": cfg["tokenizer"], "batch_size": rows_per_host, "seq_len": cfg["seq_len"],
                    "image_size": raw.cfg.vision.image_size, "image_token_id": raw.cfg.image_token_id,
                    "n_image_tokens": raw.cfg.n_image_tokens, "template": cfg["template"], "image_mode": cfg["image_mode"],
-                   "seed": cfg["seed"], "rank": env.rank, "world_size": env.world, "shuffle_block": cfg["shuffle_block"]}
+                   "seed": cfg["seed"], "rank": env.rank, "world_size": env.world, "shuffle_block": cfg["shuffle_block"],
+                   "pack": cfg["pack"]}
     loader = data.Loader(data.ShardStream(cfg["data_dir"], split="train", **stream_args), cfg["num_workers"])
     vocab, image_id, llm = loader.stream.tok.vocab_size, raw.cfg.image_token_id, raw.cfg.llm
     if cfg["seq_len"] > llm.max_seq_len:
@@ -462,7 +469,10 @@ def main(argv=None):
     batches = iter(loader)
     loss_sum, tokens_sum = torch.zeros((), device=env.device), torch.zeros((), device=env.device)
     t_last, data_wait, it = time.perf_counter(), 0.0, start
-    samples_done, dropped = 0, 0
+    rows_done, dropped = 0, 0
+    per_row = max(1, cfg["pack"])  # samples read per row
+    # FLOPs of a row: one sample of seq_len tokens, or `pack` samples of seq_len / pack (attention within each)
+    row_flops = per_row * flops_per_sample(raw, cfg["stage"], cfg["seq_len"] // per_row)
     while it < cfg["max_iters"]:
         t0 = time.perf_counter()
         micro = [next(batches) for _ in range(grad_accum)]
@@ -482,7 +492,7 @@ def main(argv=None):
         count = env.all_sum(sum((b["labels"][:, 1:] != -100).sum() for b in micro).float())
         for i, b in enumerate(micro):
             with grad_sync(model, env, cfg, i == grad_accum - 1), autocast(env, cfg):
-                _, loss = model(b["input_ids"], b["pixel_values"], b["labels"], loss_reduction="sum")
+                _, loss = model(b["input_ids"], b["pixel_values"], b["labels"], "sum", b.get("position_ids"))
                 (loss * env.replicas / count.clamp(min=1)).backward()
             loss_sum += loss.detach()
         tokens_sum += count / env.replicas
@@ -491,20 +501,20 @@ def main(argv=None):
         optimizer.zero_grad(set_to_none=True)
         env.step_end()
         it += 1
-        samples_done += cfg["batch_size"]
+        rows_done += cfg["batch_size"]
 
         if it % cfg["log_interval"] == 0 or it == cfg["max_iters"]:
             env.sync()
             dt = time.perf_counter() - t_last
             loss_val = (env.all_sum(loss_sum) / env.all_sum(tokens_sum).clamp(min=1)).item()
             gn = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            steps = samples_done / cfg["batch_size"]
-            tok_s = samples_done * cfg["seq_len"] / dt
-            flops = flops_per_sample(raw, cfg["stage"], cfg["seq_len"]) * samples_done / dt
+            steps = rows_done / cfg["batch_size"]
+            tok_s = rows_done * cfg["seq_len"] / dt
+            flops = row_flops * rows_done / dt
             mem = torch.cuda.max_memory_allocated(env.device) / 2**30 if env.kind == "cuda" else \
                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
             event = {"step": it, "loss": loss_val, "lr": lr_now, "grad_norm": gn.item(), "tokens_per_s": tok_s,
-                     "samples_per_s": samples_done / dt, "mfu": flops / (peak * env.n_devices) if peak else None,
+                     "samples_per_s": rows_done * per_row / dt, "mfu": flops / (peak * env.n_devices) if peak else None,
                      "data_wait": data_wait / dt, "peak_mem_gib": mem, "dropped_samples": dropped}
             if env.kind == "xla":  # a count that grows after warm-up means the step recompiles: see README
                 import torch_xla.debug.metrics as met
@@ -519,7 +529,7 @@ def main(argv=None):
             log(event)
             loss_sum.zero_()
             tokens_sum.zero_()
-            t_last, data_wait, samples_done, dropped = time.perf_counter(), 0.0, 0, 0
+            t_last, data_wait, rows_done, dropped = time.perf_counter(), 0.0, 0, 0
         if val_loader and cfg["eval_interval"] and (it % cfg["eval_interval"] == 0 or it == cfg["max_iters"]):
             val = evaluate(model, val_loader, env, cfg, cfg["eval_iters"])
             print0(env, f"step {it}: val loss {val:.4f}")

@@ -21,6 +21,7 @@ grad_clip = 1.0
 dtype = "bfloat16"
 parallel = "fsdp"
 activation_checkpointing = True
+loss_chunk = 4096  # the fp32 [rows, 2048, 32064] logits (2.1 GB for 8 rows) never exist at once
 num_workers = 8
 log_interval = 10
 eval_interval = 500

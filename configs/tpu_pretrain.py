@@ -23,6 +23,7 @@ weight_decay = 0.0
 grad_clip = 1.0
 dtype = "bfloat16"  # bf16 compute on the MXU, fp32 master weights and AdamW moments
 activation_checkpointing = True  # torch_xla's checkpoint per ViT and LLM block
+loss_chunk = 4096  # the fp32 [rows, 2048, 32064] logits (2.1 GB for 8 rows) never exist at once
 num_workers = 8
 log_interval = 10
 eval_interval = 0

@@ -11,6 +11,7 @@ import sys
 import pytest
 from conftest import ROOT
 from test_train import args, losses, run
+from xla_runs import PACKED
 
 pytestmark = pytest.mark.slow
 REL = 1e-4
@@ -27,6 +28,7 @@ def xla(tmp_path_factory):
     for stage in (1, 2):
         cpu[stage] = out / f"cpu-stage{stage}"
         run(args(shapes, cpu[stage], f"--stage={stage}", "--max_iters=5", "--ckpt_interval=0"))
+    run(args(shapes, out / "cpu-packed", "--max_iters=5", "--ckpt_interval=0", *PACKED))
     run(args(shapes, out / "cpu-straight", "--max_iters=20", "--ckpt_interval=10", "--keep_last=5"))
     (out / "xla-resume").mkdir()
     shutil.copytree(out / "cpu-straight/step-000010", out / "xla-resume/step-000010")  # the CPU run's checkpoint
@@ -52,6 +54,12 @@ def test_xla_losses_match_cpu_eager(xla, stage, mesh):
     got = results["losses"][f"stage{stage}-{mesh}"]
     assert len(got) == len(expected) == 5
     assert all(close(g, e) for g, e in zip(got, expected)), (got, expected)
+
+
+def test_xla_packed_rows_match_cpu_eager(xla):
+    out, _, _, results = xla
+    expected = list(losses(out / "cpu-packed").values())
+    assert len(expected) == 5 and all(close(g, e) for g, e in zip(results["losses"]["packed"], expected))
 
 
 def test_compile_count_is_flat_after_warmup(xla):

@@ -16,6 +16,7 @@ import train  # noqa: E402
 from model import build_model, vlm_preset  # noqa: E402
 
 MESHES = ([4, 1, 1], [1, 4, 1], [1, 2, 2], [2, 2, 1])
+PACKED = ["--pack=2", "--batch_size=4", "--micro_batch_size=4", "--seq_len=96", "--loss_chunk=40"]
 
 
 def common(shapes, out):
@@ -61,6 +62,10 @@ def main(shapes, out):
             train.main(common(shapes, d) + [f"--stage={stage}", "--max_iters=5", "--ckpt_interval=0", f"--mesh={mesh}",
                                             f"--activation_checkpointing={checkpointing}"])
             results["losses"][d.name] = [e["loss"] for e in log(d) if "loss" in e]
+
+    # packed rows: the dense document mask is the static-shape form XLA compiles
+    train.main(common(shapes, out / "xla-packed") + ["--max_iters=5", "--ckpt_interval=0", "--mesh=[2,2,1]", *PACKED])
+    results["losses"]["packed"] = [e["loss"] for e in log(out / "xla-packed") if "loss" in e]
 
     # compiles: 10 steps of varying data (stage 0, with a dropped sample or two from a short seq_len)
     d = out / "compiles"
