@@ -11,6 +11,7 @@ import functools
 import os
 import re
 from contextlib import nullcontext
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -55,7 +56,13 @@ class Env:
             if kind == "cuda":
                 torch.cuda.set_device(self.device)
             if self.distributed:
-                dist.init_process_group("nccl" if kind == "cuda" else "gloo",
+                # torchrun's c10d rendezvous hands a restarted group the store of the failed attempt, stale peer
+                # addresses included (torch 2.9: the restart then fails to connect): one key prefix per attempt
+                store, _, _ = next(dist.rendezvous("env://"))
+                store = dist.PrefixStore(f"llavax/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+                # an hour, not NCCL's 10 minutes: the other ranks wait while rank 0 writes a 7B checkpoint
+                dist.init_process_group("nccl" if kind == "cuda" else "gloo", store=store, rank=self.rank,
+                                        world_size=self.world, timeout=timedelta(minutes=60),
                                         device_id=self.device if kind == "cuda" else None)
                 # a CPU group for stop-flag agreement, so checking it never waits on the GPU
                 self.cpu_group = dist.new_group(backend="gloo") if kind == "cuda" else None
