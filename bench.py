@@ -1,7 +1,8 @@
 """
 Benchmarks. Figures go to BENCHMARKS.md with the command, date and machine.
 
-    python bench.py train [--size bench|debug] [--stage 1|2] [--peer hf] [--steps N] [--batch B]
+    python bench.py train --config configs/bench.py [--peer hf] [--steps N] [--stage 1|2]
+    python bench.py train [--size bench|debug] [--stage 1|2] [--peer hf] [--pack] [--compile] [--loss-chunk N]
     python bench.py data [--shards DIR]        # decode + preprocess images/s per core, ours vs webdataset + PIL
 
 `train` times full training steps (forward, backward, AdamW) on random weights and synthetic
@@ -172,10 +173,21 @@ def sync(device):
 
 def bench_train(args):
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    preset, seq_len, rows, real = SIZES[args.size]
+    preset, seq_len, rows, real = SIZES[args.size or "bench"]
+    model_cfg = vlm_preset(preset)
+    if args.config:  # the model, row shape and our optimisations from a train.py config; flags given win
+        cfg = train.load_config([args.config])
+        model_cfg, seq_len, rows = train.model_config(cfg), cfg["seq_len"], cfg["micro_batch_size"]
+        real = min(real, seq_len * 3 // 4)  # LLaVA-like ~680-token samples, shorter when the rows are
+        args.stage = args.stage or (cfg["stage"] if cfg["stage"] in (1, 2) else 2)
+        args.dtype = args.dtype or cfg["dtype"]
+        args.pack, args.compile = args.pack or cfg["pack"] > 0, args.compile or cfg["compile"]
+        args.checkpointing = args.checkpointing or cfg["activation_checkpointing"]
+        args.loss_chunk = cfg["loss_chunk"] if args.loss_chunk is None else args.loss_chunk
+    args.stage, args.dtype, args.loss_chunk = args.stage or 2, args.dtype or "bfloat16", args.loss_chunk or 0
     rows = args.batch or rows
     torch.manual_seed(0)
-    raw = build_model(vlm_preset(preset), device="cpu", seed=0)
+    raw = build_model(model_cfg, device="cpu", seed=0)
     env = type("E", (), {"kind": device.type, "device": device})()
     peak = args.peak_flops or train.known_peak_flops(env)
     # HF always takes a sample a row; ours the same, or packed rows with --pack
@@ -190,7 +202,8 @@ def bench_train(args):
         best = results.get(kind)
         if best is None or r["seconds_per_step"] < best["seconds_per_step"]:
             results[kind] = r
-    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "size": args.size,
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "size": args.config or args.size or "bench",
               "stage": args.stage, "rows": rows, "seq_len": seq_len, "dtype": args.dtype, "pack": args.pack,
               "loss_chunk": args.loss_chunk, "compile": args.compile, "checkpointing": args.checkpointing}
     for kind, r in results.items():
@@ -295,17 +308,18 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train")
-    t.add_argument("--size", default="bench", choices=sorted(SIZES))
-    t.add_argument("--stage", type=int, default=2, choices=[1, 2])
+    t.add_argument("--config", help="a train.py config to take the model, shapes and settings from (configs/bench.py)")
+    t.add_argument("--size", choices=sorted(SIZES), help="a built-in size instead of --config (default bench)")
+    t.add_argument("--stage", type=int, choices=[1, 2], help="default 2, or the config's")
     t.add_argument("--peer", choices=["hf"])
     t.add_argument("--steps", type=int, default=10)
     t.add_argument("--warmup", type=int, default=3)
     t.add_argument("--rounds", type=int, default=2, help="phases per model; the fastest is reported")
     t.add_argument("--batch", type=int, default=0, help="micro batch (default: the size's)")
-    t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    t.add_argument("--dtype", choices=["bfloat16", "float32"], help="default bfloat16, or the config's")
     t.add_argument("--compile", action="store_true", help="torch.compile our blocks")
     t.add_argument("--pack", action="store_true", help="ours: several samples a row (FlexAttention on CUDA)")
-    t.add_argument("--loss-chunk", type=int, default=0, help="ours: cross-entropy this many positions at a time")
+    t.add_argument("--loss-chunk", type=int, help="ours: cross-entropy this many positions at a time (0: off)")
     t.add_argument("--checkpointing", action="store_true", help="ours: recompute every block in backward")
     t.add_argument("--profile", default="", help="write the torch profiler's top kernels of ours to this file")
     t.add_argument("--device", default="")

@@ -136,6 +136,14 @@ def load_config(argv):
     return cfg
 
 
+def model_config(cfg):
+    """The VLMConfig that init_from='scratch' builds: the preset `model` with `model_overrides` merged in."""
+    vcfg = vlm_preset(cfg["model"]).to_dict()
+    for key, value in cfg["model_overrides"].items():
+        vcfg[key] = vcfg[key] | value if isinstance(value, dict) else value
+    return VLMConfig.from_dict(vcfg)
+
+
 # -----------------------------------------------------------------------------
 # backends: small functions applied in a fixed order: freeze -> checkpointing -> compile -> shard
 
@@ -401,10 +409,7 @@ def main(argv=None):
     if source:
         raw = convert.load_model(source, device=build_on)
     else:
-        vcfg = vlm_preset(cfg["model"]).to_dict()
-        for key, value in cfg["model_overrides"].items():
-            vcfg[key] = vcfg[key] | value if isinstance(value, dict) else value
-        raw = build_model(VLMConfig.from_dict(vcfg), device=build_on, seed=cfg["seed"])
+        raw = build_model(model_config(cfg), device=build_on, seed=cfg["seed"])
     freeze(raw, cfg["stage"])
     raw.loss_chunk, raw.recompute = cfg["loss_chunk"], checkpoint_fn(env)
     # FlexAttention needs compiled blocks; its kernels failed to compile on an H100 (torch 2.11) for a 96-token row but

@@ -201,14 +201,14 @@ def test_trained_checkpoint_converts_to_hf_and_transformers_agrees(shapes, singl
     assert (tmp_path / "hf/tokenizer.model").exists()
 
 
-@pytest.mark.parametrize("name", ["debug", "shapes", "pretrain", "finetune", "tpu_pretrain"])
+@pytest.mark.parametrize("name", ["debug", "shapes", "pretrain", "finetune", "tpu_pretrain", "bench"])
 def test_shipped_configs_parse(name):
     cfg = train.load_config([str(ROOT / "configs" / f"{name}.py")])
     assert cfg["batch_size"] % cfg["micro_batch_size"] == 0
 
 
-def bench(*extra):
-    r = subprocess.run([sys.executable, str(ROOT / "bench.py"), "train", "--size", "debug", "--peer", "hf", "--steps", "2",
+def bench(*extra, size=("--size", "debug")):
+    r = subprocess.run([sys.executable, str(ROOT / "bench.py"), "train", *size, "--peer", "hf", "--steps", "2",
                         "--warmup", "1", "--rounds", "1", "--dtype", "float32", "--device", "cpu", *extra],
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -225,6 +225,9 @@ def test_bench_runs_ours_against_transformers_on_cpu():
     assert packed["ours"]["padding_share"] < 0.3 < packed["hf"]["padding_share"]
     assert packed["ours"]["samples_per_step"] >= 2 * packed["hf"]["samples_per_step"]
     assert abs(packed["ours"]["first_loss"] - packed["hf"]["first_loss"]) < 0.1  # other samples, the same model
+    # a train.py config sets the model, the rows and our settings (configs/bench.py is the GPU target)
+    from_config = bench("--loss-chunk", "16", size=("--config", str(ROOT / "configs/debug.py")))
+    assert from_config["rows"] == 8 and from_config["seq_len"] == 48 and from_config["loss_chunk"] == 16
 
 
 def test_bench_data_runs_both_pipelines(tmp_path):

@@ -98,6 +98,12 @@ def test_checkpoints_move_between_xla_and_cpu(xla):
     resumed = {int(k): v for k, v in results["xla_resume_losses"].items()}
     assert sorted(resumed) == list(range(11, 21))
     assert all(close(resumed[s], straight[s]) for s in resumed), (resumed, straight)
+    # XLA saved, XLA resumed: the same steps as 20 straight XLA steps, and the same final weights
+    resumed, straight_xla = results["xla-xla"], results["xla-straight"]
+    assert sorted(int(s) for s in resumed) == list(range(11, 21))
+    assert all(resumed[s] == straight_xla[s] for s in resumed), (resumed, straight_xla)
+    assert (out / "xla-xla/step-000020/model.safetensors").read_bytes() == \
+        (out / "xla-straight/step-000020/model.safetensors").read_bytes()
     state = json.loads((out / "xla-save/step-000010/state.json").read_text())
     assert state["iter"] == 10 and state["loader"]["position"] == 80
 

@@ -2,6 +2,7 @@
 CPU_NUM_DEVICES=4): python tests/xla_runs.py SHAPES_DIR OUT_DIR writes OUT_DIR/results.json."""
 
 import json
+import shutil
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -78,6 +79,14 @@ def main(shapes, out):
     train.main(common(shapes, out / "xla-resume") + ["--max_iters=20", "--ckpt_interval=10", "--mesh=[2,1,2]",
                                                      "--init_from=resume"])
     results["xla_resume_losses"] = {e["step"]: e["loss"] for e in log(out / "xla-resume") if "loss" in e}
+    # and XLA resumes its own checkpoint: against 20 straight XLA steps on the same mesh
+    (out / "xla-xla").mkdir()
+    shutil.copytree(out / "xla-save/step-000010", out / "xla-xla/step-000010")
+    train.main(common(shapes, out / "xla-xla") + ["--max_iters=20", "--ckpt_interval=10", "--mesh=[1,2,2]",
+                                                  "--init_from=resume"])
+    train.main(common(shapes, out / "xla-straight") + ["--max_iters=20", "--ckpt_interval=10", "--mesh=[1,2,2]"])
+    for name in ("xla-xla", "xla-straight"):
+        results[name] = {e["step"]: e["loss"] for e in log(out / name) if "loss" in e}
 
     for mesh in ([1, 2, 2], [1, 4, 1]):
         results["sharding"]["x".join(map(str, mesh))] = shard_shapes(mesh)
