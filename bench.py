@@ -13,7 +13,6 @@ prints ours/HF. The two alternate in phases (ours, HF, ours, HF), one model in m
 """
 
 import argparse
-import functools
 import gc
 import json
 import sys
@@ -24,11 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.checkpoint import checkpoint
 
 import convert
 from data import CLIP_MEAN, CLIP_STD, IMAGE_TAG, load_image, normalize_images, pack, pack_rows, packed_batch, read_members, \
     sample_offsets, shard_files
+import parallel
 import train
 from model import build_model, vlm_preset
 
@@ -108,8 +107,8 @@ def run_phase(kind, raw_cpu, batches, args, device, steps, warmup):
         model.load_state_dict(raw_cpu.state_dict())
         train.freeze(model, args.stage)
         model.loss_chunk = args.loss_chunk
-        model.llm.flex_attention = args.pack and device.type == "cuda"
-        train.set_checkpointing(model, functools.partial(checkpoint, use_reentrant=False) if args.checkpointing else None)
+        model.llm.flex_attention = train.use_flex_attention(args.pack, device.type, args.compile, batches[0]["ids"].shape[1])
+        train.set_checkpointing(model, parallel.checkpoint_fn(device.type) if args.checkpointing else None)
         if args.compile:
             train.compile_blocks(model)
         step_fn = lambda b: model(b["ids"], b["pixels"], b["labels"], "sum", b["positions"])[1] / b["n_targets"]  # noqa: E731

@@ -701,11 +701,10 @@ def packed_batch(samples, n_rows, seq_len, pad_id):
         end = 0
         for i in members:
             ids, lab = samples[i]
-            _, end = where[i]
-            input_ids[r, end : end + len(ids)] = torch.as_tensor(ids)
-            labels[r, end : end + len(lab)] = torch.as_tensor(lab)
-            position_ids[r, end : end + len(ids)] = torch.arange(len(ids))
-            end += len(ids)
+            start, end = where[i][1], where[i][1] + len(ids)
+            input_ids[r, start:end] = torch.as_tensor(ids)
+            labels[r, start : start + len(lab)] = torch.as_tensor(lab)
+            position_ids[r, start:end] = torch.arange(len(ids))
         position_ids[r, end:] = torch.arange(seq_len - end)  # the padding tail: one more (unsupervised) sample
     return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids,
             "order": [i for r in rows for i in r], "where": where}

@@ -117,9 +117,9 @@ def print0(env, *args):
         print(*args, flush=True)
 
 
-def checkpoint_fn(env):
+def checkpoint_fn(device_kind):
     """The activation checkpointing function the model's blocks call: torch_xla's on XLA."""
-    if env.kind == "xla":
+    if device_kind == "xla":
         import torch_xla.utils.checkpoint
 
         return torch_xla.utils.checkpoint.checkpoint
@@ -253,9 +253,7 @@ def init_optimizer_state(raw, optimizer, env):
 
 
 def place_like(t, name, env):
-    """A CPU tensor (a loaded weight or moment) on the device, sharded like parameter `name`."""
-    if env.kind != "xla":
-        return t.to(env.device)
+    """A CPU tensor (a loaded moment) on the XLA device, sharded like parameter `name`."""
     import torch_xla.distributed.spmd as xs
 
     t = t.to(env.device)

@@ -162,6 +162,12 @@ def set_checkpointing(model, fn):
     model.vision.checkpoint = model.llm.checkpoint = fn
 
 
+def use_flex_attention(packed, device_kind, compiled, seq_len):
+    """FlexAttention for packed rows needs CUDA and compiled blocks. Its kernels failed to compile on an H100 (torch
+    2.11) for 96-token rows but ran for 128, 256 and 2048: whole 128-token blocks only, else SDPA with a dense mask."""
+    return packed and device_kind == "cuda" and compiled and seq_len % 128 == 0
+
+
 def compile_blocks(model):
     for block in list(model.vision.blocks) + list(model.llm.layers):
         block.compile()
@@ -411,11 +417,9 @@ def main(argv=None):
     else:
         raw = build_model(model_config(cfg), device=build_on, seed=cfg["seed"])
     freeze(raw, cfg["stage"])
-    raw.loss_chunk, raw.recompute = cfg["loss_chunk"], checkpoint_fn(env)
-    # FlexAttention needs compiled blocks; its kernels failed to compile on an H100 (torch 2.11) for a 96-token row but
-    # ran for 128, 256 and 2048: use it when rows are whole 128-token blocks, else SDPA with the dense mask
-    raw.llm.flex_attention = cfg["pack"] > 0 and env.kind == "cuda" and cfg["compile"] and cfg["seq_len"] % 128 == 0
-    set_checkpointing(raw, checkpoint_fn(env) if cfg["activation_checkpointing"] else None)
+    raw.loss_chunk, raw.recompute = cfg["loss_chunk"], checkpoint_fn(env.kind)
+    raw.llm.flex_attention = use_flex_attention(cfg["pack"] > 0, env.kind, cfg["compile"], cfg["seq_len"])
+    set_checkpointing(raw, checkpoint_fn(env.kind) if cfg["activation_checkpointing"] else None)
     if cfg["compile"]:
         compile_blocks(raw)
     model = shard(raw, env, cfg)
