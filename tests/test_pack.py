@@ -132,6 +132,8 @@ def test_a_top_level_object_or_nothing_kept_exits_nonzero_with_a_reason(tmp_path
     with pytest.raises(SystemExit, match="one JSON object .keys data, version., not LLaVA data"):
         pack.pack(tmp_path / "obj.json", imgs, tmp_path / "a")
     assert "malformed JSON" not in capfd.readouterr().err  # no per-line noise
+    (tmp_path / "one.json").write_text(json.dumps(record(0), indent=2))  # one record, pretty-printed, is fine
+    assert not pack.pack(tmp_path / "one.json", imgs, tmp_path / "one").counts
     (tmp_path / "none.json").write_text(json.dumps([record(0) | {"image": "missing.jpg"}]))
     with pytest.raises(SystemExit, match="no record could be packed(.|\\n)*missing_image: 1"):
         pack.pack(tmp_path / "none.json", imgs, tmp_path / "b")
