@@ -298,6 +298,10 @@ NORM_SHIFT = torch.tensor([-m / s for m, s in zip(CLIP_MEAN, CLIP_STD)]).view(1,
 # reading shards: an index of samples, a deterministic order, exact resume
 
 
+class DatasetError(ValueError):
+    """A shard folder or tar that is incomplete or inconsistent; the message names the file."""
+
+
 def split_parts(split_yaml):
     """{part: [shard names]} from .nv-meta/split.yaml (the tiny YAML subset pack and `energon prepare` write)."""
     parts, current = {}, None
@@ -317,23 +321,23 @@ def dataset_shards(folder, split):
     (like `energon prepare`) writes .nv-meta/.info.json last, and every shard must match what it records."""
     meta = folder / ".nv-meta"
     if not (meta / ".info.json").exists():
-        raise ValueError(f"{folder}: no .nv-meta/.info.json, so not a finished dataset (a pack that was killed or "
+        raise DatasetError(f"{folder}: no .nv-meta/.info.json, so not a finished dataset (a pack that was killed or "
                          "is still running leaves this); re-run pack with --overwrite, run `energon prepare` on a "
                          "webdataset folder, or pass its .tar files themselves")
     counts = json.loads((meta / ".info.json").read_text())["shard_counts"]
     ours = json.loads((meta / "llavax.json").read_text())["shards"] if (meta / "llavax.json").exists() else {}
     unlisted = sorted(p.name for p in folder.glob("*.tar") if p.name not in counts)
     if unlisted:
-        raise ValueError(f"{folder / unlisted[0]}: a shard that .nv-meta/.info.json does not list (left by an earlier "
+        raise DatasetError(f"{folder / unlisted[0]}: a shard that .nv-meta/.info.json does not list (left by an earlier "
                          "pack?); remove it, or re-pack with --overwrite")
     shards = {}
     for name in split_parts(meta / "split.yaml").get(split, []):
         path = folder / name
         if not path.exists():
-            raise ValueError(f"{path}: listed in {meta / 'split.yaml'} but missing")
+            raise DatasetError(f"{path}: listed in {meta / 'split.yaml'} but missing")
         size, expected = path.stat().st_size, ours.get(name, {}).get("bytes")
         if expected is not None and size != expected:
-            raise ValueError(f"{path}: {size} bytes where .nv-meta/llavax.json records {expected}: truncated or "
+            raise DatasetError(f"{path}: {size} bytes where .nv-meta/llavax.json records {expected}: truncated or "
                              "replaced; re-pack with --overwrite")
         shards[path] = counts[name]
     return shards
@@ -366,7 +370,7 @@ def sample_offsets(tar_path, count=None):
                    f"{len(offsets) - 1} samples where .nv-meta says {count}" if count not in (None, len(offsets) - 1)
                    else f"more samples follow its last offset {offsets[-1]}" if tail.strip(b"\0") else None)
         if problem:
-            raise ValueError(f"{idx}: does not match {Path(tar_path).name} ({problem}): stale or short; re-pack, "
+            raise DatasetError(f"{idx}: does not match {Path(tar_path).name} ({problem}): stale or short; re-pack, "
                              "or delete the .idx to read the tar by scanning")
         return list(zip(offsets[:-1], offsets[1:]))
     ranges, last_key = [], None
@@ -385,13 +389,13 @@ def sample_offsets(tar_path, count=None):
             tar.fileobj.seek(end)
             # tarfile stops quietly at a cut-off header: a whole tar ends with two zero blocks
             if tar.fileobj.read(1024).strip(b"\0") or size < end + 1024:
-                raise ValueError(f"{tar_path}: truncated: no end-of-archive marker after byte {end}")
+                raise DatasetError(f"{tar_path}: truncated: no end-of-archive marker after byte {end}")
     except tarfile.TarError as e:
-        raise ValueError(f"{tar_path}: not a readable tar ({e})") from None
+        raise DatasetError(f"{tar_path}: not a readable tar ({e})") from None
     if ranges:
         ranges[-1][1] = end
     if count not in (None, len(ranges)):
-        raise ValueError(f"{tar_path}: {len(ranges)} samples where .nv-meta says {count}")
+        raise DatasetError(f"{tar_path}: {len(ranges)} samples where .nv-meta says {count}")
     return [tuple(r) for r in ranges]
 
 

@@ -260,6 +260,11 @@ def test_a_killed_pack_leaves_a_folder_the_loader_refuses(tmp_path, tok):
     assert (out / "shard-000001.tar").exists() and not (out / "shard-000074.tar").exists(), "killed too late"
     with pytest.raises(ValueError, match=r"out: no \.nv-meta/\.info\.json, so not a finished dataset"):
         open_stream(out, tok)
+    import train
+
+    with pytest.raises(SystemExit, match=r"^data: .*out: no \.nv-meta/\.info\.json"):  # a message, not a traceback
+        train.main([str(ROOT / "configs/debug.py"), f"--data_dir={out}", f"--tokenizer={tok.path}",
+                    f"--out_dir={tmp_path / 'run'}"])
     with pytest.raises(SystemExit, match="already holds a dataset .*pass --overwrite"):
         pack.pack(tmp_path / "d.json", imgs, out, shard_size=1000)
     pack.pack(tmp_path / "d.json", imgs, out, shard_size=1000, overwrite=True)
