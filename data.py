@@ -320,25 +320,27 @@ def dataset_shards(folder, split):
     """{shard path: sample count} of one split of a dataset folder, after checking the folder is whole: pack
     (like `energon prepare`) writes .nv-meta/.info.json last, and every shard must match what it records."""
     meta = folder / ".nv-meta"
-    if not (meta / ".info.json").exists():
-        raise DatasetError(f"{folder}: no .nv-meta/.info.json, so not a finished dataset (a pack that was killed or "
-                         "is still running leaves this); re-run pack with --overwrite, run `energon prepare` on a "
-                         "webdataset folder, or pass its .tar files themselves")
+    missing = [name for name in (".info.json", "split.yaml") if not (meta / name).exists()]
+    if missing:
+        raise DatasetError(f"{folder}: no .nv-meta/{missing[0]}, so not a finished dataset (a pack that was killed "
+                           "or is still running leaves this); re-run pack with --overwrite, run `energon prepare` on "
+                           "a webdataset folder, or pass its .tar files themselves")
     counts = json.loads((meta / ".info.json").read_text())["shard_counts"]
     ours = json.loads((meta / "llavax.json").read_text())["shards"] if (meta / "llavax.json").exists() else {}
     unlisted = sorted(p.name for p in folder.glob("*.tar") if p.name not in counts)
     if unlisted:
-        raise DatasetError(f"{folder / unlisted[0]}: a shard that .nv-meta/.info.json does not list (left by an earlier "
-                         "pack?); remove it, or re-pack with --overwrite")
+        raise DatasetError(f"{folder / unlisted[0]}: a shard that .nv-meta/.info.json does not list (left by an "
+                           "earlier pack?); remove it, or re-pack with --overwrite")
     shards = {}
     for name in split_parts(meta / "split.yaml").get(split, []):
         path = folder / name
-        if not path.exists():
-            raise DatasetError(f"{path}: listed in {meta / 'split.yaml'} but missing")
+        if name not in counts or not path.exists():
+            raise DatasetError(f"{path}: listed in {meta / 'split.yaml'} but "
+                               f"{'missing' if name in counts else 'not in .info.json'}")
         size, expected = path.stat().st_size, ours.get(name, {}).get("bytes")
         if expected is not None and size != expected:
-            raise DatasetError(f"{path}: {size} bytes where .nv-meta/llavax.json records {expected}: truncated or "
-                             "replaced; re-pack with --overwrite")
+            raise DatasetError(f"{path}: {size} bytes where .nv-meta/llavax.json records {expected}: truncated "
+                               "or replaced; re-pack with --overwrite")
         shards[path] = counts[name]
     return shards
 
@@ -370,8 +372,8 @@ def sample_offsets(tar_path, count=None):
                    f"{len(offsets) - 1} samples where .nv-meta says {count}" if count not in (None, len(offsets) - 1)
                    else f"more samples follow its last offset {offsets[-1]}" if tail.strip(b"\0") else None)
         if problem:
-            raise DatasetError(f"{idx}: does not match {Path(tar_path).name} ({problem}): stale or short; re-pack, "
-                             "or delete the .idx to read the tar by scanning")
+            raise DatasetError(f"{idx}: does not match {Path(tar_path).name} ({problem}): stale or short; "
+                               "re-pack, or delete the .idx to read the tar by scanning")
         return list(zip(offsets[:-1], offsets[1:]))
     ranges, last_key = [], None
     try:
