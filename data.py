@@ -298,8 +298,9 @@ NORM_SHIFT = torch.tensor([-m / s for m, s in zip(CLIP_MEAN, CLIP_STD)]).view(1,
 # reading shards: an index of samples, a deterministic order, exact resume
 
 
-class DatasetError(ValueError):
-    """A shard folder or tar that is incomplete or inconsistent; the message names the file."""
+class DatasetError(SystemExit):
+    """A shard folder or tar that is incomplete or inconsistent. Training cannot go on, so it exits with one
+    message naming the file, not a traceback (catch it like any exception to do otherwise)."""
 
 
 def split_parts(split_yaml):

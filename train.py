@@ -437,10 +437,7 @@ def main(argv=None):
                    "n_image_tokens": raw.cfg.n_image_tokens, "template": cfg["template"], "image_mode": cfg["image_mode"],
                    "seed": cfg["seed"], "rank": env.rank, "world_size": env.world, "shuffle_block": cfg["shuffle_block"],
                    "pack": cfg["pack"]}
-    try:
-        loader = data.Loader(data.ShardStream(cfg["data_dir"], split="train", **stream_args), cfg["num_workers"])
-    except data.DatasetError as e:  # an unfinished or damaged shard folder: the message names the file
-        raise SystemExit(f"data: {e}") from None
+    loader = data.Loader(data.ShardStream(cfg["data_dir"], split="train", **stream_args), cfg["num_workers"])
     vocab, image_id, llm = loader.stream.tok.vocab_size, raw.cfg.image_token_id, raw.cfg.llm
     if cfg["seq_len"] > llm.max_seq_len:
         raise SystemExit(f"config: seq_len={cfg['seq_len']} exceeds the model's max_seq_len={llm.max_seq_len}")
@@ -453,8 +450,6 @@ def main(argv=None):
         val_loader = data.Loader(val_stream, 0)
     except FileNotFoundError:
         val_stream = val_loader = None
-    except data.DatasetError as e:
-        raise SystemExit(f"data: {e}") from None
     start = load_checkpoint(resume_from, model, raw, optimizer, loader, env) if resume_from else 0
 
     # preemption: finish the step, checkpoint, exit 0
