@@ -762,8 +762,14 @@ def main(argv=None):
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--image-size", type=int, default=48)
     b.add_argument("--turns", type=int, default=1, help="questions per image, as a multi-turn conversation")
+    from audit_draft import audit_arguments, audit_command
+
+    audit_arguments(sub.add_parser("audit", help="what training would get from a dataset: counts, lengths, prompts, "
+                                                 "images, the chat template"))
     args = p.parse_args(argv)
-    if args.cmd == "pack":
+    if args.cmd == "audit":
+        audit_command(args)
+    elif args.cmd == "pack":
         pack(args.json, args.images, args.out, args.shard_size, args.val_ratio, args.workers, args.strict)
     else:
         import shapes  # the demo's dataset lives in its own file; it packs with pack() above
