@@ -25,9 +25,10 @@ import torch
 from PIL import Image
 
 import convert
-from data import CLIP_MEAN, CLIP_STD, IMAGE_TAG, load_image, normalize_images, pack, pack_rows, packed_batch, read_members, \
+from data import CLIP_MEAN, CLIP_STD, IMAGE_TAG, load_image, normalize_images, pack_rows, packed_batch, read_members, \
     sample_offsets, shard_files
 import parallel
+from pack import pack
 import train
 from model import build_model, vlm_preset
 

@@ -1,7 +1,7 @@
 """
 The synthetic shapes dataset, the embedded default that `make demo` trains on: small images of
 coloured circles, squares and triangles, one question each with exactly one right answer, packed
-into shards by data.pack, with a sentencepiece tokenizer trained on the text.
+into shards by pack.pack, with a sentencepiece tokenizer trained on the text.
 
     python data.py shapes --out data/shapes [--n 20000] [--seed 0] [--turns 1]
 """
@@ -14,7 +14,8 @@ import numpy as np
 from PIL import Image, ImageDraw
 from tqdm import tqdm
 
-from data import IMAGE_TAG, TEMPLATES, log, pack
+from data import IMAGE_TAG, TEMPLATES, log
+from pack import pack
 
 
 COLORS = {"red": (220, 40, 40), "green": (30, 160, 60), "blue": (40, 80, 220), "yellow": (235, 200, 30),

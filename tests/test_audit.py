@@ -64,7 +64,7 @@ def test_shapes_counts_prompts_and_contact_sheet(shapes, capsys, tmp_path):
         assert f"⟦{s['txt'].decode()}<|eot_id|>⟧" in out
     assert out.count("⟨<image> = tokens 4..12⟩") == 3  # 9 image tokens after <|begin_of_text|> and the user header
     # one tile per shown sample, each holding that sample's own image (the PNG it was drawn as, JPEG-packed)
-    from audit_draft import sheet_layout
+    from pack import sheet_layout
 
     scale, tile_w, tile_h, margin = sheet_layout(48)
     img = np.asarray(Image.open(sheet).convert("RGB")).astype(int)

@@ -14,6 +14,7 @@ from shapes import make_shapes
 from PIL import Image
 
 import data
+import pack
 
 # -----------------------------------------------------------------------------
 # fixtures: a small LLaVA-format dataset with every kind of bad record
@@ -58,7 +59,7 @@ def llava_json(tmp_path_factory):
 def packed(llava_json, tmp_path_factory):
     d, good = llava_json
     out = tmp_path_factory.mktemp("shards")
-    skips = data.pack(d / "data.jsonl", d / "images", out, shard_size=4, val_ratio=0.0)
+    skips = pack.pack(d / "data.jsonl", d / "images", out, shard_size=4, val_ratio=0.0)
     return out, good, skips
 
 
@@ -82,7 +83,7 @@ def test_strict_exits_nonzero_and_summary_names_ids(llava_json, tmp_path):
 def test_repacking_gives_byte_identical_shards(llava_json, packed, tmp_path):
     d, _ = llava_json
     out, _, _ = packed
-    data.pack(d / "data.jsonl", d / "images", tmp_path, shard_size=4, workers=2)
+    pack.pack(d / "data.jsonl", d / "images", tmp_path, shard_size=4, workers=2)
     digest = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()  # noqa: E731
     first = {p.name: digest(p) for p in out.glob("*.tar*")}
     assert first and first == {p.name: digest(p) for p in tmp_path.glob("*.tar*")}
@@ -116,7 +117,7 @@ def test_energon_opens_packed_folder_as_vqa_without_prepare(tmp_path, llava_json
     d, good = llava_json
     with_images = [r for r in good if "image" in r]
     (tmp_path / "imgs.json").write_text(json.dumps(with_images))
-    data.pack(tmp_path / "imgs.json", d / "images", tmp_path / "shards", shard_size=5)
+    pack.pack(tmp_path / "imgs.json", d / "images", tmp_path / "shards", shard_size=5)
     assert not (tmp_path / "shards/.nv-meta/index.sqlite").exists()  # we did not run energon prepare
     ds = get_train_dataset(tmp_path / "shards", batch_size=None, shuffle_buffer_size=None, max_samples_per_sequence=None,
                            worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0), repeat=False)
