@@ -308,6 +308,7 @@ def contact_sheet(tiles, image_size, path):
             shown = ((seen - NORM_SHIFT) / NORM_SCALE).round().clamp(0, 255).byte()[0].permute(1, 2, 0).numpy()
             img = Image.fromarray(np.ascontiguousarray(shown)).resize((side, side), Image.NEAREST)
             sheet.paste(img, (margin, top + margin))
+        draw.rectangle([margin - 1, top + margin - 1, margin + side, top + margin + side], outline=(0, 0, 0))
         text = "\n".join([where] + [w for line in lines for w in textwrap.wrap(line, 84) or [""]][:12])
         draw.text((side + 2 * margin, top + margin), text, fill=(0, 0, 0), font=font)
         draw.line([0, top + tile_h - 1, tile_w, top + tile_h - 1], fill=(180, 180, 180))

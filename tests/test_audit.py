@@ -4,6 +4,7 @@ against transformers' apply_chat_template on published jinja templates, and its 
 import io
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -86,6 +87,26 @@ def test_too_short_seq_len_leaves_no_supervised_tokens_and_fails(shapes, capsys)
     assert code == 1
     assert f"dropped, no_supervised_tokens: {n} " in out and "FAIL" in out
     assert "⟦" in out  # the dropped sample is still shown with its would-be supervised span
+
+
+def test_padding_share_is_what_the_loader_hands_out(shapes, capsys):
+    code, out, _ = run_audit(capsys, shapes / "shards", "--config", ROOT / "configs/shapes.py", "--tokenizer",
+                             shapes / "tokenizer.model", "--rows", 5, "--show", 0)
+    share = float(re.search(r"padding: ([\d.]+)% ", out).group(1)) / 100
+    stream = data.ShardStream(shapes / "shards", shapes / "tokenizer.model", batch_size=5, seq_len=40, image_size=48,
+                              image_token_id=512, n_image_tokens=9, template="llama_3")
+    assert len(stream) == 30  # 6 batches of 5 rows are one epoch
+    batches = [stream.batch(k)["input_ids"] for k in range(6)]
+    real = sum(int((b != stream.tok.pad_id).sum()) for b in batches)
+    assert code == 0 and abs(share - (1 - real / (6 * 5 * 40))) < 0.0006
+    # packing 2 samples a row at seq_len 40: no two fit (each is 30+ tokens), so half find no room, as in the loader
+    code, out, _ = run_audit(capsys, shapes / "shards", "--config", ROOT / "configs/shapes.py", "--tokenizer",
+                             shapes / "tokenizer.model", "--rows", 5, "--pack", 2, "--show", 0)
+    packed = data.ShardStream(shapes / "shards", shapes / "tokenizer.model", batch_size=5, seq_len=40, image_size=48,
+                              image_token_id=512, n_image_tokens=9, template="llama_3", pack=2)
+    for k in range(3):
+        packed.batch(k)
+    assert packed.skips.counts["no_room_in_pack"] == 15 and "; 15 samples find no room" in out
 
 
 def hf_tokenizer_dir(path, chat_template):
