@@ -370,54 +370,44 @@ def audit(source, tokenizer, template, seq_len, image_size, n_image_tokens, imag
             break
         if progress and n and n % progress == 0:
             log(f"audit: {n} samples")
-        shown, pieces = n < show, None
+        shown, pieces, pixels, qa, outcome = n < show, None, None, [], "kept"
         try:
             if isinstance(members, str):  # refused at pack time: the loader never sees it
-                outcomes[members] += 1
-                skips.add(members, where)
-                if shown:
-                    p(f"\n--- {n}: {where}: dropped at pack time ({members})")
-                continue
+                raise DropSample(members)
             conv, image = sample_conversation(members)
             pieces = TEMPLATES[template](conv)
+            qa = [f"{r[0].upper()}: {t.replace(IMAGE_TAG, '').strip()}" for r, t in turns(conv)]
+            if hf is not None:  # before any seq_len cut: the template is compared whatever becomes of the sample
+                expected = hf.apply_chat_template([{"role": r, "content": t} for r, t in turns(conv)], tokenize=False)
+                got = "".join(t for t, _ in pieces)
+                n_compared += 1
+                if expected != got:
+                    mismatched.append((where, differences(expected, got)))
             pixels = load_image(image, image_size, image_mode) if image is not None else None
             ids, labels, truncated = encode_conversation(conv, image is not None, template, tok, seq_len,
                                                          image_token_id, n_image_tokens)
-        except DropSample as e:
-            reason = str(e).split(" ")[0]
-            outcomes[reason] += 1
-            skips.add(reason, where)
-            lengths.append(None)
+        except Exception as e:  # noqa: BLE001  a foreign shard's bad JSON, image or roles: counted, as the loader does
+            outcome = str(e).split(" ")[0] if isinstance(e, DropSample) else "unreadable_sample"
+            outcomes[outcome] += 1
+            skips.add(outcome, where)
+            lengths += [None] * (not isinstance(members, str))
             if shown:
-                p(f"\n--- {n}: {where}: dropped ({e})")
+                why = e if isinstance(e, DropSample) else f"unreadable_sample: {type(e).__name__}: {e}"
+                p(f"\n--- {n}: {where}: dropped {'at pack time ' * isinstance(members, str)}({why})")
                 if pieces is not None:
                     ids, labels = tokenize(pieces, tok, image_token_id, n_image_tokens)
                     text, tail = show_prompt(pieces, ids, labels, image_token_id, seq_len, False, tok, color)
                     p(f"{text}\n(in full: {tail})")
-            continue
-        except Exception as e:  # noqa: BLE001  a foreign shard's bad JSON, image or roles: counted, as the loader does
-            outcomes["unreadable_sample"] += 1
-            skips.add("unreadable_sample", where)
-            lengths.append(None)
+        else:
+            outcomes["kept"] += 1
+            outcomes["truncated"] += truncated
+            lengths.append(len(ids))
+            supervised += sum(1 for x in labels[1:] if x != -100)
             if shown:
-                p(f"\n--- {n}: {where}: dropped (unreadable_sample: {type(e).__name__}: {e})")
-            continue
-        outcomes["kept"] += 1
-        outcomes["truncated"] += truncated
-        lengths.append(len(ids))
-        supervised += sum(1 for x in labels[1:] if x != -100)
-        if hf is not None:
-            n_compared += 1
-            expected = hf.apply_chat_template([{"role": r, "content": t} for r, t in turns(conv)], tokenize=False)
-            got = "".join(t for t, _ in pieces)
-            if expected != got:
-                mismatched.append((where, differences(expected, got)))
+                text, tail = show_prompt(pieces, ids, labels, image_token_id, seq_len, truncated, tok, color)
+                p(f"\n--- {n}: {where}: {tail}\n{text}")
         if shown:
-            text, tail = show_prompt(pieces, ids, labels, image_token_id, seq_len, truncated, tok, color)
-            p(f"\n--- {n}: {where}: {tail}\n{text}")
-            qa = [f"{'Q' if r == 'user' else 'A' if r == 'assistant' else 'S'}: {t.replace(IMAGE_TAG, '').strip()}"
-                  for r, t in turns(conv)]
-            tiles.append((where, pixels, qa))
+            tiles.append((f"{where}: {outcome}", pixels, qa))
     kept = [x for x in lengths if x]
     total = sum(outcomes.values()) - outcomes["truncated"]
     p(f"\nsamples: {total}\n  kept: {outcomes['kept']} (truncated to seq_len: {outcomes['truncated']})")
@@ -439,7 +429,7 @@ def audit(source, tokenizer, template, seq_len, image_size, n_image_tokens, imag
         p(f"chat template: {n_compared - len(mismatched)} of {n_compared} samples render as {hf_tokenizer}'s "
           f"apply_chat_template does")
         for where, diffs in mismatched[:3]:
-            p(f"  {where}: {len(diffs)} differences (position: expected -> got)")
+            p(f"  {where}: differences at (position: expected -> got)")
             for pos, expected, got in diffs:
                 p(f"    {pos}: {expected!r} -> {got!r}")
         if mismatched:
