@@ -202,7 +202,6 @@ def pack(json_path, images_dir, out_dir, shard_size=1000, val_ratio=0.0, workers
 # audit: the data exactly as training will see it, before a thousand GPU-hours are spent on it
 
 
-
 def audit_sources(source, images_dir, split):
     """Yield (where, members) or (where, drop reason) in source order: shards as the loader reads them, a LLaVA
     JSON/JSONL as pack would write it."""
@@ -257,7 +256,7 @@ def differences(expected, got):
     return [(start + i1, a[i1:i2], b[j1:j2]) for op, i1, i2, j1, j2 in ops if op != "equal"]
 
 
-def show_prompt(pieces, ids, labels, image_token_id, seq_len, truncated, tok, color):
+def show_prompt(pieces, ids, labels, image_token_id, color):
     """The prompt string with supervised spans in ⟦...⟧ (green on a tty), each <image> with its token positions,
     and newlines shown as ↵."""
     mark = ("\x1b[32m", "\x1b[0m", "\x1b[36m", "\x1b[0m") if color else ("⟦", "⟧", "⟨", "⟩")
@@ -277,11 +276,7 @@ def show_prompt(pieces, ids, labels, image_token_id, seq_len, truncated, tok, co
                 out += f"{mark[2]}<image> = tokens {a}..{b}{mark[3]}"
             chunk = chunk.replace("\n", "↵\n")
             out += f"{mark[0]}{chunk}{mark[1]}" if target and chunk else chunk
-    n_sup = sum(1 for x in labels[1:] if x != -100)
-    tail = f"{len(ids)} tokens, {n_sup} supervised"
-    if truncated:
-        tail += f"; cut to seq_len {seq_len}: the end of this prompt is not trained on"
-    return out, tail
+    return out, f"{len(ids)} tokens, {sum(1 for x in labels[1:] if x != -100)} supervised"
 
 
 def sheet_layout(image_size):
@@ -396,7 +391,7 @@ def audit(source, tokenizer, template, seq_len, image_size, n_image_tokens, imag
                 p(f"\n--- {n}: {where}: dropped {'at pack time ' * isinstance(members, str)}({why})")
                 if pieces is not None:
                     ids, labels = tokenize(pieces, tok, image_token_id, n_image_tokens)
-                    text, tail = show_prompt(pieces, ids, labels, image_token_id, seq_len, False, tok, color)
+                    text, tail = show_prompt(pieces, ids, labels, image_token_id, color)
                     p(f"{text}\n(in full: {tail})")
         else:
             outcomes["kept"] += 1
@@ -404,7 +399,10 @@ def audit(source, tokenizer, template, seq_len, image_size, n_image_tokens, imag
             lengths.append(len(ids))
             supervised += sum(1 for x in labels[1:] if x != -100)
             if shown:
-                text, tail = show_prompt(pieces, ids, labels, image_token_id, seq_len, truncated, tok, color)
+                text, tail = show_prompt(pieces, ids, labels, image_token_id, color)
+                if truncated:  # the marks above are the template's; the cut is shown as the text it loses
+                    lost = tokenize(pieces, tok, image_token_id, n_image_tokens)[0][seq_len:]
+                    text += f"\n(cut at seq_len {seq_len}: {len(lost)} tokens lost: {tok.decode(lost)!r})"
                 p(f"\n--- {n}: {where}: {tail}\n{text}")
         if shown:
             tiles.append((f"{where}: {outcome}", pixels, qa))
