@@ -28,6 +28,12 @@ QWEN2_TEMPLATE = (
     "You are a helpful assistant.<|im_end|>\\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + "
     "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+# Meta-Llama-3-Instruct's published template: each message trimmed, the BOS first
+LLAMA3_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
+    "message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
 
 
 def run_audit(capsys, *args):
@@ -109,19 +115,23 @@ def test_padding_share_is_what_the_loader_hands_out(shapes, capsys):
     assert packed.skips.counts["no_room_in_pack"] == 15 and "; 15 samples find no room" in out
 
 
-def hf_tokenizer_dir(path, chat_template):
-    """A transformers tokenizer folder (tokenizer.json + tokenizer_config.json with a chat template), trained here."""
+def hf_tokenizer_dir(path, chat_template, family="qwen2"):
+    """A transformers tokenizer folder (tokenizer.json + tokenizer_config.json with a chat template), trained here
+    with Qwen2's special tokens (no BOS) or Llama 3's."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    specials = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+    specials, named = {"qwen2": (["<|im_start|>", "<|im_end|>", "<|endoftext|>"],
+                                 {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}),
+                       "llama3": (["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                                   "<|eot_id|>"], {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"})}[family]
     tok.train_from_iterator(["What is in the image? A red bus on a street. Describe it. user assistant system"] * 20,
                             trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
                                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>").save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=tok, **named).save_pretrained(path)
     for stale in path.glob("chat_template.*"):
         stale.unlink()
     config = json.loads((path / "tokenizer_config.json").read_text())
@@ -151,7 +161,7 @@ def mixed_json(tmp_path_factory):
         {"id": "text_only", "conversations": [{"from": h, "value": "What is a bus?"}, {"from": g, "value": "A vehicle."}]},
         {"id": "multi_turn", "image": "coco/a.jpg", "conversations": [
             {"from": h, "value": "<image>\nWhat is it?"}, {"from": g, "value": "A bus."},
-            {"from": h, "value": "What colour?"}, {"from": g, "value": "Red."}]},
+            {"from": h, "value": " What colour? \n"}, {"from": g, "value": "Red."}]},
         {"id": "bad_role", "image": "coco/a.jpg", "conversations": [{"from": "Human", "value": "<image>\nWhat?"},
                                                                      {"from": "chatgpt", "value": "A bus."}]},
         {"id": "missing", "image": "coco/nope.jpg", "conversations": [{"from": h, "value": "<image>\nWhat?"},
@@ -167,17 +177,20 @@ def audit_json(capsys, d, tok_dir, template, *extra):
                      "--show", 10, *extra)
 
 
-def test_mixed_llava_json_every_record_accounted_for(mixed_json, capsys, tmp_path):
+@pytest.mark.parametrize("template, jinja, family", [("chatml", QWEN2_TEMPLATE, "qwen2"),
+                                                      ("llama_3", LLAMA3_TEMPLATE, "llama3")])
+def test_mixed_llava_json_every_record_accounted_for(mixed_json, capsys, tmp_path, template, jinja, family):
     d, records = mixed_json
-    tok_dir = hf_tokenizer_dir(tmp_path / "tok", QWEN2_TEMPLATE)
-    code, out, _ = audit_json(capsys, d, tok_dir, "chatml", "--hf-tokenizer", tok_dir, "--sheet", tmp_path / "s.html")
+    tok_dir = hf_tokenizer_dir(tmp_path / "tok", jinja, family)
+    code, out, _ = audit_json(capsys, d, tok_dir, template, "--hf-tokenizer", tok_dir, "--sheet", tmp_path / "s.html")
     assert code == 0, out
     assert f"samples: {len(records)}\n  kept: 4 " in out
     assert "dropped, missing_image: 1 (first: missing)" in out
     assert "(first: bad_role)" in out  # an unknown role is a counted drop, never a crash
-    assert "⟦A vehicle.<|im_end|>⟧" in out  # the text-only record trains on its answer
-    assert "⟦A bus.<|im_end|>⟧" in out and "⟦Red.<|im_end|>⟧" in out  # both turns of the multi-turn record
-    assert "chat template: 4 of 4 samples render as" in out  # ChatML agrees with Qwen2's published template
+    end = {"chatml": "<|im_end|>", "llama_3": "<|eot_id|>"}[template]
+    assert f"⟦A vehicle.{end}⟧" in out  # the text-only record trains on its answer
+    assert f"⟦A bus.{end}⟧" in out and f"⟦Red.{end}⟧" in out  # both turns of the multi-turn record
+    assert "chat template: 4 of 4 samples render as" in out  # no difference from the published template
     html = (tmp_path / "s.html").read_text()
     assert html.startswith('<img src="data:image/png;base64,')
 
@@ -212,3 +225,11 @@ def test_bad_inputs_get_one_clear_message(shapes, capsys, change, message):
     change(args)
     code, out, err = run_audit(capsys, *args)
     assert code != 0 and message in out and "Traceback" not in out + err
+
+
+def test_an_unfinished_shard_folder_is_refused_as_the_loader_refuses_it(shapes, capsys, tmp_path):
+    import shutil
+
+    shutil.copy(shapes / "shards/shard-000000.tar", tmp_path)  # what a killed pack leaves: tars, no .nv-meta
+    code, out, err = run_audit(capsys, tmp_path, "--tokenizer", shapes / "tokenizer.model")
+    assert code != 0 and "not a finished dataset" in out and "Traceback" not in out + err
