@@ -567,10 +567,18 @@ def audit_command(args):
     if args.config and not Path(args.config).is_file():
         raise SystemExit(f"audit: --config {args.config}: no such file")
     cfg = train.load_config([args.config] if args.config else [])
+    # the image settings of the model train.py would build: a llavax checkpoint's config.json, else the preset
+    ckpt = Path(cfg["init_from"], "config.json") if cfg["init_from"] not in ("scratch", "resume") else None
     try:
-        mcfg = train.model_config(cfg)
+        if ckpt and ckpt.is_file() and json.loads(ckpt.read_text()).get("model_type") != "llava":
+            mcfg, origin = train.VLMConfig.from_dict(json.loads(ckpt.read_text())), str(ckpt)
+        else:
+            mcfg, origin = train.model_config(cfg), f"preset {cfg['model']!r} with model_overrides"
+            origin += f" ({ckpt} not read: give the image flags if that model differs)" if ckpt else ""
     except (ValueError, TypeError) as e:
-        raise SystemExit(f"audit: the model settings of {args.config or 'train.py'}: {e}") from None
+        raise SystemExit(f"audit: the model settings of {ckpt or args.config or 'train.py'}: {e}") from None
+    if None in (args.image_size, args.n_image_tokens, args.image_token_id):
+        print(f"audit: model settings from {origin}")
     given = lambda flag, default: default if flag is None else flag  # noqa: E731
     sys.exit(audit(args.source, given(args.tokenizer, cfg["tokenizer"]), given(args.template, cfg["template"]),
                    given(args.seq_len, cfg["seq_len"]), given(args.image_size, mcfg.vision.image_size),

@@ -233,3 +233,18 @@ def test_an_unfinished_shard_folder_is_refused_as_the_loader_refuses_it(shapes, 
     shutil.copy(shapes / "shards/shard-000000.tar", tmp_path)  # what a killed pack leaves: tars, no .nv-meta
     code, out, err = run_audit(capsys, tmp_path, "--tokenizer", shapes / "tokenizer.model")
     assert code != 0 and "not a finished dataset" in out and "Traceback" not in out + err
+
+
+def test_image_settings_come_from_the_checkpoint_a_config_starts_from(shapes, capsys, tmp_path):
+    from model import vlm_preset
+
+    cfg = vlm_preset("debug").to_dict()
+    cfg["vision"] |= {"image_size": 28, "patch_size": 14}
+    cfg["image_token_id"] = 600
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt/config.json").write_text(json.dumps(cfg))  # as convert.py's save_checkpoint writes it
+    (tmp_path / "run.py").write_text(f"init_from = {str(tmp_path / 'ckpt')!r}\nseq_len = 64\n")
+    code, out, _ = run_audit(capsys, shapes / "shards", "--config", tmp_path / "run.py", "--tokenizer",
+                             shapes / "tokenizer.model", "--show", 1)
+    assert code == 0, out
+    assert "images 28 px pad, 4 image tokens (id 600)" in out and "⟨<image> = tokens 4..7⟩" in out
