@@ -10,6 +10,7 @@ the layout of Megatron-Energon's VQA datasets; .nv-meta/ and SHARD.tar.idx are w
 data.py reads the shards back.
 """
 
+import base64
 import codecs
 import difflib
 import hashlib
@@ -402,9 +403,6 @@ def contact_sheet(tiles, image_size, path):
         draw.line([0, top + tile_h - 1, tile_w, top + tile_h - 1], fill=(180, 180, 180))
     path = Path(path)
     if path.suffix == ".html":
-        import base64
-        import io
-
         buf = io.BytesIO()
         sheet.save(buf, format="PNG")
         path.write_text(f'<img src="data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}">\n')
@@ -472,9 +470,12 @@ def audit(source, tokenizer, template, seq_len, image_size, n_image_tokens, imag
             pieces = render(template, conv, tok)
             qa = [f"{r[0].upper()}: {t.replace(IMAGE_TAG, '').strip()}" for r, t in turns(conv)]
             if hf is not None:  # before any seq_len cut: the template is compared whatever becomes of the sample
-                expected = hf.apply_chat_template([{"role": r, "content": t} for r, t in turns(conv)], tokenize=False)
-                got = "".join(t for t, _ in pieces)
-                n_compared += 1
+                got, n_compared = "".join(t for t, _ in pieces), n_compared + 1
+                try:
+                    expected = hf.apply_chat_template([{"role": r, "content": t} for r, t in turns(conv)],
+                                                      tokenize=False)
+                except Exception as e:  # noqa: BLE001  jinja's raise_exception (e.g. roles out of order), or a bug
+                    expected = f"<apply_chat_template raised {type(e).__name__}: {e}>"
                 if expected != got:
                     mismatched.append((where, differences(expected, got)))
             pixels = load_image(image, image_size, image_mode) if image is not None else None
@@ -529,6 +530,8 @@ def audit(source, tokenizer, template, seq_len, image_size, n_image_tokens, imag
             p(f"  {where}: differences at (position: expected -> got)")
             for pos, expected, got in diffs:
                 p(f"    {pos}: {expected!r} -> {got!r}")
+        if len(mismatched) > 3:
+            p(f"  ... and {len(mismatched) - 3} more (first: {', '.join(w for w, _ in mismatched[3:8])})")
         if mismatched:
             p(f"FAIL: template {template} disagrees with the chat template of {hf_tokenizer} on {len(mismatched)} "
               "samples")
