@@ -3,6 +3,7 @@ Data for llavax: LLaVA conversations -> Energon-compatible tar shards -> fixed-s
 
     python data.py pack --json llava_v1_5_mix665k.json --images DIR --out SHARDS [--shard-size 1000] [--val-ratio 0.01]
     python data.py shapes --out DIR [--n 20000] [--seed 0]      # the synthetic demo dataset (shapes.py)
+    python data.py audit SHARDS|JSON [--config configs/x.py] [--sheet F.png]   # what training would get (pack.py)
 
 This file is the reading side: templates, tokenizer, images, shards -> batches. The writing side
 (records, shard writer, energon metadata) is pack.py; the CLI above dispatches to it.
