@@ -1,6 +1,7 @@
 """`python data.py audit` on the shapes data and on a LLaVA JSON with mixed records, its chat template check
 against transformers' apply_chat_template on published jinja templates, and its exit status."""
 
+import base64
 import io
 import json
 import os
@@ -193,6 +194,10 @@ def test_mixed_llava_json_every_record_accounted_for(mixed_json, capsys, tmp_pat
     assert "chat template: 4 of 4 samples render as" in out  # no difference from the published template
     html = (tmp_path / "s.html").read_text()
     assert html.startswith('<img src="data:image/png;base64,')
+    from pack import sheet_layout
+
+    embedded = Image.open(io.BytesIO(base64.b64decode(html.split(",", 1)[1].split('"')[0])))
+    assert embedded.size[1] == len(records) * sheet_layout(28)[2]  # one tile per shown record, dropped ones too
 
 
 def test_template_that_disagrees_with_the_chat_template_fails_and_shows_where(mixed_json, capsys, tmp_path):
