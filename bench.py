@@ -255,7 +255,7 @@ def make_bench_shards(out, n=400, width=640, height=480, seed=0):
         records.append({"id": i, "image": f"{i}.jpg", "conversations": [
             {"from": "human", "value": f"{IMAGE_TAG}\nDescribe the image."}, {"from": "gpt", "value": "Waves."}]})
     (out / "bench.json").write_text(json.dumps(records))
-    pack(out / "bench.json", out / "images", out / "shards", shard_size=100)
+    pack(out / "bench.json", out / "images", out / "shards", shard_size=100, overwrite=True)
     return out / "shards"
 
 

@@ -29,6 +29,7 @@ IMAGE_TAG = "<image>"
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+MAX_OPEN_SHARDS = 64  # shard files one ShardStream keeps open
 KEY_RE = re.compile(r"^((?:.*/)?[^./]+)\.([^/]+)$")  # webdataset/energon: the key ends at the first dot of the basename
 
 
@@ -365,42 +366,82 @@ NORM_SHIFT = torch.tensor([-m / s for m, s in zip(CLIP_MEAN, CLIP_STD)]).view(1,
 # reading shards: an index of samples, a deterministic order, exact resume
 
 
+def split_parts(split_yaml):
+    """{part: [shard names]} from .nv-meta/split.yaml (the tiny YAML subset pack and `energon prepare` write)."""
+    parts, current = {}, None
+    for line in split_yaml.read_text().splitlines():
+        if m := re.match(r"^  (\w+):\s*(\[\])?\s*$", line):
+            current = m.group(1)
+            parts[current] = []
+        elif (m := re.match(r"^\s+- (.+)$", line)) and current:
+            parts[current].append(m.group(1).strip())
+        elif not line.startswith(" "):
+            current = None
+    return parts
+
+
+def dataset_shards(folder, split):
+    """{shard path: sample count} of one split of a dataset folder, after checking the folder is whole: pack
+    (like `energon prepare`) writes .nv-meta/.info.json last, and every shard must match what it records."""
+    meta = folder / ".nv-meta"
+    if not (meta / ".info.json").exists():
+        raise ValueError(f"{folder}: no .nv-meta/.info.json, so not a finished dataset (a pack that was killed or "
+                         "is still running leaves this); re-run pack with --overwrite, run `energon prepare` on a "
+                         "webdataset folder, or pass its .tar files themselves")
+    counts = json.loads((meta / ".info.json").read_text())["shard_counts"]
+    ours = json.loads((meta / "llavax.json").read_text())["shards"] if (meta / "llavax.json").exists() else {}
+    unlisted = sorted(p.name for p in folder.glob("*.tar") if p.name not in counts)
+    if unlisted:
+        raise ValueError(f"{folder / unlisted[0]}: a shard that .nv-meta/.info.json does not list (left by an earlier "
+                         "pack?); remove it, or re-pack with --overwrite")
+    shards = {}
+    for name in split_parts(meta / "split.yaml").get(split, []):
+        path = folder / name
+        if not path.exists():
+            raise ValueError(f"{path}: listed in {meta / 'split.yaml'} but missing")
+        size, expected = path.stat().st_size, ours.get(name, {}).get("bytes")
+        if expected is not None and size != expected:
+            raise ValueError(f"{path}: {size} bytes where .nv-meta/llavax.json records {expected}: truncated or "
+                             "replaced; re-pack with --overwrite")
+        shards[path] = counts[name]
+    return shards
+
+
 def shard_files(paths, split="train"):
-    """Tar files of `paths` (directories or tars). A directory with .nv-meta/split.yaml gives its `split` part."""
-    out = []
+    """{tar: expected sample count or None} of `paths`: tar files, or dataset folders (their `split` part)."""
+    out = {}
     for p in map(Path, [paths] if isinstance(paths, (str, Path)) else paths):
-        if p.is_file():
-            out.append(p)
-            continue
-        split_yaml = p / ".nv-meta" / "split.yaml"
-        if split_yaml.exists():
-            parts, current = {}, None
-            for line in split_yaml.read_text().splitlines():  # the tiny YAML subset write_energon_meta writes
-                if m := re.match(r"^  (\w+):\s*(\[\])?\s*$", line):
-                    current = m.group(1)
-                    parts[current] = []
-                elif (m := re.match(r"^\s+- (.+)$", line)) and current:
-                    parts[current].append(m.group(1).strip())
-                elif not line.startswith(" "):
-                    current = None
-            out += [p / name for name in parts.get(split, [])]
-        else:
-            out += sorted(p.glob("*.tar"))
+        out |= {p: None} if p.is_file() else dataset_shards(p, split)
     if not out:
         raise FileNotFoundError(f"no {split} shards found in {paths}")
     return out
 
 
-def sample_offsets(tar_path):
-    """[(start, end)] byte ranges of the samples in one tar, from its .tar.idx or a scan of the headers."""
-    idx = Path(str(tar_path) + ".idx")
+def sample_offsets(tar_path, count=None):
+    """[(start, end)] byte ranges of the samples in one tar, from its .tar.idx or a scan of the headers.
+    An index that does not fit its tar (stale, short, or the tar truncated) is an error naming the file."""
+    idx, size = Path(str(tar_path) + ".idx"), Path(tar_path).stat().st_size
     if idx.exists():
         raw = idx.read_bytes()
         offsets = struct.unpack(f"{len(raw) // 8}Q", raw)
+        with open(tar_path, "rb") as f:
+            # the index ends where the last sample ends: the tar's end-of-archive zeros must follow
+            f.seek(offsets[-1] if offsets else 0)
+            tail = f.read(512)
+        problem = ("not a whole number of 8-byte offsets" if len(raw) % 8 or len(offsets) < 2 else
+                   "offsets not increasing" if any(b <= a for a, b in zip(offsets, offsets[1:])) else
+                   f"ends at byte {offsets[-1]} of a {size}-byte tar" if offsets[-1] > size else
+                   f"{len(offsets) - 1} samples where .nv-meta says {count}" if count not in (None, len(offsets) - 1)
+                   else f"more samples follow its last offset {offsets[-1]}" if tail.strip(b"\0") else None)
+        if problem:
+            raise ValueError(f"{idx}: does not match {Path(tar_path).name} ({problem}): stale or short; re-pack, "
+                             "or delete the .idx to read the tar by scanning")
         return list(zip(offsets[:-1], offsets[1:]))
     ranges, last_key = [], None
     with tarfile.open(tar_path) as tar:  # only headers are read; data blocks are skipped
         for member in tar:
+            if member.offset_data + member.size > size:
+                raise ValueError(f"{tar_path}: truncated: {member.name} ends past the end of the file")
             m = KEY_RE.match(member.name) if member.isreg() else None
             if not m:
                 continue
@@ -411,23 +452,47 @@ def sample_offsets(tar_path):
                 last_key = m.group(1)
         if ranges:
             ranges[-1][1] = tar.offset
+    if count not in (None, len(ranges)):
+        raise ValueError(f"{tar_path}: {len(ranges)} samples where .nv-meta says {count}")
     return [tuple(r) for r in ranges]
 
 
 def read_members(f, start, end):
-    """{ext: bytes} of one sample: its tar members between two header offsets."""
+    """(key, {ext: bytes}) of one sample: its tar members between two header offsets. tarfile reads the
+    headers, so keys longer than 100 bytes (PAX or GNU long-name records) come out whole."""
     f.seek(start)
-    buf, members, pos = f.read(end - start), {}, 0
-    key = None
-    while pos + 512 <= len(buf):
-        info = tarfile.TarInfo.frombuf(buf[pos : pos + 512], tarfile.ENCODING, "surrogateescape")
-        data_at = pos + 512
-        pos = data_at + -(-info.size // 512) * 512
-        m = KEY_RE.match(info.name) if info.isreg() else None
-        if m:
-            key = m.group(1)
-            members[m.group(2).lower()] = buf[data_at : data_at + info.size]
+    members, key = {}, None
+    with tarfile.open(fileobj=io.BytesIO(f.read(end - start)), mode="r:") as tar:
+        for info in tar:
+            m = KEY_RE.match(info.name) if info.isreg() else None
+            if m:
+                key = m.group(1)
+                members[m.group(2).lower()] = tar.extractfile(info).read()
     return key, members
+
+
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+def conversation_problem(conv):
+    """Why a conversation cannot be trained on, as a counted reason, or None. Used by pack and by the loader."""
+    if not isinstance(conv, list) or not all(isinstance(t, dict) and "from" in t and "value" in t for t in conv):
+        return "malformed_conversations"
+    if not all(isinstance(t["from"], str) and t["from"] in ROLES for t in conv):
+        return "unknown_role"  # ShareGPT's "chatgpt" or "bing", a capitalised "Human", a list
+    if not all(isinstance(t["value"], str) for t in conv):
+        return "non_text_value"  # null or a list would train on the text "None" or "['a', 'b']"
+    try:
+        "".join(t["value"] for t in conv).encode()
+    except UnicodeEncodeError:
+        return "invalid_unicode"  # a lone surrogate (JSON "\\ud800") has no UTF-8 form
+    answers = [t["value"] for t in conv if ROLES[t["from"]] == "assistant"]
+    if not answers:
+        return "no_gpt_turn"
+    return None if answers[0].strip() else "empty_answer"
+
+
+CAPTION_KEYS = ("caption", "answer", "text", "captions", "answers")  # where webdatasets keep a caption in KEY.json
 
 
 def sample_conversation(members):
@@ -436,7 +501,10 @@ def sample_conversation(members):
     meta = json.loads(members["json"]) if "json" in members else {}
     if "conversations" in meta:
         return meta["conversations"], image
-    answer = members.get("txt", b"").decode()
+    answer = members["txt"].decode() if "txt" in members else ""
+    if not answer:  # a caption kept only in KEY.json
+        found = [v[0] if isinstance(v, list) and v else v for v in map(meta.get, CAPTION_KEYS)]
+        answer = next((v for v in found if isinstance(v, str)), "")
     question = meta.get("question") or meta.get("context") or ""
     if image is not None:
         question = f"{IMAGE_TAG}\n{question}" if question else IMAGE_TAG
@@ -456,8 +524,9 @@ class ShardStream(torch.utils.data.IterableDataset):
     def __init__(self, paths, tokenizer, batch_size, seq_len, image_size, image_token_id, n_image_tokens,
                  template="plain", image_mode="pad", split="train", seed=0, rank=0, world_size=1, shuffle_block=1000,
                  pack=0):
-        self.files = shard_files(paths, split)
-        self.index = [(i, s, e) for i, f in enumerate(self.files) for s, e in sample_offsets(f)]
+        expected = shard_files(paths, split)
+        self.files = list(expected)
+        self.index = [(i, s, e) for i, f in enumerate(self.files) for s, e in sample_offsets(f, expected[f])]
         if not self.index:
             raise ValueError(f"the {split} shards in {paths} hold no samples")
         ends = np.cumsum(np.bincount([i for i, _, _ in self.index], minlength=len(self.files)))
@@ -497,17 +566,25 @@ class ShardStream(torch.utils.data.IterableDataset):
     def read(self, sample):
         """(key, {ext: bytes}) of one sample."""
         shard, start, end = self.index[sample]
-        f = self._files.get(shard) or self._files.setdefault(shard, open(self.files[shard], "rb"))  # noqa: SIM115
+        # at most MAX_OPEN_SHARDS files stay open, the least recently read closed first: reads run mostly
+        # shard by shard, and a process holding thousands hits "Too many open files"
+        f = self._files.pop(shard, None) or open(self.files[shard], "rb")  # noqa: SIM115
+        self._files[shard] = f
+        if len(self._files) > MAX_OPEN_SHARDS:
+            self._files.pop(next(iter(self._files))).close()
         return read_members(f, start, end)
 
     def encode(self, sample):
-        key, members = self.read(sample)
-        where = f"{self.files[self.index[sample][0]].name}:{key}"
         try:
+            key, members = self.read(sample)
             conv, image = sample_conversation(members)
-            pixels = load_image(image, self.image_size, self.image_mode) if image is not None else None
-        except Exception as e:  # noqa: BLE001  corrupt JSON or image bytes in a foreign shard
+            problem = conversation_problem(conv)
+            pixels = load_image(image, self.image_size, self.image_mode) if image is not None and not problem else None
+        except Exception as e:  # noqa: BLE001  corrupt tar, JSON or image bytes in a foreign shard
             raise DropSample(f"unreadable_sample ({type(e).__name__}: {e})") from None
+        if problem:
+            raise DropSample(f"{problem} (in the sample's conversation)")
+        where = f"{self.files[self.index[sample][0]].name}:{key}"
         ids, labels, truncated = encode_conversation(conv, image is not None, self.template, self.tok, self.seq_len,
                                                      self.image_token_id, self.n_image_tokens)
         if truncated:
@@ -655,6 +732,7 @@ def main(argv=None):
     a.add_argument("--val-ratio", type=float, default=0.0)
     a.add_argument("--workers", type=int, default=1)
     a.add_argument("--strict", action="store_true", help="exit non-zero if any record was skipped")
+    a.add_argument("--overwrite", action="store_true", help="replace the dataset already in --out (its shards first)")
     b = sub.add_parser("shapes", help="generate the synthetic shapes dataset, tokenizer and shards")
     b.add_argument("--out", required=True)
     b.add_argument("--n", type=int, default=20000)
@@ -666,7 +744,8 @@ def main(argv=None):
     if args.cmd == "pack":
         from pack import pack
 
-        pack(args.json, args.images, args.out, args.shard_size, args.val_ratio, args.workers, args.strict)
+        pack(args.json, args.images, args.out, args.shard_size, args.val_ratio, args.workers, args.strict,
+             overwrite=args.overwrite)
     else:
         import shapes  # the demo's dataset lives in its own file; it packs with pack.pack()
 
