@@ -439,20 +439,26 @@ def sample_offsets(tar_path, count=None):
                              "or delete the .idx to read the tar by scanning")
         return list(zip(offsets[:-1], offsets[1:]))
     ranges, last_key = [], None
-    with tarfile.open(tar_path) as tar:  # only headers are read; data blocks are skipped
-        for member in tar:
-            if member.offset_data + member.size > size:
-                raise ValueError(f"{tar_path}: truncated: {member.name} ends past the end of the file")
-            m = KEY_RE.match(member.name) if member.isreg() else None
-            if not m:
-                continue
-            if m.group(1) != last_key:
-                if ranges:
-                    ranges[-1][1] = member.offset
-                ranges.append([member.offset, None])
-                last_key = m.group(1)
-        if ranges:
-            ranges[-1][1] = tar.offset
+    try:
+        with tarfile.open(tar_path) as tar:  # only headers are read; data blocks are skipped
+            for member in tar:
+                m = KEY_RE.match(member.name) if member.isreg() else None
+                if not m:
+                    continue
+                if m.group(1) != last_key:
+                    if ranges:
+                        ranges[-1][1] = member.offset
+                    ranges.append([member.offset, None])
+                    last_key = m.group(1)
+            end = tar.offset
+            tar.fileobj.seek(end)
+            # tarfile stops quietly at a cut-off header: a whole tar ends with two zero blocks
+            if tar.fileobj.read(1024).strip(b"\0") or size < end + 1024:
+                raise ValueError(f"{tar_path}: truncated: no end-of-archive marker after byte {end}")
+    except tarfile.TarError as e:
+        raise ValueError(f"{tar_path}: not a readable tar ({e})") from None
+    if ranges:
+        ranges[-1][1] = end
     if count not in (None, len(ranges)):
         raise ValueError(f"{tar_path}: {len(ranges)} samples where .nv-meta says {count}")
     return [tuple(r) for r in ranges]
