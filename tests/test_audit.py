@@ -70,8 +70,8 @@ def test_shapes_counts_prompts_and_contact_sheet(shapes, capsys, tmp_path):
     # each shown answer is marked as the supervised span, closed by Llama 3's end of turn; the image run is placed
     for s in samples[:3]:
         assert f"⟦{s['txt'].decode()}<|eot_id|>⟧" in out
-    assert out.count("⟨<image> = tokens 4..12⟩") == 3  # 9 image tokens after <|begin_of_text|> and the user header
-    # one tile per shown sample, each holding that sample's own image (the PNG it was drawn as, JPEG-packed)
+    assert out.count("⟨<image> = tokens 4..12⟩") == 3  # 9 image tokens after the BOS and the user header
+    # one tile per shown sample, each holding that sample's own image (the PNG it was drawn as)
     from pack import sheet_layout
 
     scale, tile_w, tile_h, margin = sheet_layout(48)
@@ -81,13 +81,14 @@ def test_shapes_counts_prompts_and_contact_sheet(shapes, capsys, tmp_path):
         tile = img[i * tile_h + margin : i * tile_h + margin + 48 * scale : scale, margin : margin + 48 * scale : scale]
         source = np.asarray(Image.open(shapes / "images" / (json.loads(s["json"])["id"].split("-")[1] + ".png"))
                               .convert("RGB")).astype(int)
-        others = [np.asarray(Image.open(io.BytesIO(t["jpg"])).convert("RGB")).astype(int) for t in samples[:3] if t is not s]
+        others = [np.asarray(Image.open(io.BytesIO(t.get("jpg") or t["png"])).convert("RGB")).astype(int)
+                  for t in samples[:3] if t is not s]
         assert np.abs(tile - source).mean() < 3
         assert all(np.abs(tile - o).mean() > 3 for o in others)
 
 
 def test_too_short_seq_len_leaves_no_supervised_tokens_and_fails(shapes, capsys):
-    # 14 tokens hold <|begin_of_text|>, the user header and the 9 image tokens, never the answer
+    # 14 tokens hold the BOS, the user header and the 9 image tokens, never the answer
     code, out, _ = run_audit(capsys, shapes / "shards", "--config", ROOT / "configs/shapes.py", "--tokenizer",
                              shapes / "tokenizer.model", "--seq-len", 14, "--show", 1)
     n = len(webdataset_samples(shapes / "shards"))
