@@ -254,3 +254,28 @@ def test_image_settings_come_from_the_checkpoint_a_config_starts_from(shapes, ca
                              shapes / "tokenizer.model", "--show", 1)
     assert code == 0, out
     assert "images 28 px pad, 4 image tokens (id 600)" in out and "⟨<image> = tokens 4..7⟩" in out
+
+
+def test_a_foreign_webdataset_shard_drops_what_the_loader_drops(shapes, capsys, tmp_path):
+    import webdataset as wds
+
+    h, g = "human", "gpt"
+    ok = [{"from": h, "value": "<image>\nWhat is it?"}, {"from": g, "value": "red"}]
+    samples = [{"jpg": jpeg(64, 40, 0), "json": {"conversations": ok}},
+               {"jpg": jpeg(40, 64, 1), "json": {"conversations": [{"from": "Human", "value": "<image>\nWhat?"},
+                                                                   {"from": "chatgpt", "value": "red"}]}},
+               {"jpg": jpeg(64, 64, 2)[:200], "json": {"conversations": ok}},  # a truncated JPEG
+               {"jpg": jpeg(50, 50, 3), "json": {"caption": "a red square"}},  # caption only in KEY.json
+               {"json": {"conversations": [{"from": h, "value": "Hi?"}, {"from": g, "value": None}]}}]
+    with wds.TarWriter(str(tmp_path / "foreign.tar")) as w:
+        for i, s in enumerate(samples):
+            w.write({"__key__": f"s{i}", **{k: json.dumps(v).encode() if k == "json" else v for k, v in s.items()}})
+    code, out, _ = run_audit(capsys, tmp_path / "foreign.tar", "--config", ROOT / "configs/shapes.py", "--tokenizer",
+                             shapes / "tokenizer.model", "--show", 0)
+    stream = data.ShardStream(tmp_path / "foreign.tar", shapes / "tokenizer.model", batch_size=5, seq_len=40,
+                              image_size=48, image_token_id=512, n_image_tokens=9, template="llama_3")
+    dropped = stream.batch(0)["dropped"]
+    counts = {k: n for k, n in stream.skips.counts.items() if k != "truncated_not_dropped"}
+    assert code == 0 and f"samples: 5\n  kept: {int((~dropped).sum())} " in out
+    assert sorted(re.findall(r"dropped, (\w+): (\d+)", out)) == sorted((k, str(n)) for k, n in counts.items())
+    assert len(counts) == 3  # a role, a corrupt image, a null value: each counted by its reason
