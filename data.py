@@ -3,6 +3,7 @@ Data for llavax: LLaVA conversations -> Energon-compatible tar shards -> fixed-s
 
     python data.py pack --json llava_v1_5_mix665k.json --images DIR --out SHARDS [--shard-size 1000] [--val-ratio 0.01]
     python data.py shapes --out DIR [--n 20000] [--seed 0]      # the synthetic demo dataset (shapes.py)
+    python data.py audit SHARDS|JSON [--config configs/x.py] [--sheet F.png]   # what training would get (pack.py)
 
 This file is the reading side: templates, tokenizer, images, shards -> batches. The writing side
 (records, shard writer, energon metadata) is pack.py; the CLI above dispatches to it.
@@ -13,6 +14,7 @@ the layout of Megatron-Energon's VQA datasets.
 import argparse
 import io
 import json
+import math
 import re
 import struct
 import sys
@@ -22,7 +24,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from PIL import Image
 
 IMAGE_TAG = "<image>"
@@ -62,10 +63,15 @@ class Skips:
 class Tokenizer:
     """A sentencepiece tokenizer.model, or an HF tokenizer.json through the optional `tokenizers` package.
 
-    Special strings such as "<s>" and "</s>" inside text map to their ids. With sentencepiece, each
-    encode() call starts as if after a space (its dummy prefix), so one leading space is dropped."""
+    Special strings such as "<s>" and "</s>" inside text map to their ids. `bos`/`eos` are the tokenizer's
+    own strings (None when it has none, as Qwen2 has no BOS); templates write those, never a literal "<s>".
+    sentencepiece `legacy` (transformers' LlamaTokenizer flag; read from tokenizer_config.json beside the
+    model, else True as older LLaMA/Vicuna checkpoints assume): text starts as if after a space (the
+    dummy prefix, so one leading space is dropped) at the start of the prompt and after each <image>
+    (LLaVA tokenizes those chunks separately); legacy=True adds it after every special token too, legacy=False
+    does not ("</s>USER" -> "</s>", "US"...). Both match LlamaTokenizer's ids (tests)."""
 
-    def __init__(self, path):
+    def __init__(self, path, legacy=None):
         path = Path(path)
         if path.is_dir():
             found = [path / n for n in ("tokenizer.model", "tokenizer.json") if (path / n).exists()]
@@ -73,6 +79,9 @@ class Tokenizer:
         if not path.exists():
             raise FileNotFoundError(f"{path}: no tokenizer.model or tokenizer.json")
         self.path = path
+        config_path = path.parent / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        self.legacy = config.get("legacy", True) if legacy is None else legacy
         if path.suffix == ".model":
             import sentencepiece as spm
 
@@ -83,6 +92,8 @@ class Tokenizer:
             # BOS/EOS and chat markers such as <|eot_id|> map straight to their ids
             pieces = {self.sp.id_to_piece(i): i for i in range(self.vocab_size)}
             self.specials = {p: i for p, i in pieces.items() if re.fullmatch(r"</?s>|<\|[a-z_]+\|>", p)}
+            self.specials |= {self.sp.id_to_piece(i): i for i in (self.bos_id, self.eos_id) if i >= 0}
+            self.unk_len = len(self.sp.encode(self.sp.id_to_piece(self.sp.unk_id())))
         else:
             from tokenizers import Tokenizer as HFTokenizer
 
@@ -90,20 +101,34 @@ class Tokenizer:
             self.hf = HFTokenizer.from_file(str(path))
             self.vocab_size = self.hf.get_vocab_size()
             self.specials = {t.content: i for i, t in self.hf.get_added_tokens_decoder().items()}
+            # BOS: tokenizer_config.json's, else what the tokenizer's post-processor prepends (Llama-3 does, Qwen2 not)
+            added = self.hf.encode("a", add_special_tokens=True).ids
+            plain = self.hf.encode("a", add_special_tokens=False).ids
+            prepended = added[0] if len(added) > len(plain) and added[0] in self.specials.values() else -1
             find = lambda *names: next((self.specials[n] for n in names if n in self.specials), -1)  # noqa: E731
-            self.bos_id = find("<s>", "<|begin_of_text|>", "<|endoftext|>")
-            self.eos_id = find("</s>", "<|eot_id|>", "<|im_end|>", "<|endoftext|>")
-            self.pad_id = find("<pad>", "<|finetune_right_pad_id|>", "<|endoftext|>", "</s>")
+            named = lambda key: self.specials.get(token_content(config.get(key)), -1)  # noqa: E731
+            self.bos_id = named("bos_token") if "bos_token" in config else prepended
+            self.eos_id = named("eos_token") if "eos_token" in config else \
+                find("</s>", "<|eot_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>")
+            self.pad_id = max(named("pad_token"), 0) if config.get("pad_token") else \
+                max(find("<pad>", "<|finetune_right_pad_id|>", "<|endoftext|>", "</s>"), 0)
+        names = {i: s for s, i in self.specials.items()}
+        self.bos, self.eos = names.get(self.bos_id), names.get(self.eos_id)
         alternatives = "|".join(re.escape(s) for s in sorted(self.specials, key=len, reverse=True))
         self.special_re = re.compile(f"({alternatives})") if self.specials else None
 
-    def encode(self, text):
-        ids = []
+    def encode(self, text, prefix=True):
+        """Ids of text; special strings become their ids. prefix=False: text continues a prompt (see class doc)."""
+        ids, after_special = [], False
         for part in self.special_re.split(text) if self.special_re else [text]:
             if part in self.specials:
                 ids.append(self.specials[part])
+                after_special = True
             elif part and self.sp is not None:
-                ids += self.sp.encode(part[1:] if part.startswith(" ") else part)
+                if (prefix and not after_special) or (after_special and self.legacy) or part.startswith(" "):
+                    ids += self.sp.encode(part[1:] if part.startswith(" ") else part)
+                else:  # no dummy prefix: encode after an unknown piece and drop it, as LlamaTokenizer(legacy=False)
+                    ids += self.sp.encode(self.sp.id_to_piece(self.sp.unk_id()) + part)[self.unk_len :]
             elif part:
                 ids += self.hf.encode(part, add_special_tokens=False).ids
         return ids
@@ -113,42 +138,59 @@ class Tokenizer:
         return self.sp.decode(ids) if self.sp is not None else self.hf.decode(ids, skip_special_tokens=False)
 
 
+def token_content(token):
+    """tokenizer_config.json writes a special token as a string or as {"content": ...}."""
+    return token.get("content") if isinstance(token, dict) else token
+
+
 VICUNA_SYSTEM = ("A chat between a curious user and an artificial intelligence assistant. "
                  "The assistant gives helpful, detailed, and polite answers to the user's questions.")
 LLAMA2_SYSTEM = ("You are a helpful language and vision assistant. You are able to understand the visual content "
                  "that the user provides, and assist the user with a variety of tasks using natural language.")
 
 
+def image_first(text):
+    """LLaVA's preprocess_multimodal: a turn holding <image> becomes "<image>\\n" + its stripped text."""
+    if IMAGE_TAG not in text:
+        return text
+    return (IMAGE_TAG + "\n" + text.replace(IMAGE_TAG, "").strip()).strip()
+
+
 def turns(conv):
-    """(role, text) with role 'system', 'user' or 'assistant'; LLaVA's human/gpt accepted."""
+    """(role, text) with role 'system', 'user' or 'assistant'; LLaVA's human/gpt accepted; <image> moved
+    to the front of its turn, as LLaVA's training data pipeline does for every template."""
     roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-    return [(roles[t["from"]], t["value"]) for t in conv]
+    return [(roles[t["from"]], image_first(t["value"])) for t in conv]
 
 
 # Each template maps a conversation to pieces (text, is_target); "".join(text) is the published
 # prompt string. Pieces are tokenized one by one, so a label boundary can never drift from the text.
+# bos/eos are the tokenizer's own strings ("" when it has none): render() passes them; the defaults
+# are Llama-2/Vicuna's, so the strings read as published.
 
 
-def template_plain(conv, system=None):
+def template_plain(conv, system=None, bos="<s>", eos="</s>"):
     # LLaVA stage 1: the image, then the caption; the question text is not used
     answer = next(text for role, text in turns(conv) if role == "assistant")
-    return [("<s>", False), (IMAGE_TAG, False), (answer + "\n", True)]
+    return [(bos, False), (IMAGE_TAG, False), (answer + "\n", True)]
 
 
-def template_vicuna_v1(conv, system=None):
+def template_vicuna_v1(conv, system=None, bos="<s>", eos="</s>"):
+    # haotian-liu/LLaVA conv_vicuna_v1: messages as they are (no strip), sep " ", sep2 EOS
     ts = turns(conv)
     sys_text = next((t for r, t in ts if r == "system"), system or VICUNA_SYSTEM)
-    pieces, prompt = [("<s>", False)], sys_text + " "
+    pieces, prompt = [(bos, False)], sys_text + " "
     for role, text in (t for t in ts if t[0] != "system"):
         if role == "user":
             prompt += f"USER: {text} ASSISTANT:"
         else:
-            pieces += [(prompt, False), (f" {text}</s>", True)]
+            pieces += [(prompt, False), (f" {text}{eos}", True)]
             prompt = ""
     return pieces + ([(prompt, False)] if prompt.strip() else [])
 
 
-def template_llama_2(conv, system=None):
+def template_llama_2(conv, system=None, bos="<s>", eos="</s>"):
+    # Meta's Llama-2 chat jinja: the system block joins the first user message, each message .strip()ped
     ts = turns(conv)
     sys_text = next((t for r, t in ts if r == "system"), system or LLAMA2_SYSTEM)
     pieces, first = [], True
@@ -156,29 +198,31 @@ def template_llama_2(conv, system=None):
         if role == "user":
             if first and sys_text:
                 text = f"<<SYS>>\n{sys_text}\n<</SYS>>\n\n{text}"
-            pieces += [("<s>", False), (f"[INST] {text} [/INST]", False)]
+            pieces += [(bos, False), (f"[INST] {text.strip()} [/INST]", False)]
             first = False
         else:
-            pieces.append((f" {text} </s>", True))
+            pieces.append((f" {text.strip()} {eos}", True))
     return pieces
 
 
-def template_llama_3(conv, system=None):
+def template_llama_3(conv, system=None, bos="<|begin_of_text|>", eos="</s>"):
+    # Meta-Llama-3-Instruct's jinja: every message trimmed; the turn ends with <|eot_id|>, not the EOS
     ts = turns(conv)
     sys_text = next((t for r, t in ts if r == "system"), system)
-    pieces = [("<|begin_of_text|>", False)]
+    pieces = [(bos, False)]
     if sys_text:
-        pieces.append((f"<|start_header_id|>system<|end_header_id|>\n\n{sys_text}<|eot_id|>", False))
+        pieces.append((f"<|start_header_id|>system<|end_header_id|>\n\n{sys_text.strip()}<|eot_id|>", False))
     for role, text in (t for t in ts if t[0] != "system"):
         header = f"<|start_header_id|>{role}<|end_header_id|>\n\n"
         if role == "user":
-            pieces.append((header + text + "<|eot_id|>", False))
+            pieces.append((header + text.strip() + "<|eot_id|>", False))
         else:
-            pieces += [(header, False), (text + "<|eot_id|>", True)]
+            pieces += [(header, False), (text.strip() + "<|eot_id|>", True)]
     return pieces
 
 
-def template_chatml(conv, system=None):
+def template_chatml(conv, system=None, bos="", eos="</s>"):
+    # Qwen2's jinja: no BOS, messages as they are, default system prompt
     ts = turns(conv)
     sys_text = next((t for r, t in ts if r == "system"), system or "You are a helpful assistant.")
     pieces = [(f"<|im_start|>system\n{sys_text}<|im_end|>\n", False)]
@@ -192,29 +236,52 @@ def template_chatml(conv, system=None):
 
 TEMPLATES = {"plain": template_plain, "vicuna_v1": template_vicuna_v1, "llama_2": template_llama_2,
              "llama_3": template_llama_3, "chatml": template_chatml}
+# the markers a template writes that must be single special tokens of the tokenizer
+TEMPLATE_SPECIALS = {"llama_3": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+                     "chatml": ("<|im_start|>", "<|im_end|>")}
 
 
-def generation_prompt(template, question):
+def check_template(template, tok):
+    """Raise ValueError when `tok` cannot write `template` exactly (a marker it would split into characters)."""
+    if template not in TEMPLATES:
+        raise ValueError(f"unknown template {template!r}; choose from {sorted(TEMPLATES)}")
+    missing = [m for m in TEMPLATE_SPECIALS.get(template, ()) if m not in tok.specials]
+    if template in ("vicuna_v1", "llama_2") and tok.eos is None:
+        missing.append("an EOS token")
+    if missing:
+        raise ValueError(f"template {template!r} needs {', '.join(missing)} as special tokens, and tokenizer "
+                         f"{tok.path} has none: pick the template the tokenizer was made for")
+
+
+def render(template, conv, tok=None, system=None):
+    """TEMPLATES[template] with the tokenizer's own BOS/EOS strings (the published defaults without a tokenizer)."""
+    kw = {"bos": tok.bos or "", "eos": tok.eos or ""} if tok is not None else {}
+    return TEMPLATES[template](conv, system, **kw)
+
+
+def generation_prompt(template, question, tok=None):
     """The prompt string for asking `question` at inference, ending where the answer starts."""
-    if template == "plain":
-        return "<s>" + IMAGE_TAG
-    pieces = TEMPLATES[template]([{"from": "human", "value": question}, {"from": "gpt", "value": "\x00"}])
+    pieces = render(template, [{"from": "human", "value": question}, {"from": "gpt", "value": "\x00"}], tok)
     text = "".join(t for t, _ in pieces)
     return text[: text.index("\x00")].rstrip(" ")
 
 
 def tokenize(pieces, tok, image_token_id, n_image_tokens):
-    """(ids, labels): each <image> becomes n_image_tokens image ids; labels are -100 outside targets."""
-    ids, labels = [], []
+    """(ids, labels): each <image> becomes n_image_tokens image ids; labels are -100 outside targets.
+    The ids equal the tokenizer's on the joined string, split at <image> as LLaVA's tokenizer_image_token does."""
+    ids, labels, prefix = [], [], True
     for text, target in pieces:
         for j, chunk in enumerate(text.split(IMAGE_TAG)):
             if j:
                 ids += [image_token_id] * n_image_tokens
                 labels += [-100] * n_image_tokens
+                prefix = True  # LLaVA tokenizes the text after an image as a new call
             if chunk:
-                t = tok.encode(chunk)
+                t = tok.encode(chunk, prefix)
                 ids += t
                 labels += t if target else [-100] * len(t)
+                if not (prefix and chunk == tok.bos):  # the BOS a tokenizer adds itself leaves the text at its start
+                    prefix = tok.legacy and t[-1] in tok.specials.values()
     return ids, labels
 
 
@@ -223,7 +290,7 @@ def encode_conversation(conv, has_image, template, tok, seq_len, image_token_id,
     would cut into its image tokens or leave no supervised token."""
     if template == "plain" and not has_image:
         raise DropSample("plain_template_without_image")
-    ids, labels = tokenize(TEMPLATES[template](conv), tok, image_token_id, n_image_tokens)
+    ids, labels = tokenize(render(template, conv, tok), tok, image_token_id, n_image_tokens)
     image_positions = [i for i, t in enumerate(ids) if t == image_token_id]
     if len(image_positions) != n_image_tokens * has_image:
         raise DropSample("image_tag_mismatch")
@@ -242,7 +309,7 @@ class DropSample(Exception):
 
 def prompt_and_answer(conv, has_image, template, tok, image_token_id, n_image_tokens):
     """The ids the model sees before the first answer (exactly as in training) and that answer's text."""
-    ids, labels = tokenize(TEMPLATES[template](conv), tok, image_token_id, n_image_tokens)
+    ids, labels = tokenize(render(template, conv, tok), tok, image_token_id, n_image_tokens)
     first = next(i for i, lab in enumerate(labels) if lab != -100)
     return ids[:first], next(t for r, t in turns(conv) if r == "assistant")
 
@@ -258,31 +325,33 @@ def stop_token_id(template, tok):
 # images
 
 
-def load_image(data, size, mode="pad"):
-    """JPEG/PNG bytes -> (3, size, size) uint8. 'pad': fit the long side, pad with the CLIP mean colour
-    (LLaVA's pad); 'crop': fit the short side, centre crop (CLIP's processor); 'resize': squash."""
+def load_image(data, size, mode="pad", draft=False):
+    """Image bytes (any mode PIL reads) -> (3, size, size) uint8, equal to what transformers' PIL-backend
+    processors compute before rescaling (tests). 'crop': CLIPImageProcessor: short side to `size`, long side
+    int(size * long / short) (truncated, as get_resize_output_image_size does), centre crop. 'pad': LLaVA's
+    expand2square in the CLIP mean colour, then the same (LlavaImageProcessor(do_pad=True)). 'resize': squash.
+    draft=True: a big JPEG decodes at 1/2, 1/4 or 1/8 scale (to at least twice the resized size): several
+    times faster on photos over ~1500 px, but up to ~10 levels off the full decode (README)."""
     img = Image.open(io.BytesIO(data))
+    if draft and img.format == "JPEG":
+        w, h = img.size
+        scale = 2 * size / (min(w, h) if mode == "crop" else max(w, h))
+        img.draft("RGB", (2 * size, 2 * size) if mode == "resize" else (math.ceil(w * scale), math.ceil(h * scale)))
+    img = img if img.mode == "RGB" else img.convert("RGB")  # the processors' convert_rgb: alpha dropped, not blended
+    if mode == "pad":
+        w, h = img.size
+        square = Image.new("RGB", (max(w, h), max(w, h)), tuple(int(m * 255) for m in CLIP_MEAN))
+        square.paste(img, ((max(w, h) - w) // 2, (max(w, h) - h) // 2))
+        img = square
     w, h = img.size
-    scale = size / (max(w, h) if mode == "pad" else min(w, h))
-    if img.format == "JPEG":
-        # libjpeg decodes at 1/2, 1/4 or 1/8 scale when the result is still at least this large
-        img.draft("RGB", (max(1, round(w * scale)), max(1, round(h * scale))))
-    img = img if img.mode == "RGB" else img.convert("RGB")
-    w, h = img.size
-    scale = size / (max(w, h) if mode == "pad" else min(w, h))
-    nw, nh = (size, size) if mode == "resize" else (max(1, round(w * scale)), max(1, round(h * scale)))
-    x = torch.from_numpy(np.array(img)).permute(2, 0, 1)[None]  # (1, 3, h, w) uint8, channels-last in memory
-    # torch's uint8 antialiased bicubic is ~4x faster than PIL's and within one level of it
-    x = F.interpolate(x, size=(nh, nw), mode="bicubic", antialias=True)[0]  # (3, nh, nw)
     if mode == "resize":
-        return x.contiguous()
-    if mode == "crop":
-        top, left = (nh - size) // 2, (nw - size) // 2
-        return x[:, top : top + size, left : left + size].contiguous()
-    canvas = torch.tensor([int(m * 255) for m in CLIP_MEAN], dtype=torch.uint8).view(3, 1, 1).repeat(1, size, size)
-    top, left = (size - nh) // 2, (size - nw) // 2
-    canvas[:, top : top + nh, left : left + nw] = x
-    return canvas
+        nw, nh = size, size
+    else:
+        nw, nh = (int(size * w / h), size) if h <= w else (size, int(size * h / w))
+    # PIL's bicubic, as the reference: torch's uint8 antialiased bicubic is faster but up to 2 levels off it
+    x = torch.from_numpy(np.asarray(img.resize((nw, nh), Image.BICUBIC)).copy()).permute(2, 0, 1)  # (3, nh, nw)
+    top, left = (nh - size) // 2, (nw - size) // 2
+    return x[:, top : top + size, left : left + size].contiguous()
 
 
 def normalize_images(images):
@@ -496,8 +565,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         ends = np.cumsum(np.bincount([i for i, _, _ in self.index], minlength=len(self.files)))
         self.shard_ranges = list(zip([0, *ends[:-1]], ends))  # each shard's samples, as a range of the index
         self.tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer(tokenizer)
-        if template not in TEMPLATES:
-            raise ValueError(f"unknown template {template!r}; choose from {sorted(TEMPLATES)}")
+        check_template(template, self.tok)
         self.batch_size, self.seq_len, self.image_size = batch_size, seq_len, image_size
         # pack > 0: a batch reads pack x batch_size samples and packs them into its rows (packed_batch)
         self.pack, self.samples_per_batch = pack, batch_size * pack if pack else batch_size
@@ -704,9 +772,15 @@ def main(argv=None):
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--image-size", type=int, default=48)
     b.add_argument("--turns", type=int, default=1, help="questions per image, as a multi-turn conversation")
-    args = p.parse_args(argv)
     # function-level imports: pack.py and shapes.py import this file, never the other way round
-    if args.cmd == "pack":
+    from pack import audit_arguments, audit_command
+
+    audit_arguments(sub.add_parser("audit", help="what training would get from a dataset: counts, lengths, prompts, "
+                                                 "images, the chat template"))
+    args = p.parse_args(argv)
+    if args.cmd == "audit":
+        audit_command(args)
+    elif args.cmd == "pack":
         from pack import pack
 
         pack(args.json, args.images, args.out, args.shard_size, args.val_ratio, args.workers, args.strict,

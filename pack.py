@@ -2,6 +2,7 @@
 The writing side of llavax's data: LLaVA JSON/JSONL + images -> tar shards with energon metadata.
 
     python data.py pack --json llava_v1_5_mix665k.json --images DIR --out SHARDS [--shard-size 1000] [--val-ratio 0.01]
+    python data.py audit SHARDS|JSON [--images DIR] [--config configs/x.py] [--hf-tokenizer DIR] [--sheet sheet.png]
 
 A sample is KEY.jpg (image), KEY.txt (first answer) and KEY.json ({"question", "conversations", "id"}),
 the layout of Megatron-Energon's VQA datasets; .nv-meta/ and SHARD.tar.idx are written too, so
@@ -9,7 +10,9 @@ the layout of Megatron-Energon's VQA datasets; .nv-meta/ and SHARD.tar.idx are w
 data.py reads the shards back.
 """
 
+import base64
 import codecs
+import difflib
 import hashlib
 import io
 import json
@@ -19,13 +22,19 @@ import shutil
 import struct
 import sys
 import tarfile
+import textwrap
+from collections import Counter
 from multiprocessing import Pool
 from pathlib import Path
 
-from PIL import Image
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont
 from tqdm import tqdm
 
 from data import IMAGE_TAG, ROLES, Skips, conversation_problem, log
+from data import (NORM_SCALE, NORM_SHIFT, TEMPLATES, DropSample, Tokenizer, check_template, encode_conversation,  # audit
+                  load_image, normalize_images, pack_rows, read_members, render, sample_conversation, sample_offsets,
+                  shard_files, tokenize, turns)
 
 ENERGON_VERSION = "7.4.1"  # the megatron-energon release whose .nv-meta layout we write
 
@@ -287,3 +296,303 @@ def pack(json_path, images_dir, out_dir, shard_size=1000, val_ratio=0.0, workers
     if strict and skips.counts:
         sys.exit(f"pack: --strict: {sum(skips.counts.values())} records were skipped")
     return skips
+
+
+# -----------------------------------------------------------------------------
+# audit: the data exactly as training will see it, before a thousand GPU-hours are spent on it
+
+
+def audit_sources(source, images_dir, split):
+    """Yield (where, members) or (where, drop reason) in source order: shards as the loader reads them, a LLaVA
+    JSON/JSONL as pack would write it."""
+    source = Path(source)
+    if source.is_file() and source.suffix != ".tar":
+        if images_dir is None or not Path(images_dir).is_dir():
+            raise SystemExit(f"audit: {source} is a LLaVA JSON: --images must name its image folder (got {images_dir})")
+        for i, (rec, err) in enumerate(read_records(source)):
+            if err:
+                yield err
+                continue
+            sample, reason = prepare_record((i, rec, images_dir))
+            where = str(rec.get("id", i)) if isinstance(rec, dict) else f"record {i}"
+            yield where, reason or {ext: b for ext, b in sample.items() if b is not None}
+        return
+    if not source.exists():
+        raise SystemExit(f"audit: {source}: no such shard folder, tar or JSON file")
+    try:  # an unfinished or inconsistent folder is refused as the loader refuses it
+        files = shard_files(source, split)
+        offsets = {path: sample_offsets(path, count) for path, count in files.items()}
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"audit: {e}") from None
+    for path, ranges in offsets.items():
+        with open(path, "rb") as f:
+            for start, end in ranges:
+                key, members = read_members(f, start, end)
+                yield f"{path.name}:{key}", members
+
+
+def hf_chat_tokenizer(directory):
+    """transformers' tokenizer from DIR, which must hold a chat template."""
+    d = Path(directory)
+    if not (d / "tokenizer_config.json").is_file():
+        raise SystemExit(f"audit: --hf-tokenizer {d}: no tokenizer_config.json there")
+    from transformers import AutoTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(str(d))
+    except Exception as e:  # noqa: BLE001  transformers raises many types for a bad folder
+        raise SystemExit(f"audit: --hf-tokenizer {d}: transformers cannot load it ({type(e).__name__}: {e})") from None
+    if not getattr(hf, "chat_template", None):
+        raise SystemExit(f"audit: --hf-tokenizer {d}: its tokenizer_config.json has no chat_template")
+    return hf
+
+
+def differences(expected, got):
+    """[(position in expected, expected text, got text)] for every span where two strings differ."""
+    # the common prefix and suffix first, so the first difference reported is where the strings part
+    start = len(os.path.commonprefix([expected, got]))
+    end = len(os.path.commonprefix([expected[start:][::-1], got[start:][::-1]]))
+    a, b = expected[start : len(expected) - end], got[start : len(got) - end]
+    ops = difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
+    return [(start + i1, a[i1:i2], b[j1:j2]) for op, i1, i2, j1, j2 in ops if op != "equal"]
+
+
+def show_prompt(pieces, ids, labels, image_token_id, color):
+    """The prompt string with supervised spans in ⟦...⟧ (green on a tty), each <image> with its token positions,
+    and newlines shown as ↵."""
+    mark = ("\x1b[32m", "\x1b[0m", "\x1b[36m", "\x1b[0m") if color else ("⟦", "⟧", "⟨", "⟩")
+    positions = [i for i, t in enumerate(ids) if t == image_token_id]
+    runs = []
+    for k, i in enumerate(positions):
+        if k and i == positions[k - 1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    out = ""
+    for text, target in pieces:
+        parts = text.split(IMAGE_TAG)
+        for j, chunk in enumerate(parts):
+            if j:
+                a, b = runs.pop(0) if runs else ("?", "?")
+                out += f"{mark[2]}<image> = tokens {a}..{b}{mark[3]}"
+            chunk = chunk.replace("\n", "↵\n")
+            out += f"{mark[0]}{chunk}{mark[1]}" if target and chunk else chunk
+    return out, f"{len(ids)} tokens, {sum(1 for x in labels[1:] if x != -100)} supervised"
+
+
+def sheet_layout(image_size):
+    """(scale, tile width, tile height, image left/top margin) of a contact sheet: images scaled up by a whole number."""
+    scale = max(1, 160 // image_size)
+    side = image_size * scale
+    return scale, side + 8 * 3 + 520, side + 16, 8
+
+
+def contact_sheet(tiles, image_size, path):
+    """One tile per sample: its image as the model sees it (normalised, then mapped back to pixels), beside its
+    question and answer. PNG, or HTML with the PNG embedded when `path` ends in .html."""
+    scale, tile_w, tile_h, margin = sheet_layout(image_size)
+    sheet = Image.new("RGB", (tile_w, tile_h * max(1, len(tiles))), (255, 255, 255))
+    draw, font = ImageDraw.Draw(sheet), ImageFont.load_default()
+    side = image_size * scale
+    for i, (where, pixels, lines) in enumerate(tiles):
+        top = i * tile_h
+        if pixels is None:
+            draw.rectangle([margin, top + margin, margin + side - 1, top + margin + side - 1], fill=(200, 200, 200))
+            draw.text((margin + 4, top + margin + 4), "no image", fill=(0, 0, 0), font=font)
+        else:
+            seen = normalize_images(pixels[None])  # what the model gets, mapped back to 0..255
+            shown = ((seen - NORM_SHIFT) / NORM_SCALE).round().clamp(0, 255).byte()[0].permute(1, 2, 0).numpy()
+            img = Image.fromarray(np.ascontiguousarray(shown)).resize((side, side), Image.NEAREST)
+            sheet.paste(img, (margin, top + margin))
+        draw.rectangle([margin - 1, top + margin - 1, margin + side, top + margin + side], outline=(0, 0, 0))
+        text = "\n".join([where] + [w for line in lines for w in textwrap.wrap(line, 84) or [""]][:12])
+        draw.text((side + 2 * margin, top + margin), text, fill=(0, 0, 0), font=font)
+        draw.line([0, top + tile_h - 1, tile_w, top + tile_h - 1], fill=(180, 180, 180))
+    path = Path(path)
+    if path.suffix == ".html":
+        buf = io.BytesIO()
+        sheet.save(buf, format="PNG")
+        path.write_text(f'<img src="data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}">\n')
+    else:
+        sheet.save(path)
+    return sheet
+
+
+def padding_share(lengths, seq_len, rows, pack):
+    """(padding share, samples that find no room) for batches built as the loader builds them: `rows` rows of
+    seq_len tokens, each a sample (pack=0) or packed from pack x rows samples by pack_rows. None = dropped sample;
+    the stream wraps round, so the last batch is filled from the start."""
+    per_batch = rows * pack if pack else rows
+    if not lengths:
+        return 1.0, 0
+    n = -(-len(lengths) // per_batch) * per_batch
+    cyclic = (lengths * (n // len(lengths) + 1))[:n]
+    tokens = no_room = 0
+    for b in range(0, n, per_batch):
+        chunk = [x for x in cyclic[b : b + per_batch] if x]
+        if pack:
+            where, _ = pack_rows(chunk, rows, seq_len)
+            tokens += sum(x for x, w in zip(chunk, where) if w is not None)
+            no_room += sum(w is None for w in where) if b < len(lengths) else 0
+        else:
+            tokens += sum(chunk)
+    return 1 - tokens / (n // per_batch * rows * seq_len), no_room
+
+
+def audit(source, tokenizer, template, seq_len, image_size, n_image_tokens, image_token_id, image_mode="pad",
+          images_dir=None, split="train", pack=0, rows=8, show=4, limit=0, sheet=None, hf_tokenizer=None,
+          progress=1000, out=None):
+    """Print what training would get from `source`; returns the exit status (1: samples with no supervised tokens,
+    or a template that disagrees with the HF chat template)."""
+    if template not in TEMPLATES:
+        raise SystemExit(f"audit: unknown template {template!r}; choose from {sorted(TEMPLATES)}")
+    try:
+        tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer(tokenizer)
+    except Exception as e:  # noqa: BLE001  a bad file raises whatever sentencepiece/tokenizers raise
+        raise SystemExit(f"audit: --tokenizer {tokenizer}: cannot load it ({type(e).__name__}: {e})") from None
+    try:
+        check_template(template, tok)
+    except ValueError as e:
+        raise SystemExit(f"audit: {e}") from None
+    hf = hf_chat_tokenizer(hf_tokenizer) if hf_tokenizer else None
+    out = out or sys.stdout
+    color = out.isatty()
+    p = lambda *a: print(*a, file=out)  # noqa: E731
+    p(f"audit: {source} ({split}), template {template}, seq_len {seq_len}, pack {pack} x {rows} rows, "
+      f"images {image_size} px {image_mode}, {n_image_tokens} image tokens (id {image_token_id})")
+    outcomes, skips, lengths, supervised, tiles = Counter(), Skips(), [], 0, []
+    mismatched, n_compared = [], 0
+    for n, (where, members) in enumerate(audit_sources(source, images_dir, split)):
+        if limit and n >= limit:
+            break
+        if progress and n and n % progress == 0:
+            log(f"audit: {n} samples")
+        shown, pieces, pixels, qa, outcome = n < show, None, None, [], "kept"
+        try:
+            if isinstance(members, str):  # refused at pack time: the loader never sees it
+                raise DropSample(members)
+            conv, image = sample_conversation(members)
+            if problem := conversation_problem(conv):  # as the loader checks a foreign shard's conversation
+                raise DropSample(problem)
+            pieces = render(template, conv, tok)
+            qa = [f"{r[0].upper()}: {t.replace(IMAGE_TAG, '').strip()}" for r, t in turns(conv)]
+            if hf is not None:  # before any seq_len cut: the template is compared whatever becomes of the sample
+                got, n_compared = "".join(t for t, _ in pieces), n_compared + 1
+                try:
+                    expected = hf.apply_chat_template([{"role": r, "content": t} for r, t in turns(conv)],
+                                                      tokenize=False)
+                except Exception as e:  # noqa: BLE001  jinja's raise_exception (e.g. roles out of order), or a bug
+                    expected = f"<apply_chat_template raised {type(e).__name__}: {e}>"
+                if expected != got:
+                    mismatched.append((where, differences(expected, got)))
+            pixels = load_image(image, image_size, image_mode) if image is not None else None
+            ids, labels, truncated = encode_conversation(conv, image is not None, template, tok, seq_len,
+                                                         image_token_id, n_image_tokens)
+        except Exception as e:  # noqa: BLE001  a foreign shard's bad JSON, image or roles: counted, as the loader does
+            outcome = str(e).split(" ")[0] if isinstance(e, DropSample) else "unreadable_sample"
+            outcomes[outcome] += 1
+            skips.add(outcome, where)
+            lengths += [None] * (not isinstance(members, str))
+            if shown:
+                why = e if isinstance(e, DropSample) else f"unreadable_sample: {type(e).__name__}: {e}"
+                p(f"\n--- {n}: {where}: dropped {'at pack time ' * isinstance(members, str)}({why})")
+                if pieces is not None:
+                    ids, labels = tokenize(pieces, tok, image_token_id, n_image_tokens)
+                    text, tail = show_prompt(pieces, ids, labels, image_token_id, color)
+                    p(f"{text}\n(in full: {tail})")
+        else:
+            outcomes["kept"] += 1
+            outcomes["truncated"] += truncated
+            lengths.append(len(ids))
+            supervised += sum(1 for x in labels[1:] if x != -100)
+            if shown:
+                text, tail = show_prompt(pieces, ids, labels, image_token_id, color)
+                if truncated:  # the marks above are the template's; the cut is shown as the text it loses
+                    lost = tokenize(pieces, tok, image_token_id, n_image_tokens)[0][seq_len:]
+                    text += f"\n(cut at seq_len {seq_len}: {len(lost)} tokens lost: {tok.decode(lost)!r})"
+                p(f"\n--- {n}: {where}: {tail}\n{text}")
+        if shown:
+            tiles.append((f"{where}: {outcome}", pixels, qa))
+    kept = [x for x in lengths if x]
+    total = sum(outcomes.values()) - outcomes["truncated"]
+    p(f"\nsamples: {total}\n  kept: {outcomes['kept']} (truncated to seq_len: {outcomes['truncated']})")
+    for reason in sorted(set(outcomes) - {"kept", "truncated"}):
+        p(f"  dropped, {reason}: {outcomes[reason]} (first: {', '.join(skips.examples[reason])})")
+    if kept:
+        pct = np.percentile(kept, [0, 50, 90, 99, 100])
+        p("lengths (tokens): " + "  ".join(f"{k} {v:.0f}" for k, v in zip(("min", "p50", "p90", "p99", "max"), pct))
+          + f"  mean {np.mean(kept):.1f}")
+        share, no_room = padding_share(lengths, seq_len, rows, pack)
+        p(f"padding: {share:.1%} of the tokens in {'packed ' if pack else ''}batches of {rows} x {seq_len}"
+          + (f"; {no_room} samples find no room in their batch (lower pack)" if no_room else "")
+          + f"\nsupervised: {supervised} tokens, {supervised / sum(kept):.1%} of the sample tokens")
+    status = 0
+    if outcomes["no_supervised_tokens"]:
+        p(f"FAIL: {outcomes['no_supervised_tokens']} samples have no supervised token within seq_len {seq_len}")
+        status = 1
+    if hf is not None:
+        p(f"chat template: {n_compared - len(mismatched)} of {n_compared} samples render as {hf_tokenizer}'s "
+          f"apply_chat_template does")
+        for where, diffs in mismatched[:3]:
+            p(f"  {where}: differences at (position: expected -> got)")
+            for pos, expected, got in diffs:
+                p(f"    {pos}: {expected!r} -> {got!r}")
+        if len(mismatched) > 3:
+            p(f"  ... and {len(mismatched) - 3} more (first: {', '.join(w for w, _ in mismatched[3:8])})")
+        if mismatched:
+            p(f"FAIL: template {template} disagrees with the chat template of {hf_tokenizer} on {len(mismatched)} "
+              "samples")
+            status = 1
+    if sheet:
+        contact_sheet(tiles, image_size, sheet)
+        p(f"contact sheet: {sheet} ({len(tiles)} samples)")
+    return status
+
+
+def audit_arguments(a):
+    a.add_argument("source", help="a shard folder (or tar), or a LLaVA JSON/JSONL with --images")
+    a.add_argument("--images", help="the image folder of a LLaVA JSON")
+    a.add_argument("--split", default="train", help="the split of a shard folder to read")
+    a.add_argument("--config", help="a train.py config file (e.g. configs/shapes.py): fills the settings below")
+    a.add_argument("--tokenizer")
+    a.add_argument("--template", help=f"one of {sorted(TEMPLATES)}")
+    a.add_argument("--seq-len", type=int)
+    a.add_argument("--pack", type=int, help="samples packed a row (train.py's pack); 0: one sample a row")
+    a.add_argument("--rows", type=int, help="rows a batch (train.py's micro_batch_size)")
+    a.add_argument("--image-size", type=int)
+    a.add_argument("--image-mode", choices=("pad", "crop", "resize"))
+    a.add_argument("--n-image-tokens", type=int)
+    a.add_argument("--image-token-id", type=int)
+    a.add_argument("--show", type=int, default=4, help="print the first N samples in full")
+    a.add_argument("--limit", type=int, default=0, help="audit only the first N samples (0: all)")
+    a.add_argument("--sheet", help="write a contact sheet of the shown samples here (.png or .html)")
+    a.add_argument("--hf-tokenizer", help="a folder with tokenizer_config.json holding a chat_template: compare")
+    a.add_argument("--progress", type=int, default=1000, help="print a count to stderr every N samples")
+
+
+def audit_command(args):
+    """The settings of train.py (its defaults, then --config), overridden by the flags given; exits with audit's status."""
+    import train  # only here: train.py imports data.py, and its config is what audit must agree with
+
+    if args.config and not Path(args.config).is_file():
+        raise SystemExit(f"audit: --config {args.config}: no such file")
+    cfg = train.load_config([args.config] if args.config else [])
+    # the image settings of the model train.py would build: a llavax checkpoint's config.json, else the preset
+    ckpt = Path(cfg["init_from"], "config.json") if cfg["init_from"] not in ("scratch", "resume") else None
+    try:
+        if ckpt and ckpt.is_file() and json.loads(ckpt.read_text()).get("model_type") != "llava":
+            mcfg, origin = train.VLMConfig.from_dict(json.loads(ckpt.read_text())), str(ckpt)
+        else:
+            mcfg, origin = train.model_config(cfg), f"preset {cfg['model']!r} with model_overrides"
+            origin += f" ({ckpt} not read: give the image flags if that model differs)" if ckpt else ""
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"audit: the model settings of {ckpt or args.config or 'train.py'}: {e}") from None
+    if None in (args.image_size, args.n_image_tokens, args.image_token_id):
+        print(f"audit: model settings from {origin}")
+    given = lambda flag, default: default if flag is None else flag  # noqa: E731
+    sys.exit(audit(args.source, given(args.tokenizer, cfg["tokenizer"]), given(args.template, cfg["template"]),
+                   given(args.seq_len, cfg["seq_len"]), given(args.image_size, mcfg.vision.image_size),
+                   given(args.n_image_tokens, mcfg.n_image_tokens), given(args.image_token_id, mcfg.image_token_id),
+                   given(args.image_mode, cfg["image_mode"]), args.images, args.split, given(args.pack, cfg["pack"]),
+                   given(args.rows, cfg["micro_batch_size"]), args.show, args.limit, args.sheet, args.hf_tokenizer,
+                   args.progress))

@@ -44,7 +44,7 @@ def main(argv=None):
         sys.exit(f"sample: {e}")
     cfg = model.cfg
     question = f"{data.IMAGE_TAG}\n{args.prompt}" if args.image else args.prompt
-    ids, _ = data.tokenize([(data.generation_prompt(template, question), False)], tok, cfg.image_token_id,
+    ids, _ = data.tokenize([(data.generation_prompt(template, question, tok), False)], tok, cfg.image_token_id,
                            cfg.n_image_tokens)
     pixels = None
     if args.image:
