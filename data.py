@@ -354,8 +354,9 @@ def load_image(data, size, mode="pad", draft=False):
 
 
 def normalize_images(images):
-    """(B, 3, H, W) uint8 -> float32 with CLIP mean/std, as one multiply-add per pixel."""
-    return images.float().mul_(NORM_SCALE).add_(NORM_SHIFT)
+    """(B, 3, H, W) uint8 -> float32 with CLIP mean/std, as one multiply-add per pixel, on the images' device
+    (train.py runs it on the accelerator: batches cross the DataLoader and the host link as uint8, 4x smaller)."""
+    return images.float().mul_(NORM_SCALE.to(images.device)).add_(NORM_SHIFT.to(images.device))
 
 
 NORM_SCALE = torch.tensor([1 / (255 * s) for s in CLIP_STD]).view(1, 3, 1, 1)  # (x/255 - mean)/std = x*scale + shift
@@ -523,7 +524,7 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     def __init__(self, paths, tokenizer, batch_size, seq_len, image_size, image_token_id, n_image_tokens,
                  template="plain", image_mode="pad", split="train", seed=0, rank=0, world_size=1, shuffle_block=1000,
-                 pack=0):
+                 pack=0, jpeg_draft=False):
         expected = shard_files(paths, split)
         self.files = list(expected)
         self.index = [(i, s, e) for i, f in enumerate(self.files) for s, e in sample_offsets(f, expected[f])]
@@ -537,7 +538,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         # pack > 0: a batch reads pack x batch_size samples and packs them into its rows (packed_batch)
         self.pack, self.samples_per_batch = pack, batch_size * pack if pack else batch_size
         self.image_token_id, self.n_image_tokens = image_token_id, n_image_tokens
-        self.template, self.image_mode, self.split = template, image_mode, split
+        self.template, self.image_mode, self.split, self.jpeg_draft = template, image_mode, split, jpeg_draft
         self.seed, self.rank, self.world_size, self.shuffle_block = seed, rank, world_size, shuffle_block
         self.start = 0  # sample position in this rank's stream; set by Loader
         self.per_rank = -(-len(self.index) // world_size)
@@ -579,7 +580,8 @@ class ShardStream(torch.utils.data.IterableDataset):
             key, members = self.read(sample)
             conv, image = sample_conversation(members)
             problem = conversation_problem(conv)
-            pixels = load_image(image, self.image_size, self.image_mode) if image is not None and not problem else None
+            pixels = None if image is None or problem else \
+                load_image(image, self.image_size, self.image_mode, self.jpeg_draft)
         except Exception as e:  # noqa: BLE001  corrupt tar, JSON or image bytes in a foreign shard
             raise DropSample(f"unreadable_sample ({type(e).__name__}: {e})") from None
         if problem:
@@ -637,7 +639,7 @@ class ShardStream(torch.utils.data.IterableDataset):
                     if pixels is not None:
                         images[row], has_image[row] = pixels, True
             extra = {}
-        return {"input_ids": input_ids, "labels": labels, "pixel_values": normalize_images(images),
+        return {"input_ids": input_ids, "labels": labels, "pixel_values": images,  # uint8: normalize_images on device
                 "has_image": has_image, "dropped": dropped, "sample_id": sample_ids} | extra
 
     def __iter__(self):

@@ -199,7 +199,7 @@ def test_ranks_and_workers_cover_every_sample_once_per_epoch(shapes, world_size,
 def test_batches_have_static_shapes_and_image_tokens_in_place(shapes):
     batch = take(data.Loader(stream(shapes, template="vicuna_v1", seq_len=160)), 1)[0]
     assert batch["input_ids"].shape == batch["labels"].shape == (4, 160)
-    assert batch["pixel_values"].shape == (4, 3, 28, 28) and batch["pixel_values"].dtype == torch.float32
+    assert batch["pixel_values"].shape == (4, 3, 28, 28) and batch["pixel_values"].dtype == torch.uint8
     assert ((batch["input_ids"] == 512).sum(1) == 4).all() and batch["has_image"].all()
     assert ((batch["labels"] != -100).sum(1) > 0).all()
 
