@@ -126,12 +126,12 @@ def test_pack_keeps_every_source_lossless(processors, tmp_path):
         assert (ours - reference_levels(processors, source, "crop")).abs().max() <= 1
 
 
-def test_jpeg_draft_is_off_by_default_and_on_only_when_asked():
+def test_fast_images_is_off_by_default_and_its_cost_is_bounded(processors):
     raw = encode(photo(2048, 1536, seed=3), "JPEG", quality=90)
-    full = data.load_image(raw, SIZE, "crop")
-    assert torch.equal(full, data.load_image(raw, SIZE, "crop", draft=False))
-    drafted = data.load_image(raw, SIZE, "crop", draft=True)
+    exact = data.load_image(raw, SIZE, "crop")
+    assert torch.equal(exact, data.load_image(raw, SIZE, "crop", fast=False))
     img = Image.open(io.BytesIO(raw))
     img.draft("RGB", (2 * SIZE * 2048 // 1536 + 1, 2 * SIZE))
     assert img.size == (1024, 768)  # decoded at 1/2 scale, still twice the target
-    assert drafted.shape == full.shape and not torch.equal(drafted, full)  # the cost README states
+    diff = (data.load_image(raw, SIZE, "crop", fast=True).float() - reference_levels(processors, raw, "crop")).abs()
+    assert 1 < diff.max() <= 16 and diff.flatten().quantile(0.999) <= 6  # the cost README states
