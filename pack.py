@@ -58,6 +58,9 @@ def read_records(path):
         if isinstance(whole, dict) and "conversations" not in whole:
             sys.exit(f"pack: {path}: one JSON object (keys {', '.join(list(whole)[:5])}), not LLaVA data: a JSON array "
                      "or JSONL of {\"id\", \"image\", \"conversations\"} records")
+        if isinstance(whole, dict):  # one record, perhaps over several lines
+            yield whole, None
+            return
     if not text.lstrip().startswith("["):
         for n, line in enumerate(text.splitlines(), 1):
             if line.strip():
@@ -98,7 +101,11 @@ def image_path(images_dir, name):
     root = Path(images_dir).resolve()
     path = Path(root, name)
     # a shared dataset JSON must not make pack read files elsewhere: absolute paths, ../ and symlinks out
-    if os.path.isabs(name) or not path.resolve().is_relative_to(root):
+    try:
+        inside = not os.path.isabs(name) and path.resolve().is_relative_to(root)
+    except (OSError, RuntimeError):  # a symlink loop, a name too long
+        return None, "malformed_image_field"
+    if not inside:
         return None, "image_outside_images_dir"
     return path, None
 

@@ -356,6 +356,8 @@ def answer_accuracy(raw, stream, env, cfg, n, show=5):
     for sample in range(min(n, len(stream))):
         _, members = stream.read(sample)
         conv, image = data.sample_conversation(members)
+        if data.conversation_problem(conv):  # a malformed foreign sample, which training drops too
+            continue
         prompt, answer = data.prompt_and_answer(conv, image is not None, cfg["template"], tok, stream.image_token_id,
                                                 stream.n_image_tokens)
         pixels = data.normalize_images(data.load_image(image, stream.image_size, stream.image_mode)[None]) \

@@ -1,0 +1,350 @@
+"""pack.py's records and shards, and the loader's checks on them, against webdataset, tarfile and megatron-energon."""
+
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+
+import numpy as np
+import pytest
+from conftest import ROOT
+from PIL import Image
+
+import data
+import pack
+
+# -----------------------------------------------------------------------------
+# helpers: photo-sized JPEGs, ShareGPT/LLaVA-style records, a byte-level tokenizer
+
+
+def jpeg(w=64, h=48, seed=0, fmt="JPEG"):
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray((rng.random((h, w, 3)) * 255).astype(np.uint8)).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def record(i, question="What is in the image?", answer="A dog on a beach.", image=True, **kw):
+    conv = [{"from": "human", "value": ("<image>\n" if image else "") + question}, {"from": "gpt", "value": answer}]
+    return {"id": f"rec{i}", **({"image": f"{i}.jpg"} if image else {}), "conversations": conv} | kw
+
+
+def images_dir(tmp_path, n=4):
+    d = tmp_path / "images"
+    d.mkdir(exist_ok=True)
+    for i in range(n):
+        (d / f"{i}.jpg").write_bytes(jpeg(64 + 7 * i, 48, seed=i))
+    return d
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    """A byte-level BPE tokenizer.json (any text round-trips), with LLaMA's <s> and </s> as special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    t.train_from_iterator(["A chat between a curious user and an assistant. USER: ASSISTANT: a photo of"] * 10,
+                          trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    d = tmp_path_factory.mktemp("tok")
+    t.save(str(d / "tokenizer.json"))
+    return data.Tokenizer(d / "tokenizer.json")
+
+
+def open_stream(paths, tok, split="train", **kw):
+    args = {"batch_size": 2, "seq_len": 256, "image_size": 28, "image_token_id": 999, "n_image_tokens": 4,
+            "template": "vicuna_v1", "shuffle_block": 1} | kw
+    return data.ShardStream(paths, tok, split=split, **args)
+
+
+def answers(stream, tok):
+    """The supervised text of every sample of one epoch, in sample order; None for a dropped sample."""
+    out = {}
+    for k in range(-(-len(stream) // stream.batch_size)):
+        b = stream.batch(k)
+        for sid, row, dropped in zip(b["sample_id"].tolist(), b["labels"].tolist(), b["dropped"].tolist()):
+            out[sid] = None if dropped else tok.decode([t for t in row if t != -100]).removesuffix("</s>").strip()
+    return [out[i] for i in range(len(stream))]
+
+
+# -----------------------------------------------------------------------------
+# records: every bad one is a counted skip with its own reason, never fatal, never packed as something else
+
+
+def test_unknown_roles_are_skipped_by_reason_and_strict_fails(tmp_path, capfd):
+    imgs = images_dir(tmp_path)
+    good = [record(0), record(1, image=False, question="Hi", answer="Hello!")]
+    # as found in raw ShareGPT dumps and hand-made LLaVA files
+    bad_roles = {"Human": "capitalised", "chatgpt": "sharegpt", "bing": "sharegpt", "bard": "sharegpt"}
+    bad = [record(10 + j, image=False) for j in range(len(bad_roles) + 1)]
+    for rec, role in zip(bad, [*bad_roles, ["human"]]):
+        rec["conversations"][0]["from"] = role
+    (tmp_path / "d.json").write_text(json.dumps(good + bad))
+    skips = pack.pack(tmp_path / "d.json", imgs, tmp_path / "out")
+    assert dict(skips.counts) == {"unknown_role": 5}
+    with pytest.raises(SystemExit, match="--strict: 5 records were skipped"):
+        pack.pack(tmp_path / "d.json", imgs, tmp_path / "strict", strict=True)
+    assert "unknown_role: 5 (first: rec10, rec11" in capfd.readouterr().err
+
+
+def test_null_list_surrogate_and_multi_image_values_are_skipped_each_with_its_reason(tmp_path):
+    imgs = images_dir(tmp_path)
+    null, listed, surrogate, multi = record(1), record(2), record(3, answer="caf\ud800"), record(0)
+    null["conversations"][1]["value"] = None
+    listed["conversations"][1]["value"] = ["a", "b"]
+    multi["image"] = ["0.jpg", "1.jpg"]  # LLaVA-OneVision style
+    one_in_list = record(2) | {"id": "single", "image": ["2.jpg"]}
+    # json.dumps writes the lone surrogate as the escape "\ud800", as a real file would hold it
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in [record(0), null, listed, surrogate, multi,
+                                                                       one_in_list]))
+    skips = pack.pack(tmp_path / "d.jsonl", imgs, tmp_path / "out")
+    assert dict(skips.counts) == {"non_text_value": 2, "invalid_unicode": 1, "multiple_images": 1}
+    import webdataset as wds
+
+    texts = [s["txt"].decode() for s in wds.WebDataset(str(tmp_path / "out/shard-000000.tar"), shardshuffle=False)]
+    assert texts == ["A dog on a beach."] * 2 and "None" not in texts
+
+
+@pytest.mark.parametrize("layout", ["array", "jsonl"])
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-32"])
+def test_bom_and_utf16_inputs_keep_every_record(tmp_path, layout, encoding):
+    imgs = images_dir(tmp_path)
+    recs = [record(i % 4, answer=f"Ein Hund, Nummer {i} — süß.") for i in range(6)]
+    text = json.dumps(recs, ensure_ascii=False) if layout == "array" else \
+        "\n".join(json.dumps(r, ensure_ascii=False) for r in recs)
+    (tmp_path / "d.json").write_text(text, encoding=encoding)  # Python writes the byte-order mark
+    skips = pack.pack(tmp_path / "d.json", imgs, tmp_path / "out")
+    assert not skips.counts
+    info = json.loads((tmp_path / "out/.nv-meta/.info.json").read_text())
+    assert sum(info["shard_counts"].values()) == 6
+
+
+def test_a_top_level_object_or_nothing_kept_exits_nonzero_with_a_reason(tmp_path, capfd):
+    imgs = images_dir(tmp_path)
+    (tmp_path / "obj.json").write_text(json.dumps({"data": [record(0)], "version": 1}, indent=2))
+    with pytest.raises(SystemExit, match="one JSON object .keys data, version., not LLaVA data"):
+        pack.pack(tmp_path / "obj.json", imgs, tmp_path / "a")
+    assert "malformed JSON" not in capfd.readouterr().err  # no per-line noise
+    (tmp_path / "one.json").write_text(json.dumps(record(0), indent=2))  # one record, pretty-printed, is fine
+    assert not pack.pack(tmp_path / "one.json", imgs, tmp_path / "one").counts
+    (tmp_path / "none.json").write_text(json.dumps([record(0) | {"image": "missing.jpg"}]))
+    with pytest.raises(SystemExit, match="no record could be packed(.|\\n)*missing_image: 1"):
+        pack.pack(tmp_path / "none.json", imgs, tmp_path / "b")
+    assert not (tmp_path / "b/.nv-meta").exists()
+    (tmp_path / "nobom16.json").write_bytes(json.dumps([record(0)]).encode("utf-16-le"))
+    with pytest.raises(SystemExit, match="nobom16.json: NUL bytes: UTF-16/32 text without a byte-order mark"):
+        pack.pack(tmp_path / "nobom16.json", imgs, tmp_path / "c")
+
+
+def test_image_paths_that_leave_the_images_folder_are_refused(tmp_path):
+    imgs = images_dir(tmp_path)
+    (tmp_path / "secret.jpg").write_bytes(jpeg(40, 40, seed=9))
+    (imgs / "sub").mkdir()
+    (imgs / "sub/link_out.jpg").symlink_to(tmp_path / "secret.jpg")
+    (imgs / "sub/link_in.jpg").symlink_to(imgs / "1.jpg")  # a symlink that stays inside is fine
+    recs = [record(0) | {"image": str(tmp_path / "secret.jpg")}, record(0) | {"image": "../secret.jpg"},
+            record(0) | {"image": "sub/../../secret.jpg"}, record(0) | {"image": "sub/link_out.jpg"},
+            record(0) | {"image": "sub/link_in.jpg"}, record(2)]
+    (tmp_path / "d.json").write_text(json.dumps(recs))
+    skips = pack.pack(tmp_path / "d.json", imgs, tmp_path / "out")
+    assert dict(skips.counts) == {"image_outside_images_dir": 4}
+    assert sum(json.loads((tmp_path / "out/.nv-meta/.info.json").read_text())["shard_counts"].values()) == 2
+
+
+# -----------------------------------------------------------------------------
+# foreign shards: read what webdataset and tarfile write; a malformed sample is a counted drop
+
+
+def test_loader_reads_long_pax_keys_and_captions_kept_only_in_json(tmp_path, tok):
+    import webdataset as wds
+
+    long_dir = "laion/part-00017/" + "x" * 90  # keys over tar's 100-byte name field
+    with wds.TarWriter(str(tmp_path / "wds.tar")) as sink:
+        sink.write({"__key__": f"{long_dir}/000000001", "jpg": jpeg(), "json": {"caption": "a photo of a red bus"}})
+        sink.write({"__key__": f"{long_dir}/000000002", "jpg": jpeg(seed=1), "txt": "a photo of a cat"})
+    with tarfile.open(tmp_path / "tf.tar", "w") as tar:  # tarfile's default format is PAX too
+        for name, payload in ((f"{long_dir}/000000003.jpg", jpeg(seed=2)),
+                              (f"{long_dir}/000000003.json", json.dumps({"caption": "a photo of a lake"}).encode())):
+            info = tarfile.TarInfo(name)
+            info.size = len(payload)
+            tar.addfile(info, io.BytesIO(payload))
+    s = open_stream([tmp_path / "wds.tar", tmp_path / "tf.tar"], tok, template="plain")
+    assert len(s) == 3
+    assert s.read(0)[0] == f"{long_dir}/000000001"
+    assert answers(s, tok) == ["a photo of a red bus", "a photo of a cat", "a photo of a lake"]
+
+
+def test_loader_drops_malformed_foreign_conversations_and_keeps_going(tmp_path, tok):
+    import webdataset as wds
+
+    convs = [[{"from": "Human", "value": "<image>\nWhat?"}, {"from": "chatgpt", "value": "A cat."}],
+             [{"from": ["human"], "value": "Hi"}, {"from": "gpt", "value": "Hello"}],
+             [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": None}],
+             [{"from": "human", "value": "Hi"}],
+             [{"from": "human", "value": "Is it?"}, {"from": "gpt", "value": "Yes, it is."}]]
+    with wds.TarWriter(str(tmp_path / "f.tar")) as sink:
+        for i, c in enumerate(convs):
+            sink.write({"__key__": f"s{i}", "json": {"conversations": c}})
+    s = open_stream(tmp_path / "f.tar", tok, batch_size=5)
+    assert answers(s, tok) == [None, None, None, None, "Yes, it is."]
+    assert dict(s.skips.counts) == {"unknown_role": 2, "non_text_value": 1, "no_gpt_turn": 1}
+
+
+# -----------------------------------------------------------------------------
+# megatron-energon loads every packed sample
+
+
+def test_energon_yields_every_packed_sample_per_split(tmp_path, capfd):
+    from megatron.energon import WorkerConfig, get_loader, get_train_dataset
+
+    imgs = images_dir(tmp_path)
+    Image.open(io.BytesIO(jpeg(30, 50, seed=5))).save(imgs / "p.png")
+    recs = []
+    for i in range(40):
+        kind = i % 4
+        if kind == 0:
+            recs.append(record(i % 4, answer=f"Image answer {i}."))
+        elif kind == 1:
+            recs.append(record(i, image=False, question=f"Text question {i}?", answer=f"Text answer {i}."))
+        elif kind == 2:  # multi-turn, text-only, with a system turn
+            recs.append({"id": f"mt{i}", "conversations": [
+                {"from": "system", "value": "Be brief."}, {"from": "human", "value": f"First {i}?"},
+                {"from": "gpt", "value": f"One {i}."}, {"from": "human", "value": "Second?"},
+                {"from": "gpt", "value": "Two."}]})
+        else:
+            recs.append(record(i, answer=f"Png answer {i}.") | {"image": "p.png"})
+    (tmp_path / "d.json").write_text(json.dumps(recs))
+    capfd.readouterr()
+    pack.pack(tmp_path / "d.json", imgs, tmp_path / "out", shard_size=7, val_ratio=0.3)
+    reported = re.search(r"wrote (\d+) train and (\d+) val samples", capfd.readouterr().err)
+    n_train, n_val = int(reported[1]), int(reported[2])
+    assert n_train + n_val == 40 and n_val > 0
+    want = {next(t["value"] for t in r["conversations"] if t["from"] == "gpt") for r in recs}  # all distinct
+    got = {}
+    for split, n in (("train", n_train), ("val", n_val)):
+        ds = get_train_dataset(tmp_path / "out", split_part=split, batch_size=None, shuffle_buffer_size=None,
+                               max_samples_per_sequence=None, repeat=False,
+                               worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0))
+        samples = list(get_loader(ds))
+        assert len(samples) == n, split
+        got |= {s.answers: s.image for s in samples}
+    assert set(got) == want
+    assert all((img is None) == ("Text" in a or "One" in a) for a, img in got.items())
+
+
+# -----------------------------------------------------------------------------
+# a dataset is complete only when its metadata is written, last; the loader refuses anything else
+
+
+@pytest.mark.slow  # one python + torch start-up in a subprocess, to kill it
+def test_a_killed_pack_leaves_a_folder_the_loader_refuses(tmp_path, tok):
+    imgs = images_dir(tmp_path)
+    recs = [record(i % 4, answer=f"Answer {i}.") for i in range(1500)]
+    (tmp_path / "d.json").write_text(json.dumps(recs))
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "data.py"), "pack", "--json", str(tmp_path / "d.json"),
+                             "--images", str(imgs), "--out", str(out), "--shard-size", "20"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (out / "shard-000002.tar").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (out / "shard-000001.tar").exists() and not (out / "shard-000074.tar").exists(), "killed too late"
+    with pytest.raises(data.DatasetError, match=r"out: no \.nv-meta/\.info\.json, so not a finished dataset"):
+        open_stream(out, tok)
+    import train
+
+    with pytest.raises(SystemExit, match=r"out: no \.nv-meta/\.info\.json"):  # a message, not a traceback
+        train.main([str(ROOT / "configs/debug.py"), f"--data_dir={out}", f"--tokenizer={tok.path}",
+                    f"--out_dir={tmp_path / 'run'}"])
+    with pytest.raises(SystemExit, match="already holds a dataset .*pass --overwrite"):
+        pack.pack(tmp_path / "d.json", imgs, out, shard_size=1000)
+    pack.pack(tmp_path / "d.json", imgs, out, shard_size=1000, overwrite=True)
+    assert sorted(p.name for p in out.glob("*.tar")) == ["shard-000000.tar", "shard-000001.tar"]  # no stale shard
+    assert len(open_stream(out, tok)) == 1500
+
+
+@pytest.fixture
+def packed(tmp_path):
+    imgs = images_dir(tmp_path)
+    (tmp_path / "d.json").write_text(json.dumps([record(i % 4, answer=f"Answer {i}.") for i in range(9)]))
+    pack.pack(tmp_path / "d.json", imgs, tmp_path / "out", shard_size=4)
+    return tmp_path / "out"
+
+
+def truncate(path, keep):
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("truncated_tar", r"shard-000001\.tar: \d+ bytes where .*llavax\.json records"),
+    ("short_idx", r"shard-000001\.tar\.idx: does not match .*3 samples where \.nv-meta says 4"),
+    ("stale_idx", r"shard-000001\.tar\.idx: does not match .*samples where \.nv-meta says 4"),
+    ("unlisted_shard", r"shard-000007\.tar: a shard that \.nv-meta/\.info\.json does not list"),
+    ("missing_shard", r"shard-000002\.tar: listed in .*split\.yaml but missing"),
+])
+def test_loader_refuses_an_inconsistent_folder_naming_the_file(packed, tok, damage, message):
+    open_stream(packed, tok)  # whole, it loads
+    shard = packed / "shard-000001.tar"
+    idx = packed / "shard-000001.tar.idx"
+    if damage == "truncated_tar":
+        truncate(shard, shard.stat().st_size // 2)
+    elif damage == "short_idx":
+        truncate(idx, idx.stat().st_size - 8)
+    elif damage == "stale_idx":
+        idx.write_bytes((packed / "shard-000002.tar.idx").read_bytes())  # the 1-sample last shard's index
+    elif damage == "unlisted_shard":
+        (packed / "shard-000007.tar").write_bytes(shard.read_bytes())
+    else:
+        (packed / "shard-000002.tar").unlink()
+    with pytest.raises(data.DatasetError, match=message):
+        open_stream(packed, tok)
+
+
+def test_a_bare_tar_with_a_short_or_truncated_index_is_refused(packed, tok):
+    tar = packed / "shard-000000.tar"
+    idx = packed / "shard-000000.tar.idx"
+    assert len(open_stream(tar, tok)) == 4
+    truncate(idx, idx.stat().st_size - 8)
+    with pytest.raises(data.DatasetError, match=r"shard-000000\.tar\.idx: .*more samples follow"):
+        open_stream(tar, tok)
+    idx.unlink()
+    truncate(tar, tar.stat().st_size // 2)
+    with pytest.raises(data.DatasetError, match=r"shard-000000\.tar: truncated"):
+        open_stream(tar, tok)
+
+
+def test_pack_over_an_existing_dataset_refuses_unless_overwrite_which_removes_stale_shards(packed, tmp_path, tok):
+    (tmp_path / "small.json").write_text(json.dumps([record(0), record(1)]))
+    with pytest.raises(SystemExit, match="already holds a dataset"):
+        pack.pack(tmp_path / "small.json", tmp_path / "images", packed, shard_size=4)
+    assert len(open_stream(packed, tok)) == 9  # untouched
+    pack.pack(tmp_path / "small.json", tmp_path / "images", packed, shard_size=4, overwrite=True)
+    assert sorted(p.name for p in packed.iterdir() if p.name != ".nv-meta") == ["shard-000000.tar",
+                                                                                "shard-000000.tar.idx"]
+    assert len(open_stream(packed, tok)) == 2
+
+
+# -----------------------------------------------------------------------------
+# open files
+
+
+def test_the_loader_keeps_a_bounded_number_of_shards_open(tmp_path, tok):
+    (tmp_path / "images").mkdir()
+    recs = [record(i, image=False, answer=f"Answer {i}.") for i in range(3 * data.MAX_OPEN_SHARDS)]
+    (tmp_path / "d.json").write_text(json.dumps(recs))
+    pack.pack(tmp_path / "d.json", tmp_path / "images", tmp_path / "out", shard_size=1)
+    s = open_stream(tmp_path / "out", tok, batch_size=8, shuffle_block=1)
+    fds = lambda: len(os.listdir("/proc/self/fd"))  # noqa: E731
+    before = fds()
+    got = answers(s, tok)
+    assert sorted(got) == sorted(r["conversations"][1]["value"] for r in recs)
+    assert fds() - before <= data.MAX_OPEN_SHARDS
