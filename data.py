@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image
 
 IMAGE_TAG = "<image>"
@@ -325,19 +326,19 @@ def stop_token_id(template, tok):
 # images
 
 
-def load_image(data, size, mode="pad", draft=False):
+def load_image(data, size, mode="pad", fast=False):
     """Image bytes (any mode PIL reads) -> (3, size, size) uint8, equal to what transformers' PIL-backend
     processors compute before rescaling (tests). 'crop': CLIPImageProcessor: short side to `size`, long side
     int(size * long / short) (truncated, as get_resize_output_image_size does), centre crop. 'pad': LLaVA's
     expand2square in the CLIP mean colour, then the same (LlavaImageProcessor(do_pad=True)). 'resize': squash.
-    draft=True: a big JPEG decodes at 1/2, 1/4 or 1/8 scale (to at least twice the resized size): several
-    times faster on photos over ~1500 px, but up to ~10 levels off the full decode (README)."""
+    fast=True trades exactness for speed (README, BENCHMARKS.md): a big JPEG decodes at 1/2, 1/4 or 1/8 scale
+    (to at least twice the resized size), and torch's uint8 antialiased bicubic replaces PIL's."""
     img = Image.open(io.BytesIO(data))
-    if draft and img.format == "JPEG":
+    if fast and img.format == "JPEG":
         w, h = img.size
         scale = 2 * size / (min(w, h) if mode == "crop" else max(w, h))
         img.draft("RGB", (2 * size, 2 * size) if mode == "resize" else (math.ceil(w * scale), math.ceil(h * scale)))
-    img = img if img.mode == "RGB" else img.convert("RGB")  # the processors' convert_rgb: alpha dropped, not blended
+    img = img if img.mode == "RGB" else img.convert("RGB")  # LLaVA's Image.open().convert("RGB"): alpha dropped
     if mode == "pad":
         w, h = img.size
         square = Image.new("RGB", (max(w, h), max(w, h)), tuple(int(m * 255) for m in CLIP_MEAN))
@@ -348,15 +349,19 @@ def load_image(data, size, mode="pad", draft=False):
         nw, nh = size, size
     else:
         nw, nh = (int(size * w / h), size) if h <= w else (size, int(size * h / w))
-    # PIL's bicubic, as the reference: torch's uint8 antialiased bicubic is faster but up to 2 levels off it
-    x = torch.from_numpy(np.asarray(img.resize((nw, nh), Image.BICUBIC)).copy()).permute(2, 0, 1)  # (3, nh, nw)
+    if fast:
+        x = torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1)[None]  # (1, 3, h, w)
+        x = F.interpolate(x, size=(nh, nw), mode="bicubic", antialias=True)[0]  # (3, nh, nw)
+    else:  # PIL's bicubic, as the reference
+        x = torch.from_numpy(np.asarray(img.resize((nw, nh), Image.BICUBIC)).copy()).permute(2, 0, 1)  # (3, nh, nw)
     top, left = (nh - size) // 2, (nw - size) // 2
     return x[:, top : top + size, left : left + size].contiguous()
 
 
 def normalize_images(images):
-    """(B, 3, H, W) uint8 -> float32 with CLIP mean/std, as one multiply-add per pixel."""
-    return images.float().mul_(NORM_SCALE).add_(NORM_SHIFT)
+    """(B, 3, H, W) uint8 -> float32 with CLIP mean/std, as one multiply-add per pixel, on the images' device
+    (train.py runs it on the accelerator: batches cross the DataLoader and the host link as uint8, 4x smaller)."""
+    return images.float().mul_(NORM_SCALE.to(images.device)).add_(NORM_SHIFT.to(images.device))
 
 
 NORM_SCALE = torch.tensor([1 / (255 * s) for s in CLIP_STD]).view(1, 3, 1, 1)  # (x/255 - mean)/std = x*scale + shift
@@ -556,7 +561,7 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     def __init__(self, paths, tokenizer, batch_size, seq_len, image_size, image_token_id, n_image_tokens,
                  template="plain", image_mode="pad", split="train", seed=0, rank=0, world_size=1, shuffle_block=1000,
-                 pack=0):
+                 pack=0, fast_images=False):
         expected = shard_files(paths, split)
         self.files = list(expected)
         self.index = [(i, s, e) for i, f in enumerate(self.files) for s, e in sample_offsets(f, expected[f])]
@@ -570,7 +575,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         # pack > 0: a batch reads pack x batch_size samples and packs them into its rows (packed_batch)
         self.pack, self.samples_per_batch = pack, batch_size * pack if pack else batch_size
         self.image_token_id, self.n_image_tokens = image_token_id, n_image_tokens
-        self.template, self.image_mode, self.split = template, image_mode, split
+        self.template, self.image_mode, self.split, self.fast_images = template, image_mode, split, fast_images
         self.seed, self.rank, self.world_size, self.shuffle_block = seed, rank, world_size, shuffle_block
         self.start = 0  # sample position in this rank's stream; set by Loader
         self.per_rank = -(-len(self.index) // world_size)
@@ -612,7 +617,8 @@ class ShardStream(torch.utils.data.IterableDataset):
             key, members = self.read(sample)
             conv, image = sample_conversation(members)
             problem = conversation_problem(conv)
-            pixels = load_image(image, self.image_size, self.image_mode) if image is not None and not problem else None
+            pixels = None if image is None or problem else \
+                load_image(image, self.image_size, self.image_mode, self.fast_images)
         except Exception as e:  # noqa: BLE001  corrupt tar, JSON or image bytes in a foreign shard
             raise DropSample(f"unreadable_sample ({type(e).__name__}: {e})") from None
         if problem:
@@ -670,7 +676,7 @@ class ShardStream(torch.utils.data.IterableDataset):
                     if pixels is not None:
                         images[row], has_image[row] = pixels, True
             extra = {}
-        return {"input_ids": input_ids, "labels": labels, "pixel_values": normalize_images(images),
+        return {"input_ids": input_ids, "labels": labels, "pixel_values": images,  # uint8: normalize_images on device
                 "has_image": has_image, "dropped": dropped, "sample_id": sample_ids} | extra
 
     def __iter__(self):

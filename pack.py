@@ -128,7 +128,7 @@ def prepare_record(args):
     if reason:
         return None, reason
     conv = [{"from": t["from"], "value": t["value"]} for t in rec["conversations"]]
-    jpg = None
+    image = None  # (member extension, bytes)
     if rec.get("image"):
         path, reason = image_path(images_dir, rec["image"])
         if reason:
@@ -141,12 +141,7 @@ def prepare_record(args):
             img.load()  # a full decode: truncated files pass Image.verify()
         except Exception:  # noqa: BLE001  PIL raises many types for corrupt files
             return None, "corrupt_image"
-        if img.format == "JPEG" and img.mode in ("RGB", "L"):
-            jpg = data  # keep the original bytes: no re-encoding loss
-        else:
-            buf = io.BytesIO()
-            img.convert("RGB").save(buf, format="JPEG", quality=95)
-            jpg = buf.getvalue()
+        image = stored_image(data, img)
         if not any(IMAGE_TAG in t["value"] for t in conv):  # LLaVA puts the image before the first question
             conv[0] = {"from": conv[0]["from"], "value": IMAGE_TAG + "\n" + conv[0]["value"]}
     first_q = next((t["value"] for t in conv if ROLES[t["from"]] == "user"), "")
@@ -156,7 +151,24 @@ def prepare_record(args):
         text = json.dumps(meta, ensure_ascii=False).encode()
     except UnicodeEncodeError:  # a lone surrogate (JSON "\\ud800") has no UTF-8 form
         return None, "invalid_unicode"
-    return {"jpg": jpg, "txt": answer.encode(), "json": text}, None
+    sample = {"txt": answer.encode(), "json": text}
+    if image:
+        sample[image[0]] = image[1]
+    return sample, None
+
+
+def stored_image(data, img):
+    """(extension, bytes) to store for a decoded source image, never lossy: JPEG and PNG files keep their bytes;
+    other formats (WebP, GIF, TIFF, BMP...) become PNG in their own mode (RGBA, LA, P, I;16 kept: the reader
+    converts to RGB as the processors do), or in RGB when PNG cannot hold the mode (CMYK, YCbCr, I, F)."""
+    if img.format in ("JPEG", "MPO"):  # MPO: a phone's multi-picture JPEG, read as its first picture
+        return "jpg", data
+    if img.format == "PNG":
+        return "png", data
+    buf = io.BytesIO()
+    img = img if img.mode in ("1", "L", "LA", "P", "RGB", "RGBA", "I;16") else img.convert("RGB")
+    img.save(buf, format="PNG", compress_level=1)
+    return "png", buf.getvalue()
 
 
 class ShardWriter:
@@ -280,7 +292,7 @@ def pack(json_path, images_dir, out_dir, shard_size=1000, val_ratio=0.0, workers
         if reason:
             skips.add(reason, sample_id)
             continue
-        members = [(ext, sample[ext]) for ext in ("jpg", "txt", "json") if sample[ext] is not None]
+        members = [(ext, sample[ext]) for ext in ("jpg", "png", "txt", "json") if sample.get(ext) is not None]
         split = "val" if (val_ids(sample_id) if val_ids else val_ratio and is_val(sample_id, val_ratio)) else "train"
         writers[split].add(f"sample{n:09d}", members)
         n += 1

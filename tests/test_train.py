@@ -194,9 +194,10 @@ def test_trained_checkpoint_converts_to_hf_and_transformers_agrees(shapes, singl
     s = data.ShardStream(shapes / "shards", shapes / "tokenizer.model", batch_size=2, seq_len=48, image_size=28,
                          image_token_id=512, n_image_tokens=4, template="llama_3", split="val")
     b = s.batch(0)
+    pixels = data.normalize_images(b["pixel_values"])  # the loader hands over uint8; train.py normalises on device
     with torch.no_grad():
-        theirs = hf(input_ids=b["input_ids"], pixel_values=b["pixel_values"]).logits
-        mine, _ = ours(b["input_ids"], b["pixel_values"])
+        theirs = hf(input_ids=b["input_ids"], pixel_values=pixels).logits
+        mine, _ = ours(b["input_ids"], pixels)
     assert (theirs - mine).abs().max() < 1e-4
     assert (tmp_path / "hf/tokenizer.model").exists()
 

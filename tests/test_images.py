@@ -1,0 +1,137 @@
+"""Image preprocessing against transformers' CLIPImageProcessor (crop) and LlavaImageProcessor(do_pad=True) (pad).
+Without torchvision installed (as here) both resolve to their PIL backends (CLIPImageProcessorPil, ...), the
+pipeline LLaVA-1.5 was trained with; the torchvision backend resizes with torch's uint8 bicubic instead."""
+
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import data
+import pack
+
+SIZE = 336
+
+
+def photo(w, h, seed=0):
+    """A photo-like RGB image: smooth colour fields, hard-edged objects, sensor noise."""
+    rng = np.random.default_rng(seed)
+    field = Image.fromarray((rng.random((max(2, h // 64), max(2, w // 64), 3)) * 255).astype(np.uint8))
+    x = np.asarray(field.resize((w, h), Image.BICUBIC)).astype(np.float32)
+    for _ in range(6):
+        x0, y0 = rng.integers(0, w), rng.integers(0, h)
+        x[y0 : y0 + max(1, h // 4), x0 : x0 + max(1, w // 5)] = rng.integers(0, 256, 3)
+    return Image.fromarray(np.clip(x + rng.normal(0, 6, x.shape), 0, 255).astype(np.uint8))
+
+
+def encode(img, fmt, **kw):
+    buf = io.BytesIO()
+    img.save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def processors():
+    from transformers import CLIPImageProcessor, LlavaImageProcessor
+
+    kw = {"size": {"shortest_edge": SIZE}, "crop_size": {"height": SIZE, "width": SIZE}}
+    return {"crop": CLIPImageProcessor(**kw), "pad": LlavaImageProcessor(do_pad=True, **kw)}
+
+
+def reference_levels(processors, raw, mode):
+    """The processor's pixel_values de-normalised back to 0..255, for the image as LLaVA's LazySupervisedDataset
+    opens it: Image.open(...).convert("RGB"), alpha dropped. (Given RGBA, or an RGB image whose info still names a
+    transparent colour, transformers 5 composites on white instead: a model trained by LLaVA never saw that.)"""
+    img = np.asarray(Image.open(io.BytesIO(raw)).convert("RGB"))
+    ref = processors[mode](images=img, return_tensors="pt", input_data_format="channels_last")["pixel_values"][0]
+    mean, std = torch.tensor(data.CLIP_MEAN).view(3, 1, 1), torch.tensor(data.CLIP_STD).view(3, 1, 1)
+    return (ref * std + mean) * 255
+
+
+def max_level_diff(processors, raw, mode, **kw):
+    return (data.load_image(raw, SIZE, mode, **kw).float() - reference_levels(processors, raw, mode)).abs().max()
+
+
+# COCO/LAION-range photos, portrait and landscape, sizes whose scaled side has a fractional part >= 0.5
+# (500x333 -> 336x504.5), very wide and very tall, tiny, odd, one pixel off square;
+# a phone photo's 4:3 (halved, for time) as JPEG
+SWEEP = [(640, 480, "PNG"), (480, 640, "PNG"), (500, 333, "PNG"), (333, 500, "PNG"), (500, 375, "PNG"),
+         (612, 612, "PNG"), (1024, 768, "JPEG"), (1920, 1080, "JPEG"), (2016, 1512, "JPEG"), (3000, 200, "PNG"),
+         (200, 3000, "PNG"), (1, 1, "PNG"), (17, 9, "PNG"), (336, 335, "PNG"), (337, 336, "PNG")]
+
+
+@pytest.mark.parametrize("w,h,fmt", SWEEP, ids=[f"{w}x{h}" for w, h, _ in SWEEP])
+def test_crop_and_pad_are_within_one_level_of_the_transformers_processors(processors, w, h, fmt):
+    raw = encode(photo(w, h, seed=w + h), fmt, **({"quality": 90} if fmt == "JPEG" else {"compress_level": 1}))
+    for mode in ("crop", "pad"):
+        assert max_level_diff(processors, raw, mode) <= 1, mode
+
+
+# every mode PIL hands a loader, in the containers that carry it
+MODES = [("RGBA", "PNG"), ("LA", "PNG"), ("P", "PNG"), ("P", "GIF"), ("L", "JPEG"), ("CMYK", "JPEG"),
+         ("I;16", "PNG"), ("1", "PNG"), ("RGBA", "WEBP"), ("CMYK", "TIFF")]
+
+
+def in_mode(mode, fmt, w=500, h=333):
+    img = photo(w, h, seed=7)
+    if mode == "P":
+        img = img.quantize(64)
+        img.info["transparency"] = 0
+    elif mode in ("RGBA", "LA"):
+        img = img.convert(mode[:-1])
+        img.putalpha(Image.fromarray(np.tile(np.linspace(0, 255, w, dtype=np.uint8), (h, 1))))
+    elif mode == "I;16":
+        img = Image.fromarray(np.asarray(img.convert("L")).astype(np.uint16) * 257)
+    else:
+        img = img.convert(mode)
+    kw = {"transparency": 0} if mode == "P" else {"lossless": True} if fmt == "WEBP" else {}
+    raw = encode(img, fmt, **kw)
+    assert Image.open(io.BytesIO(raw)).mode == mode, (mode, fmt)
+    return raw
+
+
+@pytest.mark.parametrize("mode,fmt", MODES, ids=[f"{m}-{f}" for m, f in MODES])
+def test_every_image_mode_is_read_like_the_processors(processors, mode, fmt):
+    raw = in_mode(mode, fmt)
+    for image_mode in ("crop", "pad"):
+        assert max_level_diff(processors, raw, image_mode) <= 1, image_mode
+
+
+def test_pack_keeps_every_source_lossless(processors, tmp_path):
+    (tmp_path / "images").mkdir()
+    records = []
+    for i, (mode, fmt) in enumerate(MODES):
+        name = f"{i}.{fmt.lower()}"
+        (tmp_path / "images" / name).write_bytes(in_mode(mode, fmt, 150, 200))
+        records.append({"id": name, "image": name, "conversations": [{"from": "human", "value": "<image>\nWhat?"},
+                                                                       {"from": "gpt", "value": "A photo."}]})
+    (tmp_path / "data.json").write_text(json.dumps(records))
+    pack.pack(tmp_path / "data.json", tmp_path / "images", tmp_path / "shards", shard_size=100)
+    (tar,) = sorted((tmp_path / "shards").glob("*.tar"))
+    with open(tar, "rb") as f:
+        samples = [data.read_members(f, s, e)[1] for s, e in data.sample_offsets(tar)]
+    assert len(samples) == len(MODES)
+    for members in samples:
+        name = json.loads(members["json"])["id"]
+        source = (tmp_path / "images" / name).read_bytes()
+        _, stored = data.sample_conversation(members)
+        if name.endswith((".png", ".jpeg")):
+            assert stored == source  # the file itself
+        else:
+            assert "png" in members  # re-encoded losslessly, never as JPEG
+        ours = data.load_image(stored, SIZE, "crop").float()  # against the processor on the original file
+        assert (ours - reference_levels(processors, source, "crop")).abs().max() <= 1
+
+
+def test_fast_images_is_off_by_default_and_its_cost_is_bounded(processors):
+    raw = encode(photo(2048, 1536, seed=3), "JPEG", quality=90)
+    exact = data.load_image(raw, SIZE, "crop")
+    assert torch.equal(exact, data.load_image(raw, SIZE, "crop", fast=False))
+    img = Image.open(io.BytesIO(raw))
+    img.draft("RGB", (2 * SIZE * 2048 // 1536 + 1, 2 * SIZE))
+    assert img.size == (1024, 768)  # decoded at 1/2 scale, still twice the target
+    diff = (data.load_image(raw, SIZE, "crop", fast=True).float() - reference_levels(processors, raw, "crop")).abs()
+    assert 1 < diff.max() <= 16 and diff.flatten().quantile(0.999) <= 6  # the cost README states
