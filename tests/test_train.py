@@ -113,6 +113,25 @@ def test_sigterm_finishes_the_step_checkpoints_and_resumes(shapes, tmp_path):
     assert f"resuming from {ckpt}" in r.stdout and f"step {stopped + 2}:" in r.stdout and (tmp_path / "DONE").exists()
 
 
+@pytest.mark.slow
+def test_sigterm_to_the_process_group_with_loader_workers_checkpoints_and_resumes_exactly(shapes, single_run, tmp_path):
+    # as VM shutdown, SLURM and systemd deliver it: TERM to every process of the group, DataLoader workers included
+    common = ["--num_workers=2", "--ckpt_interval=0", "--keep_last=5"]
+    cmd = [sys.executable, str(ROOT / "train.py"), *args(shapes, tmp_path, "--max_iters=20", *common)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env=os.environ | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    for line in proc.stdout:
+        if line.startswith("step 4:"):
+            os.killpg(proc.pid, signal.SIGTERM)
+            break
+    rest = proc.stdout.read()
+    assert proc.wait(timeout=120) == 0, rest
+    (ckpt,) = train.checkpoints(tmp_path)
+    assert 4 <= json.loads((ckpt / "state.json").read_text())["iter"] < 20, rest
+    run(args(shapes, tmp_path, "--max_iters=20", "--init_from=resume", *common))
+    assert weights(tmp_path / "step-000020") == weights(single_run / "step-000020")
+
+
 def test_kill_during_checkpoint_write_keeps_the_previous_one(shapes, tmp_path):
     # fault injection: SIGKILL ourselves halfway through writing the step-10 checkpoint
     script = (f"import sys, os, signal; sys.path.insert(0, {str(ROOT)!r}); import convert, train\n"
