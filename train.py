@@ -12,6 +12,7 @@ stage 0 trains everything, stage 1 the projector only, stage 2 the projector and
 import ast
 import json
 import math
+import os
 import re
 import resource
 import shutil
@@ -249,7 +250,48 @@ def checkpoints(out):
     return sorted(p for p in Path(out).glob("step-*") if re.fullmatch(r"step-\d{6}", p.name) and (p / "state.json").exists())
 
 
-def save_checkpoint(path, model, raw, optimizer, loader, it, cfg, env):
+WRITER_PID = ".stop-writer.pid"  # in out_dir while a detached stop-checkpoint writer runs
+
+
+def write_detached(write, out):
+    """Run write() in a forked child in its own session, and wait for it while we live. torchrun SIGKILLs its
+    workers 30 s after it forwards SIGTERM (REFERENCES.md 7) and a 7B state takes longer to write; its killpg
+    does not reach another session, so the checkpoint is finished from the host snapshot the fork holds."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setsid()
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            torch.set_num_threads(1)  # as DataLoader workers do: a forked child must not reuse the parent's pool
+            write()
+            code = 0
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    (out / WRITER_PID).write_text(str(pid))
+    _, status = os.waitpid(pid, 0)
+    (out / WRITER_PID).unlink(missing_ok=True)
+    if status:
+        raise SystemExit(f"the stop checkpoint writer (pid {pid}) failed with status {status}; see above")
+
+
+def wait_for_stop_writer(out):
+    """A run killed while its detached writer still worked left WRITER_PID: wait for that checkpoint to finish."""
+    marker = Path(out) / WRITER_PID
+    pid = int(marker.read_text() or 0) if marker.exists() else 0
+    while pid and Path(f"/proc/{pid}").exists() and b"train.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+        print(f"waiting for the stop checkpoint writer of the previous run (pid {pid}) to finish", flush=True)
+        time.sleep(2)
+    marker.unlink(missing_ok=True)
+
+
+def save_checkpoint(path, model, raw, optimizer, loader, it, cfg, env, detach=False):
+    """detach (the stop checkpoint): the state is snapshot to host memory and written by write_detached."""
     msd, osd = full_state(model, raw, optimizer, env)
     rng = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state(env.device)} if env.kind == "cuda" else {})
     ranks = [None] * env.world
@@ -262,6 +304,9 @@ def save_checkpoint(path, model, raw, optimizer, loader, it, cfg, env):
         weights = {k: v.detach() for k, v in msd.items() if not (tied and k == "llm.output.weight")}
         moments = {f"{name}/{k}": v.detach().reshape(-1) if k == "step" else v.detach()
                    for name, s in osd["state"].items() for k, v in s.items()}
+        detach = detach and env.kind != "xla"  # XLA: every host gathers each tensor in step with host 0's writes
+        if detach:  # on CPU this copies nothing: the fork is the snapshot
+            weights, moments = {k: v.cpu() for k, v in weights.items()}, {k: v.cpu() for k, v in moments.items()}
     if env.master:
         def fill(tmp):
             convert.write_weights(weights, tmp)
@@ -275,9 +320,16 @@ def save_checkpoint(path, model, raw, optimizer, loader, it, cfg, env):
                     shutil.copy(cfg["tokenizer"], tmp / name)
             (tmp / "state.json").write_text(json.dumps({"iter": it, "loader": loader.state_dict(), "config": cfg}, indent=2))
 
-        convert.write_dir(path, fill)
-        for old in checkpoints(path.parent)[: -cfg["keep_last"]] if cfg["keep_last"] > 0 else []:
-            shutil.rmtree(old)
+        def write():
+            time.sleep(float(os.environ.get("LLAVAX_TEST_SLOW_CHECKPOINT", "0")))  # tests only: a slow disk
+            convert.write_dir(path, fill)
+            for old in checkpoints(path.parent)[: -cfg["keep_last"]] if cfg["keep_last"] > 0 else []:
+                shutil.rmtree(old)
+
+        if detach:
+            write_detached(write, path.parent)
+        else:
+            write()
     elif env.kind == "xla":  # every host takes part in gathering each tensor, in the same order; host 0 writes
         for t in [*weights.values(), *moments.values()]:
             t.cpu()
@@ -377,10 +429,13 @@ def main(argv=None):
     out = Path(cfg["out_dir"])
     if env.master:
         out.mkdir(parents=True, exist_ok=True)
+        wait_for_stop_writer(out)
         for stale in out.glob(".step-*.tmp-*"):  # a checkpoint write that was killed
             shutil.rmtree(stale, ignore_errors=True)
         (out / "config.json").write_text(json.dumps(cfg, indent=2))
         print0(env, "config:", json.dumps(cfg))
+    if dist.is_initialized():  # every rank looks for checkpoints after a previous stop's writer is done
+        dist.barrier()
     if not Path(cfg["data_dir"]).exists():
         raise SystemExit(f"data_dir {cfg['data_dir']!r} does not exist. For the shapes demo run "
                          "`python data.py shapes --out data/shapes` first (make demo does it).")
@@ -546,7 +601,7 @@ def main(argv=None):
             t_last = time.perf_counter()
         stopping = env.agree(stop["requested"])
         if stopping or (cfg["ckpt_interval"] and it % cfg["ckpt_interval"] == 0) or it == cfg["max_iters"]:
-            save_checkpoint(out / f"step-{it:06d}", model, raw, optimizer, loader, it, cfg, env)
+            save_checkpoint(out / f"step-{it:06d}", model, raw, optimizer, loader, it, cfg, env, detach=stopping)
             print0(env, f"step {it}: checkpoint {out / f'step-{it:06d}'}")
             t_last = time.perf_counter()
         if stopping:

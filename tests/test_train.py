@@ -6,6 +6,8 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,6 +132,53 @@ def test_sigterm_to_the_process_group_with_loader_workers_checkpoints_and_resume
     assert 4 <= json.loads((ckpt / "state.json").read_text())["iter"] < 20, rest
     run(args(shapes, tmp_path, "--max_iters=20", "--init_from=resume", *common))
     assert weights(tmp_path / "step-000020") == weights(single_run / "step-000020")
+
+
+def torchrun_workers(torchrun_pid):
+    """The train.py processes torchrun started (its children): not their loader workers or a detached writer."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) == torchrun_pid:
+                pids.append(int(proc.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return pids
+
+
+@pytest.mark.slow
+def test_torchrun_stop_checkpoint_survives_the_sigkill_after_the_grace_period(shapes, tmp_path):
+    # torchrun forwards SIGTERM to each worker's group and SIGKILLs them 30 s later (hard-coded in torch 2.9);
+    # a stop checkpoint slower than that (LLAVAX_TEST_SLOW_CHECKPOINT: a slow disk) must still be completed
+    common = ["--max_iters=10", "--micro_batch_size=4", "--ckpt_interval=0", "--num_workers=1", "--keep_last=5"]
+    run(args(shapes, tmp_path / "straight", *common), nproc=2)
+    out = tmp_path / "stopped"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", str(ROOT / "train.py"), *args(shapes, out, *common)]
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "LLAVAX_TEST_SLOW_CHECKPOINT": "5"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
+                            start_new_session=True)
+    for line in proc.stdout:
+        if line.startswith("step 2:"):
+            os.killpg(proc.pid, signal.SIGTERM)  # as systemd or a shell's kill -- -PGID deliver it
+            break
+    t0 = time.time()
+    while not (out / train.WRITER_PID).exists() and time.time() < t0 + 5:
+        time.sleep(0.05)
+    writer = int((out / train.WRITER_PID).read_text())
+    assert not train.checkpoints(out)  # the kill comes mid-write
+    for pid in torchrun_workers(proc.pid):  # what torchrun does when its 30 s are up, brought forward
+        os.kill(pid, signal.SIGKILL)
+    rest = proc.stdout.read()
+    proc.wait(timeout=60)
+    assert "got signal 15" in rest, rest
+    while os.path.exists(f"/proc/{writer}") and time.time() < t0 + 60:  # the writer lives on, in its own session
+        time.sleep(0.2)
+    (ckpt,) = train.checkpoints(out)
+    assert 2 <= json.loads((ckpt / "state.json").read_text())["iter"] < 10
+    r = run(args(shapes, out, "--init_from=resume", *common), nproc=2)
+    assert f"resuming from {ckpt}" in r.stdout
+    assert weights(out / "step-000010") == weights(tmp_path / "straight/step-000010")
 
 
 def test_kill_during_checkpoint_write_keeps_the_previous_one(shapes, tmp_path):
