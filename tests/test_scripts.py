@@ -144,6 +144,42 @@ def test_babysit_recreates_after_preemption_and_stops_when_done(gcloud):
 
 
 # -----------------------------------------------------------------------------
+# SLURM: scripts/slurm.sbatch run as sbatch runs it, with a fake srun that signals the step as slurmstepd does
+
+
+@pytest.mark.slow
+def test_slurm_signal_reaches_train_py_and_the_job_requeues_and_resumes(shapes, tmp_path):  # noqa: F811
+    bin_dir, state, out = tmp_path / "bin", tmp_path / "slurm", tmp_path / "run"
+    bin_dir.mkdir()
+    state.mkdir()
+    for name in ("srun", "scontrol"):
+        (bin_dir / name).symlink_to(ROOT / "tests/fake_slurm.py")
+    env = os.environ | {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": sys.executable, "FAKE_SLURM_DIR": str(state),
+                        "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[01-01]", "SLURM_NNODES": "1",
+                        "SLURM_GPUS_ON_NODE": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    argv = ["bash", str(SCRIPTS / "slurm.sbatch"), *args(shapes, out, "--max_iters=10", "--ckpt_interval=0",
+                                                         "--num_workers=2", "--keep_last=5")]
+    # the first allocation: SIGTERM to every process of the step at step 2 (as --signal=TERM@LEAD does)
+    r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=env | {"MASTER_PORT": str(free_port()), "FAKE_SLURM_SIGNAL_AT_STEP": "2"})
+    assert r.returncode == 0 and (state / "signalled").exists(), r.stdout[-3000:] + r.stderr[-3000:]
+    assert "got signal 15" in r.stdout and "requeueing job 4242" in r.stdout, r.stdout[-3000:]
+    assert (state / "requeues").read_text() == "4242\n" and not (out / "DONE").exists()
+    (ckpt,) = [p.name for p in (out).glob("step-*")]
+    # the requeued job: same script, same job id; it resumes and finishes without requeueing again
+    r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=env | {"MASTER_PORT": str(free_port()), "SLURM_RESTART_COUNT": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"resuming from {out / ckpt}" in r.stdout and "the run is complete" in r.stdout
+    assert (state / "requeues").read_text() == "4242\n" and (out / "DONE").exists()
+    straight = tmp_path / "straight"
+    subprocess.run(["bash", str(SCRIPTS / "launch.sh"), *args(shapes, straight, "--max_iters=10", "--ckpt_interval=0")],
+                   cwd=ROOT, env=env | {"MASTER_PORT": str(free_port()), "NPROC_PER_NODE": "1"}, check=True,
+                   capture_output=True)
+    assert weights(out / "step-000010") == weights(straight / "step-000010")
+
+
+# -----------------------------------------------------------------------------
 # torchrun through scripts/launch.sh, for real (CPU, gloo)
 
 
