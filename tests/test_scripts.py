@@ -32,7 +32,8 @@ def gcloud(tmp_path):
     state.mkdir()
     (bin_dir / "gcloud").symlink_to(ROOT / "tests/fake_gcloud.py")
     env = {k: v for k, v in os.environ.items() if k not in SETTINGS and k not in ("WANDB_API_KEY", "HF_TOKEN")}
-    env |= {"PATH": f"{bin_dir}:{env['PATH']}", "FAKE_GCLOUD_DIR": str(state), "POLL_SECONDS": "0"}
+    env |= {"PATH": f"{bin_dir}:{env['PATH']}", "FAKE_GCLOUD_DIR": str(state), "POLL_SECONDS": "0",
+                                                       "RETRY_SECONDS": "0"}
 
     def script(name, *argv, extra=None, states=("ACTIVE",), check=True):
         (state / "states").write_text("\n".join(states))
@@ -141,6 +142,37 @@ def test_babysit_recreates_after_preemption_and_stops_when_done(gcloud):
     assert launches[0] < kinds.index("delete") < kinds.index("create") < launches[1]
     assert "DONE exists: the run is complete" in r.stderr
     assert any("--worker=0" in a and "--command=test -f /mnt/ckpt/run/DONE" in a for a in c)
+
+
+def test_babysit_retries_transient_gcloud_failures_without_recreating_a_healthy_pod(gcloud):
+    script, calls, _ = gcloud
+    # describe fails twice (UNAVAILABLE) on a healthy pod; the first ssh (the DONE test) drops its connection
+    r = script("tpu_babysit.sh", "--out-dir=/mnt/ckpt/run", "--", "python", "train.py", "configs/x.py",
+               states=("ACTIVE", "ERROR", "ERROR", "ACTIVE"), extra={"FAKE_SSH_FAILS": "1"})
+    c = calls()
+    assert not [a for a in c if a[2:4] == ["queued-resources", "create"] or a[2:4] == ["queued-resources", "delete"]]
+    assert sum(any("nohup" in x for x in a) for a in c) == 1  # launched once, never a second copy
+    assert "describe failed (try 1 of 5)" in r.stderr and "DONE exists" in r.stderr
+
+
+def test_babysit_never_launches_a_second_copy_of_a_live_run(gcloud):
+    script, calls, _ = gcloud
+    # a babysitter started again while train.py still runs on the workers
+    r = script("tpu_babysit.sh", "--out-dir=/mnt/ckpt/run", "--", "python", "train.py", "configs/x.py",
+               extra={"FAKE_LIVE_RUN": "1", "FAKE_DONE_AT_CHECK": "3"})
+    assert not [a for a in calls() if any("nohup" in x for x in a)]
+    assert "already runs on llavax-test: not launching a second copy" in r.stderr and "DONE exists" in r.stderr
+
+
+def test_babysit_survives_a_failed_delete_and_an_out_dir_with_a_space(gcloud):
+    script, calls, _ = gcloud
+    r = script("tpu_babysit.sh", "--out-dir=/mnt/ckpt/my run", "--", "python", "train.py", "configs/x.py",
+               states=("SUSPENDED", "PROVISIONING", "ACTIVE"), extra={"FAKE_DELETE_FAILS": "1"})
+    c = calls()
+    assert sum(a[2:4] == ["queued-resources", "delete"] for a in c) == 2  # the failed one retried
+    assert sum(a[2:4] == ["queued-resources", "create"] for a in c) == 1
+    assert sum(any("nohup" in x for x in a) for a in c) == 1 and "DONE exists" in r.stderr
+    assert any("--command=test -f /mnt/ckpt/my\\ run/DONE" in a for a in c)
 
 
 # -----------------------------------------------------------------------------
