@@ -10,6 +10,7 @@ stage 0 trains everything, stage 1 the projector only, stage 2 the projector and
 """
 
 import ast
+import hashlib
 import json
 import math
 import re
@@ -72,6 +73,7 @@ eval_iters = 4
 log_interval = 50
 ckpt_interval = 500
 keep_last = 2
+allow_config_change = []  # keys that may differ from the checkpoint's config on resume (see FIXED_ON_RESUME)
 final_accuracy_samples = 500  # > 0: exact-match accuracy of generated answers on that many val samples
 wandb_log = False
 wandb_project = "llavax"
@@ -228,7 +230,9 @@ def known_peak_flops(env):
 # -----------------------------------------------------------------------------
 # checkpoints: out_dir/step-XXXXXX/ holds model.safetensors + config.json (convert.py reads it),
 # optimizer.safetensors + optimizer.json, rng.safetensors and state.json; written to a temporary
-# directory and renamed, so a crash mid-write leaves the previous checkpoint as the newest.
+# directory and renamed, so a crash mid-write leaves the previous checkpoint as the newest. manifest.json (sizes and
+# sha256 of the other files) is written last; resume takes the newest checkpoint that matches its manifest.
+MANIFEST = "manifest.json"
 
 
 def full_state(model, raw, optimizer, env):
@@ -246,7 +250,88 @@ def full_state(model, raw, optimizer, env):
 
 
 def checkpoints(out):
-    return sorted(p for p in Path(out).glob("step-*") if re.fullmatch(r"step-\d{6}", p.name) and (p / "state.json").exists())
+    """out_dir's step-N directories, oldest first: N of any width (step-1000000 follows step-999999)."""
+    found = [(int(m.group(1)), p) for p in Path(out).glob("step-*") if (m := re.fullmatch(r"step-(\d+)", p.name))]
+    return [p for _, p in sorted(found) if p.is_dir()]
+
+
+def file_sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(path):
+    """manifest.json: the size and sha256 of every file in checkpoint directory `path`, read back from disk.
+    Written last, so a checkpoint without one is incomplete; resume checks every file against it."""
+    path = Path(path)
+    files = {f.name: {"size": f.stat().st_size, "sha256": file_sha256(f)}
+             for f in sorted(path.iterdir()) if f.is_file() and f.name != MANIFEST}
+    tmp = path / f"{MANIFEST}.tmp"
+    tmp.write_text(json.dumps({"files": files}, indent=2))
+    tmp.rename(path / MANIFEST)
+
+
+def verify_checkpoint(path):
+    """None when checkpoint directory `path` is complete and unchanged since it was written, else the reason."""
+    path = Path(path)
+    try:
+        files = json.loads((path / MANIFEST).read_text())["files"]
+        expected = {name: (int(f["size"]), str(f["sha256"])) for name, f in files.items()}
+    except FileNotFoundError:
+        return f"no {MANIFEST} (written last: the write did not finish, or it is not a llavax training checkpoint)"
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{MANIFEST} is unreadable ({type(e).__name__}: {e})"
+    for name in ("state.json", "config.json", "optimizer.safetensors"):
+        if name not in expected:
+            return f"{MANIFEST} does not list {name}"
+    for name, (size, digest) in expected.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} is {f.stat().st_size} bytes, {size} when written (truncated or overwritten)"
+        if file_sha256(f) != digest:
+            return f"{name} differs from its sha256 when written (corrupted on disk or edited)"
+    return None
+
+
+def newest_good_checkpoint(out, env):
+    """The newest checkpoint that verifies. Newer ones that do not are renamed step-N.corrupt-T (kept for a look,
+    out of the way of this run's own step-N) with the reason printed. Decided by rank 0 and broadcast."""
+    choice = [None, []]
+    if env.master:
+        found = checkpoints(out)
+        for path in reversed(found):
+            reason = verify_checkpoint(path)
+            if reason is None:
+                choice[0] = str(path)
+                break
+            choice[1].append(f"{path}: {reason}")
+        if found and choice[0] is None:
+            choice[1].append("none of the checkpoints verifies")
+    if dist.is_initialized():
+        dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None and choice[1]:
+        raise SystemExit(f"resume: no usable checkpoint in {out}:\n  " + "\n  ".join(choice[1]) +
+                         "\nmove them away to start from scratch, or point init_from at a good one")
+    for line in choice[1]:
+        print0(env, f"resume: skipping {line}")
+        if env.master:
+            bad = Path(line.split(": ", 1)[0])
+            bad.rename(bad.with_name(f"{bad.name}.corrupt-{int(time.time())}"))
+    if dist.is_initialized():
+        dist.barrier()
+    return Path(choice[0]) if choice[0] else None
+
+
+def prune_checkpoints(out, newest, keep_last):
+    """Keep the keep_last newest checkpoints up to `newest` (just written and verified); never touch a newer one."""
+    upto = [p for p in checkpoints(out) if int(p.name[5:]) <= int(newest.name[5:])]
+    for old in upto[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(old)
 
 
 def save_checkpoint(path, model, raw, optimizer, loader, it, cfg, env):
@@ -273,16 +358,42 @@ def save_checkpoint(path, model, raw, optimizer, loader, it, cfg, env):
             for name in ("tokenizer.model", "tokenizer.json"):
                 if Path(cfg["tokenizer"]).name == name and Path(cfg["tokenizer"]).exists():
                     shutil.copy(cfg["tokenizer"], tmp / name)
-            (tmp / "state.json").write_text(json.dumps({"iter": it, "loader": loader.state_dict(), "config": cfg}, indent=2))
+            (tmp / "state.json").write_text(json.dumps({"iter": it, "loader": loader.state_dict(), "config": cfg,
+                                                        "world": env.world}, indent=2))
+            write_manifest(tmp)  # last: its presence means every other file is complete
 
         convert.write_dir(path, fill)
-        for old in checkpoints(path.parent)[: -cfg["keep_last"]] if cfg["keep_last"] > 0 else []:
-            shutil.rmtree(old)
+        prune_checkpoints(path.parent, path, cfg["keep_last"])
     elif env.kind == "xla":  # every host takes part in gathering each tensor, in the same order; host 0 writes
         for t in [*weights.values(), *moments.values()]:
             t.cpu()
     if dist.is_initialized():
         dist.barrier()
+
+
+# keys whose change on resume would alter the data order, the batches or the model: refused unless listed in
+# allow_config_change (the model itself always comes from the checkpoint). Every other key may change.
+FIXED_ON_RESUME = ("seed", "batch_size", "micro_batch_size", "pack", "seq_len", "data_dir", "tokenizer", "template",
+                   "image_mode", "shuffle_block", "stage", "model", "model_overrides", "world")
+
+
+def check_resume_config(path, cfg, env):
+    """Say which keys differ from the checkpoint's config; stop if one that may not change did."""
+    try:
+        state = json.loads((path / "state.json").read_text())
+        saved = state["config"] | {"world": state.get("world", env.world)}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"{path / 'state.json'}: unreadable ({type(e).__name__}: {e})") from None
+    now = json.loads(json.dumps(cfg | {"world": env.world}))  # tuples become lists, as in the saved one
+    changed = {k: (saved[k], now[k]) for k in now if k in saved and saved[k] != now[k]}
+    refused = [k for k in changed if k in FIXED_ON_RESUME and k not in cfg["allow_config_change"]]
+    for k, (a, b) in changed.items():
+        verdict = "refused" if k in refused else "allowed by allow_config_change" if k in FIXED_ON_RESUME else "allowed"
+        print0(env, f"resume: {k} changed from {a!r} to {b!r} ({verdict})")
+    if refused:
+        raise SystemExit(f"resume: {path} was trained with other {', '.join(refused)} (see above); these set the "
+                         f"data order, the batches or the model. Resume with the same values, list the keys in "
+                         f"--allow_config_change=[...] to accept the change, or start a new out_dir")
 
 
 def load_checkpoint(path, model, raw, optimizer, loader, env):
@@ -314,7 +425,10 @@ def load_checkpoint(path, model, raw, optimizer, loader, env):
         torch.set_rng_state(rng[f"rank{env.rank}.cpu"])
         if env.kind == "cuda" and f"rank{env.rank}.cuda" in rng:
             torch.cuda.set_rng_state(rng[f"rank{env.rank}.cuda"], env.device)
-    loader.load_state_dict(state["loader"])
+    try:
+        loader.load_state_dict(state["loader"])
+    except ValueError as e:
+        raise SystemExit(f"{path}: {e}") from None
     return state["iter"]
 
 
@@ -375,6 +489,11 @@ def main(argv=None):
     cfg = load_config(sys.argv[1:] if argv is None else argv)
     env = Env(cfg)
     out = Path(cfg["out_dir"])
+    found = checkpoints(out) if out.is_dir() else []
+    if found and cfg["init_from"] != "resume":  # its pruning would delete them, or they would collide with ours
+        names = ", ".join(p.name for p in found[-3:]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise SystemExit(f"out_dir {out} already holds checkpoints ({names}): continue that run with "
+                         f"--init_from=resume, or give this one a new out_dir")
     if env.master:
         out.mkdir(parents=True, exist_ok=True)
         for stale in out.glob(".step-*.tmp-*"):  # a checkpoint write that was killed
@@ -407,9 +526,10 @@ def main(argv=None):
     # model: from scratch, from a converted checkpoint, or the newest checkpoint of this run
     resume_from = None
     if cfg["init_from"] == "resume":
-        found = checkpoints(out)
-        resume_from = found[-1] if found else None
+        resume_from = newest_good_checkpoint(out, env)
         print0(env, f"resuming from {resume_from}" if resume_from else f"no checkpoint in {out}: starting from scratch")
+        if resume_from:
+            check_resume_config(resume_from, cfg, env)
     source = resume_from or (cfg["init_from"] if cfg["init_from"] not in ("scratch", "resume") else None)
     build_on = "cpu" if env.kind == "xla" else env.device  # XLA: built and initialised on the host, then sharded
     if source:
