@@ -13,6 +13,7 @@ import ast
 import hashlib
 import json
 import math
+import os
 import re
 import resource
 import shutil
@@ -66,6 +67,7 @@ weight_decay = 0.01
 beta1 = 0.9
 beta2 = 0.95
 grad_clip = 1.0
+max_nonfinite_steps = 5  # an update with a non-finite loss or gradient is skipped; this many in a row stop the run
 skip_steps = []  # [(first, end), ...]: iterations whose batches are consumed but not trained on
 # evaluation, logging, checkpoints
 eval_interval = 500
@@ -103,6 +105,41 @@ def _typed(key, value, default):
     return float(value) if isinstance(default, float) else (list(value) if isinstance(default, list) else value)
 
 
+def run_config_file(arg):
+    """The names config file `arg` assigns. It must be an existing .py file of assignments: YAML's `key: value`
+    parses as a Python annotation and would be silently ignored. Whatever it raises is named with its line."""
+    path = Path(arg)
+    if not path.is_file():
+        raise SystemExit(f"config: {arg}: no such file (arguments are a config file or --key=value)")
+    if path.suffix != ".py":
+        raise SystemExit(f"config: {arg}: a config is a Python file of `key = value` lines (configs/*.py), "
+                         f"not {path.suffix or 'a file without a suffix'}")
+    try:
+        tree = ast.parse(path.read_text(), filename=arg)
+    except (SyntaxError, ValueError, UnicodeDecodeError) as e:
+        raise SystemExit(f"config: {arg}: not valid Python ({e})") from None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.AnnAssign) and node.value is None:
+            raise SystemExit(f"config: {arg}:{node.lineno}: `{ast.unparse(node)}` assigns nothing (YAML? write "
+                             f"key = value)")
+    ns = {}
+    try:
+        exec(compile(tree, arg, "exec"), ns)  # noqa: S102  a config file is trusted Python, as in nanoGPT
+    except Exception as e:  # noqa: BLE001  whatever the file raises: name the file and the line
+        tb = e.__traceback__
+        while tb.tb_next:
+            tb = tb.tb_next
+        raise SystemExit(f"config: {arg}:{tb.tb_lineno}: raised {type(e).__name__}: {e}") from None
+    return ns
+
+
+POSITIVE = ("batch_size", "micro_batch_size", "max_iters", "seq_len", "log_interval", "shuffle_block",
+            "max_nonfinite_steps")
+NON_NEGATIVE = ("eval_interval", "eval_iters", "ckpt_interval", "keep_last", "num_workers", "pack", "warmup_iters",
+                "lr_decay_iters", "final_accuracy_samples", "lr", "min_lr", "weight_decay", "grad_clip", "loss_chunk",
+                "peak_flops")
+
+
 def load_config(argv):
     cfg = dict(DEFAULTS)
     for arg in argv:
@@ -118,14 +155,24 @@ def load_config(argv):
                 value = raw  # a bare string
             cfg[key] = _typed(key, value, DEFAULTS[key])
         else:
-            ns = {}
-            exec(Path(arg).read_text(), ns)  # noqa: S102  a config file is trusted Python, as in nanoGPT
+            ns = run_config_file(arg)
             for key, value in ns.items():
                 if key.startswith("_") or callable(value) or type(value).__name__ == "module":
                     continue
                 if key not in cfg:
                     raise SystemExit(f"config: unknown key {key!r} in {arg}")
                 cfg[key] = _typed(key, value, DEFAULTS[key])
+    for key in POSITIVE + NON_NEGATIVE:
+        if cfg[key] < 0 or (cfg[key] == 0 and key in POSITIVE):
+            raise SystemExit(f"config: {key} must be {'> 0' if key in POSITIVE else '>= 0'}, got {cfg[key]}")
+    if cfg["eval_interval"] and not cfg["eval_iters"]:
+        raise SystemExit("config: eval_iters must be > 0 when eval_interval is (eval_interval=0 turns evaluation off)")
+    if cfg["template"] not in data.TEMPLATES:
+        raise SystemExit(f"config: unknown template {cfg['template']!r}; choose from {sorted(data.TEMPLATES)}")
+    if cfg["image_mode"] not in ("pad", "crop", "resize"):
+        raise SystemExit(f"config: unknown image_mode {cfg['image_mode']!r}; choose 'pad', 'crop' or 'resize'")
+    if cfg["init_from"] not in ("scratch", "resume") and not Path(cfg["init_from"]).is_dir():
+        raise SystemExit(f"config: init_from {cfg['init_from']!r} is not 'scratch', 'resume' or a checkpoint directory")
     if cfg["stage"] not in (0, 1, 2):
         raise SystemExit(f"config: stage must be 0, 1 or 2, got {cfg['stage']}")
     if cfg["parallel"] not in ("ddp", "fsdp"):
@@ -342,11 +389,20 @@ def save_checkpoint(path, model, raw, optimizer, loader, it, cfg, env):
         dist.all_gather_object(ranks, rng)
     else:
         ranks = [rng]
+    nonfinite = []
     if env.master or env.kind == "xla":  # torchrun gathers to rank 0 only; SPMD tensors are global on every host
         tied = raw.cfg.llm.tie_embeddings
         weights = {k: v.detach() for k, v in msd.items() if not (tied and k == "llm.output.weight")}
         moments = {f"{name}/{k}": v.detach().reshape(-1) if k == "step" else v.detach()
                    for name, s in osd["state"].items() for k, v in s.items()}
+        tensors = weights | moments
+        finite = torch.stack([torch.isfinite(t).all() for t in tensors.values()]).cpu().tolist()  # one sync
+        nonfinite = [k for k, ok in zip(tensors, finite) if not ok]
+    if env.agree(bool(nonfinite)):  # never write (and so never prune for) a checkpoint of non-finite weights
+        found = checkpoints(path.parent)
+        raise SystemExit(f"step {it}: not writing {path.name}: non-finite values in {nonfinite[:3] or 'the state'}"
+                         f"{' and more' if len(nonfinite) > 3 else ''}. The last checkpoint is "
+                         f"{found[-1] if found else 'none'}; resume from it with a lower lr")
     if env.master:
         def fill(tmp):
             convert.write_weights(weights, tmp)
@@ -432,6 +488,27 @@ def load_checkpoint(path, model, raw, optimizer, loader, env):
     return state["iter"]
 
 
+def step_if_finite(optimizer, finite):
+    """optimizer.step(), undone inside the graph where `finite` is False: XLA skips an update without a host sync.
+    The clones are lazy (no copy is made before the graph runs). AdamW's step count, a host tensor, still advances."""
+    saved = [(p, p.detach().clone(), {k: v.clone() for k, v in optimizer.state[p].items() if k != "step"})
+             for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    optimizer.step()
+    with torch.no_grad():
+        for p, old, state in saved:
+            p.copy_(torch.where(finite, p, old))
+            for k, v in state.items():
+                optimizer.state[p][k].copy_(torch.where(finite, optimizer.state[p][k], v))
+
+
+def stop_nonfinite(out, it, n, cfg, loader):
+    found = checkpoints(out)
+    raise SystemExit(f"stopping at step {it}: {n} steps in a row had a non-finite loss or gradient "
+                     f"(max_nonfinite_steps={cfg['max_nonfinite_steps']}); no update was applied. The last checkpoint "
+                     f"is {found[-1] if found else 'none'}. Lower lr, check the data near loader position "
+                     f"{loader.position}, or jump past it with --skip_steps=[({it}, {it + n})] and --init_from=resume")
+
+
 # -----------------------------------------------------------------------------
 # evaluation
 
@@ -495,10 +572,13 @@ def main(argv=None):
         raise SystemExit(f"out_dir {out} already holds checkpoints ({names}): continue that run with "
                          f"--init_from=resume, or give this one a new out_dir")
     if env.master:
-        out.mkdir(parents=True, exist_ok=True)
-        for stale in out.glob(".step-*.tmp-*"):  # a checkpoint write that was killed
-            shutil.rmtree(stale, ignore_errors=True)
-        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            for stale in out.glob(".step-*.tmp-*"):  # a checkpoint write that was killed
+                shutil.rmtree(stale, ignore_errors=True)
+            (out / "config.json").write_text(json.dumps(cfg, indent=2))
+        except OSError as e:
+            raise SystemExit(f"out_dir {str(out)!r}: cannot write there ({e.strerror or e})") from None
         print0(env, "config:", json.dumps(cfg))
     if not Path(cfg["data_dir"]).exists():
         raise SystemExit(f"data_dir {cfg['data_dir']!r} does not exist. For the shapes demo run "
@@ -533,7 +613,11 @@ def main(argv=None):
     source = resume_from or (cfg["init_from"] if cfg["init_from"] not in ("scratch", "resume") else None)
     build_on = "cpu" if env.kind == "xla" else env.device  # XLA: built and initialised on the host, then sharded
     if source:
-        raw = convert.load_model(source, device=build_on)
+        try:
+            raw = convert.load_model(source, device=build_on)
+        except (convert.ConversionError, OSError, ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f"{'resume' if resume_from else 'init_from'} {str(source)!r}: cannot load the model "
+                             f"({e})") from None
     else:
         raw = build_model(model_config(cfg), device=build_on, seed=cfg["seed"])
     freeze(raw, cfg["stage"])
@@ -555,7 +639,17 @@ def main(argv=None):
                    "n_image_tokens": raw.cfg.n_image_tokens, "template": cfg["template"], "image_mode": cfg["image_mode"],
                    "seed": cfg["seed"], "rank": env.rank, "world_size": env.world, "shuffle_block": cfg["shuffle_block"],
                    "pack": cfg["pack"]}
-    loader = data.Loader(data.ShardStream(cfg["data_dir"], split="train", **stream_args), cfg["num_workers"])
+    try:
+        data.Tokenizer(cfg["tokenizer"])
+    except Exception as e:  # noqa: BLE001  sentencepiece and tokenizers raise many kinds for a bogus file
+        raise SystemExit(f"tokenizer {cfg['tokenizer']!r}: cannot load ({type(e).__name__}: {e})") from None
+    try:
+        loader = data.Loader(data.ShardStream(cfg["data_dir"], split="train", **stream_args), cfg["num_workers"])
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"data_dir {cfg['data_dir']!r}: {e}") from None
+    if cfg["seq_len"] <= raw.cfg.n_image_tokens:  # every sample with an image would drop: a loss of 0.0
+        raise SystemExit(f"config: seq_len={cfg['seq_len']} leaves no room for text after the model's "
+                         f"{raw.cfg.n_image_tokens} image tokens")
     vocab, image_id, llm = loader.stream.tok.vocab_size, raw.cfg.image_token_id, raw.cfg.llm
     if cfg["seq_len"] > llm.max_seq_len:
         raise SystemExit(f"config: seq_len={cfg['seq_len']} exceeds the model's max_seq_len={llm.max_seq_len}")
@@ -593,6 +687,15 @@ def main(argv=None):
             if cfg["wandb_log"]:
                 wandb.log(event, step=event["step"])
 
+    # test-only fault injection: LLAVAX_TEST_NONFINITE="3,4@1" makes the loss NaN at iterations 3 and 4 (on rank 1
+    # only; every rank without "@"), LLAVAX_TEST_INF_WEIGHT="6" sets a weight to inf after iteration 6's update
+    steps, _, rank = os.environ.get("LLAVAX_TEST_NONFINITE", "").partition("@")
+    poison = {int(x) for x in steps.split(",") if x} if rank in ("", str(env.rank)) else set()
+    poison_weight = {int(x) for x in os.environ.get("LLAVAX_TEST_INF_WEIGHT", "").split(",") if x}
+    nonfinite_run = nonfinite_worst = nonfinite_total = 0
+    if env.kind == "xla":
+        nonfinite_run, nonfinite_worst, nonfinite_total = (torch.zeros((), dtype=torch.long, device=env.device)
+                                                           for _ in range(3))
     peak = cfg["peak_flops"] or known_peak_flops(env)
     trainable = [p for p in raw.parameters() if p.requires_grad]
     batches = iter(loader)
@@ -619,30 +722,67 @@ def main(argv=None):
         # DDP and FSDP average gradients over ranks, hence the factor world
         micro = [env.to_device(b) for b in micro]
         count = env.all_sum(sum((b["labels"][:, 1:] != -100).sum() for b in micro).float())
+        step_loss = torch.zeros((), device=env.device)
         for i, b in enumerate(micro):
             with grad_sync(model, env, cfg, i == grad_accum - 1), autocast(env, cfg):
                 _, loss = model(b["input_ids"], b["pixel_values"], b["labels"], "sum", b.get("position_ids"))
+                loss = loss * float("nan") if it in poison else loss
                 (loss * env.replicas / count.clamp(min=1)).backward()
-            loss_sum += loss.detach()
-        tokens_sum += count / env.replicas
+            step_loss += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf"))
-        optimizer.step()
+        # a non-finite loss or gradient skips the update (the batch is consumed, as with skip_steps). Under XLA the
+        # skip happens inside the compiled step (no host sync); elsewhere one flag a step is agreed over the ranks
+        finite = torch.isfinite(step_loss) & torch.isfinite(grad_norm.to_local() if hasattr(grad_norm, "to_local")
+                                                           else grad_norm)
+        if env.kind == "xla":
+            step_if_finite(optimizer, finite)
+            nonfinite_run = torch.where(finite, 0, nonfinite_run + 1)
+            nonfinite_worst, nonfinite_total = torch.maximum(nonfinite_worst, nonfinite_run), nonfinite_total + ~finite
+            loss_sum += torch.where(finite, step_loss, 0.0)
+            tokens_sum += torch.where(finite, count / env.replicas, 0.0)
+        elif not env.agree(not bool(finite)):
+            optimizer.step()
+            loss_sum += step_loss
+            tokens_sum += count / env.replicas
+            nonfinite_worst = nonfinite_run = 0
+        else:
+            nonfinite_run, nonfinite_total = nonfinite_run + 1, nonfinite_total + 1
+            nonfinite_worst = max(nonfinite_worst, nonfinite_run)
+            print0(env, f"step {it}: non-finite loss or gradient (loss {step_loss.item()}, grad norm "
+                   f"{grad_norm.full_tensor() if hasattr(grad_norm, 'full_tensor') else grad_norm:.4g}): update "
+                   f"skipped, {nonfinite_run} in a row, {nonfinite_total} in this run")
+            log({"step": it, "nonfinite_skipped": True, "nonfinite_in_a_row": nonfinite_run})
         optimizer.zero_grad(set_to_none=True)
         env.step_end()
         it += 1
         rows_done += cfg["batch_size"]
+        if it in poison_weight:  # test-only: a weight goes non-finite, as after an overflowing update
+            with torch.no_grad():
+                trainable[0].view(-1)[:1].fill_(float("inf"))
+        if env.kind != "xla" and nonfinite_worst >= cfg["max_nonfinite_steps"]:
+            stop_nonfinite(out, it, nonfinite_worst, cfg, loader)
 
         if it % cfg["log_interval"] == 0 or it == cfg["max_iters"]:
             env.sync()
+            if env.kind == "xla":  # the skips of the compiled steps, read at log intervals only
+                worst, skipped = int(nonfinite_worst.item()), int(nonfinite_total.item())
+                if skipped:
+                    print0(env, f"step {it}: {skipped} update(s) skipped so far for a non-finite loss or gradient")
+                if worst >= cfg["max_nonfinite_steps"]:
+                    stop_nonfinite(out, it, worst, cfg, loader)
+                nonfinite_worst = torch.zeros_like(nonfinite_worst)
             dt = time.perf_counter() - t_last
-            loss_val = (env.all_sum(loss_sum) / env.all_sum(tokens_sum).clamp(min=1)).item()
+            n_tokens = env.all_sum(tokens_sum)
+            # no supervised token in the interval (all skipped or dropped): no loss, rather than 0.0
+            loss_val = (env.all_sum(loss_sum) / n_tokens).item() if n_tokens.item() else float("nan")
             gn = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
             steps = rows_done / cfg["batch_size"]
             tok_s = rows_done * cfg["seq_len"] / dt
             flops = row_flops * rows_done / dt
             mem = torch.cuda.max_memory_allocated(env.device) / 2**30 if env.kind == "cuda" else \
                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-            event = {"step": it, "loss": loss_val, "lr": lr_now, "grad_norm": gn.item(), "tokens_per_s": tok_s,
+            event = {"step": it, "loss": None if math.isnan(loss_val) else loss_val, "lr": lr_now, "grad_norm": gn.item(),
+                     "tokens_per_s": tok_s,
                      "samples_per_s": rows_done * per_row / dt, "mfu": flops / (peak * env.n_devices) if peak else None,
                      "data_wait": data_wait / dt, "peak_mem_gib": mem, "dropped_samples": dropped}
             if env.kind == "xla":  # a count that grows after warm-up means the step recompiles: see README
