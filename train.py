@@ -533,20 +533,25 @@ def evaluate(model, val_loader, env, cfg, n_batches):
 
 @torch.no_grad()
 def answer_accuracy(raw, stream, env, cfg, n, show=5):
-    """Exact-match accuracy of greedy answers to the first n val samples, and a few of them to show."""
+    """Exact-match accuracy of greedy answers to the first n val samples, a few of them to show, the number asked
+    and the number skipped because prompt and answer exceed the model's max_seq_len."""
     raw.eval()
     tok, stop = stream.tok, data.stop_token_id(cfg["template"], stream.tok)
-    right, shown, total = 0, [], 0
+    right, shown, total, too_long, max_new = 0, [], 0, 0, 8
     for sample in range(min(n, len(stream))):
         _, members = stream.read(sample)
         conv, image = data.sample_conversation(members)
         prompt, answer = data.prompt_and_answer(conv, image is not None, cfg["template"], tok, stream.image_token_id,
                                                 stream.n_image_tokens)
+        if len(prompt) + max_new > raw.cfg.llm.max_seq_len:  # the model cannot hold it: counted, not a crash
+            too_long += 1
+            continue
         pixels = data.normalize_images(data.load_image(image, stream.image_size, stream.image_mode)[None]) \
             if image is not None else None
         ids = torch.tensor([prompt], device=env.device)
         with autocast(env, cfg):
-            out = raw.generate(ids, pixels.to(env.device) if pixels is not None else None, max_new_tokens=8, eos_id=stop)
+            out = raw.generate(ids, pixels.to(env.device) if pixels is not None else None, max_new_tokens=max_new,
+                               eos_id=stop)
         tokens = out[0].tolist()
         said = tok.decode(tokens[: tokens.index(stop)] if stop in tokens else tokens).strip()
         right += said.lower() == answer.strip().lower()
@@ -555,7 +560,7 @@ def answer_accuracy(raw, stream, env, cfg, n, show=5):
             question = next(t["value"] for t in conv if t["from"] in ("human", "user")).replace(data.IMAGE_TAG, "").strip()
             shown.append((question, said, answer))
     raw.train()
-    return right / max(1, total), shown
+    return right / max(1, total), shown, total, too_long
 
 
 # -----------------------------------------------------------------------------
@@ -818,13 +823,13 @@ def main(argv=None):
             if env.kind == "xla":  # token-by-token generation would recompile at every length: answer on the host
                 host = build_model(raw.cfg, device="cpu", init=False)
                 host.load_state_dict({k: v.cpu() for k, v in raw.state_dict().items()})
-                acc, shown = answer_accuracy(host, val_stream, SimpleNamespace(kind="cpu", device=torch.device("cpu"),
-                                                                               distributed=False), cfg,
-                                             cfg["final_accuracy_samples"])
+                on_host = SimpleNamespace(kind="cpu", device=torch.device("cpu"), distributed=False)
+                result = answer_accuracy(host, val_stream, on_host, cfg, cfg["final_accuracy_samples"])
             else:
-                acc, shown = answer_accuracy(raw, val_stream, env, cfg, cfg["final_accuracy_samples"])
-            n_asked = min(cfg["final_accuracy_samples"], len(val_stream))
-            print0(env, f"held-out exact-match accuracy: {100 * acc:.1f}% on {n_asked} questions")
+                result = answer_accuracy(raw, val_stream, env, cfg, cfg["final_accuracy_samples"])
+            acc, shown, n_asked, too_long = result
+            print0(env, f"held-out exact-match accuracy: {100 * acc:.1f}% on {n_asked} questions"
+                   + (f" ({too_long} longer than the model's max_seq_len skipped)" if too_long else ""))
             for q, said, answer in shown:
                 print0(env, f"  Q: {q:<36} model: {said:<8} truth: {answer}")
             log({"step": it, "accuracy": acc})
