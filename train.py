@@ -10,6 +10,7 @@ stage 0 trains everything, stage 1 the projector only, stage 2 the projector and
 """
 
 import ast
+import builtins
 import hashlib
 import json
 import math
@@ -20,6 +21,7 @@ import shutil
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -124,12 +126,10 @@ def run_config_file(arg):
                              f"key = value)")
     ns = {}
     try:
-        exec(compile(tree, arg, "exec"), ns)  # noqa: S102  a config file is trusted Python, as in nanoGPT
-    except Exception as e:  # noqa: BLE001  whatever the file raises: name the file and the line
-        tb = e.__traceback__
-        while tb.tb_next:
-            tb = tb.tb_next
-        raise SystemExit(f"config: {arg}:{tb.tb_lineno}: raised {type(e).__name__}: {e}") from None
+        exec(builtins.compile(tree, arg, "exec"), ns)  # noqa: S102  trusted Python, as in nanoGPT (`compile` is a key)
+    except Exception as e:  # noqa: BLE001  whatever the file raises: name the file and its line
+        lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == arg]
+        raise SystemExit(f"config: {arg}:{lines[-1] if lines else '?'}: raised {type(e).__name__}: {e}") from None
     return ns
 
 
