@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -388,7 +389,9 @@ def write_detached(write, out):
     """Run write() in a forked child in its own session, and wait for it while we live. torchrun SIGKILLs its
     workers 30 s after it forwards SIGTERM (REFERENCES.md 7) and a 7B state takes longer to write; its killpg
     does not reach another session, so the checkpoint is finished from the host snapshot the fork holds."""
-    pid = os.fork()
+    with warnings.catch_warnings():  # Python 3.12 warns on any fork of a threaded process: the child runs no threads
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
     if pid == 0:
         code = 1
         try:
@@ -399,8 +402,6 @@ def write_detached(write, out):
             write()
             code = 0
         except BaseException:
-            import traceback
-
             traceback.print_exc()
         finally:
             os._exit(code)
@@ -408,7 +409,8 @@ def write_detached(write, out):
     _, status = os.waitpid(pid, 0)
     (out / WRITER_PID).unlink(missing_ok=True)
     if status:
-        raise SystemExit(f"the stop checkpoint writer (pid {pid}) failed with status {status}; see above")
+        raise SystemExit(f"the stop checkpoint writer (pid {pid}) failed (exit {os.waitstatus_to_exitcode(status)}); "
+                         "see its traceback above. The previous checkpoint is the newest")
 
 
 def wait_for_stop_writer(out):
