@@ -773,9 +773,8 @@ def main(argv=None):
                 worst, skipped = int(nonfinite_worst.item()), int(nonfinite_total.item())
                 if skipped:
                     print0(env, f"step {it}: {skipped} update(s) skipped so far for a non-finite loss or gradient")
-                if worst >= cfg["max_nonfinite_steps"]:
+                if worst >= cfg["max_nonfinite_steps"]:  # the longest run so far: never reset, we stop at once
                     stop_nonfinite(out, it, worst, cfg, loader)
-                nonfinite_worst = torch.zeros_like(nonfinite_worst)
             dt = time.perf_counter() - t_last
             n_tokens = env.all_sum(tokens_sum)
             # no supervised token in the interval (all skipped or dropped): no loss, rather than 0.0
