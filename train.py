@@ -171,8 +171,6 @@ def load_config(argv):
         raise SystemExit(f"config: unknown template {cfg['template']!r}; choose from {sorted(data.TEMPLATES)}")
     if cfg["image_mode"] not in ("pad", "crop", "resize"):
         raise SystemExit(f"config: unknown image_mode {cfg['image_mode']!r}; choose 'pad', 'crop' or 'resize'")
-    if cfg["init_from"] not in ("scratch", "resume") and not Path(cfg["init_from"]).is_dir():
-        raise SystemExit(f"config: init_from {cfg['init_from']!r} is not 'scratch', 'resume' or a checkpoint directory")
     if cfg["stage"] not in (0, 1, 2):
         raise SystemExit(f"config: stage must be 0, 1 or 2, got {cfg['stage']}")
     if cfg["parallel"] not in ("ddp", "fsdp"):
