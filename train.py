@@ -389,7 +389,7 @@ def save_checkpoint(path, model, raw, optimizer, loader, it, cfg, env):
         weights = {k: v.detach() for k, v in msd.items() if not (tied and k == "llm.output.weight")}
         moments = {f"{name}/{k}": v.detach().reshape(-1) if k == "step" else v.detach()
                    for name, s in osd["state"].items() for k, v in s.items()}
-        tensors = weights | moments
+        tensors = weights | {k: v for k, v in moments.items() if not k.endswith("/step")}  # XLA keeps steps on the host
         finite = torch.stack([torch.isfinite(t).all() for t in tensors.values()]).cpu().tolist()  # one sync
         nonfinite = [k for k, ok in zip(tensors, finite) if not ok]
     if env.agree(bool(nonfinite)):  # never write (and so never prune for) a checkpoint of non-finite weights
