@@ -172,8 +172,6 @@ def load_config(argv):
         raise SystemExit(f"config: unknown template {cfg['template']!r}; choose from {sorted(data.TEMPLATES)}")
     if cfg["image_mode"] not in ("pad", "crop", "resize"):
         raise SystemExit(f"config: unknown image_mode {cfg['image_mode']!r}; choose 'pad', 'crop' or 'resize'")
-    if cfg["init_from"] not in ("scratch", "resume") and not Path(cfg["init_from"]).is_dir():
-        raise SystemExit(f"config: init_from {cfg['init_from']!r} is not 'scratch', 'resume' or a checkpoint directory")
     if cfg["stage"] not in (0, 1, 2):
         raise SystemExit(f"config: stage must be 0, 1 or 2, got {cfg['stage']}")
     if cfg["parallel"] not in ("ddp", "fsdp"):
@@ -349,27 +347,23 @@ def verify_checkpoint(path):
 def newest_good_checkpoint(out, env):
     """The newest checkpoint that verifies. Newer ones that do not are renamed step-N.corrupt-T (kept for a look,
     out of the way of this run's own step-N) with the reason printed. Decided by rank 0 and broadcast."""
-    choice = [None, []]
+    choice = [None, []]  # the good one, [(a bad one, why)]
     if env.master:
-        found = checkpoints(out)
-        for path in reversed(found):
+        for path in reversed(checkpoints(out)):
             reason = verify_checkpoint(path)
             if reason is None:
                 choice[0] = str(path)
                 break
-            choice[1].append(f"{path}: {reason}")
-        if found and choice[0] is None:
-            choice[1].append("none of the checkpoints verifies")
+            choice[1].append((str(path), reason))
     if dist.is_initialized():
         dist.broadcast_object_list(choice, src=0)
     if choice[0] is None and choice[1]:
-        raise SystemExit(f"resume: no usable checkpoint in {out}:\n  " + "\n  ".join(choice[1]) +
-                         "\nmove them away to start from scratch, or point init_from at a good one")
-    for line in choice[1]:
-        print0(env, f"resume: skipping {line}")
+        raise SystemExit(f"resume: no checkpoint in {out} verifies:\n" + "".join(f"  {p}: {why}\n" for p, why in choice[1])
+                         + "move them away to start from scratch, or point init_from at a good one")
+    for bad, why in choice[1]:
+        print0(env, f"resume: skipping {bad}: {why}")
         if env.master:
-            bad = Path(line.split(": ", 1)[0])
-            bad.rename(bad.with_name(f"{bad.name}.corrupt-{int(time.time())}"))
+            Path(bad).rename(f"{bad}.corrupt-{int(time.time())}")
     if dist.is_initialized():
         dist.barrier()
     return Path(choice[0]) if choice[0] else None
@@ -438,7 +432,7 @@ def save_checkpoint(path, model, raw, optimizer, loader, it, cfg, env, detach=Fa
         weights = {k: v.detach() for k, v in msd.items() if not (tied and k == "llm.output.weight")}
         moments = {f"{name}/{k}": v.detach().reshape(-1) if k == "step" else v.detach()
                    for name, s in osd["state"].items() for k, v in s.items()}
-        tensors = weights | moments
+        tensors = weights | {k: v for k, v in moments.items() if not k.endswith("/step")}  # XLA keeps steps on the host
         finite = torch.stack([torch.isfinite(t).all() for t in tensors.values()]).cpu().tolist()  # one sync
         nonfinite = [k for k, ok in zip(tensors, finite) if not ok]
     if env.agree(bool(nonfinite)):  # never write (and so never prune for) a checkpoint of non-finite weights
@@ -645,6 +639,10 @@ def main(argv=None):
     if not Path(cfg["data_dir"]).exists():
         raise SystemExit(f"data_dir {cfg['data_dir']!r} does not exist. For the shapes demo run "
                          "`python data.py shapes --out data/shapes` first (make demo does it).")
+    try:
+        data.Tokenizer(cfg["tokenizer"])
+    except Exception as e:  # noqa: BLE001  sentencepiece and tokenizers raise many kinds for a bogus file
+        raise SystemExit(f"tokenizer {cfg['tokenizer']!r}: cannot load ({type(e).__name__}: {e})") from None
     # batch_size is global. Under torchrun micro_batch_size is per rank; under SPMD it is global (one program),
     # split over the hosts for reading and over the (dp, fsdp) devices for computing
     per_step = cfg["micro_batch_size"] * env.replicas
@@ -701,10 +699,6 @@ def main(argv=None):
                    "n_image_tokens": raw.cfg.n_image_tokens, "template": cfg["template"], "image_mode": cfg["image_mode"],
                    "seed": cfg["seed"], "rank": env.rank, "world_size": env.world, "shuffle_block": cfg["shuffle_block"],
                    "pack": cfg["pack"]}
-    try:
-        data.Tokenizer(cfg["tokenizer"])
-    except Exception as e:  # noqa: BLE001  sentencepiece and tokenizers raise many kinds for a bogus file
-        raise SystemExit(f"tokenizer {cfg['tokenizer']!r}: cannot load ({type(e).__name__}: {e})") from None
     try:
         loader = data.Loader(data.ShardStream(cfg["data_dir"], split="train", **stream_args), cfg["num_workers"])
     except (OSError, ValueError) as e:
@@ -830,9 +824,8 @@ def main(argv=None):
                 worst, skipped = int(nonfinite_worst.item()), int(nonfinite_total.item())
                 if skipped:
                     print0(env, f"step {it}: {skipped} update(s) skipped so far for a non-finite loss or gradient")
-                if worst >= cfg["max_nonfinite_steps"]:
+                if worst >= cfg["max_nonfinite_steps"]:  # the longest run so far: never reset, we stop at once
                     stop_nonfinite(out, it, worst, cfg, loader)
-                nonfinite_worst = torch.zeros_like(nonfinite_worst)
             dt = time.perf_counter() - t_last
             n_tokens = env.all_sum(tokens_sum)
             # no supervised token in the interval (all skipped or dropped): no loss, rather than 0.0
