@@ -84,12 +84,20 @@ def test_gradient_accumulation_matches_one_big_batch(shapes, single_run, tmp_pat
     assert all(abs(got[s] - ref[s]) < 1e-5 for s in range(1, 6)), (got, ref)
 
 
+@pytest.fixture(scope="module")
+def ddp_run(shapes, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    run(args(shapes, out, "--max_iters=20", "--parallel=ddp", "--micro_batch_size=4"), nproc=2)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_process_run_matches_single_and_resumes_exactly(shapes, single_run, tmp_path, parallel):
-    a, b = tmp_path / "a", tmp_path / "b"
+def test_two_process_run_matches_single_and_resumes_exactly(shapes, single_run, ddp_run, tmp_path, parallel):
+    a, b = ddp_run if parallel == "ddp" else tmp_path / "a", tmp_path / "b"
     common = [f"--parallel={parallel}", "--micro_batch_size=4"]  # 2 ranks x 4 = the single run's global batch
-    run(args(shapes, a, "--max_iters=20", *common), nproc=2)
+    if parallel == "fsdp":
+        run(args(shapes, a, "--max_iters=20", *common), nproc=2)
     ref, got = losses(single_run), losses(a)
     assert all(abs(got[s] - ref[s]) < 1e-5 for s in range(1, 6)), (got, ref)
     run(args(shapes, b, "--max_iters=10", *common), nproc=2)
@@ -147,11 +155,10 @@ def torchrun_workers(torchrun_pid):
 
 
 @pytest.mark.slow
-def test_torchrun_stop_checkpoint_survives_the_sigkill_after_the_grace_period(shapes, tmp_path):
+def test_torchrun_stop_checkpoint_survives_the_sigkill_after_the_grace_period(shapes, ddp_run, tmp_path):
     # torchrun forwards SIGTERM to each worker's group and SIGKILLs them 30 s later (hard-coded in torch 2.9);
     # a stop checkpoint slower than that (LLAVAX_TEST_SLOW_CHECKPOINT: a slow disk) must still be completed
     common = ["--max_iters=10", "--micro_batch_size=4", "--ckpt_interval=0", "--num_workers=1", "--keep_last=5"]
-    run(args(shapes, tmp_path / "straight", *common), nproc=2)
     out = tmp_path / "stopped"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", str(ROOT / "train.py"), *args(shapes, out, *common)]
@@ -178,7 +185,7 @@ def test_torchrun_stop_checkpoint_survives_the_sigkill_after_the_grace_period(sh
     assert 2 <= json.loads((ckpt / "state.json").read_text())["iter"] < 10
     r = run(args(shapes, out, "--init_from=resume", *common), nproc=2)
     assert f"resuming from {ckpt}" in r.stdout
-    assert weights(out / "step-000010") == weights(tmp_path / "straight/step-000010")
+    assert weights(out / "step-000010") == weights(ddp_run / "step-000010")  # uninterrupted, 20 steps
 
 
 def test_kill_during_checkpoint_write_keeps_the_previous_one(shapes, tmp_path):
