@@ -228,6 +228,11 @@ def write_dir(out, fill, overwrite=False):
     out = Path(out)
     if out.exists() and not overwrite:
         raise ConversionError(f"{out}: already exists; refusing to overwrite it (choose another --out)")
+    for stale in out.parent.glob(f".{out.name}.tmp-*"):  # left by a killed write to the same `out`
+        pid = stale.name.rsplit("-", 1)[1]
+        if pid.isdigit() and Path("/proc/self").exists() and not Path(f"/proc/{pid}").exists():
+            say(f"removing {stale}, left by a write that was killed")
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -272,9 +277,17 @@ def save_model(model, ckpt_dir, tokenizer_dir=None, overwrite=False, shard_bytes
 def read_checkpoint(ckpt_dir):
     """(state dict, VLMConfig) from our directory, or from an HF LLaVA directory converted in memory."""
     path = Path(ckpt_dir, "config.json")
+    if re.fullmatch(r"\..+\.tmp-\d+", Path(ckpt_dir).name):
+        raise ConversionError(f"{ckpt_dir}: the temporary folder of a write that was killed (incomplete); use the "
+                              f"finished directory, or run the conversion again")
     if not path.exists():
         raise ConversionError(f"{ckpt_dir}: no config.json; not a llavax or HF LLaVA checkpoint directory")
-    raw = json.loads(path.read_text())
+    try:
+        raw = json.loads(path.read_text())
+    except ValueError as e:
+        raise ConversionError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConversionError(f"{path}: not a config (a JSON object), got {type(raw).__name__}")
     if raw.get("model_type") == "llava":
         return llava_from_hf(ckpt_dir)
     try:

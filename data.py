@@ -725,6 +725,26 @@ def packed_batch(samples, n_rows, seq_len, pad_id):
             "order": [i for r in rows for i in r], "where": where}
 
 
+def _survive_group_signals(worker_id):
+    """DataLoader worker init. Schedulers signal the whole process group (VM shutdown, SLURM, systemd, kill -- -PGID):
+    a worker that died of it would make the main process raise before its stop checkpoint. SIGINT is ignored;
+    SIGTERM is blocked and a thread ends the worker only when the parent sends it (DataLoader's own shutdown).
+    A worker whose parent dies exits by itself (DataLoader's watchdog)."""
+    import signal
+    import threading
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    parent = os.getppid()
+
+    def wait_for_parent_term():
+        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != parent:
+            pass
+        os._exit(0)
+
+    threading.Thread(target=wait_for_parent_term, daemon=True).start()
+
+
 class Loader:
     """Wraps ShardStream in a DataLoader and counts what it hands out; state_dict() is that position."""
 
@@ -734,7 +754,8 @@ class Loader:
 
     def __iter__(self):
         self.stream.start = self.position
-        kw = {"prefetch_factor": self.prefetch_factor, "persistent_workers": False} if self.num_workers else {}
+        kw = {"prefetch_factor": self.prefetch_factor, "persistent_workers": False,
+              "worker_init_fn": _survive_group_signals} if self.num_workers else {}
         for batch in torch.utils.data.DataLoader(self.stream, batch_size=None, num_workers=self.num_workers, **kw):
             self.position += self.stream.samples_per_batch
             yield batch

@@ -10,14 +10,19 @@ stage 0 trains everything, stage 1 the projector only, stage 2 the projector and
 """
 
 import ast
+import builtins
+import hashlib
 import json
 import math
+import os
 import re
 import resource
 import shutil
 import signal
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -66,6 +71,7 @@ weight_decay = 0.01
 beta1 = 0.9
 beta2 = 0.95
 grad_clip = 1.0
+max_nonfinite_steps = 5  # an update with a non-finite loss or gradient is skipped; this many in a row stop the run
 skip_steps = []  # [(first, end), ...]: iterations whose batches are consumed but not trained on
 # evaluation, logging, checkpoints
 eval_interval = 500
@@ -73,6 +79,7 @@ eval_iters = 4
 log_interval = 50
 ckpt_interval = 500
 keep_last = 2
+allow_config_change = []  # keys that may differ from the checkpoint's config on resume (see FIXED_ON_RESUME)
 final_accuracy_samples = 500  # > 0: exact-match accuracy of generated answers on that many val samples
 wandb_log = False
 wandb_project = "llavax"
@@ -102,6 +109,39 @@ def _typed(key, value, default):
     return float(value) if isinstance(default, float) else (list(value) if isinstance(default, list) else value)
 
 
+def run_config_file(arg):
+    """The names config file `arg` assigns. It must be an existing .py file of assignments: YAML's `key: value`
+    parses as a Python annotation and would be silently ignored. Whatever it raises is named with its line."""
+    path = Path(arg)
+    if not path.is_file():
+        raise SystemExit(f"config: {arg}: no such file (arguments are a config file or --key=value)")
+    if path.suffix != ".py":
+        raise SystemExit(f"config: {arg}: a config is a Python file of `key = value` lines (configs/*.py), "
+                         f"not {path.suffix or 'a file without a suffix'}")
+    try:
+        tree = ast.parse(path.read_text(), filename=arg)
+    except (SyntaxError, ValueError, UnicodeDecodeError) as e:
+        raise SystemExit(f"config: {arg}: not valid Python ({e})") from None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.AnnAssign) and node.value is None:
+            raise SystemExit(f"config: {arg}:{node.lineno}: `{ast.unparse(node)}` assigns nothing (YAML? write "
+                             f"key = value)")
+    ns = {}
+    try:
+        exec(builtins.compile(tree, arg, "exec"), ns)  # noqa: S102  trusted Python, as in nanoGPT (`compile` is a key)
+    except Exception as e:  # noqa: BLE001  whatever the file raises: name the file and its line
+        lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == arg]
+        raise SystemExit(f"config: {arg}:{lines[-1] if lines else '?'}: raised {type(e).__name__}: {e}") from None
+    return ns
+
+
+POSITIVE = ("batch_size", "micro_batch_size", "max_iters", "seq_len", "log_interval", "shuffle_block",
+            "max_nonfinite_steps")
+NON_NEGATIVE = ("eval_interval", "eval_iters", "ckpt_interval", "keep_last", "num_workers", "pack", "warmup_iters",
+                "lr_decay_iters", "final_accuracy_samples", "lr", "min_lr", "weight_decay", "grad_clip", "loss_chunk",
+                "peak_flops")
+
+
 def load_config(argv):
     cfg = dict(DEFAULTS)
     for arg in argv:
@@ -117,14 +157,22 @@ def load_config(argv):
                 value = raw  # a bare string
             cfg[key] = _typed(key, value, DEFAULTS[key])
         else:
-            ns = {}
-            exec(Path(arg).read_text(), ns)  # noqa: S102  a config file is trusted Python, as in nanoGPT
+            ns = run_config_file(arg)
             for key, value in ns.items():
                 if key.startswith("_") or callable(value) or type(value).__name__ == "module":
                     continue
                 if key not in cfg:
                     raise SystemExit(f"config: unknown key {key!r} in {arg}")
                 cfg[key] = _typed(key, value, DEFAULTS[key])
+    for key in POSITIVE + NON_NEGATIVE:
+        if cfg[key] < 0 or (cfg[key] == 0 and key in POSITIVE):
+            raise SystemExit(f"config: {key} must be {'> 0' if key in POSITIVE else '>= 0'}, got {cfg[key]}")
+    if cfg["eval_interval"] and not cfg["eval_iters"]:
+        raise SystemExit("config: eval_iters must be > 0 when eval_interval is (eval_interval=0 turns evaluation off)")
+    if cfg["template"] not in data.TEMPLATES:
+        raise SystemExit(f"config: unknown template {cfg['template']!r}; choose from {sorted(data.TEMPLATES)}")
+    if cfg["image_mode"] not in ("pad", "crop", "resize"):
+        raise SystemExit(f"config: unknown image_mode {cfg['image_mode']!r}; choose 'pad', 'crop' or 'resize'")
     if cfg["stage"] not in (0, 1, 2):
         raise SystemExit(f"config: stage must be 0, 1 or 2, got {cfg['stage']}")
     if cfg["parallel"] not in ("ddp", "fsdp"):
@@ -229,7 +277,9 @@ def known_peak_flops(env):
 # -----------------------------------------------------------------------------
 # checkpoints: out_dir/step-XXXXXX/ holds model.safetensors + config.json (convert.py reads it),
 # optimizer.safetensors + optimizer.json, rng.safetensors and state.json; written to a temporary
-# directory and renamed, so a crash mid-write leaves the previous checkpoint as the newest.
+# directory and renamed, so a crash mid-write leaves the previous checkpoint as the newest. manifest.json (sizes and
+# sha256 of the other files) is written last; resume takes the newest checkpoint that matches its manifest.
+MANIFEST = "manifest.json"
 
 
 def full_state(model, raw, optimizer, env):
@@ -247,10 +297,129 @@ def full_state(model, raw, optimizer, env):
 
 
 def checkpoints(out):
-    return sorted(p for p in Path(out).glob("step-*") if re.fullmatch(r"step-\d{6}", p.name) and (p / "state.json").exists())
+    """out_dir's step-N directories, oldest first: N of any width (step-1000000 follows step-999999)."""
+    found = [(int(m.group(1)), p) for p in Path(out).glob("step-*") if (m := re.fullmatch(r"step-(\d+)", p.name))]
+    return [p for _, p in sorted(found) if p.is_dir()]
 
 
-def save_checkpoint(path, model, raw, optimizer, loader, it, cfg, env):
+def file_sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_manifest(path):
+    """manifest.json: the size and sha256 of every file in checkpoint directory `path`, read back from disk.
+    Written last, so a checkpoint without one is incomplete; resume checks every file against it."""
+    path = Path(path)
+    files = {f.name: {"size": f.stat().st_size, "sha256": file_sha256(f)}
+             for f in sorted(path.iterdir()) if f.is_file() and f.name != MANIFEST}
+    tmp = path / f"{MANIFEST}.tmp"
+    tmp.write_text(json.dumps({"files": files}, indent=2))
+    tmp.rename(path / MANIFEST)
+
+
+def verify_checkpoint(path):
+    """None when checkpoint directory `path` is complete and unchanged since it was written, else the reason."""
+    path = Path(path)
+    try:
+        files = json.loads((path / MANIFEST).read_text())["files"]
+        expected = {name: (int(f["size"]), str(f["sha256"])) for name, f in files.items()}
+    except FileNotFoundError:
+        return f"no {MANIFEST} (written last: the write did not finish, or it is not a llavax training checkpoint)"
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{MANIFEST} is unreadable ({type(e).__name__}: {e})"
+    for name in ("state.json", "config.json", "optimizer.safetensors"):
+        if name not in expected:
+            return f"{MANIFEST} does not list {name}"
+    for name, (size, digest) in expected.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} is {f.stat().st_size} bytes, {size} when written (truncated or overwritten)"
+        if file_sha256(f) != digest:
+            return f"{name} differs from its sha256 when written (corrupted on disk or edited)"
+    return None
+
+
+def newest_good_checkpoint(out, env):
+    """The newest checkpoint that verifies. Newer ones that do not are renamed step-N.corrupt-T (kept for a look,
+    out of the way of this run's own step-N) with the reason printed. Decided by rank 0 and broadcast."""
+    choice = [None, []]  # the good one, [(a bad one, why)]
+    if env.master:
+        for path in reversed(checkpoints(out)):
+            reason = verify_checkpoint(path)
+            if reason is None:
+                choice[0] = str(path)
+                break
+            choice[1].append((str(path), reason))
+    if dist.is_initialized():
+        dist.broadcast_object_list(choice, src=0)
+    if choice[0] is None and choice[1]:
+        raise SystemExit(f"resume: no checkpoint in {out} verifies:\n" + "".join(f"  {p}: {why}\n" for p, why in choice[1])
+                         + "move them away to start from scratch, or point init_from at a good one")
+    for bad, why in choice[1]:
+        print0(env, f"resume: skipping {bad}: {why}")
+        if env.master:
+            Path(bad).rename(f"{bad}.corrupt-{int(time.time())}")
+    if dist.is_initialized():
+        dist.barrier()
+    return Path(choice[0]) if choice[0] else None
+
+
+def prune_checkpoints(out, newest, keep_last):
+    """Keep the keep_last newest checkpoints up to `newest` (just written and verified); never touch a newer one."""
+    upto = [p for p in checkpoints(out) if int(p.name[5:]) <= int(newest.name[5:])]
+    for old in upto[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(old)
+
+
+WRITER_PID = ".stop-writer.pid"  # in out_dir while a detached stop-checkpoint writer runs
+
+
+def write_detached(write, out):
+    """Run write() in a forked child in its own session, and wait for it while we live. torchrun SIGKILLs its
+    workers 30 s after it forwards SIGTERM (REFERENCES.md 7) and a 7B state takes longer to write; its killpg
+    does not reach another session, so the checkpoint is finished from the host snapshot the fork holds."""
+    with warnings.catch_warnings():  # Python 3.12 warns on any fork of a threaded process: the child runs no threads
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setsid()
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            torch.set_num_threads(1)  # as DataLoader workers do: a forked child must not reuse the parent's pool
+            write()
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    (out / WRITER_PID).write_text(str(pid))
+    _, status = os.waitpid(pid, 0)
+    (out / WRITER_PID).unlink(missing_ok=True)
+    if status:
+        raise SystemExit(f"the stop checkpoint writer (pid {pid}) failed (exit {os.waitstatus_to_exitcode(status)}); "
+                         "see its traceback above. The previous checkpoint is the newest")
+
+
+def wait_for_stop_writer(out):
+    """A run killed while its detached writer still worked left WRITER_PID: wait for that checkpoint to finish."""
+    marker = Path(out) / WRITER_PID
+    pid = int(marker.read_text() or 0) if marker.exists() else 0
+    while pid and Path(f"/proc/{pid}").exists() and b"train.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+        print(f"waiting for the stop checkpoint writer of the previous run (pid {pid}) to finish", flush=True)
+        time.sleep(2)
+    marker.unlink(missing_ok=True)
+
+
+def save_checkpoint(path, model, raw, optimizer, loader, it, cfg, env, detach=False):
+    """detach (the stop checkpoint): the state is snapshot to host memory and written by write_detached."""
     msd, osd = full_state(model, raw, optimizer, env)
     rng = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state(env.device)} if env.kind == "cuda" else {})
     ranks = [None] * env.world
@@ -258,12 +427,25 @@ def save_checkpoint(path, model, raw, optimizer, loader, it, cfg, env):
         dist.all_gather_object(ranks, rng)
     else:
         ranks = [rng]
+    nonfinite = []
     if env.master or env.kind == "xla":  # torchrun gathers to rank 0 only; SPMD tensors are global on every host
         tied = raw.cfg.llm.tie_embeddings
         weights = {k: v.detach() for k, v in msd.items() if not (tied and k == "llm.output.weight")}
         moments = {f"{name}/{k}": v.detach().reshape(-1) if k == "step" else v.detach()
                    for name, s in osd["state"].items() for k, v in s.items()}
+        tensors = weights | {k: v for k, v in moments.items() if not k.endswith("/step")}  # XLA keeps steps on the host
+        finite = torch.stack([torch.isfinite(t).all() for t in tensors.values()]).cpu().tolist()  # one sync
+        nonfinite = [k for k, ok in zip(tensors, finite) if not ok]
+    if env.agree(bool(nonfinite)):  # never write (and so never prune for) a checkpoint of non-finite weights
+        found = checkpoints(path.parent)
+        raise SystemExit(f"step {it}: not writing {path.name}: non-finite values in {nonfinite[:3] or 'the state'}"
+                         f"{' and more' if len(nonfinite) > 3 else ''}. The last checkpoint is "
+                         f"{found[-1] if found else 'none'}; resume from it with a lower lr")
+    detach = detach and env.kind != "xla"  # XLA: every host gathers each tensor in step with host 0's writes
     if env.master:
+        if detach:  # on CPU this copies nothing: the fork is the snapshot
+            weights, moments = {k: v.cpu() for k, v in weights.items()}, {k: v.cpu() for k, v in moments.items()}
+
         def fill(tmp):
             convert.write_weights(weights, tmp)
             (tmp / "config.json").write_text(json.dumps(raw.cfg.to_dict(), indent=2))
@@ -274,16 +456,49 @@ def save_checkpoint(path, model, raw, optimizer, loader, it, cfg, env):
             for name in ("tokenizer.model", "tokenizer.json"):
                 if Path(cfg["tokenizer"]).name == name and Path(cfg["tokenizer"]).exists():
                     shutil.copy(cfg["tokenizer"], tmp / name)
-            (tmp / "state.json").write_text(json.dumps({"iter": it, "loader": loader.state_dict(), "config": cfg}, indent=2))
+            (tmp / "state.json").write_text(json.dumps({"iter": it, "loader": loader.state_dict(), "config": cfg,
+                                                        "world": env.world}, indent=2))
+            write_manifest(tmp)  # last: its presence means every other file is complete
 
-        convert.write_dir(path, fill)
-        for old in checkpoints(path.parent)[: -cfg["keep_last"]] if cfg["keep_last"] > 0 else []:
-            shutil.rmtree(old)
+        def write():
+            time.sleep(float(os.environ.get("LLAVAX_TEST_SLOW_CHECKPOINT", "0")))  # tests only: a slow disk
+            convert.write_dir(path, fill)
+            prune_checkpoints(path.parent, path, cfg["keep_last"])
+
+        if detach:
+            write_detached(write, path.parent)
+        else:
+            write()
     elif env.kind == "xla":  # every host takes part in gathering each tensor, in the same order; host 0 writes
         for t in [*weights.values(), *moments.values()]:
             t.cpu()
     if dist.is_initialized():
         dist.barrier()
+
+
+# keys whose change on resume would alter the data order, the batches or the model: refused unless listed in
+# allow_config_change (the model itself always comes from the checkpoint). Every other key may change.
+FIXED_ON_RESUME = ("seed", "batch_size", "micro_batch_size", "pack", "seq_len", "data_dir", "tokenizer", "template",
+                   "image_mode", "shuffle_block", "stage", "model", "model_overrides", "world")
+
+
+def check_resume_config(path, cfg, env):
+    """Say which keys differ from the checkpoint's config; stop if one that may not change did."""
+    try:
+        state = json.loads((path / "state.json").read_text())
+        saved = state["config"] | {"world": state.get("world", env.world)}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"{path / 'state.json'}: unreadable ({type(e).__name__}: {e})") from None
+    now = json.loads(json.dumps(cfg | {"world": env.world}))  # tuples become lists, as in the saved one
+    changed = {k: (saved[k], now[k]) for k in now if k in saved and saved[k] != now[k]}
+    refused = [k for k in changed if k in FIXED_ON_RESUME and k not in cfg["allow_config_change"]]
+    for k, (a, b) in changed.items():
+        verdict = "refused" if k in refused else "allowed by allow_config_change" if k in FIXED_ON_RESUME else "allowed"
+        print0(env, f"resume: {k} changed from {a!r} to {b!r} ({verdict})")
+    if refused:
+        raise SystemExit(f"resume: {path} was trained with other {', '.join(refused)} (see above); these set the "
+                         f"data order, the batches or the model. Resume with the same values, list the keys in "
+                         f"--allow_config_change=[...] to accept the change, or start a new out_dir")
 
 
 def load_checkpoint(path, model, raw, optimizer, loader, env):
@@ -315,8 +530,32 @@ def load_checkpoint(path, model, raw, optimizer, loader, env):
         torch.set_rng_state(rng[f"rank{env.rank}.cpu"])
         if env.kind == "cuda" and f"rank{env.rank}.cuda" in rng:
             torch.cuda.set_rng_state(rng[f"rank{env.rank}.cuda"], env.device)
-    loader.load_state_dict(state["loader"])
+    try:
+        loader.load_state_dict(state["loader"])
+    except ValueError as e:
+        raise SystemExit(f"{path}: {e}") from None
     return state["iter"]
+
+
+def step_if_finite(optimizer, finite):
+    """optimizer.step(), undone inside the graph where `finite` is False: XLA skips an update without a host sync.
+    The clones are lazy (no copy is made before the graph runs). AdamW's step count, a host tensor, still advances."""
+    saved = [(p, p.detach().clone(), {k: v.clone() for k, v in optimizer.state[p].items() if k != "step"})
+             for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    optimizer.step()
+    with torch.no_grad():
+        for p, old, state in saved:
+            p.copy_(torch.where(finite, p, old))
+            for k, v in state.items():
+                optimizer.state[p][k].copy_(torch.where(finite, optimizer.state[p][k], v))
+
+
+def stop_nonfinite(out, it, n, cfg, loader):
+    found = checkpoints(out)
+    raise SystemExit(f"stopping at step {it}: {n} steps in a row had a non-finite loss or gradient "
+                     f"(max_nonfinite_steps={cfg['max_nonfinite_steps']}); no update was applied. The last checkpoint "
+                     f"is {found[-1] if found else 'none'}. Lower lr, check the data near loader position "
+                     f"{loader.position}, or jump past it with --skip_steps=[({it}, {it + n})] and --init_from=resume")
 
 
 # -----------------------------------------------------------------------------
@@ -349,10 +588,11 @@ def evaluate(model, val_loader, env, cfg, n_batches):
 
 @torch.no_grad()
 def answer_accuracy(raw, stream, env, cfg, n, show=5):
-    """Exact-match accuracy of greedy answers to the first n val samples, and a few of them to show."""
+    """Exact-match accuracy of greedy answers to the first n val samples, a few of them to show, the number asked
+    and the number skipped because prompt and answer exceed the model's max_seq_len."""
     raw.eval()
     tok, stop = stream.tok, data.stop_token_id(cfg["template"], stream.tok)
-    right, shown, total = 0, [], 0
+    right, shown, total, too_long, max_new = 0, [], 0, 0, 8
     for sample in range(min(n, len(stream))):
         _, members = stream.read(sample)
         conv, image = data.sample_conversation(members)
@@ -360,11 +600,15 @@ def answer_accuracy(raw, stream, env, cfg, n, show=5):
             continue
         prompt, answer = data.prompt_and_answer(conv, image is not None, cfg["template"], tok, stream.image_token_id,
                                                 stream.n_image_tokens)
+        if len(prompt) + max_new > raw.cfg.llm.max_seq_len:  # the model cannot hold it: counted, not a crash
+            too_long += 1
+            continue
         pixels = data.normalize_images(data.load_image(image, stream.image_size, stream.image_mode)[None]) \
             if image is not None else None
         ids = torch.tensor([prompt], device=env.device)
         with autocast(env, cfg):
-            out = raw.generate(ids, pixels.to(env.device) if pixels is not None else None, max_new_tokens=8, eos_id=stop)
+            out = raw.generate(ids, pixels.to(env.device) if pixels is not None else None, max_new_tokens=max_new,
+                               eos_id=stop)
         tokens = out[0].tolist()
         said = tok.decode(tokens[: tokens.index(stop)] if stop in tokens else tokens).strip()
         right += said.lower() == answer.strip().lower()
@@ -373,7 +617,7 @@ def answer_accuracy(raw, stream, env, cfg, n, show=5):
             question = next(t["value"] for t in conv if t["from"] in ("human", "user")).replace(data.IMAGE_TAG, "").strip()
             shown.append((question, said, answer))
     raw.train()
-    return right / max(1, total), shown
+    return right / max(1, total), shown, total, too_long
 
 
 # -----------------------------------------------------------------------------
@@ -384,15 +628,30 @@ def main(argv=None):
     cfg = load_config(sys.argv[1:] if argv is None else argv)
     env = Env(cfg)
     out = Path(cfg["out_dir"])
+    found = checkpoints(out) if out.is_dir() else []
+    if found and cfg["init_from"] != "resume":  # its pruning would delete them, or they would collide with ours
+        names = ", ".join(p.name for p in found[-3:]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise SystemExit(f"out_dir {out} already holds checkpoints ({names}): continue that run with "
+                         f"--init_from=resume, or give this one a new out_dir")
     if env.master:
-        out.mkdir(parents=True, exist_ok=True)
-        for stale in out.glob(".step-*.tmp-*"):  # a checkpoint write that was killed
-            shutil.rmtree(stale, ignore_errors=True)
-        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            wait_for_stop_writer(out)
+            for stale in out.glob(".step-*.tmp-*"):  # a checkpoint write that was killed
+                shutil.rmtree(stale, ignore_errors=True)
+            (out / "config.json").write_text(json.dumps(cfg, indent=2))
+        except OSError as e:
+            raise SystemExit(f"out_dir {str(out)!r}: cannot write there ({e.strerror or e})") from None
         print0(env, "config:", json.dumps(cfg))
+    if dist.is_initialized():  # every rank looks for checkpoints after a previous stop's writer is done
+        dist.barrier()
     if not Path(cfg["data_dir"]).exists():
         raise SystemExit(f"data_dir {cfg['data_dir']!r} does not exist. For the shapes demo run "
                          "`python data.py shapes --out data/shapes` first (make demo does it).")
+    try:
+        data.Tokenizer(cfg["tokenizer"])
+    except Exception as e:  # noqa: BLE001  sentencepiece and tokenizers raise many kinds for a bogus file
+        raise SystemExit(f"tokenizer {cfg['tokenizer']!r}: cannot load ({type(e).__name__}: {e})") from None
     # batch_size is global. Under torchrun micro_batch_size is per rank; under SPMD it is global (one program),
     # split over the hosts for reading and over the (dp, fsdp) devices for computing
     per_step = cfg["micro_batch_size"] * env.replicas
@@ -416,13 +675,18 @@ def main(argv=None):
     # model: from scratch, from a converted checkpoint, or the newest checkpoint of this run
     resume_from = None
     if cfg["init_from"] == "resume":
-        found = checkpoints(out)
-        resume_from = found[-1] if found else None
+        resume_from = newest_good_checkpoint(out, env)
         print0(env, f"resuming from {resume_from}" if resume_from else f"no checkpoint in {out}: starting from scratch")
+        if resume_from:
+            check_resume_config(resume_from, cfg, env)
     source = resume_from or (cfg["init_from"] if cfg["init_from"] not in ("scratch", "resume") else None)
     build_on = "cpu" if env.kind == "xla" else env.device  # XLA: built and initialised on the host, then sharded
     if source:
-        raw = convert.load_model(source, device=build_on)
+        try:
+            raw = convert.load_model(source, device=build_on)
+        except (convert.ConversionError, OSError, ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f"{'resume' if resume_from else 'init_from'} {str(source)!r}: cannot load the model "
+                             f"({e})") from None
     else:
         raw = build_model(model_config(cfg), device=build_on, seed=cfg["seed"])
     freeze(raw, cfg["stage"])
@@ -444,7 +708,13 @@ def main(argv=None):
                    "n_image_tokens": raw.cfg.n_image_tokens, "template": cfg["template"], "image_mode": cfg["image_mode"],
                    "seed": cfg["seed"], "rank": env.rank, "world_size": env.world, "shuffle_block": cfg["shuffle_block"],
                    "pack": cfg["pack"], "fast_images": cfg["fast_images"]}
-    loader = data.Loader(data.ShardStream(cfg["data_dir"], split="train", **stream_args), cfg["num_workers"])
+    try:
+        loader = data.Loader(data.ShardStream(cfg["data_dir"], split="train", **stream_args), cfg["num_workers"])
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"data_dir {cfg['data_dir']!r}: {e}") from None
+    if cfg["seq_len"] <= raw.cfg.n_image_tokens:  # every sample with an image would drop: a loss of 0.0
+        raise SystemExit(f"config: seq_len={cfg['seq_len']} leaves no room for text after the model's "
+                         f"{raw.cfg.n_image_tokens} image tokens")
     vocab, image_id, llm = loader.stream.tok.vocab_size, raw.cfg.image_token_id, raw.cfg.llm
     if cfg["seq_len"] > llm.max_seq_len:
         raise SystemExit(f"config: seq_len={cfg['seq_len']} exceeds the model's max_seq_len={llm.max_seq_len}")
@@ -482,6 +752,15 @@ def main(argv=None):
             if cfg["wandb_log"]:
                 wandb.log(event, step=event["step"])
 
+    # test-only fault injection: LLAVAX_TEST_NONFINITE="3,4@1" makes the loss NaN at iterations 3 and 4 (on rank 1
+    # only; every rank without "@"), LLAVAX_TEST_INF_WEIGHT="6" sets a weight to inf after iteration 6's update
+    steps, _, rank = os.environ.get("LLAVAX_TEST_NONFINITE", "").partition("@")
+    poison = {int(x) for x in steps.split(",") if x} if rank in ("", str(env.rank)) else set()
+    poison_weight = {int(x) for x in os.environ.get("LLAVAX_TEST_INF_WEIGHT", "").split(",") if x}
+    nonfinite_run = nonfinite_worst = nonfinite_total = 0
+    if env.kind == "xla":
+        nonfinite_run, nonfinite_worst, nonfinite_total = (torch.zeros((), dtype=torch.long, device=env.device)
+                                                           for _ in range(3))
     peak = cfg["peak_flops"] or known_peak_flops(env)
     trainable = [p for p in raw.parameters() if p.requires_grad]
     batches = iter(loader)
@@ -508,30 +787,66 @@ def main(argv=None):
         # DDP and FSDP average gradients over ranks, hence the factor world
         micro = [device_batch(b, env) for b in micro]
         count = env.all_sum(sum((b["labels"][:, 1:] != -100).sum() for b in micro).float())
+        step_loss = torch.zeros((), device=env.device)
         for i, b in enumerate(micro):
             with grad_sync(model, env, cfg, i == grad_accum - 1), autocast(env, cfg):
                 _, loss = model(b["input_ids"], b["pixel_values"], b["labels"], "sum", b.get("position_ids"))
+                loss = loss * float("nan") if it in poison else loss
                 (loss * env.replicas / count.clamp(min=1)).backward()
-            loss_sum += loss.detach()
-        tokens_sum += count / env.replicas
+            step_loss += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf"))
-        optimizer.step()
+        # a non-finite loss or gradient skips the update (the batch is consumed, as with skip_steps). Under XLA the
+        # skip happens inside the compiled step (no host sync); elsewhere one flag a step is agreed over the ranks
+        finite = torch.isfinite(step_loss) & torch.isfinite(grad_norm.to_local() if hasattr(grad_norm, "to_local")
+                                                           else grad_norm)
+        if env.kind == "xla":
+            step_if_finite(optimizer, finite)
+            nonfinite_run = torch.where(finite, 0, nonfinite_run + 1)
+            nonfinite_worst, nonfinite_total = torch.maximum(nonfinite_worst, nonfinite_run), nonfinite_total + ~finite
+            loss_sum += torch.where(finite, step_loss, 0.0)
+            tokens_sum += torch.where(finite, count / env.replicas, 0.0)
+        elif not env.agree(not bool(finite)):
+            optimizer.step()
+            loss_sum += step_loss
+            tokens_sum += count / env.replicas
+            nonfinite_worst = nonfinite_run = 0
+        else:
+            nonfinite_run, nonfinite_total = nonfinite_run + 1, nonfinite_total + 1
+            nonfinite_worst = max(nonfinite_worst, nonfinite_run)
+            print0(env, f"step {it}: non-finite loss or gradient (loss {step_loss.item()}, grad norm "
+                   f"{grad_norm.full_tensor() if hasattr(grad_norm, 'full_tensor') else grad_norm:.4g}): update "
+                   f"skipped, {nonfinite_run} in a row, {nonfinite_total} in this run")
+            log({"step": it, "nonfinite_skipped": True, "nonfinite_in_a_row": nonfinite_run})
         optimizer.zero_grad(set_to_none=True)
         env.step_end()
         it += 1
         rows_done += cfg["batch_size"]
+        if it in poison_weight:  # test-only: a weight goes non-finite, as after an overflowing update
+            with torch.no_grad():
+                trainable[0].view(-1)[:1].fill_(float("inf"))
+        if env.kind != "xla" and nonfinite_worst >= cfg["max_nonfinite_steps"]:
+            stop_nonfinite(out, it, nonfinite_worst, cfg, loader)
 
         if it % cfg["log_interval"] == 0 or it == cfg["max_iters"]:
             env.sync()
+            if env.kind == "xla":  # the skips of the compiled steps, read at log intervals only
+                worst, skipped = int(nonfinite_worst.item()), int(nonfinite_total.item())
+                if skipped:
+                    print0(env, f"step {it}: {skipped} update(s) skipped so far for a non-finite loss or gradient")
+                if worst >= cfg["max_nonfinite_steps"]:  # the longest run so far: never reset, we stop at once
+                    stop_nonfinite(out, it, worst, cfg, loader)
             dt = time.perf_counter() - t_last
-            loss_val = (env.all_sum(loss_sum) / env.all_sum(tokens_sum).clamp(min=1)).item()
+            n_tokens = env.all_sum(tokens_sum)
+            # no supervised token in the interval (all skipped or dropped): no loss, rather than 0.0
+            loss_val = (env.all_sum(loss_sum) / n_tokens).item() if n_tokens.item() else float("nan")
             gn = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
             steps = rows_done / cfg["batch_size"]
             tok_s = rows_done * cfg["seq_len"] / dt
             flops = row_flops * rows_done / dt
             mem = torch.cuda.max_memory_allocated(env.device) / 2**30 if env.kind == "cuda" else \
                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-            event = {"step": it, "loss": loss_val, "lr": lr_now, "grad_norm": gn.item(), "tokens_per_s": tok_s,
+            event = {"step": it, "loss": None if math.isnan(loss_val) else loss_val, "lr": lr_now, "grad_norm": gn.item(),
+                     "tokens_per_s": tok_s,
                      "samples_per_s": rows_done * per_row / dt, "mfu": flops / (peak * env.n_devices) if peak else None,
                      "data_wait": data_wait / dt, "peak_mem_gib": mem, "dropped_samples": dropped}
             if env.kind == "xla":  # a count that grows after warm-up means the step recompiles: see README
@@ -555,7 +870,7 @@ def main(argv=None):
             t_last = time.perf_counter()
         stopping = env.agree(stop["requested"])
         if stopping or (cfg["ckpt_interval"] and it % cfg["ckpt_interval"] == 0) or it == cfg["max_iters"]:
-            save_checkpoint(out / f"step-{it:06d}", model, raw, optimizer, loader, it, cfg, env)
+            save_checkpoint(out / f"step-{it:06d}", model, raw, optimizer, loader, it, cfg, env, detach=stopping)
             print0(env, f"step {it}: checkpoint {out / f'step-{it:06d}'}")
             t_last = time.perf_counter()
         if stopping:
@@ -567,13 +882,13 @@ def main(argv=None):
             if env.kind == "xla":  # token-by-token generation would recompile at every length: answer on the host
                 host = build_model(raw.cfg, device="cpu", init=False)
                 host.load_state_dict({k: v.cpu() for k, v in raw.state_dict().items()})
-                acc, shown = answer_accuracy(host, val_stream, SimpleNamespace(kind="cpu", device=torch.device("cpu"),
-                                                                               distributed=False), cfg,
-                                             cfg["final_accuracy_samples"])
+                on_host = SimpleNamespace(kind="cpu", device=torch.device("cpu"), distributed=False)
+                result = answer_accuracy(host, val_stream, on_host, cfg, cfg["final_accuracy_samples"])
             else:
-                acc, shown = answer_accuracy(raw, val_stream, env, cfg, cfg["final_accuracy_samples"])
-            n_asked = min(cfg["final_accuracy_samples"], len(val_stream))
-            print0(env, f"held-out exact-match accuracy: {100 * acc:.1f}% on {n_asked} questions")
+                result = answer_accuracy(raw, val_stream, env, cfg, cfg["final_accuracy_samples"])
+            acc, shown, n_asked, too_long = result
+            print0(env, f"held-out exact-match accuracy: {100 * acc:.1f}% on {n_asked} questions"
+                   + (f" ({too_long} longer than the model's max_seq_len skipped)" if too_long else ""))
             for q, said, answer in shown:
                 print0(env, f"  Q: {q:<36} model: {said:<8} truth: {answer}")
             log({"step": it, "accuracy": acc})

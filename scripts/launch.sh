@@ -23,8 +23,17 @@ fi
 here=$(cd "$(dirname "$0")/.." && pwd)
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 nnodes=${NNODES:-1} node_rank=${NODE_RANK:-0} nproc=${NPROC_PER_NODE:-${gpus:-1}}
-[ "$nproc" -gt 0 ] || nproc=1
+[ "$nproc" != 0 ] || [ -n "${NPROC_PER_NODE:-}" ] || nproc=1  # no GPU here: one process
 master_addr=${MASTER_ADDR:-127.0.0.1} master_port=${MASTER_PORT:-29500}
+# every number a user can set, checked before torchrun sees it: NAME=value minimum
+for setting in "NNODES=$nnodes 1" "NODE_RANK=$node_rank 0" "NPROC_PER_NODE=$nproc 1" "MASTER_PORT=$master_port 1" \
+  "MAX_RESTARTS=${MAX_RESTARTS:-0} 0"; do
+  value=${setting% *} min=${setting##* }
+  if ! [[ ${value#*=} =~ ^[0-9]+$ ]] || [ "${value#*=}" -lt "$min" ]; then
+    echo "launch.sh: ${value%%=*} must be a whole number >= $min, got '${value#*=}'" >&2
+    exit 2
+  fi
+done
 
 # NCCL defaults (a value already in the environment wins)
 # a failed or timed-out collective aborts the process, so torchrun can restart the group instead of it hanging

@@ -3,6 +3,8 @@
 # preempted (SUSPENDED), FAILED or missing, delete it, create it again (scripts/tpu_up.sh: setup included)
 # and relaunch CMD, which must resume (train.py --init_from=resume); stop once train.py has written
 # OUT_DIR/DONE. Needs OUT_DIR (train.py's out_dir, on storage the workers share) to see that marker.
+# A gcloud call that fails is retried with backoff (RETRIES, RETRY_SECONDS) and never taken for a lost pod; CMD is
+# launched only while no worker runs train.py, so a babysitter started again never starts a second copy.
 set -euo pipefail
 USAGE="usage: scripts/tpu_babysit.sh [--spot | --best-effort | --reserved] [--out-dir=DIR] [--dry-run] [settings as tpu_up.sh] -- CMD...
   e.g. scripts/tpu_babysit.sh --spot --out-dir=/mnt/ckpt/run -- python train.py configs/tpu_pretrain.py --init_from=resume
@@ -23,10 +25,11 @@ if [ ${#cmd[@]} -eq 0 ]; then
   exit 2
 fi
 here=$(dirname "$0")
+done_test="test -f $(printf '%q' "$OUT_DIR/DONE")"  # run by the remote shell: the path quoted for it
 if [ "$DRY_RUN" = 1 ]; then  # one round of each kind of action, printed
   run bash "$here/tpu_up.sh" "${up_flags[@]+"${up_flags[@]}"}"
   run bash "$here/tpu_run.sh" -- "${cmd[@]}"
-  WORKER=0 on_workers "test -f $OUT_DIR/DONE"
+  WORKER=0 on_workers "$done_test"
   exit 0
 fi
 
@@ -35,14 +38,22 @@ while true; do
   state=$(qr_state)
   case "$state" in
     ACTIVE)
-      if WORKER=0 on_workers "test -f $OUT_DIR/DONE" > /dev/null 2>&1; then
+      if WORKER=0 on_workers "$done_test" > /dev/null 2>&1; then
         log "$OUT_DIR/DONE exists: the run is complete"
         exit 0
       fi
       if [ "$launched" = 0 ]; then
-        log "launching: ${cmd[*]}"
-        bash "$here/tpu_run.sh" -- "${cmd[@]}"
-        launched=1
+        if ! running=$(retry on_workers "pgrep -f '[t]rain.py' > /dev/null && echo RUNNING || true"); then
+          log "cannot reach the workers to see whether train.py runs; trying again next round"
+        elif [[ "$running" == *RUNNING* ]]; then
+          log "train.py already runs on $TPU_NAME: not launching a second copy"
+          launched=1
+        elif bash "$here/tpu_run.sh" -- "${cmd[@]}"; then
+          log "launched: ${cmd[*]}"
+          launched=1
+        else
+          log "launching failed; trying again next round"
+        fi
       fi ;;
     SUSPENDED | SUSPENDING | FAILED | PREEMPTED | MISSING)
       if [ "$recreates" -ge "${MAX_RECREATES:-20}" ]; then
@@ -51,8 +62,11 @@ while true; do
       fi
       recreates=$((recreates + 1))
       log "$QR_NAME is $state: recreating it (recreation $recreates)"
-      [ "$state" = MISSING ] || bash "$here/tpu_down.sh"
-      bash "$here/tpu_up.sh" "${up_flags[@]+"${up_flags[@]}"}" || log "tpu_up failed; trying again next round"
+      if [ "$state" != MISSING ] && ! retry bash "$here/tpu_down.sh"; then
+        log "deleting $QR_NAME failed; trying again next round"
+      else
+        bash "$here/tpu_up.sh" "${up_flags[@]+"${up_flags[@]}"}" || log "tpu_up failed; trying again next round"
+      fi
       launched=0 ;;
     *) log "$QR_NAME is $state; waiting" ;;
   esac

@@ -56,10 +56,43 @@ log() {
   echo "[$(date +%H:%M:%S)] $(basename "$0"): $*" >&2
 }
 
-# queued-resource state (ACTIVE, PROVISIONING, SUSPENDED, FAILED, ...), or MISSING when it does not exist
+# run a command until it succeeds, at most RETRIES (5) times, waiting RETRY_SECONDS (5), then twice that, ...:
+# gcloud calls fail for a moment (network, API quotas, an ssh key still propagating)
+retry() {
+  local try=1 wait=${RETRY_SECONDS:-5}
+  until "$@"; do
+    if [ "$try" -ge "${RETRIES:-5}" ]; then
+      log "failed ${RETRIES:-5} times: $*"
+      return 1
+    fi
+    log "failed (try $try of ${RETRIES:-5}); again in ${wait}s: $*"
+    sleep "$wait"
+    try=$((try + 1)) wait=$((wait * 2))
+  done
+}
+
+# queued-resource state (ACTIVE, PROVISIONING, SUSPENDED, FAILED, ...), MISSING when gcloud says it does not exist,
+# UNKNOWN when describe keeps failing otherwise: a failed call is no evidence that a healthy pod is gone
 qr_state() {
-  gcloud compute tpus queued-resources describe "$QR_NAME" --zone="$ZONE" --project="$PROJECT" \
-    --format='value(state.state)' 2>/dev/null || echo MISSING
+  local err try=1 wait=${RETRY_SECONDS:-5}
+  err=$(mktemp)
+  while true; do
+    if gcloud compute tpus queued-resources describe "$QR_NAME" --zone="$ZONE" --project="$PROJECT" \
+      --format='value(state.state)' 2>"$err"; then
+      break
+    elif grep -q NOT_FOUND "$err"; then
+      echo MISSING
+      break
+    elif [ "$try" -ge "${RETRIES:-5}" ]; then
+      log "describe failed ${RETRIES:-5} times: $(tail -n 1 "$err")"
+      echo UNKNOWN
+      break
+    fi
+    log "describe failed (try $try of ${RETRIES:-5}); again in ${wait}s: $(tail -n 1 "$err")"
+    sleep "$wait"
+    try=$((try + 1)) wait=$((wait * 2))
+  done
+  rm -f "$err"
 }
 
 # a command on every worker of the pod (or one: WORKER=0)

@@ -32,7 +32,8 @@ def gcloud(tmp_path):
     state.mkdir()
     (bin_dir / "gcloud").symlink_to(ROOT / "tests/fake_gcloud.py")
     env = {k: v for k, v in os.environ.items() if k not in SETTINGS and k not in ("WANDB_API_KEY", "HF_TOKEN")}
-    env |= {"PATH": f"{bin_dir}:{env['PATH']}", "FAKE_GCLOUD_DIR": str(state), "POLL_SECONDS": "0"}
+    env |= {"PATH": f"{bin_dir}:{env['PATH']}", "FAKE_GCLOUD_DIR": str(state), "POLL_SECONDS": "0",
+                                                       "RETRY_SECONDS": "0"}
 
     def script(name, *argv, extra=None, states=("ACTIVE",), check=True):
         (state / "states").write_text("\n".join(states))
@@ -141,6 +142,71 @@ def test_babysit_recreates_after_preemption_and_stops_when_done(gcloud):
     assert launches[0] < kinds.index("delete") < kinds.index("create") < launches[1]
     assert "DONE exists: the run is complete" in r.stderr
     assert any("--worker=0" in a and "--command=test -f /mnt/ckpt/run/DONE" in a for a in c)
+
+
+def test_babysit_retries_transient_gcloud_failures_without_recreating_a_healthy_pod(gcloud):
+    script, calls, _ = gcloud
+    # describe fails twice (UNAVAILABLE) on a healthy pod; the first ssh (the DONE test) drops its connection
+    r = script("tpu_babysit.sh", "--out-dir=/mnt/ckpt/run", "--", "python", "train.py", "configs/x.py",
+               states=("ACTIVE", "ERROR", "ERROR", "ACTIVE"), extra={"FAKE_SSH_FAILS": "1"})
+    c = calls()
+    assert not [a for a in c if a[2:4] == ["queued-resources", "create"] or a[2:4] == ["queued-resources", "delete"]]
+    assert sum(any("nohup" in x for x in a) for a in c) == 1  # launched once, never a second copy
+    assert "describe failed (try 1 of 5)" in r.stderr and "DONE exists" in r.stderr
+
+
+def test_babysit_never_launches_a_second_copy_of_a_live_run(gcloud):
+    script, calls, _ = gcloud
+    # a babysitter started again while train.py still runs on the workers
+    r = script("tpu_babysit.sh", "--out-dir=/mnt/ckpt/run", "--", "python", "train.py", "configs/x.py",
+               extra={"FAKE_LIVE_RUN": "1", "FAKE_DONE_AT_CHECK": "3"})
+    assert not [a for a in calls() if any("nohup" in x for x in a)]
+    assert "already runs on llavax-test: not launching a second copy" in r.stderr and "DONE exists" in r.stderr
+
+
+def test_babysit_survives_a_failed_delete_and_an_out_dir_with_a_space(gcloud):
+    script, calls, _ = gcloud
+    r = script("tpu_babysit.sh", "--out-dir=/mnt/ckpt/my run", "--", "python", "train.py", "configs/x.py",
+               states=("SUSPENDED", "PROVISIONING", "ACTIVE"), extra={"FAKE_DELETE_FAILS": "1"})
+    c = calls()
+    assert sum(a[2:4] == ["queued-resources", "delete"] for a in c) == 2  # the failed one retried
+    assert sum(a[2:4] == ["queued-resources", "create"] for a in c) == 1
+    assert sum(any("nohup" in x for x in a) for a in c) == 1 and "DONE exists" in r.stderr
+    assert any("--command=test -f /mnt/ckpt/my\\ run/DONE" in a for a in c)
+
+
+# -----------------------------------------------------------------------------
+# SLURM: scripts/slurm.sbatch run as sbatch runs it, with a fake srun that signals the step as slurmstepd does
+
+
+@pytest.mark.slow
+def test_slurm_signal_reaches_train_py_and_the_job_requeues_and_resumes(shapes, tmp_path):  # noqa: F811
+    bin_dir, state, out = tmp_path / "bin", tmp_path / "slurm", tmp_path / "run"
+    bin_dir.mkdir()
+    state.mkdir()
+    for name in ("srun", "scontrol"):
+        (bin_dir / name).symlink_to(ROOT / "tests/fake_slurm.py")
+    env = os.environ | {"PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": sys.executable, "FAKE_SLURM_DIR": str(state),
+                        "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[01-01]", "SLURM_NNODES": "1",
+                        "SLURM_GPUS_ON_NODE": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    argv = ["bash", str(SCRIPTS / "slurm.sbatch"), *args(shapes, out, "--max_iters=10", "--ckpt_interval=0",
+                                                         "--num_workers=2", "--keep_last=5")]
+    # the first allocation: SIGTERM to every process of the step at step 2 (as --signal=TERM@LEAD does)
+    r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=env | {"MASTER_PORT": str(free_port()), "FAKE_SLURM_SIGNAL_AT_STEP": "2"})
+    assert r.returncode == 0 and (state / "signalled").exists(), r.stdout[-3000:] + r.stderr[-3000:]
+    assert "got signal 15" in r.stdout and "requeueing job 4242" in r.stdout, r.stdout[-3000:]
+    assert (state / "requeues").read_text() == "4242\n" and not (out / "DONE").exists()
+    (ckpt,) = [p.name for p in (out).glob("step-*")]
+    # the requeued job: same script, same job id; it resumes and finishes without requeueing again
+    r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env=env | {"MASTER_PORT": str(free_port()), "SLURM_RESTART_COUNT": "1"})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"resuming from {out / ckpt}" in r.stdout and "the run is complete" in r.stdout
+    assert (state / "requeues").read_text() == "4242\n" and (out / "DONE").exists()
+    straight = tmp_path / "straight"  # one process: bit-identical to torchrun with one (checked)
+    run(args(shapes, straight, "--max_iters=10", "--ckpt_interval=0"))
+    assert weights(out / "step-000010") == weights(straight / "step-000010")
 
 
 # -----------------------------------------------------------------------------

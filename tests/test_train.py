@@ -6,6 +6,8 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,12 +84,20 @@ def test_gradient_accumulation_matches_one_big_batch(shapes, single_run, tmp_pat
     assert all(abs(got[s] - ref[s]) < 1e-5 for s in range(1, 6)), (got, ref)
 
 
+@pytest.fixture(scope="module")
+def ddp_run(shapes, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    run(args(shapes, out, "--max_iters=20", "--parallel=ddp", "--micro_batch_size=4"), nproc=2)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_two_process_run_matches_single_and_resumes_exactly(shapes, single_run, tmp_path, parallel):
-    a, b = tmp_path / "a", tmp_path / "b"
+def test_two_process_run_matches_single_and_resumes_exactly(shapes, single_run, ddp_run, tmp_path, parallel):
+    a, b = ddp_run if parallel == "ddp" else tmp_path / "a", tmp_path / "b"
     common = [f"--parallel={parallel}", "--micro_batch_size=4"]  # 2 ranks x 4 = the single run's global batch
-    run(args(shapes, a, "--max_iters=20", *common), nproc=2)
+    if parallel == "fsdp":
+        run(args(shapes, a, "--max_iters=20", *common), nproc=2)
     ref, got = losses(single_run), losses(a)
     assert all(abs(got[s] - ref[s]) < 1e-5 for s in range(1, 6)), (got, ref)
     run(args(shapes, b, "--max_iters=10", *common), nproc=2)
@@ -111,6 +121,71 @@ def test_sigterm_finishes_the_step_checkpoints_and_resumes(shapes, tmp_path):
     assert stopped >= 3 and not (tmp_path / "DONE").exists()
     r = run(args(shapes, tmp_path, f"--max_iters={stopped + 2}", "--init_from=resume"))
     assert f"resuming from {ckpt}" in r.stdout and f"step {stopped + 2}:" in r.stdout and (tmp_path / "DONE").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_process_group_with_loader_workers_checkpoints_and_resumes_exactly(shapes, single_run, tmp_path):
+    # as VM shutdown, SLURM and systemd deliver it: TERM to every process of the group, DataLoader workers included
+    common = ["--num_workers=2", "--ckpt_interval=0", "--keep_last=5"]
+    cmd = [sys.executable, str(ROOT / "train.py"), *args(shapes, tmp_path, "--max_iters=20", *common)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env=os.environ | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    for line in proc.stdout:
+        if line.startswith("step 4:"):
+            os.killpg(proc.pid, signal.SIGTERM)
+            break
+    rest = proc.stdout.read()
+    assert proc.wait(timeout=120) == 0, rest
+    (ckpt,) = train.checkpoints(tmp_path)
+    assert 4 <= json.loads((ckpt / "state.json").read_text())["iter"] < 20, rest
+    run(args(shapes, tmp_path, "--max_iters=20", "--init_from=resume", *common))
+    assert weights(tmp_path / "step-000020") == weights(single_run / "step-000020")
+
+
+def torchrun_workers(torchrun_pid):
+    """The train.py processes torchrun started (its children): not their loader workers or a detached writer."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) == torchrun_pid:
+                pids.append(int(proc.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return pids
+
+
+@pytest.mark.slow
+def test_torchrun_stop_checkpoint_survives_the_sigkill_after_the_grace_period(shapes, ddp_run, tmp_path):
+    # torchrun forwards SIGTERM to each worker's group and SIGKILLs them 30 s later (hard-coded in torch 2.9);
+    # a stop checkpoint slower than that (LLAVAX_TEST_SLOW_CHECKPOINT: a slow disk) must still be completed
+    common = ["--max_iters=10", "--micro_batch_size=4", "--ckpt_interval=0", "--num_workers=1", "--keep_last=5"]
+    out = tmp_path / "stopped"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", str(ROOT / "train.py"), *args(shapes, out, *common)]
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "LLAVAX_TEST_SLOW_CHECKPOINT": "5"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env,
+                            start_new_session=True)
+    for line in proc.stdout:
+        if line.startswith("step 2:"):
+            os.killpg(proc.pid, signal.SIGTERM)  # as systemd or a shell's kill -- -PGID deliver it
+            break
+    t0 = time.time()
+    while not (out / train.WRITER_PID).exists() and time.time() < t0 + 5:
+        time.sleep(0.05)
+    writer = int((out / train.WRITER_PID).read_text())
+    assert not train.checkpoints(out)  # the kill comes mid-write
+    for pid in torchrun_workers(proc.pid):  # what torchrun does when its 30 s are up, brought forward
+        os.kill(pid, signal.SIGKILL)
+    rest = proc.stdout.read()
+    proc.wait(timeout=60)
+    assert "got signal 15" in rest, rest
+    while os.path.exists(f"/proc/{writer}") and time.time() < t0 + 60:  # the writer lives on, in its own session
+        time.sleep(0.2)
+    (ckpt,) = train.checkpoints(out)
+    assert 2 <= json.loads((ckpt / "state.json").read_text())["iter"] < 10
+    r = run(args(shapes, out, "--init_from=resume", *common), nproc=2)
+    assert f"resuming from {ckpt}" in r.stdout
+    assert weights(out / "step-000010") == weights(ddp_run / "step-000010")  # uninterrupted, 20 steps
 
 
 def test_kill_during_checkpoint_write_keeps_the_previous_one(shapes, tmp_path):

@@ -1,0 +1,256 @@
+"""Faults that must never cost a good state or train on garbage: injected non-finite losses and weights, corrupted
+checkpoint files, foreign checkpoints in out_dir, changed configs on resume, step numbers past six digits, held-out
+questions too long for the model; and every bad input a user can type, through the real command lines."""
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from conftest import ROOT
+from safetensors.torch import load_file
+from test_train import args, run, shapes, weights  # noqa: F401  (shapes is a fixture)
+
+import data
+import train
+
+
+@pytest.fixture(scope="module")
+def base(shapes, tmp_path_factory):  # noqa: F811
+    """An uninterrupted 6-step run with checkpoints at steps 3 and 6."""
+    out = tmp_path_factory.mktemp("base")
+    run(args(shapes, out, "--max_iters=6", "--ckpt_interval=3", "--keep_last=5"))
+    return out
+
+
+def log_events(out):
+    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+
+
+def no_traceback(r):
+    assert r.returncode != 0, r.stdout[-2000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+
+
+# -----------------------------------------------------------------------------
+# non-finite losses and weights (test-only hooks in train.py: LLAVAX_TEST_NONFINITE, LLAVAX_TEST_INF_WEIGHT)
+
+
+def test_nonfinite_step_is_skipped_exactly_like_a_skipped_batch(shapes, tmp_path, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("LLAVAX_TEST_NONFINITE", "3")
+    poisoned = run(args(shapes, tmp_path / "nan", "--max_iters=6"))
+    monkeypatch.delenv("LLAVAX_TEST_NONFINITE")
+    run(args(shapes, tmp_path / "skip", "--max_iters=6", "--skip_steps=[(3, 4)]"))
+    assert "step 3: non-finite loss or gradient" in poisoned.stdout
+    assert weights(tmp_path / "nan/step-000006") == weights(tmp_path / "skip/step-000006")
+    assert (tmp_path / "nan/step-000006/optimizer.safetensors").read_bytes() == \
+        (tmp_path / "skip/step-000006/optimizer.safetensors").read_bytes()
+    assert [e["step"] for e in log_events(tmp_path / "nan") if e.get("nonfinite_skipped")] == [3]
+    assert (tmp_path / "nan/DONE").exists()
+
+
+def test_nonfinite_steps_in_a_row_stop_with_a_clear_error(shapes, tmp_path, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("LLAVAX_TEST_NONFINITE", "2,3,4")
+    r = run(args(shapes, tmp_path, "--max_iters=20", "--ckpt_interval=2", "--keep_last=1", "--max_nonfinite_steps=3"),
+            check=False)
+    no_traceback(r)
+    assert "3 steps in a row had a non-finite loss or gradient" in r.stderr and "max_nonfinite_steps" in r.stderr
+    assert [p.name for p in train.checkpoints(tmp_path)] == ["step-000004"] and not (tmp_path / "DONE").exists()
+    assert train.verify_checkpoint(tmp_path / "step-000004") is None
+    assert all(torch.isfinite(t).all() for t in load_file(tmp_path / "step-000004/model.safetensors").values())
+
+
+def test_nonfinite_weights_are_never_checkpointed_and_the_good_one_is_kept(shapes, tmp_path, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("LLAVAX_TEST_INF_WEIGHT", "4")
+    r = run(args(shapes, tmp_path, "--max_iters=20", "--ckpt_interval=3", "--keep_last=1"), check=False)
+    no_traceback(r)
+    assert "not writing step-000006: non-finite values" in r.stderr and "step-000003" in r.stderr
+    assert [p.name for p in train.checkpoints(tmp_path)] == ["step-000003"]
+    assert train.verify_checkpoint(tmp_path / "step-000003") is None
+
+
+@pytest.mark.slow
+def test_nonfinite_on_one_rank_skips_the_update_on_every_rank(shapes, tmp_path, monkeypatch):  # noqa: F811
+    common = ["--parallel=ddp", "--micro_batch_size=4", "--max_iters=5"]
+    monkeypatch.setenv("LLAVAX_TEST_NONFINITE", "2@1")
+    r = run(args(shapes, tmp_path / "nan", *common), nproc=2)
+    monkeypatch.delenv("LLAVAX_TEST_NONFINITE")
+    run(args(shapes, tmp_path / "skip", *common, "--skip_steps=[(2, 3)]"), nproc=2)
+    assert "step 2: non-finite loss or gradient" in r.stdout
+    assert weights(tmp_path / "nan/step-000005") == weights(tmp_path / "skip/step-000005")
+
+
+# -----------------------------------------------------------------------------
+# checkpoint integrity
+
+
+def flip_a_value(path):
+    """Flip the lowest mantissa bit of one float in a safetensors file: still finite, still loads."""
+    raw = bytearray(path.read_bytes())
+    n = struct.unpack("<Q", raw[:8])[0]
+    at = 8 + n + (len(raw) - 8 - n) // 2 // 4 * 4
+    raw[at] ^= 1
+    path.write_bytes(bytes(raw))
+
+
+def truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+CORRUPTIONS = {
+    "flipped_finite_value": (lambda d: flip_a_value(d / "model.safetensors"), "model.safetensors differs"),
+    "truncated_weights": (lambda d: truncate(d / "model.safetensors"), "model.safetensors is"),
+    "bad_header": (lambda d: (d / "optimizer.safetensors").write_bytes(
+        b"\xff" * 8 + (d / "optimizer.safetensors").read_bytes()[8:]), "optimizer.safetensors differs"),
+    "truncated_state": (lambda d: truncate(d / "state.json"), "state.json is"),
+    "missing_rng": (lambda d: (d / "rng.safetensors").unlink(), "rng.safetensors is missing"),
+    "no_manifest": (lambda d: (d / "manifest.json").unlink(), "no manifest.json"),
+    "bad_manifest": (lambda d: (d / "manifest.json").write_text("{"), "manifest.json is unreadable"),
+}
+
+
+@pytest.mark.parametrize("kind", list(CORRUPTIONS))
+def test_each_corruption_is_found_and_named(base, tmp_path, kind):
+    corrupt, reason = CORRUPTIONS[kind]
+    ckpt = shutil.copytree(base / "step-000006", tmp_path / "step-000006")
+    assert train.verify_checkpoint(ckpt) is None
+    corrupt(ckpt)
+    assert reason in train.verify_checkpoint(ckpt)
+
+
+def test_resume_falls_back_past_a_silently_corrupted_checkpoint(shapes, base, tmp_path):  # noqa: F811
+    out = shutil.copytree(base, tmp_path / "run")
+    flip_a_value(out / "step-000006/model.safetensors")
+    r = run(args(shapes, out, "--max_iters=6", "--ckpt_interval=3", "--keep_last=1", "--init_from=resume",
+                 "--log_interval=2"))
+    assert f"skipping {out / 'step-000006'}: model.safetensors differs from its sha256" in r.stdout
+    assert f"resuming from {out / 'step-000003'}" in r.stdout
+    assert "log_interval changed from 1 to 2 (allowed)" in r.stdout
+    # retrained from step 3: the same bytes as the uninterrupted run; the corrupt one kept aside, not pruned
+    assert weights(out / "step-000006") == weights(base / "step-000006")
+    assert len(list(out.glob("step-000006.corrupt-*"))) == 1
+    assert [p.name for p in train.checkpoints(out)] == ["step-000006"]
+
+
+def test_step_numbers_of_any_width_sort_numerically_and_pruning_spares_newer(tmp_path):
+    for step in (999, 999999, 1000000, 12):
+        (tmp_path / f"step-{step:06d}").mkdir()
+    (tmp_path / "step-000100.corrupt-1").mkdir()
+    assert [p.name for p in train.checkpoints(tmp_path)] == ["step-000012", "step-000999", "step-999999",
+                                                             "step-1000000"]
+    train.prune_checkpoints(tmp_path, tmp_path / "step-000999", keep_last=1)  # never anything after the newest
+    assert [p.name for p in train.checkpoints(tmp_path)] == ["step-000999", "step-999999", "step-1000000"]
+    train.prune_checkpoints(tmp_path, tmp_path / "step-1000000", keep_last=2)
+    assert [p.name for p in train.checkpoints(tmp_path)] == ["step-999999", "step-1000000"]
+
+
+def test_held_out_questions_longer_than_the_model_are_counted_and_skipped(shapes):  # noqa: F811
+    cfg = train.load_config([str(ROOT / "configs/debug.py"), f"--tokenizer={shapes / 'tokenizer.model'}"])
+    stream = data.ShardStream(shapes / "shards", cfg["tokenizer"], batch_size=1, seq_len=48, image_size=28,
+                              image_token_id=512, n_image_tokens=4, template="llama_3", split="val")
+    lengths = []
+    for i in range(10):
+        conv, image = data.sample_conversation(stream.read(i)[1])
+        lengths.append(len(data.prompt_and_answer(conv, True, "llama_3", stream.tok, 512, 4)[0]))
+    limit = max(lengths) + 7  # the longest prompts, with 8 answer tokens, no longer fit
+    model_cfg = train.model_config(cfg)
+    model_cfg.llm.max_seq_len = limit
+    raw = train.build_model(model_cfg, seed=0)
+    env = train.SimpleNamespace(kind="cpu", device=torch.device("cpu"), distributed=False)
+    acc, shown, asked, too_long = train.answer_accuracy(raw, stream, env, cfg, 10)
+    assert too_long == sum(n + 8 > limit for n in lengths) > 0 and asked == 10 - too_long
+
+
+# -----------------------------------------------------------------------------
+# every bad input a user can type: one message naming it, no traceback, a non-zero exit
+
+
+@pytest.fixture(scope="module")
+def bad_inputs(base, tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad")
+    (d / "cfg.yaml").write_text("max_iters: 5\n")
+    (d / "yamlish.py").write_text("max_iters: 5\n")
+    (d / "raises.py").write_text("max_iters = 5\nlr = 1e-3 / undefined_name\n")
+    (d / "bogus.model").write_bytes(b"not a sentencepiece model\n" * 10)
+    (d / "empty_data").mkdir()
+    (d / "a_file").write_text("")
+    for name, file, corrupt in (("trunc_state", "state.json", truncate),
+                                ("trunc_optim", "optimizer.safetensors", truncate)):
+        shutil.copytree(base / "step-000006", d / name / "step-000006")
+        corrupt(d / name / "step-000006" / file)
+    shutil.copytree(base / "step-000006", d / "bad_config")
+    (d / "bad_config/config.json").write_text('{"vision": {"dim": 64,')
+    shutil.copytree(base / "step-000006", d / ".step-000006.tmp-999999")
+    return d
+
+
+def cases(shapes, base, d):  # noqa: F811
+    t = ["train.py", *args(shapes, d / "out", "--max_iters=2")]
+    ckpt = str(base / "step-000006")
+    s = ["sample.py", "--ckpt", ckpt, "--prompt", "How many circles are there?"]
+    image = str(shapes / "images/000000.png")
+    return {
+        "yaml_config": (["train.py", str(d / "cfg.yaml")], "cfg.yaml"),
+        "yaml_in_a_py_file": (["train.py", str(d / "yamlish.py")], "yamlish.py:1"),
+        "config_that_raises": (["train.py", str(d / "raises.py")], "raises.py:2"),
+        "zero_batch_size": ([*t, "--batch_size=0"], "batch_size"),
+        "negative_interval": ([*t, "--log_interval=-5"], "log_interval"),
+        "unknown_template": ([*t, "--template=vicuna"], "template 'vicuna'"),
+        "unknown_image_mode": ([*t, "--image_mode=stretch"], "image_mode 'stretch'"),
+        "seq_len_under_image_tokens": ([*t, "--seq_len=4"], "seq_len=4"),
+        "missing_tokenizer": ([*t, f"--tokenizer={d / 'nope.model'}"], "nope.model"),
+        "bogus_tokenizer": ([*t, f"--tokenizer={d / 'bogus.model'}"], "bogus.model"),
+        "empty_data_dir": ([*t, f"--data_dir={d / 'empty_data'}"], "empty_data"),
+        "unwritable_out_dir": ([*t, f"--out_dir={d / 'a_file' / 'out'}"], "a_file"),
+        "truncated_state_json": ([*t, f"--out_dir={d / 'trunc_state'}", "--init_from=resume"], "state.json"),
+        "truncated_optimizer": ([*t, f"--out_dir={d / 'trunc_optim'}", "--init_from=resume"], "optimizer.safetensors"),
+        "malformed_checkpoint_config": ([*t, f"--init_from={d / 'bad_config'}"], "bad_config/config.json"),
+        "scratch_into_foreign_checkpoints": ([*t, f"--out_dir={base}"], "step-000006"),
+        "resume_with_another_seed": ([*t, f"--out_dir={base}", "--init_from=resume", "--seed=1"], "seed"),
+        "resume_with_another_micro_batch": ([*t, f"--out_dir={base}", "--init_from=resume", "--micro_batch_size=4",
+                                             "--batch_size=8"], "micro_batch_size"),
+        "sample_missing_image": ([*s, "--image", str(d / "nope.png")], "nope.png"),
+        "sample_unknown_template": ([*s, "--template", "vicuna_v9"], "vicuna_v9"),
+        "sample_negative_temperature": ([*s, "--temperature", "-1"], "--temperature"),
+        "sample_prompt_too_long": ([*s[:-1], "circles " * 600, "--image", image], "--prompt"),
+        "convert_leftover_temporary": (["convert.py", "to-hf", "--ckpt", str(d / ".step-000006.tmp-999999"), "--out",
+                                        str(d / "hf")], ".step-000006.tmp-999999"),
+        "launch_nproc_abc": (["scripts/launch.sh", "--dry-run", str(ROOT / "configs/debug.py")], "NPROC_PER_NODE"),
+    }
+
+
+CASES = list(cases(*(ROOT,) * 3))
+
+
+@pytest.fixture(scope="module")
+def bad_runs(shapes, base, bad_inputs):  # noqa: F811
+    """Every case's (returncode, stderr) and whether the good run's files stayed as they were: two at a time, since
+    each start is mostly importing torch on one core."""
+    before = sorted(p.name for p in base.iterdir())
+    env = os.environ | {"OMP_NUM_THREADS": "1", "NPROC_PER_NODE": "abc"}
+
+    def one(case):
+        argv, _ = cases(shapes, base, bad_inputs)[case]
+        cmd = ["bash", str(ROOT / argv[0]), *argv[1:]] if argv[0].endswith(".sh") else \
+            [sys.executable, str(ROOT / argv[0]), *argv[1:]]
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+
+    with ThreadPoolExecutor(2) as pool:
+        results = dict(zip(CASES, pool.map(one, CASES)))
+    return results, sorted(p.name for p in base.iterdir()) == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_is_one_clear_message(shapes, base, bad_inputs, bad_runs, case):  # noqa: F811
+    _, name = cases(shapes, base, bad_inputs)[case]
+    results, untouched = bad_runs
+    r = results[case]
+    no_traceback(r)
+    assert name in r.stderr, r.stderr[-2000:]
+    assert untouched  # nothing of the good run was deleted or added
