@@ -15,6 +15,7 @@ import argparse
 import io
 import json
 import math
+import os
 import re
 import struct
 import sys
