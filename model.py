@@ -308,8 +308,10 @@ def rope_frequencies(cfg: LlamaConfig):
     rs = cfg.rope_scaling
     if not rs or rs.get("rope_type", rs.get("type")) in (None, "default"):
         return inv_freq
+    if rs.get("rope_type", rs.get("type")) == "linear":  # positions divided by factor
+        return inv_freq / rs["factor"]
     if rs.get("rope_type", rs.get("type")) != "llama3":
-        raise ValueError(f"unsupported rope_scaling {rs}: only 'llama3' is implemented")
+        raise ValueError(f"unsupported rope_scaling {rs}: only 'linear' and 'llama3' are implemented")
     factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
     old_len = rs["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv_freq
