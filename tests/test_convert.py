@@ -242,3 +242,157 @@ def test_streamed_safetensors_read_back_with_the_safetensors_library(tmp_path):
         assert back[k].dtype == t.dtype and torch.equal(back[k], t), k
     with safe_open(tmp_path / "a.safetensors", "pt") as f:
         assert f.metadata() == {"format": "pt"}
+
+
+# -----------------------------------------------------------------------------
+# conversions that are never silently wrong (issue 14)
+
+
+def tiny_causal_lm(model_type, tmp_path, seed=0, **extra):
+    """A tiny random transformers LLM of the given family, saved; norms perturbed so no key mix-up can hide."""
+    import transformers
+
+    cls, cfg_cls = {"llama": ("LlamaForCausalLM", "LlamaConfig"), "mistral": ("MistralForCausalLM", "MistralConfig"),
+                    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config")}[model_type]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, cfg_cls)(**{**dict(vocab_size=300, hidden_size=64, intermediate_size=192,
+                                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                   max_position_embeddings=256), **extra})
+    model = getattr(transformers, cls)(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(tmp_path)
+    return model
+
+
+def llm_max_diff(hf, tmp_path, seq=60):
+    state, cfg = convert.llm_from_hf(tmp_path)
+    model = build_model(convert.VLMConfig(vision=vlm_preset("debug").vision, llm=cfg), init=False).eval()
+    model.load_state_dict(state, strict=False)
+    assert not {k for k in convert.expected_shapes(model.cfg) if k.startswith("llm.")} - set(state)
+    ids = torch.randint(0, 300, (2, seq), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return (model(ids)[0] - hf(ids).logits).abs().max().item(), cfg
+
+
+@pytest.mark.parametrize("model_type,extra,window", [
+    ("mistral", dict(sliding_window=8), 8),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), 8),  # layer 1 only
+    ("qwen2", dict(use_sliding_window=False, sliding_window=8), None),  # a window that is not used
+    ("mistral", dict(sliding_window=None), None),
+])
+def test_sliding_window_llms_match_transformers_past_the_window(tmp_path, model_type, extra, window):
+    hf = tiny_causal_lm(model_type, tmp_path, **extra)
+    diff, cfg = llm_max_diff(hf, tmp_path)  # 60 tokens: far past an 8-token window
+    assert cfg.sliding_window == window
+    assert diff <= 1e-4
+    if model_type == "qwen2" and window:
+        assert cfg.sliding_layers == [1]
+
+
+@pytest.mark.parametrize("scaling", [{"rope_type": "linear", "factor": 4.0}])
+def test_linear_rope_scaling_matches_transformers(tmp_path, scaling):
+    hf = tiny_causal_lm("llama", tmp_path, rope_parameters={"rope_theta": 10000.0, **scaling})
+    assert llm_max_diff(hf, tmp_path)[0] <= 1e-4
+
+
+@pytest.mark.parametrize("scaling", [{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}])
+def test_unimplemented_rope_scaling_is_refused_with_a_sentence(tmp_path, scaling):
+    tiny_causal_lm("llama", tmp_path / "llm", rope_parameters={"rope_theta": 10000.0, **scaling})
+    (tmp_path / "clip").mkdir()
+    (tmp_path / "clip/config.json").write_text("{}")
+    result = subprocess.run([sys.executable, str(ROOT / "convert.py"), "from-hf", "--llm", str(tmp_path / "llm"),
+                             "--vision", str(tmp_path / "clip"), "--out", str(tmp_path / "out")],
+                            capture_output=True, text=True)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert f"rope scaling type '{scaling['rope_type']}' is not implemented" in result.stderr
+    assert not (tmp_path / "out").exists()
+    tiny_causal_lm("qwen2", tmp_path / "qwen", rope_parameters={"rope_theta": 1e6, "rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(convert.ConversionError, match="rope scaling type 'dynamic' is not implemented"):
+        convert.llm_from_hf(tmp_path / "qwen")
+
+
+@pytest.mark.parametrize("act", ["gelu", "gelu_pytorch_tanh", "quick_gelu"])
+def test_clip_hidden_act_is_honoured(tmp_path, act):
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(0)
+    hf = CLIPVisionModel(CLIPVisionConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                                          num_attention_heads=4, image_size=28, patch_size=14, hidden_act=act)).eval()
+    hf.save_pretrained(tmp_path)
+    cfg = convert.VLMConfig(vision=convert.vit_config(convert.read_json(tmp_path / "config.json")),
+                            llm=vlm_preset("debug").llm)
+    model = build_model(cfg, init=False).eval()
+    model.load_state_dict(convert.vision_from_clip(tmp_path, cfg), strict=False)
+    pixels = torch.randn(2, 3, 28, 28, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (model.vision(pixels)[0] - hf(pixels, output_hidden_states=True).hidden_states[-1]).abs().max()
+    assert cfg.vision.act == act and diff <= 1e-4
+
+
+def test_clip_hidden_act_we_lack_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "clip_vision_model", "hidden_act": "relu"}))
+    with pytest.raises(convert.ConversionError, match="vision hidden_act 'relu' is not implemented"):
+        convert.vit_config(convert.read_json(tmp_path / "config.json"), tmp_path)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_tied_checkpoint_that_also_stores_lm_head_loads_as_transformers_does(tmp_path, family):
+    hf = tiny_causal_lm(family, tmp_path, tie_word_embeddings=True)
+    state = load_file(tmp_path / "model.safetensors")
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()  # as some exporters write it
+    save_file(state, tmp_path / "model.safetensors")
+    from transformers import AutoModelForCausalLM
+
+    again = AutoModelForCausalLM.from_pretrained(tmp_path).eval()  # transformers accepts it
+    assert llm_max_diff(again, tmp_path)[0] <= 1e-4
+    assert llm_max_diff(hf, tmp_path)[0] <= 1e-4
+
+
+@pytest.mark.parametrize("where,change,expect", [
+    ("llava", {"model_type": "llava_next"}, "model_type 'llava_next' is not supported"),
+    ("vision", {"model_type": "siglip2_vision_model"}, "vision tower model_type 'siglip2_vision_model' is not supported"),
+    ("vision", {"model_type": "dinov2"}, "vision tower model_type 'dinov2' is not supported"),
+    ("text", {"model_type": "gemma"}, "LLM model_type 'gemma' is not supported"),
+])
+def test_unsupported_architectures_get_a_sentence(hf_llava_dir, where, change, expect):
+    _, src = hf_llava_dir
+    config = json.loads((src / "config.json").read_text())
+    if where == "llava":
+        config |= change
+    else:
+        config[f"{where}_config"] |= change
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit) as e:  # main's clean exit: one sentence, no traceback
+        convert.main(["from-hf", "--llava", str(src), "--out", str(src.parent / "out")])
+    assert expect in str(e.value) and "missing (" not in str(e.value), str(e.value)
+
+
+def test_siglip_qwen2_llava_converts_both_ways(tmp_path, caplog):
+    import transformers
+    from test_model import tiny_hf_siglip_qwen_llava
+    from transformers import LlavaForConditionalGeneration
+
+    hf = tiny_hf_siglip_qwen_llava(use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    hf.save_pretrained(tmp_path / "src")
+    convert.main(["from-hf", "--llava", str(tmp_path / "src"), "--out", str(tmp_path / "ours")])
+    convert.main(["to-hf", "--ckpt", str(tmp_path / "ours"), "--out", str(tmp_path / "back")])
+    transformers.logging.enable_propagation()
+    try:
+        with caplog.at_level("WARNING"):
+            back, info = LlavaForConditionalGeneration.from_pretrained(tmp_path / "back", output_loading_info=True)
+    finally:
+        transformers.logging.disable_propagation()
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+    assert back.config.vision_config.model_type == "siglip_vision_model" and back.config.text_config.model_type == "qwen2"
+    ours = convert.load_model(tmp_path / "ours").eval()
+    n = ours.cfg.n_image_tokens
+    ids, pixels, _ = image_batch(n, 511, 512, seq=n + 20, image_size=42)  # past the 8-token window
+    ids[:, :2] = torch.tensor([5, 6])
+    with torch.no_grad():
+        expect = hf_logits(hf, ids, pixels)
+        assert (hf_logits(back.eval(), ids, pixels) - expect).abs().max() <= 1e-5
+        assert (ours(ids, pixels)[0] - expect).abs().max() <= 1e-4
