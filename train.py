@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 import convert
 import data
-from model import VLMConfig, build_model, vlm_preset
+from model import VLMConfig, build_model, left_pad, vlm_preset
 from parallel import Env, autocast, checkpoint_fn, grad_sync, init_optimizer_state, place_like, print0, shard
 
 # -----------------------------------------------------------------------------
@@ -341,28 +341,35 @@ def evaluate(model, val_loader, env, cfg, n_batches):
 
 
 @torch.no_grad()
-def answer_accuracy(raw, stream, env, cfg, n, show=5):
-    """Exact-match accuracy of greedy answers to the first n val samples, and a few of them to show."""
+def answer_accuracy(raw, stream, env, cfg, n, show=5, batch_size=32):
+    """Exact-match accuracy of greedy answers to the first n val samples, and a few of them to show.
+    Questions go batch_size at a time, left-padded (rows without an image get a blank one they never read)."""
     raw.eval()
     tok, stop = stream.tok, data.stop_token_id(cfg["template"], stream.tok)
     right, shown, total = 0, [], 0
-    for sample in range(min(n, len(stream))):
-        _, members = stream.read(sample)
-        conv, image = data.sample_conversation(members)
-        prompt, answer = data.prompt_and_answer(conv, image is not None, cfg["template"], tok, stream.image_token_id,
-                                                stream.n_image_tokens)
-        pixels = data.normalize_images(data.load_image(image, stream.image_size, stream.image_mode)[None]) \
-            if image is not None else None
-        ids = torch.tensor([prompt], device=env.device)
+    asked = list(range(min(n, len(stream))))
+    for first in range(0, len(asked), batch_size):
+        prompts, answers, images, questions = [], [], [], []
+        for sample in asked[first : first + batch_size]:
+            conv, image = data.sample_conversation(stream.read(sample)[1])
+            prompt, answer = data.prompt_and_answer(conv, image is not None, cfg["template"], tok,
+                                                    stream.image_token_id, stream.n_image_tokens)
+            prompts.append(prompt)
+            answers.append(answer)
+            images.append(data.load_image(image, stream.image_size, stream.image_mode) if image is not None else
+                          torch.zeros(3, stream.image_size, stream.image_size, dtype=torch.uint8))
+            questions.append(next(t["value"] for t in conv if t["from"] in ("human", "user")))
+        ids, mask = left_pad(prompts, tok.pad_id)
+        pixels = data.normalize_images(torch.stack(images)).to(env.device) if stream.image_token_id in ids else None
         with autocast(env, cfg):
-            out = raw.generate(ids, pixels.to(env.device) if pixels is not None else None, max_new_tokens=8, eos_id=stop)
-        tokens = out[0].tolist()
-        said = tok.decode(tokens[: tokens.index(stop)] if stop in tokens else tokens).strip()
-        right += said.lower() == answer.strip().lower()
-        total += 1
-        if len(shown) < show:
-            question = next(t["value"] for t in conv if t["from"] in ("human", "user")).replace(data.IMAGE_TAG, "").strip()
-            shown.append((question, said, answer))
+            out = raw.generate(ids.to(env.device), pixels, max_new_tokens=8, eos_id=stop,
+                               attention_mask=mask.to(env.device)).tolist()
+        for tokens, answer, question in zip(out, answers, questions):
+            said = tok.decode(tokens[: tokens.index(stop)] if stop in tokens else tokens).strip()
+            right += said.lower() == answer.strip().lower()
+            total += 1
+            if len(shown) < show:
+                shown.append((question.replace(data.IMAGE_TAG, "").strip(), said, answer))
     raw.train()
     return right / max(1, total), shown
 

@@ -304,3 +304,31 @@ def test_qwen_and_siglip_presets_have_published_shapes():
     assert n(our_siglip) == n(siglip)  # 27 layers, no head: ~413M
     assert vlm_preset("llava-interleave-qwen-0.5b").n_image_tokens == 729
     assert n(interleave.vision) == n(siglip) - sum(p.numel() for k, p in siglip.named_parameters() if "layers.26." in k)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "siglip-qwen2"])
+def test_padded_batch_generation_matches_transformers(tmp_path, family):
+    """Prompts of different lengths, left-padded as HF's processors pad for generation: greedy tokens equal HF's."""
+    from model import left_pad
+
+    hf = tiny_hf_llava() if family == "llama" else tiny_hf_siglip_qwen_llava(use_sliding_window=True, sliding_window=12,
+                                                                              max_window_layers=1)
+    ours = ours_from_hf(hf, tmp_path)
+    n, size = ours.cfg.n_image_tokens, ours.cfg.vision.image_size
+    g = torch.Generator().manual_seed(3)
+    prompts = []
+    for length, image_at in ((n + 9, 1), (n + 2, 0), (n + 15, 6)):  # long, short (image first), longest
+        ids = torch.randint(3, 500, (length,), generator=g).tolist()
+        prompts.append(ids[:image_at] + [511] * n + ids[image_at + n:])
+    ids, mask = left_pad(prompts, pad_id=0)
+    pixels = torch.randn(3, 3, size, size, generator=g)
+    with torch.no_grad():
+        theirs = hf.generate(input_ids=ids, pixel_values=pixels, attention_mask=mask, max_new_tokens=12,
+                             min_new_tokens=12, do_sample=False)[:, ids.shape[1]:]
+        mine = ours.generate(ids, pixels, max_new_tokens=12, attention_mask=mask)
+        alone = [ours.generate(torch.tensor([p]), pixels[i : i + 1], max_new_tokens=12) for i, p in enumerate(prompts)]
+    assert torch.equal(mine, theirs)
+    assert torch.equal(mine, torch.cat(alone))
+    with pytest.raises(ValueError, match="pad prompts on the left"):
+        ours.generate(ids, pixels, attention_mask=mask.flip(1))
