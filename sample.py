@@ -70,10 +70,13 @@ def main(argv=None):
             sys.exit(f"sample: cannot read an image ({e})")
         pixels = data.normalize_images(pixels).to(args.device)
     stop = data.stop_token_id(template, tok)
-    out = model.generate(ids.to(args.device), pixels, max_new_tokens=args.max_new_tokens,
-                         temperature=args.temperature, top_p=args.top_p, eos_id=stop,
-                         generator=torch.Generator(args.device).manual_seed(args.seed),
-                         attention_mask=mask.to(args.device)).tolist()
+    try:
+        out = model.generate(ids.to(args.device), pixels, max_new_tokens=args.max_new_tokens,
+                             temperature=args.temperature, top_p=args.top_p, eos_id=stop,
+                             generator=torch.Generator(args.device).manual_seed(args.seed),
+                             attention_mask=mask.to(args.device)).tolist()
+    except ValueError as e:  # e.g. prompt + max_new_tokens longer than the model's max_seq_len
+        sys.exit(f"sample: {e}")
     for tokens in out:
         print(tok.decode(tokens[: tokens.index(stop)] if stop in tokens else tokens).strip())
 

@@ -427,7 +427,7 @@ def exported(tmp_path_factory):
     tok = bpe_tokenizer(root)
     cfg = vlm_preset("debug")
     cfg.vision.image_size, cfg.image_token_id = 336, tok.vocab_size
-    cfg.llm.vocab_size = -(-(tok.vocab_size + 1) // 64) * 64
+    cfg.llm.vocab_size, cfg.llm.max_seq_len = -(-(tok.vocab_size + 1) // 64) * 64, 1024
     convert.save_model(build_model(cfg, seed=0), root / "ckpt", tokenizer_dir=root)
     return root, tok, cfg
 
@@ -492,3 +492,38 @@ def test_exported_processor_matches_llavax_preprocessing(exported, tmp_path, cap
     assert theirs.pixel_values.shape == ours.shape
     assert ((theirs.pixel_values - ours) * std * 255).abs().max() <= 1.0 + 1e-3  # one uint8 level
     assert model.config.image_token_index == cfg.image_token_id
+
+
+def test_from_hf_carries_processor_files_through(exported, tmp_path):
+    from transformers import AutoProcessor
+
+    root, _, _ = exported
+    convert.llava_to_hf(root / "ckpt", tmp_path / "hf", template="llama_3", image_mode="pad")
+    convert.main(["from-hf", "--llava", str(tmp_path / "hf"), "--out", str(tmp_path / "ours")])
+    convert.main(["to-hf", "--ckpt", str(tmp_path / "ours"), "--out", str(tmp_path / "back")])
+    for name in convert.PROCESSOR_FILES + ("tokenizer.json",):
+        assert (tmp_path / "ours" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), name
+        assert (tmp_path / "back" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), name
+    processor = AutoProcessor.from_pretrained(tmp_path / "back")
+    assert processor.image_processor.do_pad
+    assert processor.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True) == \
+        data.generation_prompt("llama_3", "Hi")
+
+
+def test_sample_answers_several_images_in_one_batch(exported, tmp_path, capsys):
+    import sample
+
+    root, _, _ = exported
+    files = []
+    for i, size in enumerate([(640, 480), (333, 500), (500, 500)]):
+        files.append(tmp_path / f"{i}.jpg")
+        files[-1].write_bytes(photo(*size, seed=i))
+    common = ["--ckpt", str(root / "ckpt"), "--template", "chatml", "--max-new-tokens", "6", "--device", "cpu"]
+    sample.main(common + ["--image", *map(str, files), "--prompt", "What is it?", "A longer question: what is it?",
+                          "Colour?"])
+    batched = capsys.readouterr().out
+    for f, q in zip(files, ["What is it?", "A longer question: what is it?", "Colour?"]):
+        sample.main(common + ["--image", str(f), "--prompt", q])
+    assert batched == capsys.readouterr().out
+    with pytest.raises(SystemExit, match="do not pair up"):
+        sample.main(common + ["--image", *map(str, files[:2]), "--prompt", "a", "b", "c"])
