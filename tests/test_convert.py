@@ -425,9 +425,10 @@ def exported(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("export")
     tok = bpe_tokenizer(root)
-    cfg = vlm_preset("debug")
-    cfg.vision.image_size, cfg.image_token_id = 336, tok.vocab_size
-    cfg.llm.vocab_size, cfg.llm.max_seq_len = -(-(tok.vocab_size + 1) // 64) * 64, 1024
+    cfg = vlm_preset("debug").to_dict()  # a copy: vlm_preset("debug") shares its tower configs with the presets
+    cfg["vision"]["image_size"], cfg["image_token_id"] = 336, tok.vocab_size
+    cfg["llm"]["vocab_size"], cfg["llm"]["max_seq_len"] = -(-(tok.vocab_size + 1) // 64) * 64, 1024
+    cfg = convert.VLMConfig.from_dict(cfg)
     convert.save_model(build_model(cfg, seed=0), root / "ckpt", tokenizer_dir=root)
     return root, tok, cfg
 
