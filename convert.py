@@ -24,14 +24,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-import data
 from model import VIT_ACTIVATIONS, VLM, LlamaConfig, Projector, ViTConfig, VLMConfig, build_model, projector_depth
+from processor import PROCESSOR_FILES, TEMPLATE_NAMES, ExportError, add_image_token_to_tokenizer, write_processor
 
 # tokenizer and processor files travel with the weights (from-hf carries an HF directory's through to ours)
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
                    "processor_config.json")
-PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.jinja")
 SHARD_BYTES = 5 * 2**30  # shard above this, like HF's default max_shard_size
 PROGRESS_BYTES = 2**30  # show a progress bar for reads and writes larger than this
 
@@ -487,78 +486,6 @@ def llava_to_hf(ckpt_dir, out, template=None, image_mode=None):
     return write_dir(out, fill)
 
 
-# -----------------------------------------------------------------------------
-# processor files: what AutoProcessor reads to preprocess as llavax does
-
-
-def image_processor_config(size, mode):
-    """HF's image processor for data.load_image's modes: 'crop' = shortest edge then centre crop (CLIP's),
-    'resize' = squash to size x size, 'pad' = LlavaImageProcessor's pad to square with the mean colour first."""
-    square, shortest = {"height": size, "width": size}, {"shortest_edge": size}
-    return {"image_processor_type": "LlavaImageProcessor" if mode == "pad" else "CLIPImageProcessor",
-            "do_resize": True, "size": square if mode == "resize" else shortest, "resample": 3,  # bicubic
-            "do_center_crop": mode != "resize", "crop_size": square, "do_pad": mode == "pad",
-            "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": list(data.CLIP_MEAN),
-            "image_std": list(data.CLIP_STD), "do_convert_rgb": True, "processor_class": "LlavaProcessor"}
-
-
-def chat_template(template):
-    """A jinja chat template that renders what data.py's template renders. Built by rendering a two-round
-    conversation with marker texts and cutting the string at them, so it follows data.py's templates exactly.
-    Text goes in as string expressions: HF renders with trim_blocks, which would eat a newline after a tag."""
-    lit = lambda text: "{{ " + json.dumps(text) + " }}"  # noqa: E731
-    content = ("{% if m.content is string %}{{ m.content }}{% else %}{% for c in m.content %}{% if c.type == 'image' %}"
-               + lit(data.IMAGE_TAG + "\n") + "{% endif %}{% endfor %}{% for c in m.content %}{% if c.type == 'text' %}"
-               "{{ c.text }}{% endif %}{% endfor %}{% endif %}")
-    if template == "plain":  # stage 1: the image, then the caption; questions are not shown
-        first_answer = "(messages | selectattr('role', 'equalto', 'assistant') | list)[:1]"
-        return lit("<s>" + data.IMAGE_TAG) + "{% for m in " + first_answer + " %}" + content + lit("\n") + "{% endfor %}"
-    marks = ["\x01Q1\x01", "\x01A1\x01", "\x01Q2\x01", "\x01A2\x01"]
-    conv = [{"from": r, "value": m} for r, m in zip(["human", "gpt"] * 2, marks)]
-    text = "".join(t for t, _ in data.TEMPLATES[template](conv))
-    cuts = [text.index(m) for m in marks]
-    first, user_end, turn_sep, _, last = [text[a:b] for a, b in zip([0] + [c + len(m) for c, m in zip(cuts, marks)],
-                                                                      cuts + [len(text)])]
-    generation = data.generation_prompt(template, marks[0])
-    return ("{% for m in messages %}{% if m.role == 'user' %}{% if loop.first %}" + lit(first) + "{% else %}"
-            + lit(turn_sep) + "{% endif %}" + content + "{% elif m.role == 'assistant' %}" + lit(user_end) + content
-            + "{% endif %}{% endfor %}{% if add_generation_prompt %}" + lit(generation.split(marks[0])[1])
-            + "{% else %}" + lit(last) + "{% endif %}")
-
-
-def write_processor(cfg: VLMConfig, directory, template, image_mode):
-    if template not in data.TEMPLATES or image_mode not in ("pad", "crop", "resize"):
-        raise ConversionError(f"cannot write a processor for template {template!r} and image mode {image_mode!r}")
-    extra = 1 if cfg.vision.kind == "clip" else 0  # LlavaProcessor: patches + this, - 1 for "default"
-    Path(directory, "preprocessor_config.json").write_text(
-        json.dumps(image_processor_config(cfg.vision.image_size, image_mode), indent=2))
-    Path(directory, "processor_config.json").write_text(json.dumps(
-        {"processor_class": "LlavaProcessor", "image_token": data.IMAGE_TAG, "patch_size": cfg.vision.patch_size,
-         "vision_feature_select_strategy": "default" if cfg.vision_select == "patch" else "full",
-         "num_additional_image_tokens": extra}, indent=2))
-    Path(directory, "chat_template.jinja").write_text(chat_template(template))
-    Path(directory, "chat_template.json").unlink(missing_ok=True)  # one template only: the .jinja wins
-
-
-def add_image_token_to_tokenizer(directory, image_id):
-    """Register <image> at the model's id in tokenizer.json (the added-token list HF loads), if not there yet."""
-    path = Path(directory, "tokenizer.json")
-    if not path.exists():
-        if Path(directory, "tokenizer.model").exists():
-            say(f"{directory}: only a sentencepiece tokenizer.model; AutoProcessor needs <image> (id {image_id}) "
-                "added to it by hand")
-        return
-    tok = read_json(path)
-    known = {t["content"]: t["id"] for t in tok.get("added_tokens", [])} | tok.get("model", {}).get("vocab", {})
-    if known.get(data.IMAGE_TAG, image_id) != image_id:
-        raise ConversionError(f"{path}: <image> has id {known[data.IMAGE_TAG]} but the model uses {image_id}")
-    if data.IMAGE_TAG not in known:
-        tok.setdefault("added_tokens", []).append({"id": image_id, "content": data.IMAGE_TAG, "single_word": False,
-                                                   "lstrip": False, "rstrip": False, "normalized": False,
-                                                   "special": True})
-        path.write_text(json.dumps(tok, ensure_ascii=False))
-
-
 def image_token(tokenizer_dir):
     """The id of '<image>' if the tokenizer already has one, else None."""
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -709,7 +636,7 @@ def main(argv=None):
     b.add_argument("--out", required=True)
     c = sub.add_parser("to-hf", help="our checkpoint -> HF LlavaForConditionalGeneration (hub layout) + processor")
     c.add_argument("--ckpt", required=True)
-    c.add_argument("--template", choices=sorted(data.TEMPLATES), help="default: the training config's")
+    c.add_argument("--template", choices=TEMPLATE_NAMES, help="default: the training config's")
     c.add_argument("--image-mode", choices=["pad", "crop", "resize"], help="default: the training config's")
     c.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -730,7 +657,7 @@ def main(argv=None):
             else:
                 p.error("from-hf needs --llava, or both --llm and --vision")
             out = save_checkpoint(state, cfg, args.out, tokenizer_dir)
-    except ConversionError as e:
+    except (ConversionError, ExportError) as e:
         sys.exit(f"convert: error: {e}")
     n = sum(t.numel() for t in state.values()) if args.cmd != "to-hf" else None
     say(f"wrote {out}" + (f" ({n / 1e6:.1f}M parameters)" if n else ""))
