@@ -389,6 +389,8 @@ def test_siglip_qwen2_llava_converts_both_ways(tmp_path, caplog):
     assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
     assert back.config.vision_config.model_type == "siglip_vision_model" and back.config.text_config.model_type == "qwen2"
     ours = convert.load_model(tmp_path / "ours").eval()
+    assert (ours.cfg.llm.sliding_window, ours.cfg.llm.sliding_layers) == (8, [1])
+    assert back.config.text_config.layer_types == hf.config.text_config.layer_types
     n = ours.cfg.n_image_tokens
     ids, pixels, _ = image_batch(n, 511, 512, seq=n + 20, image_size=42)  # past the 8-token window
     ids[:, :2] = torch.tensor([5, 6])
