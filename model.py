@@ -7,7 +7,7 @@ LLaMA; Hugging Face names exist only in convert.py's mapping tables.
 """
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import partial
 
 import torch
@@ -166,7 +166,8 @@ LLM_PRESETS = {
 def vlm_preset(name):
     """Named VLM configs. LLaVA-1.5 appends <image> after the 32000 text tokens and pads the vocab to 32064."""
     if name == "debug":
-        return VLMConfig(vision=VIT_PRESETS["debug"], llm=LLM_PRESETS["debug"], image_token_id=511)
+        # copies: a caller that edits its config must not change the shared presets (tests do)
+        return VLMConfig(vision=replace(VIT_PRESETS["debug"]), llm=replace(LLM_PRESETS["debug"]), image_token_id=511)
     if name in ("llava-1.5-7b", "llava-1.5-13b"):
         llm = LLM_PRESETS["vicuna-7b" if name.endswith("7b") else "vicuna-13b"]
         llm = LlamaConfig(**{**asdict(llm), "vocab_size": 32064})
