@@ -79,9 +79,14 @@ def add_image_token_to_tokenizer(directory, image_id):
                 "added to it by hand", file=sys.stderr)
         return
     tok = json.loads(path.read_text())
-    known = {t["content"]: t["id"] for t in tok.get("added_tokens", [])} | tok.get("model", {}).get("vocab", {})
+    vocab = tok.get("model", {}).get("vocab") or {}
+    vocab = vocab if isinstance(vocab, dict) else {piece: i for i, (piece, _) in enumerate(vocab)}  # Unigram: a list
+    known = vocab | {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
     if known.get(data.IMAGE_TAG, image_id) != image_id:
         raise ExportError(f"{path}: <image> has id {known[data.IMAGE_TAG]} but the model uses {image_id}")
+    holder = next((t for t, i in known.items() if i == image_id and t != data.IMAGE_TAG), None)
+    if holder is not None:
+        raise ExportError(f"{path}: the model's image id {image_id} is the tokenizer's {holder!r}; cannot add <image>")
     if data.IMAGE_TAG not in known:
         tok.setdefault("added_tokens", []).append({"id": image_id, "content": data.IMAGE_TAG, "single_word": False,
                                                    "lstrip": False, "rstrip": False, "normalized": False,

@@ -1,6 +1,7 @@
 """convert.py against transformers: every layout in and out, original LLaVA, and bad input."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -529,3 +530,13 @@ def test_sample_answers_several_images_in_one_batch(exported, tmp_path, capsys):
     assert batched == capsys.readouterr().out
     with pytest.raises(SystemExit, match="do not pair up"):
         sample.main(common + ["--image", *map(str, files[:2]), "--prompt", "a", "b", "c"])
+
+
+def test_export_refuses_an_image_id_the_tokenizer_already_uses(exported, tmp_path):
+    root, tok, _ = exported
+    state, cfg = convert.read_checkpoint(root / "ckpt")
+    cfg.image_token_id = tok.specials["<|im_end|>"]
+    convert.save_checkpoint(state, cfg, tmp_path / "ckpt", tokenizer_dir=root)
+    with pytest.raises(SystemExit, match=re.escape("is the tokenizer's '<|im_end|>'; cannot add <image>")):
+        convert.main(["to-hf", "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")])
+    assert not (tmp_path / "hf").exists()
