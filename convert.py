@@ -24,10 +24,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from model import VLM, LlamaConfig, Projector, ViTConfig, VLMConfig, build_model, projector_depth
+from model import VIT_ACTIVATIONS, VLM, LlamaConfig, Projector, ViTConfig, VLMConfig, build_model, projector_depth
+from processor import PROCESSOR_FILES, TEMPLATE_NAMES, ExportError, add_image_token_to_tokenizer, write_processor
 
+# tokenizer and processor files travel with the weights (from-hf carries an HF directory's through to ours)
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json", "chat_template.jinja")
+                   "generation_config.json", "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
+                   "processor_config.json")
 SHARD_BYTES = 5 * 2**30  # shard above this, like HF's default max_shard_size
 PROGRESS_BYTES = 2**30  # show a progress bar for reads and writes larger than this
 
@@ -45,11 +48,15 @@ def say(msg):
 
 
 def vit_table(cfg: ViTConfig, prefix):
+    """CLIPVisionModel names, or SiglipVisionModel's: the same less class token and pre-LayerNorm, plus a conv bias."""
     t = {"vision.conv1.weight": "embeddings.patch_embedding.weight",
-         "vision.class_embedding": "embeddings.class_embedding",
          "vision.positional_embedding": "embeddings.position_embedding.weight"}
-    for ours, theirs in (("ln_pre", "pre_layrnorm"), ("ln_post", "post_layernorm")):
-        t |= {f"vision.{ours}.{p}": f"{theirs}.{p}" for p in ("weight", "bias")}
+    if cfg.kind == "clip":
+        t |= {"vision.class_embedding": "embeddings.class_embedding"}
+        t |= {f"vision.ln_pre.{p}": f"pre_layrnorm.{p}" for p in ("weight", "bias")}
+    else:
+        t |= {"vision.conv1.bias": "embeddings.patch_embedding.bias"}
+    t |= {f"vision.ln_post.{p}": f"post_layernorm.{p}" for p in ("weight", "bias")}
     block = {"ln_1": "layer_norm1", "ln_2": "layer_norm2", "attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj",
              "attn.wv": "self_attn.v_proj", "attn.wo": "self_attn.out_proj", "mlp.c_fc": "mlp.fc1", "mlp.c_proj": "mlp.fc2"}
     for i in range(cfg.n_layers):
@@ -109,6 +116,24 @@ def expected_shapes(cfg: VLMConfig):
 
 # buffers older HF checkpoints carry that hold nothing we need
 IGNORED = (r".*\.rotary_emb\.inv_freq$", r".*embeddings\.position_ids$")
+SIGLIP_HEAD = r"^(vision_tower\.vision_model\.)?head\."  # SigLIP's attention-pool head: LLaVA reads no pooled output
+
+
+def drop_siglip_head(state, where):
+    head = [k for k in state if re.match(SIGLIP_HEAD, k)]
+    if head:
+        say(f"{where}: dropping SigLIP's attention-pooling head ({len(head)} tensors); LLaVA models never use it")
+    return {k: v for k, v in state.items() if k not in head}
+
+
+def drop_tied_head(state, cfg: LlamaConfig, embed, head, where):
+    """A tied checkpoint may store lm_head too; transformers ties it to the embedding and ignores it, and so do we."""
+    if cfg.tie_embeddings and head in state and embed in state:
+        if not torch.equal(state[head], state[embed]):
+            say(f"{where}: {head} differs from {embed} although the config ties them; "
+                f"using {embed} for both, as transformers does")
+        state = {k: v for k, v in state.items() if k != head}
+    return state
 
 
 def remap(source, table, shapes, what, ignore=()):
@@ -315,29 +340,67 @@ LLAMA_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=1100
                       attention_bias=False, mlp_bias=False, hidden_act="silu")
 CLIP_DEFAULTS = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
                      image_size=224, patch_size=32, layer_norm_eps=1e-5, hidden_act="quick_gelu")
+SIGLIP_DEFAULTS = CLIP_DEFAULTS | dict(patch_size=16, layer_norm_eps=1e-6, hidden_act="gelu_pytorch_tanh")
+# the LLM families we convert; original LLaVA / LLaVA-NeXT name them llava_llama, llava_mistral, llava_qwen
+LLM_TYPES = {None: "llama", "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "llava": "llama",
+             "llava_llama": "llama", "llava_mistral": "mistral", "llava_qwen": "qwen2"}
+VISION_TYPES = {None: "clip", "clip_vision_model": "clip", "clip": "clip", "siglip_vision_model": "siglip",
+                "siglip": "siglip"}
+ROPE_TYPES = ("default", "linear", "llama3")  # what model.rope_frequencies implements
 
 
 def llama_config(hf, where):
+    family = LLM_TYPES.get(hf.get("model_type"))
+    if family is None:
+        raise ConversionError(f"{where}: LLM model_type {hf.get('model_type')!r} is not supported; llavax converts "
+                              "llama, mistral and qwen2 decoders")
     c = LLAMA_DEFAULTS | {k: v for k, v in hf.items() if v is not None}
     rope = dict(c.get("rope_parameters") or {})  # transformers 5 folds rope_theta/rope_scaling in here
     theta = rope.pop("rope_theta", c["rope_theta"])
     scaling = rope if rope.get("rope_type", "default") != "default" else c["rope_scaling"]
-    qwen = hf.get("model_type") == "qwen2"
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ConversionError(f"{where}: rope scaling type {kind!r} is not implemented (llavax has "
+                              f"{', '.join(ROPE_TYPES)}); converting it would give different logits")
+    qwen = family == "qwen2"
     if c["hidden_act"] != "silu" or c["mlp_bias"] or (c["attention_bias"] and not qwen):
         raise ConversionError(f"{where}: unsupported LLaMA variant (hidden_act={c['hidden_act']}, "
                               f"mlp_bias={c['mlp_bias']}, attention_bias={c['attention_bias']})")
+    window, window_layers = sliding_window(hf, family, c["num_hidden_layers"])
     return LlamaConfig(vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=c["num_hidden_layers"],
                        n_heads=c["num_attention_heads"], n_kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"],
                        ffn_dim=c["intermediate_size"], norm_eps=c["rms_norm_eps"], rope_theta=float(theta),
                        rope_scaling=scaling, max_seq_len=c["max_position_embeddings"], qkv_bias=qwen,
-                       tie_embeddings=c["tie_word_embeddings"])
+                       tie_embeddings=c["tie_word_embeddings"], sliding_window=window, sliding_layers=window_layers)
 
 
-def vit_config(hf):
-    c = CLIP_DEFAULTS | hf.get("vision_config", hf)  # a CLIPModel config nests the tower
+def sliding_window(hf, family, n_layers):
+    """(window, layers using it) as transformers reads them: Mistral windows every layer (4096 when the field is
+    absent); Qwen2 only with use_sliding_window, in the layers that layer_types marks, by default those from
+    max_window_layers on. Llama has none."""
+    if family == "mistral":
+        return hf.get("sliding_window", 4096), None
+    if family != "qwen2" or not hf.get("use_sliding_window") or hf.get("sliding_window") is None:
+        return None, None
+    types = hf.get("layer_types") or ["sliding_attention" if i >= hf.get("max_window_layers", 28) else "full_attention"
+                                      for i in range(n_layers)]
+    layers = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    return (hf["sliding_window"], layers) if layers else (None, None)
+
+
+def vit_config(hf, where="vision config"):
+    c = hf.get("vision_config", hf)  # a CLIPModel / SiglipModel config nests the tower
+    kind = VISION_TYPES.get(c.get("model_type"))
+    if kind is None:
+        raise ConversionError(f"{where}: vision tower model_type {c.get('model_type')!r} is not supported; llavax has "
+                              "CLIP and SigLIP towers (SigLIP2's NaFlex towers are siglip2_vision_model: not supported)")
+    c = (CLIP_DEFAULTS if kind == "clip" else SIGLIP_DEFAULTS) | c
+    if c["hidden_act"] not in VIT_ACTIVATIONS:
+        raise ConversionError(f"{where}: vision hidden_act {c['hidden_act']!r} is not implemented (llavax has "
+                              f"{', '.join(VIT_ACTIVATIONS)})")
     return ViTConfig(image_size=c["image_size"], patch_size=c["patch_size"], dim=c["hidden_size"],
                      n_layers=c["num_hidden_layers"], n_heads=c["num_attention_heads"], ffn_dim=c["intermediate_size"],
-                     norm_eps=c["layer_norm_eps"], act=c["hidden_act"])
+                     norm_eps=c["layer_norm_eps"], act=c["hidden_act"], kind=kind)
 
 
 def llama_hf_config(cfg: LlamaConfig):
@@ -347,22 +410,33 @@ def llama_hf_config(cfg: LlamaConfig):
                tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu", attention_bias=False, mlp_bias=False,
                rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta, **(cfg.rope_scaling or {})})
     if cfg.qkv_bias:
-        out |= dict(model_type="qwen2", attention_bias=True)
+        out |= dict(model_type="qwen2", attention_bias=True, use_sliding_window=cfg.sliding_window is not None,
+                    sliding_window=cfg.sliding_window)
+        if cfg.sliding_window:
+            layers = range(cfg.n_layers) if cfg.sliding_layers is None else cfg.sliding_layers
+            out["layer_types"] = ["sliding_attention" if i in layers else "full_attention" for i in range(cfg.n_layers)]
+    elif cfg.sliding_window:
+        if cfg.sliding_layers is not None:
+            raise ConversionError("a LLaMA-style LLM with sliding windows in some layers only has no HF config")
+        out |= dict(model_type="mistral", sliding_window=cfg.sliding_window)
     return out
 
 
+def vit_hf_config(v: ViTConfig):
+    out = dict(model_type=f"{v.kind}_vision_model", hidden_size=v.dim, intermediate_size=v.ffn_dim,
+               num_hidden_layers=v.n_layers, num_attention_heads=v.n_heads, image_size=v.image_size,
+               patch_size=v.patch_size, layer_norm_eps=v.norm_eps, hidden_act=v.act, num_channels=3)
+    return out | ({"vision_use_head": False} if v.kind == "siglip" else {})
+
+
 def llava_hf_config(cfg: VLMConfig):
-    v = cfg.vision
     return {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
             "image_token_index": cfg.image_token_id, "image_seq_length": cfg.n_image_tokens,
             "projector_hidden_act": "gelu", "multimodal_projector_bias": True,
             "vision_feature_layer": cfg.vision_layer,
             "vision_feature_select_strategy": "default" if cfg.vision_select == "patch" else "full",
             "tie_word_embeddings": cfg.llm.tie_embeddings, "text_config": llama_hf_config(cfg.llm),
-            "vision_config": dict(model_type="clip_vision_model", hidden_size=v.dim, intermediate_size=v.ffn_dim,
-                                  num_hidden_layers=v.n_layers, num_attention_heads=v.n_heads,
-                                  image_size=v.image_size, patch_size=v.patch_size, layer_norm_eps=v.norm_eps,
-                                  hidden_act=v.act, num_channels=3)}
+            "vision_config": vit_hf_config(cfg.vision)}
 
 
 def read_json(path):
@@ -380,29 +454,48 @@ def read_json(path):
 
 def llava_from_hf(hf_dir):
     hf = read_json(Path(hf_dir, "config.json"))
+    if hf.get("model_type", "llava") != "llava":
+        raise ConversionError(f"{hf_dir}: model_type {hf.get('model_type')!r} is not supported; llavax converts "
+                              "LlavaForConditionalGeneration (model_type 'llava') directories")
     if hf.get("projector_hidden_act", "gelu") != "gelu" or not hf.get("multimodal_projector_bias", True):
         act, bias = hf.get("projector_hidden_act"), hf.get("multimodal_projector_bias")
         raise ConversionError(f"{hf_dir}: unsupported projector (projector_hidden_act={act}, bias={bias})")
     tied = hf.get("tie_word_embeddings", hf.get("text_config", {}).get("tie_word_embeddings", False))
     llm = llama_config(hf.get("text_config", {}) | {"tie_word_embeddings": tied}, hf_dir)
     select = hf.get("vision_feature_select_strategy", "default")
-    cfg = VLMConfig(vision=vit_config(hf.get("vision_config", {})), llm=llm, projector="mlp2x_gelu",
+    cfg = VLMConfig(vision=vit_config(hf.get("vision_config", {}), f"{hf_dir} vision_config"), llm=llm,
+                    projector="mlp2x_gelu",
                     vision_layer=hf.get("vision_feature_layer", -2),
                     vision_select={"default": "patch", "full": "cls_patch"}[select],
                     image_token_id=hf.get("image_token_index", hf.get("image_token_id", 32000)))
-    state = {hub_name(k): v for k, v in read_weights(hf_dir).items()}
+    state = drop_siglip_head({hub_name(k): v for k, v in read_weights(hf_dir).items()}, hf_dir)
+    state = drop_tied_head(state, llm, "language_model.model.embed_tokens.weight", "language_model.lm_head.weight",
+                           hf_dir)
     return check_complete(remap(state, llava_table(cfg), expected_shapes(cfg), str(hf_dir)), cfg, hf_dir), cfg
 
 
-def llava_to_hf(ckpt_dir, out):
+def llava_to_hf(ckpt_dir, out, template=None, image_mode=None):
+    """The hub layout plus what AutoProcessor needs: tokenizer files with <image>, the image processor for the
+    image mode and the chat template the model was trained with (from the checkpoint's state.json, else the
+    arguments, else processor files carried through from-hf, else vicuna_v1 and pad)."""
     state, cfg = read_checkpoint(ckpt_dir)
     table = llava_table(cfg)
     hub = {table[k]: v for k, v in state.items()}
+    trained = read_json(Path(ckpt_dir, "state.json"))["config"] if Path(ckpt_dir, "state.json").exists() else {}
+    template, image_mode = template or trained.get("template"), image_mode or trained.get("image_mode")
+    carried = template is None and image_mode is None and all(Path(ckpt_dir, f).exists() for f in PROCESSOR_FILES)
+    if not carried and not (template and image_mode):
+        template, image_mode = template or "vicuna_v1", image_mode or "pad"
+        say(f"{ckpt_dir}: no training config; the processor assumes template {template!r} and image mode "
+            f"{image_mode!r} (set --template / --image-mode)")
 
     def fill(tmp):
         write_weights(hub, tmp)
         Path(tmp, "config.json").write_text(json.dumps(llava_hf_config(cfg), indent=2))
         copy_tokenizer(ckpt_dir, tmp)
+        if not carried:
+            write_processor(cfg, tmp, template, image_mode)
+        add_image_token_to_tokenizer(tmp, cfg.image_token_id)
     return write_dir(out, fill)
 
 
@@ -454,19 +547,21 @@ def fresh_projector(cfg: VLMConfig, seed):
 
 
 def vision_from_clip(clip_dir, shapes_cfg):
-    """A CLIPVisionModel or a full CLIPModel directory; CLIP's text half and projections are dropped on purpose."""
+    """A CLIP/SigLIP vision model or a full CLIPModel/SiglipModel directory; the text half, the projections and
+    SigLIP's pooling head are dropped on purpose."""
     state = {re.sub(r"^vision_model\.", "", k): v for k, v in read_weights(clip_dir).items()}
-    text = (r"^text_model\.", r"^visual_projection\.", r"^text_projection\.", r"^logit_scale$")
+    state = drop_siglip_head(state, clip_dir)
+    text = (r"^text_model\.", r"^visual_projection\.", r"^text_projection\.", r"^logit_scale$", r"^logit_bias$")
     dropped = [k for k in state if any(re.match(p, k) for p in text)]
     if dropped:
-        say(f"{clip_dir}: ignoring {len(dropped)} tensors of CLIP's text tower and projections")
+        say(f"{clip_dir}: ignoring {len(dropped)} tensors of the text tower and projections")
     return remap(state, vit_table(shapes_cfg.vision, ""), expected_shapes(shapes_cfg), str(clip_dir), text)
 
 
 def assemble(llm_state, llm_cfg, vision_dir, vision_state, tokenizer_dir, projector, vision_layer, vision_select,
              projector_state=None, pad_vocab=64, seed=0):
     """Join an LLM, a vision tower and a projector (fresh when projector_state is None) into one checkpoint."""
-    vision_cfg = vit_config(read_json(Path(vision_dir, "config.json"))) if vision_dir else None
+    vision_cfg = vit_config(read_json(Path(vision_dir, "config.json")), vision_dir) if vision_dir else None
     cfg = VLMConfig(vision=vision_cfg or ViTConfig(), llm=llm_cfg, projector=projector, vision_layer=vision_layer,
                     vision_select=vision_select, image_token_id=0)
     if vision_state is None:
@@ -485,7 +580,8 @@ def llm_from_hf(llm_dir):
     llm_cfg = llama_config(read_json(Path(llm_dir, "config.json")), llm_dir)
     probe = VLMConfig(llm=llm_cfg)
     table = llama_table(llm_cfg, "model.", "lm_head.weight")
-    return remap(read_weights(llm_dir), table, expected_shapes(probe), str(llm_dir)), llm_cfg
+    state = drop_tied_head(read_weights(llm_dir), llm_cfg, "model.embed_tokens.weight", "lm_head.weight", llm_dir)
+    return remap(state, table, expected_shapes(probe), str(llm_dir)), llm_cfg
 
 
 def from_hf_parts(llm_dir, vision_dir, projector="mlp2x_gelu", vision_layer=-2, vision_select="patch", pad_vocab=64,
@@ -508,7 +604,7 @@ def from_llava(llava_dir, vision_dir, llm_dir=None, pad_vocab=64):
     source = read_weights(llava_dir)
     llm_cfg = llama_config({k: v for k, v in hf.items() if not k.startswith("mm_")}, llava_dir)
     shape_cfg = VLMConfig(llm=llm_cfg, projector=projector, vision_layer=layer, vision_select=select,
-                          vision=vit_config(read_json(Path(vision_dir, "config.json"))))
+                          vision=vit_config(read_json(Path(vision_dir, "config.json")), vision_dir))
     shapes = expected_shapes(shape_cfg)
     prefix = "model.mm_projector." if any(k.startswith("model.mm_projector.") for k in source) else "mm_projector."
     if all(k.startswith(prefix) for k in source):  # stage-1 output: the projector alone
@@ -551,13 +647,15 @@ def main(argv=None):
     b.add_argument("--llm", help="base LLM, needed when --llava holds only mm_projector.bin")
     b.add_argument("--pad-vocab", type=int, default=64)
     b.add_argument("--out", required=True)
-    c = sub.add_parser("to-hf", help="our checkpoint -> HF LlavaForConditionalGeneration (hub layout)")
+    c = sub.add_parser("to-hf", help="our checkpoint -> HF LlavaForConditionalGeneration (hub layout) + processor")
     c.add_argument("--ckpt", required=True)
+    c.add_argument("--template", choices=TEMPLATE_NAMES, help="default: the training config's")
+    c.add_argument("--image-mode", choices=["pad", "crop", "resize"], help="default: the training config's")
     c.add_argument("--out", required=True)
     args = p.parse_args(argv)
     try:
         if args.cmd == "to-hf":
-            out = llava_to_hf(args.ckpt, args.out)
+            out = llava_to_hf(args.ckpt, args.out, args.template, args.image_mode)
         else:
             if args.cmd == "from-llava":
                 state, cfg = from_llava(args.llava, args.vision, args.llm, args.pad_vocab)
@@ -572,7 +670,7 @@ def main(argv=None):
             else:
                 p.error("from-hf needs --llava, or both --llm and --vision")
             out = save_checkpoint(state, cfg, args.out, tokenizer_dir)
-    except ConversionError as e:
+    except (ConversionError, ExportError) as e:
         sys.exit(f"convert: error: {e}")
     n = sum(t.numel() for t in state.values()) if args.cmd != "to-hf" else None
     say(f"wrote {out}" + (f" ({n / 1e6:.1f}M parameters)" if n else ""))

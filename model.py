@@ -7,7 +7,7 @@ LLaMA; Hugging Face names exist only in convert.py's mapping tables.
 """
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import partial
 
 import torch
@@ -20,6 +20,15 @@ from torch.utils.checkpoint import checkpoint
 # configs
 
 
+def quick_gelu(x):
+    return x * torch.sigmoid(1.702 * x)
+
+
+# the ViT MLP's activation by its HF hidden_act name; gelu_new is the same tanh approximation, written out
+VIT_ACTIVATIONS = {"quick_gelu": quick_gelu, "gelu": F.gelu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+                   "gelu_new": partial(F.gelu, approximate="tanh")}
+
+
 @dataclass
 class ViTConfig:
     image_size: int = 336
@@ -29,11 +38,22 @@ class ViTConfig:
     n_heads: int = 16
     ffn_dim: int = 4096
     norm_eps: float = 1e-5
-    act: str = "quick_gelu"  # CLIP's; "gelu" for SigLIP-style towers
+    act: str = "quick_gelu"  # CLIP's; a key of VIT_ACTIVATIONS ("gelu_pytorch_tanh" for SigLIP)
+    kind: str = "clip"  # "clip": class token + pre-LayerNorm; "siglip": neither, and a bias on the patch conv
+
+    def __post_init__(self):
+        if self.kind not in ("clip", "siglip"):
+            raise ValueError(f"vision kind must be 'clip' or 'siglip', got {self.kind!r}")
+        if self.act not in VIT_ACTIVATIONS:
+            raise ValueError(f"vision act {self.act!r} is not one of {sorted(VIT_ACTIVATIONS)}")
 
     @property
     def n_patches(self):
         return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def n_positions(self):  # tokens out of the tower: the patches, plus CLIP's class token
+        return self.n_patches + (self.kind == "clip")
 
 
 @dataclass
@@ -53,6 +73,10 @@ class LlamaConfig:
     max_seq_len: int = 4096
     qkv_bias: bool = False  # Qwen2-style bias on wq, wk, wv
     tie_embeddings: bool = False
+    # Mistral / Qwen2 sliding-window attention: a query sees the last `sliding_window` keys, itself included,
+    # in the layers listed in sliding_layers (None: every layer)
+    sliding_window: int | None = None
+    sliding_layers: list | None = None
 
     def __post_init__(self):
         self.n_kv_heads = self.n_kv_heads or self.n_heads
@@ -67,7 +91,7 @@ class VLMConfig:
     llm: LlamaConfig = field(default_factory=LlamaConfig)
     projector: str = "mlp2x_gelu"  # "linear" or "mlp{N}x_gelu"
     vision_layer: int | list = -2  # hidden state index as in HF (0 = after ln_pre); a list concatenates
-    vision_select: str = "patch"  # "patch" drops CLS (HF "default"), "cls_patch" keeps it (HF "full")
+    vision_select: str = "patch"  # "patch" drops token 0, CLIP's CLS (HF "default"); "cls_patch" keeps all (HF "full")
     image_token_id: int = 32000
 
     def __post_init__(self):
@@ -85,7 +109,7 @@ class VLMConfig:
 
     @property
     def n_image_tokens(self):
-        return self.vision.n_patches + (self.vision_select == "cls_patch")
+        return self.vision.n_positions - (self.vision_select == "patch")
 
     def to_dict(self):
         return asdict(self)
@@ -115,6 +139,12 @@ VIT_PRESETS = {
     "debug": ViTConfig(image_size=28, patch_size=14, dim=64, n_layers=2, n_heads=4, ffn_dim=256),
     "clip-vit-l-336": ViTConfig(),  # openai/clip-vit-large-patch14-336
     "clip-vit-l-224": ViTConfig(image_size=224),
+    # google/siglip-so400m-patch14-384 (27 layers; LLaVA-OneVision/Interleave keep 26), and the fixed-resolution
+    # SigLIP2 of the same shape (google/siglip2-so400m-patch14-384, a SiglipModel in transformers)
+    "siglip-so400m-patch14-384": ViTConfig(image_size=384, patch_size=14, dim=1152, n_layers=27, n_heads=16,
+                                           ffn_dim=4304, norm_eps=1e-6, act="gelu_pytorch_tanh", kind="siglip"),
+    "siglip2-so400m-patch14-384": ViTConfig(image_size=384, patch_size=14, dim=1152, n_layers=27, n_heads=16,
+                                            ffn_dim=4304, norm_eps=1e-6, act="gelu_pytorch_tanh", kind="siglip"),
 }
 LLM_PRESETS = {
     "debug": LlamaConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192, max_seq_len=512),
@@ -126,13 +156,18 @@ LLM_PRESETS = {
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                       "original_max_position_embeddings": 8192},
     ),
+    "qwen2-0.5b": LlamaConfig(vocab_size=151936, dim=896, n_layers=24, n_heads=14, n_kv_heads=2, ffn_dim=4864,
+                              norm_eps=1e-6, rope_theta=1e6, max_seq_len=32768, qkv_bias=True, tie_embeddings=True),
+    "qwen2-7b": LlamaConfig(vocab_size=152064, dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, ffn_dim=18944,
+                            norm_eps=1e-6, rope_theta=1e6, max_seq_len=32768, qkv_bias=True),
 }
 
 
 def vlm_preset(name):
     """Named VLM configs. LLaVA-1.5 appends <image> after the 32000 text tokens and pads the vocab to 32064."""
     if name == "debug":
-        return VLMConfig(vision=VIT_PRESETS["debug"], llm=LLM_PRESETS["debug"], image_token_id=511)
+        # copies: a caller that edits its config must not change the shared presets (tests do)
+        return VLMConfig(vision=replace(VIT_PRESETS["debug"]), llm=replace(LLM_PRESETS["debug"]), image_token_id=511)
     if name in ("llava-1.5-7b", "llava-1.5-13b"):
         llm = LLM_PRESETS["vicuna-7b" if name.endswith("7b") else "vicuna-13b"]
         llm = LlamaConfig(**{**asdict(llm), "vocab_size": 32064})
@@ -140,18 +175,20 @@ def vlm_preset(name):
     if name == "llava-llama3-8b":
         llm = LlamaConfig(**{**asdict(LLM_PRESETS["llama3-8b"]), "vocab_size": 128320})
         return VLMConfig(vision=VIT_PRESETS["clip-vit-l-336"], llm=llm, image_token_id=128256)
+    if name == "llava-interleave-qwen-0.5b":  # llava-hf/llava-interleave-qwen-0.5b-hf: Qwen1.5-0.5B + SigLIP
+        vision = ViTConfig(**{**asdict(VIT_PRESETS["siglip-so400m-patch14-384"]), "n_layers": 26})
+        llm = LlamaConfig(vocab_size=152000, dim=1024, n_layers=24, n_heads=16, ffn_dim=2816, norm_eps=1e-6,
+                          rope_theta=1e6, max_seq_len=32768, qkv_bias=True, tie_embeddings=True)
+        return VLMConfig(vision=vision, llm=llm, vision_layer=-1, vision_select="cls_patch", image_token_id=151646)
     if name == "bench":  # TinyLlama-shaped LLM + ViT-L/14-336, the target of bench.py
         llm = LlamaConfig(**{**asdict(LLM_PRESETS["tinyllama-1.1b"]), "vocab_size": 32064})
         return VLMConfig(vision=VIT_PRESETS["clip-vit-l-336"], llm=llm, image_token_id=32000)
-    raise ValueError(f"unknown VLM preset {name!r}; known: debug, llava-1.5-7b, llava-1.5-13b, llava-llama3-8b, bench")
+    raise ValueError(f"unknown VLM preset {name!r}; known: debug, llava-1.5-7b, llava-1.5-13b, llava-llama3-8b, "
+                     "llava-interleave-qwen-0.5b, bench")
 
 
 # -----------------------------------------------------------------------------
 # the CLIP vision tower
-
-
-def quick_gelu(x):
-    return x * torch.sigmoid(1.702 * x)
 
 
 class ViTAttention(nn.Module):
@@ -175,7 +212,7 @@ class ViTMLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(cfg.dim, cfg.ffn_dim)
         self.c_proj = nn.Linear(cfg.ffn_dim, cfg.dim)
-        self.act = quick_gelu if cfg.act == "quick_gelu" else F.gelu
+        self.act = VIT_ACTIVATIONS[cfg.act]
 
     def forward(self, x):
         return self.c_proj(self.act(self.c_fc(x)))
@@ -198,26 +235,29 @@ class ViT(nn.Module):
     def __init__(self, cfg: ViTConfig):
         super().__init__()
         self.cfg = cfg
-        self.conv1 = nn.Conv2d(3, cfg.dim, kernel_size=cfg.patch_size, stride=cfg.patch_size, bias=False)
-        self.class_embedding = nn.Parameter(torch.empty(cfg.dim))
-        self.positional_embedding = nn.Parameter(torch.empty(cfg.n_patches + 1, cfg.dim))
-        self.ln_pre = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        clip = cfg.kind == "clip"  # SigLIP: no class token, no pre-LayerNorm, a bias on the patch conv
+        self.conv1 = nn.Conv2d(3, cfg.dim, kernel_size=cfg.patch_size, stride=cfg.patch_size, bias=not clip)
+        self.class_embedding = nn.Parameter(torch.empty(cfg.dim)) if clip else None
+        self.positional_embedding = nn.Parameter(torch.empty(cfg.n_positions, cfg.dim))
+        self.ln_pre = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps) if clip else nn.Identity()
         self.blocks = nn.ModuleList(ViTBlock(cfg) for _ in range(cfg.n_layers))
-        # ln_post only feeds CLIP's pooled output; LLaVA never uses it, but we keep it so
-        # checkpoints round-trip without losing weights.
+        # ln_post only feeds the pooled output (CLIP's) or the last hidden state (SigLIP's); LLaVA reads
+        # neither, but we keep it so checkpoints round-trip without losing weights.
         self.ln_post = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.checkpoint = None  # checkpoint(fn, *args): recompute each block in backward (train.py sets torch's or XLA's)
 
     def forward(self, pixel_values, layers=(-1,)):
-        """Hidden states at the given HF indices: 0 is after ln_pre, i after block i, -1 the last."""
+        """Hidden states at the given HF indices: 0 is after ln_pre (SigLIP: the embeddings), i after block i, -1 last."""
         n = self.cfg.n_layers
         wanted = [i if i >= 0 else n + 1 + i for i in layers]
         if not all(0 <= i <= n for i in wanted):
             raise ValueError(f"vision layers {list(layers)} out of range for a {n}-layer ViT")
         x = self.conv1(pixel_values.to(self.conv1.weight.dtype))  # (B, D, h, w)
         x = x.flatten(2).transpose(1, 2)  # (B, n_patches, D)
-        cls = self.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1)  # (B, 1, D)
-        x = torch.cat([cls, x], dim=1) + self.positional_embedding.to(x.dtype)  # (B, 1 + n_patches, D)
+        if self.class_embedding is not None:
+            cls = self.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1)  # (B, 1, D)
+            x = torch.cat([cls, x], dim=1)  # (B, 1 + n_patches, D)
+        x = x + self.positional_embedding.to(x.dtype)  # (B, n_positions, D)
         x = self.ln_pre(x)
         states = {0: x}
         for i, block in enumerate(self.blocks[: max(wanted)], start=1):
@@ -269,8 +309,10 @@ def rope_frequencies(cfg: LlamaConfig):
     rs = cfg.rope_scaling
     if not rs or rs.get("rope_type", rs.get("type")) in (None, "default"):
         return inv_freq
+    if rs.get("rope_type", rs.get("type")) == "linear":  # positions divided by factor
+        return inv_freq / rs["factor"]
     if rs.get("rope_type", rs.get("type")) != "llama3":
-        raise ValueError(f"unsupported rope_scaling {rs}: only 'llama3' is implemented")
+        raise ValueError(f"unsupported rope_scaling {rs}: only 'linear' and 'llama3' are implemented")
     factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
     old_len = rs["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv_freq
@@ -305,6 +347,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        in_window = cfg.sliding_layers is None or layer_id in cfg.sliding_layers
+        self.window = cfg.sliding_window if in_window else None
 
     def forward(self, x, cos, sin, cache=None, start_pos=0, mask=None):
         B, T, _ = x.shape
@@ -314,6 +358,8 @@ class Attention(nn.Module):
         # RoPE in the tables' precision, as HF; then back to v's dtype (autocast on XLA does not cast SDPA's inputs)
         q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)
         if isinstance(mask, BlockMask):  # packed rows on CUDA: FlexAttention skips the masked blocks
+            if self.window:
+                raise ValueError("FlexAttention packing with a sliding window is not implemented; train unpacked")
             y = flex_attention(q, k, v, block_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads)
             return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, D)
         causal = mask is None
@@ -322,8 +368,14 @@ class Attention(nn.Module):
             cache.k[self.layer_id][:, :, start_pos:end] = k
             cache.v[self.layer_id][:, :, start_pos:end] = v
             k, v = cache.k[self.layer_id][:, :, :end], cache.v[self.layer_id][:, :, :end]  # (B, Hkv, end, hd)
-            # query t sits at start_pos + t and sees every key up to there
-            mask = torch.arange(end, device=x.device)[None, :] <= torch.arange(start_pos, end, device=x.device)[:, None]
+            # query t sits at start_pos + t and sees every key up to there; a given mask (B, 1, 1, end) adds padding
+            seen = torch.arange(end, device=x.device)[None, :] <= torch.arange(start_pos, end, device=x.device)[:, None]
+            mask, causal = seen if mask is None else mask & seen, False
+        if self.window and start_pos + T > self.window:  # keys up to window - 1 places back (HF: kv > q - window)
+            S = k.shape[2]
+            q_at = torch.arange(S - T, S, device=x.device)[:, None]  # (T, 1) cache slots; packed rows: row offsets
+            near = q_at - torch.arange(S, device=x.device)[None, :] < self.window  # (T, S)
+            mask = near & (torch.arange(S, device=x.device)[None, :] <= q_at) if causal else mask & near
             causal = False
         rep = self.n_heads // self.n_kv_heads
         if rep > 1:
@@ -380,16 +432,26 @@ class Llama(nn.Module):
         self.rope_cos.copy_(emb.cos())
         self.rope_sin.copy_(emb.sin())
 
-    def forward(self, h, cache=None, start_pos=0, position_ids=None):
+    def forward(self, h, cache=None, start_pos=0, position_ids=None, pad=None):
         """Embeddings (B, T, D) in, final-normed hidden states (B, T, D) out; self.output makes logits.
 
         position_ids (B, T) marks packed rows: a new sample starts wherever the position is 0, and no
-        sample attends to another (tokens after the last sample form one more, unsupervised, sample)."""
+        sample attends to another (tokens after the last sample form one more, unsupervised, sample).
+        pad (B, start_pos + T), True at left padding (generation): no query attends a padded key, and
+        positions count from each row's first real token, as HF derives them from the attention mask."""
         T = h.shape[1]
         if start_pos + T > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {start_pos + T} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
         mask = None
-        if position_ids is None:
+        if pad is not None:
+            positions = ((~pad).long().cumsum(dim=1) - 1).clamp(min=0)[:, start_pos:]  # (B, T)
+            cos = self.rope_cos[positions].to(h.dtype)[:, None]  # (B, 1, T, hd)
+            sin = self.rope_sin[positions].to(h.dtype)[:, None]
+            # causal; a padded query sees only itself (a row with every key masked would make SDPA return NaN)
+            key_at, query_at = torch.arange(pad.shape[1], device=h.device), torch.arange(start_pos, start_pos + T,
+                                                                                          device=h.device)[:, None]
+            mask = ((~pad[:, None, None, :]) | (key_at == query_at)) & (key_at <= query_at)  # (B, 1, T, start_pos + T)
+        elif position_ids is None:
             cos = self.rope_cos[start_pos : start_pos + T].to(h.dtype)  # (T, hd)
             sin = self.rope_sin[start_pos : start_pos + T].to(h.dtype)
         else:
@@ -464,7 +526,8 @@ class VLM(nn.Module):
             n_layers = self.cfg.vision.n_layers if name.startswith("vision.") else self.cfg.llm.n_layers
             if name.endswith(("attn.wo.weight", "mlp.c_proj.weight", "attention.wo.weight", "feed_forward.w2.weight")):
                 p.mul_(1 / math.sqrt(2 * n_layers))
-        nn.init.normal_(self.vision.class_embedding, std=0.02, generator=gen)
+        if self.vision.class_embedding is not None:
+            nn.init.normal_(self.vision.class_embedding, std=0.02, generator=gen)
         nn.init.normal_(self.vision.positional_embedding, std=0.02, generator=gen)
         self.llm.init_buffers()
 
@@ -516,13 +579,19 @@ class VLM(nn.Module):
 
     @torch.no_grad()
     def generate(self, input_ids, pixel_values=None, max_new_tokens=32, temperature=0.0, top_p=1.0,
-                 eos_id=None, generator=None):
-        """New tokens (B, <= max_new_tokens) after equal-length prompts; greedy when temperature == 0.
-        Rows that reached eos_id keep emitting eos_id until every row has."""
+                 eos_id=None, generator=None, attention_mask=None):
+        """New tokens (B, <= max_new_tokens) after the prompts; greedy when temperature == 0. Prompts of
+        different lengths come left-padded with attention_mask (B, T) 0 at the padding (see left_pad), as
+        HF's generate takes them. Rows that reached eos_id keep emitting eos_id until every row has."""
         B, T = input_ids.shape
         h = self.embed(input_ids, pixel_values)
+        pad = None
+        if attention_mask is not None:
+            if bool((attention_mask[:, -1] == 0).any()):
+                raise ValueError("generate: attention_mask has padding at the end of a row; pad prompts on the left")
+            pad = F.pad(attention_mask == 0, (0, max_new_tokens), value=False)  # (B, T + max_new_tokens)
         cache = KVCache(self.cfg.llm, B, T + max_new_tokens, h.dtype, h.device)
-        logits = self.llm.output(self.llm(h, cache, 0)[:, -1])  # (B, vocab)
+        logits = self.llm.output(self.llm(h, cache, 0, pad=None if pad is None else pad[:, :T])[:, -1])  # (B, vocab)
         done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
         out = []
         for i in range(max_new_tokens):
@@ -534,8 +603,16 @@ class VLM(nn.Module):
             if (eos_id is not None and bool(done.all())) or i == max_new_tokens - 1:
                 break
             h = self.llm.tok_embeddings(token[:, None])  # (B, 1, D)
-            logits = self.llm.output(self.llm(h, cache, T + i)[:, -1])
+            logits = self.llm.output(self.llm(h, cache, T + i, pad=None if pad is None else pad[:, : T + i + 1])[:, -1])
         return torch.stack(out, dim=1)
+
+
+def left_pad(prompts, pad_id=0):
+    """Token id lists of different lengths -> input_ids (B, T) padded on the left and attention_mask (B, T)."""
+    T = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (T - len(p)) + list(p) for p in prompts])
+    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
 
 
 def sample_token(logits, temperature, top_p, generator=None):

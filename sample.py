@@ -4,9 +4,13 @@ Ask a trained model about an image.
     python sample.py --ckpt out/shapes/step-001500 --image data/shapes/images/019999.png \
         --prompt "How many circles are there?"
     python sample.py --ckpt llava-1.5-7b-hf --image cat.jpg --prompt "What is this?" --template vicuna_v1
+    python sample.py --ckpt CKPT --image a.jpg b.jpg c.jpg --prompt "What is this?"    # one batch, 3 answers
+    python sample.py --ckpt CKPT --image a.jpg a.jpg --prompt "What colour?" "How many?"
 
 --ckpt is a llavax checkpoint directory (a training step or a convert.py output) or an HF LLaVA
 directory, converted in memory. The template defaults to the one the checkpoint was trained with.
+Several images and/or prompts run as one left-padded batch: N images with one prompt, one image
+with N prompts, or N of each paired in order; one answer is printed per line.
 """
 
 import argparse
@@ -18,13 +22,14 @@ import torch
 
 import convert
 import data
+from model import left_pad
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True)
-    p.add_argument("--image", help="an image file; leave out for a text-only prompt")
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--image", nargs="+", default=[], help="image files; leave out for text-only prompts")
+    p.add_argument("--prompt", nargs="+", required=True)
     p.add_argument("--template", help="default: the training config's, else vicuna_v1")
     p.add_argument("--tokenizer", help="default: tokenizer.model or tokenizer.json in --ckpt")
     p.add_argument("--image-mode", default="pad", choices=["pad", "crop", "resize"])
@@ -53,25 +58,39 @@ def main(argv=None):
     except (OSError, ValueError, RuntimeError, convert.ConversionError) as e:
         sys.exit(f"sample: {e}")
     cfg = model.cfg
-    question = f"{data.IMAGE_TAG}\n{args.prompt}" if args.image else args.prompt
-    ids, _ = data.tokenize([(data.generation_prompt(template, question, tok), False)], tok, cfg.image_token_id,
-                           cfg.n_image_tokens)
-    if len(ids) + args.max_new_tokens > cfg.llm.max_seq_len:
-        sys.exit(f"sample: --prompt is {len(ids)} tokens (with the template and image); with --max-new-tokens "
-                 f"{args.max_new_tokens} that exceeds the model's max_seq_len={cfg.llm.max_seq_len}")
-    pixels = None
-    if args.image:
+    n = max(len(args.image), len(args.prompt))
+    if len(args.image) not in (0, 1, n) or len(args.prompt) not in (1, n):
+        sys.exit(f"sample: {len(args.image)} images and {len(args.prompt)} prompts do not pair up; give one of "
+                 "either, or the same number of each")
+    images = [args.image[i if len(args.image) > 1 else 0] for i in range(n)] if args.image else []
+    prompts = [args.prompt[i if len(args.prompt) > 1 else 0] for i in range(n)]
+    rows = []
+    for prompt in prompts:
+        question = f"{data.IMAGE_TAG}\n{prompt}" if images else prompt
+        ids, _ = data.tokenize([(data.generation_prompt(template, question, tok), False)], tok, cfg.image_token_id,
+                               cfg.n_image_tokens)
+        if len(ids) + args.max_new_tokens > cfg.llm.max_seq_len:
+            sys.exit(f"sample: --prompt {prompt!r} is {len(ids)} tokens (with the template and image); with "
+                     f"--max-new-tokens {args.max_new_tokens} that exceeds the model's max_seq_len={cfg.llm.max_seq_len}")
+        rows.append(ids)
+    ids, mask = left_pad(rows, tok.pad_id)
+    pixels = []
+    for f in images:
         try:
-            image = data.load_image(Path(args.image).read_bytes(), cfg.vision.image_size, args.image_mode)
+            pixels.append(data.load_image(Path(f).read_bytes(), cfg.vision.image_size, args.image_mode))
         except (OSError, ValueError) as e:  # PIL's UnidentifiedImageError is an OSError
-            sys.exit(f"sample: --image {args.image}: cannot read it as an image ({e})")
-        pixels = data.normalize_images(image[None]).to(args.device)
+            sys.exit(f"sample: --image {f}: cannot read it as an image ({e})")
+    pixels = data.normalize_images(torch.stack(pixels)).to(args.device) if pixels else None
     stop = data.stop_token_id(template, tok)
-    out = model.generate(torch.tensor([ids], device=args.device), pixels, max_new_tokens=args.max_new_tokens,
-                         temperature=args.temperature, top_p=args.top_p, eos_id=stop,
-                         generator=torch.Generator(args.device).manual_seed(args.seed))[0].tolist()
-    print(tok.decode(out[: out.index(stop)] if stop in out else out).strip())
-
+    try:
+        out = model.generate(ids.to(args.device), pixels, max_new_tokens=args.max_new_tokens,
+                             temperature=args.temperature, top_p=args.top_p, eos_id=stop,
+                             generator=torch.Generator(args.device).manual_seed(args.seed),
+                             attention_mask=mask.to(args.device)).tolist()
+    except ValueError as e:  # e.g. prompt + max_new_tokens longer than the model's max_seq_len
+        sys.exit(f"sample: {e}")
+    for tokens in out:
+        print(tok.decode(tokens[: tokens.index(stop)] if stop in tokens else tokens).strip())
 
 if __name__ == "__main__":
     main()

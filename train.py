@@ -32,7 +32,7 @@ from safetensors.torch import load_file
 
 import convert
 import data
-from model import VLMConfig, build_model, vlm_preset
+from model import VLMConfig, build_model, left_pad, vlm_preset
 from parallel import Env, autocast, checkpoint_fn, grad_sync, init_optimizer_state, place_like, print0, shard
 
 # -----------------------------------------------------------------------------
@@ -587,15 +587,16 @@ def evaluate(model, val_loader, env, cfg, n_batches):
 
 
 @torch.no_grad()
-def answer_accuracy(raw, stream, env, cfg, n, show=5):
+def answer_accuracy(raw, stream, env, cfg, n, show=5, batch_size=32):
     """Exact-match accuracy of greedy answers to the first n val samples, a few of them to show, the number asked
-    and the number skipped because prompt and answer exceed the model's max_seq_len."""
+    and the number skipped because prompt and answer exceed the model's max_seq_len. Questions go batch_size at a
+    time, left-padded (rows without an image get a blank one they never read)."""
     raw.eval()
     tok, stop = stream.tok, data.stop_token_id(cfg["template"], stream.tok)
     right, shown, total, too_long, max_new = 0, [], 0, 0, 8
+    asked = []
     for sample in range(min(n, len(stream))):
-        _, members = stream.read(sample)
-        conv, image = data.sample_conversation(members)
+        conv, image = data.sample_conversation(stream.read(sample)[1])
         if data.conversation_problem(conv):  # a malformed foreign sample, which training drops too
             continue
         prompt, answer = data.prompt_and_answer(conv, image is not None, cfg["template"], tok, stream.image_token_id,
@@ -603,19 +604,23 @@ def answer_accuracy(raw, stream, env, cfg, n, show=5):
         if len(prompt) + max_new > raw.cfg.llm.max_seq_len:  # the model cannot hold it: counted, not a crash
             too_long += 1
             continue
-        pixels = data.normalize_images(data.load_image(image, stream.image_size, stream.image_mode)[None]) \
-            if image is not None else None
-        ids = torch.tensor([prompt], device=env.device)
+        question = next(t["value"] for t in conv if t["from"] in ("human", "user"))
+        asked.append((prompt, answer, image, question))
+    for first in range(0, len(asked), batch_size):
+        batch = asked[first : first + batch_size]
+        ids, mask = left_pad([prompt for prompt, *_ in batch], tok.pad_id)
+        images = [data.load_image(image, stream.image_size, stream.image_mode) if image is not None else
+                  torch.zeros(3, stream.image_size, stream.image_size, dtype=torch.uint8) for _, _, image, _ in batch]
+        pixels = data.normalize_images(torch.stack(images)).to(env.device) if stream.image_token_id in ids else None
         with autocast(env, cfg):
-            out = raw.generate(ids, pixels.to(env.device) if pixels is not None else None, max_new_tokens=max_new,
-                               eos_id=stop)
-        tokens = out[0].tolist()
-        said = tok.decode(tokens[: tokens.index(stop)] if stop in tokens else tokens).strip()
-        right += said.lower() == answer.strip().lower()
-        total += 1
-        if len(shown) < show:
-            question = next(t["value"] for t in conv if t["from"] in ("human", "user")).replace(data.IMAGE_TAG, "").strip()
-            shown.append((question, said, answer))
+            out = raw.generate(ids.to(env.device), pixels, max_new_tokens=max_new, eos_id=stop,
+                               attention_mask=mask.to(env.device)).tolist()
+        for tokens, (_, answer, _, question) in zip(out, batch):
+            said = tok.decode(tokens[: tokens.index(stop)] if stop in tokens else tokens).strip()
+            right += said.lower() == answer.strip().lower()
+            total += 1
+            if len(shown) < show:
+                shown.append((question.replace(data.IMAGE_TAG, "").strip(), said, answer))
     raw.train()
     return right / max(1, total), shown, total, too_long
 

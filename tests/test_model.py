@@ -5,7 +5,7 @@ import torch
 from conftest import image_batch, tiny_hf_llava
 
 import convert
-from model import VLM, Llama, ViT, VLMConfig, build_model, vlm_preset
+from model import LLM_PRESETS, VIT_PRESETS, VLM, Llama, ViT, VLMConfig, build_model, vlm_preset
 
 TOL = 1e-4
 
@@ -14,7 +14,7 @@ def ours_from_hf(hf_model, tmp_path):
     hf_model.save_pretrained(tmp_path / "hf")
     state, cfg = convert.llava_from_hf(tmp_path / "hf")
     model = build_model(cfg, init=False)
-    model.load_state_dict(state)
+    model.load_state_dict(state, strict=not cfg.llm.tie_embeddings)
     return model.eval()
 
 
@@ -205,3 +205,130 @@ def test_packed_rows_give_each_sample_its_own_loss(tmp_path, device):
     assert logits is None and abs(chunked.item() - full.item()) <= 1e-4 * full.item()
     for g_full, g_chunk in zip(grads, torch.autograd.grad(chunked, [ours.llm.output.weight, ours.projector.fc[0].weight])):
         assert (g_full - g_chunk).abs().max().item() <= 1e-5
+
+
+# -----------------------------------------------------------------------------
+# SigLIP towers and Qwen2 LLMs
+
+
+def tiny_hf_siglip_qwen_llava(strategy="full", vision_layer=-1, image_size=42, use_head=True, seed=0, **text):
+    """A random, tiny LlavaForConditionalGeneration with a SigLIP tower (head on, as SiglipVisionConfig defaults)
+    and a Qwen2 LLM with tied embeddings, as llava-interleave-qwen-0.5b."""
+    from transformers import LlavaConfig, LlavaForConditionalGeneration, Qwen2Config, SiglipVisionConfig
+
+    torch.manual_seed(seed)
+    vision = SiglipVisionConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                                image_size=image_size, patch_size=14, vision_use_head=use_head)
+    llm = Qwen2Config(**{**dict(vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                tie_word_embeddings=True, rms_norm_eps=1e-6), **text})
+    n_tokens = (image_size // 14) ** 2 - (strategy == "default")
+    cfg = LlavaConfig(vision_config=vision, text_config=llm, image_token_index=511, image_seq_length=n_tokens,
+                      vision_feature_layer=vision_layer, vision_feature_select_strategy=strategy,
+                      tie_word_embeddings=True)
+    model = LlavaForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("image_size", [384, 224])
+def test_siglip_hidden_states_match_transformers(tmp_path, image_size):
+    """SiglipVisionModel at real so400m-style resolutions (27 x 27 and 16 x 16 patches of 14 px), narrow and shallow."""
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    torch.manual_seed(0)
+    hf = SiglipVisionModel(SiglipVisionConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                                              num_attention_heads=4, image_size=image_size, patch_size=14)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path)
+    vcfg = convert.vit_config(convert.read_json(tmp_path / "config.json"))
+    assert vcfg.kind == "siglip" and vcfg.act == "gelu_pytorch_tanh" and vcfg.norm_eps == 1e-6
+    cfg = VLMConfig(vision=vcfg, llm=vlm_preset("debug").llm)
+    vit = ViT(cfg.vision).eval()
+    vit.load_state_dict({k.removeprefix("vision."): v for k, v in convert.vision_from_clip(tmp_path, cfg).items()})
+    pixels = torch.randn(2, 3, image_size, image_size)
+    with torch.no_grad():
+        out = hf(pixels, output_hidden_states=True)
+        ours = vit(pixels, layers=[0, 1, -1])
+        post = vit.ln_post(ours[-1])
+    for o, t in zip(ours + [post], (*out.hidden_states[0:2], out.hidden_states[-1], out.last_hidden_state)):
+        assert o.shape == t.shape and (o - t).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("vision_layer,strategy", [(-1, "full"), (-2, "default")])
+def test_siglip_qwen2_llava_matches_transformers(tmp_path, capsys, vision_layer, strategy):
+    hf = tiny_hf_siglip_qwen_llava(strategy, vision_layer)
+    ours = ours_from_hf(hf, tmp_path)
+    assert "dropping SigLIP's attention-pooling head" in capsys.readouterr().err
+    assert ours.cfg.vision.kind == "siglip" and ours.cfg.llm.qkv_bias and ours.cfg.llm.tie_embeddings
+    assert ours.cfg.n_image_tokens == hf.config.image_seq_length
+    ids, pixels, labels = image_batch(ours.cfg.n_image_tokens, 511, 512, seq=ours.cfg.n_image_tokens + 12,
+                                      image_size=42)
+    with torch.no_grad():
+        out = hf(input_ids=ids, pixel_values=pixels, labels=labels)
+        logits, loss = ours(ids, pixels, labels)
+    assert (logits - out.logits).abs().max().item() <= TOL
+    assert abs(loss.item() - out.loss.item()) <= TOL
+
+
+def test_qwen_and_siglip_presets_have_published_shapes():
+    """Parameter counts against transformers' own classes built with the published hub configs."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, SiglipVisionConfig, SiglipVisionModel
+
+    n = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    qwen = dict(hidden_act="silu", rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=32768)
+    with torch.device("meta"):
+        ours = {name: VLM(VLMConfig(vision=VIT_PRESETS["debug"], llm=LLM_PRESETS[name])).llm
+                for name in ("qwen2-0.5b", "qwen2-7b")}
+        theirs = {"qwen2-0.5b": Qwen2ForCausalLM(Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                                                             num_hidden_layers=24, num_attention_heads=14,
+                                                             num_key_value_heads=2, tie_word_embeddings=True, **qwen)),
+                  "qwen2-7b": Qwen2ForCausalLM(Qwen2Config(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                                                           num_hidden_layers=28, num_attention_heads=28,
+                                                           num_key_value_heads=4, tie_word_embeddings=False, **qwen))}
+        siglip = SiglipVisionModel(SiglipVisionConfig(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27,
+                                                      num_attention_heads=16, image_size=384, patch_size=14,
+                                                      vision_use_head=False))
+        our_siglip = VLM(VLMConfig(vision=VIT_PRESETS["siglip-so400m-patch14-384"], llm=LLM_PRESETS["debug"])).vision
+        interleave = VLM(vlm_preset("llava-interleave-qwen-0.5b"))
+    assert abs(n(ours["qwen2-0.5b"]) - 494.0e6) / 494.0e6 < 0.01  # Qwen2-0.5B: 0.49B
+    assert abs(n(ours["qwen2-7b"]) - 7.62e9) / 7.62e9 < 0.01  # Qwen2-7B: 7.62B
+    for name in ours:
+        assert n(ours[name]) == n(theirs[name]), name
+    assert n(our_siglip) == n(siglip)  # 27 layers, no head: ~413M
+    assert vlm_preset("llava-interleave-qwen-0.5b").n_image_tokens == 729
+    assert n(interleave.vision) == n(siglip) - sum(p.numel() for k, p in siglip.named_parameters() if "layers.26." in k)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "siglip-qwen2"])
+def test_padded_batch_generation_matches_transformers(tmp_path, family):
+    """Prompts of different lengths, left-padded as HF's processors pad for generation: greedy tokens equal HF's."""
+    from model import left_pad
+
+    hf = tiny_hf_llava() if family == "llama" else tiny_hf_siglip_qwen_llava(use_sliding_window=True, sliding_window=12,
+                                                                              max_window_layers=1)
+    ours = ours_from_hf(hf, tmp_path)
+    n, size = ours.cfg.n_image_tokens, ours.cfg.vision.image_size
+    g = torch.Generator().manual_seed(3)
+    prompts = []
+    for length, image_at in ((n + 9, 1), (n + 2, 0), (n + 15, 6)):  # long, short (image first), longest
+        ids = torch.randint(3, 500, (length,), generator=g).tolist()
+        prompts.append(ids[:image_at] + [511] * n + ids[image_at + n:])
+    ids, mask = left_pad(prompts, pad_id=0)
+    pixels = torch.randn(3, 3, size, size, generator=g)
+    with torch.no_grad():
+        theirs = hf.generate(input_ids=ids, pixel_values=pixels, attention_mask=mask, max_new_tokens=12,
+                             min_new_tokens=12, do_sample=False)[:, ids.shape[1]:]
+        mine = ours.generate(ids, pixels, max_new_tokens=12, attention_mask=mask)
+        alone = [ours.generate(torch.tensor([p]), pixels[i : i + 1], max_new_tokens=12) for i, p in enumerate(prompts)]
+    assert torch.equal(mine, theirs)
+    assert torch.equal(mine, torch.cat(alone))
+    with pytest.raises(ValueError, match="pad prompts on the left"):
+        ours.generate(ids, pixels, attention_mask=mask.flip(1))

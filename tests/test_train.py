@@ -342,3 +342,18 @@ def test_samples_that_do_not_fit_a_packed_batch_are_counted(shapes, tmp_path):
     assert "no_room_in_pack" in r.stdout + r.stderr
     events = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert sum(e.get("dropped_samples", 0) for e in events) > 0
+
+
+def test_final_accuracy_pass_batches_questions_without_changing_answers(shapes, single_run):
+    """Left-padded batches of val questions (5 a batch: the last batch is short) give the answers asked one by one."""
+    from types import SimpleNamespace
+
+    model = convert.load_model(single_run / "step-000020")
+    s = data.ShardStream(shapes / "shards", shapes / "tokenizer.model", batch_size=2, seq_len=48, image_size=28,
+                         image_token_id=512, n_image_tokens=4, template="llama_3", split="val")
+    env = SimpleNamespace(kind="cpu", device=torch.device("cpu"), distributed=False)
+    cfg = {"template": "llama_3", "dtype": "float32"}
+    alone = train.answer_accuracy(model, s, env, cfg, 12, show=12, batch_size=1)
+    batched = train.answer_accuracy(model, s, env, cfg, 12, show=12, batch_size=5)
+    assert len(batched[1]) == 12 and batched == alone
+    assert len({len(q) for q, _, _ in batched[1]}) > 1  # questions of different lengths shared a batch

@@ -1,0 +1,94 @@
+"""
+The Hugging Face processor files convert.py's to-hf writes beside the weights, so that AutoProcessor
+preprocesses exactly as llavax trained: the image processor for data.py's image mode, LlavaProcessor's
+settings, a chat template rendering data.py's template, and <image> in tokenizer.json.
+
+Split from convert.py (weights and formats) because it is a separate concern: it reads data.py, not model
+weights, and follows transformers' processor formats rather than checkpoint layouts.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import data
+
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.jinja")
+TEMPLATE_NAMES = sorted(data.TEMPLATES)
+
+
+class ExportError(ValueError):
+    pass
+
+
+def image_processor_config(size, mode):
+    """HF's image processor for data.load_image's modes: 'crop' = shortest edge then centre crop (CLIP's),
+    'resize' = squash to size x size, 'pad' = LlavaImageProcessor's pad to square with the mean colour first."""
+    square, shortest = {"height": size, "width": size}, {"shortest_edge": size}
+    return {"image_processor_type": "LlavaImageProcessor" if mode == "pad" else "CLIPImageProcessor",
+            "do_resize": True, "size": square if mode == "resize" else shortest, "resample": 3,  # bicubic
+            "do_center_crop": mode != "resize", "crop_size": square, "do_pad": mode == "pad",
+            "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": list(data.CLIP_MEAN),
+            "image_std": list(data.CLIP_STD), "do_convert_rgb": True, "processor_class": "LlavaProcessor"}
+
+
+def chat_template(template):
+    """A jinja chat template that renders what data.py's template renders. Built by rendering a two-round
+    conversation with marker texts and cutting the string at them, so it follows data.py's templates exactly.
+    Text goes in as string expressions: HF renders with trim_blocks, which would eat a newline after a tag."""
+    lit = lambda text: "{{ " + json.dumps(text) + " }}"  # noqa: E731
+    content = ("{% if m.content is string %}{{ m.content }}{% else %}{% for c in m.content %}{% if c.type == 'image' %}"
+               + lit(data.IMAGE_TAG + "\n") + "{% endif %}{% endfor %}{% for c in m.content %}{% if c.type == 'text' %}"
+               "{{ c.text }}{% endif %}{% endfor %}{% endif %}")
+    if template == "plain":  # stage 1: the image, then the caption; questions are not shown
+        first_answer = "(messages | selectattr('role', 'equalto', 'assistant') | list)[:1]"
+        return lit("<s>" + data.IMAGE_TAG) + "{% for m in " + first_answer + " %}" + content + lit("\n") + "{% endfor %}"
+    marks = ["\x01Q1\x01", "\x01A1\x01", "\x01Q2\x01", "\x01A2\x01"]
+    conv = [{"from": r, "value": m} for r, m in zip(["human", "gpt"] * 2, marks)]
+    text = "".join(t for t, _ in data.TEMPLATES[template](conv))
+    cuts = [text.index(m) for m in marks]
+    first, user_end, turn_sep, _, last = [text[a:b] for a, b in zip([0] + [c + len(m) for c, m in zip(cuts, marks)],
+                                                                      cuts + [len(text)])]
+    generation = data.generation_prompt(template, marks[0])
+    return ("{% for m in messages %}{% if m.role == 'user' %}{% if loop.first %}" + lit(first) + "{% else %}"
+            + lit(turn_sep) + "{% endif %}" + content + "{% elif m.role == 'assistant' %}" + lit(user_end) + content
+            + "{% endif %}{% endfor %}{% if add_generation_prompt %}" + lit(generation.split(marks[0])[1])
+            + "{% else %}" + lit(last) + "{% endif %}")
+
+
+def write_processor(cfg, directory, template, image_mode):
+    if template not in data.TEMPLATES or image_mode not in ("pad", "crop", "resize"):
+        raise ExportError(f"cannot write a processor for template {template!r} and image mode {image_mode!r}")
+    extra = 1 if cfg.vision.kind == "clip" else 0  # LlavaProcessor: patches + this, - 1 for "default"
+    Path(directory, "preprocessor_config.json").write_text(
+        json.dumps(image_processor_config(cfg.vision.image_size, image_mode), indent=2))
+    Path(directory, "processor_config.json").write_text(json.dumps(
+        {"processor_class": "LlavaProcessor", "image_token": data.IMAGE_TAG, "patch_size": cfg.vision.patch_size,
+         "vision_feature_select_strategy": "default" if cfg.vision_select == "patch" else "full",
+         "num_additional_image_tokens": extra}, indent=2))
+    Path(directory, "chat_template.jinja").write_text(chat_template(template))
+    Path(directory, "chat_template.json").unlink(missing_ok=True)  # one template only: the .jinja wins
+
+
+def add_image_token_to_tokenizer(directory, image_id):
+    """Register <image> at the model's id in tokenizer.json (the added-token list HF loads), if not there yet."""
+    path = Path(directory, "tokenizer.json")
+    if not path.exists():
+        if Path(directory, "tokenizer.model").exists():
+            print(f"convert: {directory}: only a sentencepiece tokenizer.model; AutoProcessor needs <image> (id {image_id}) "
+                "added to it by hand", file=sys.stderr)
+        return
+    tok = json.loads(path.read_text())
+    vocab = tok.get("model", {}).get("vocab") or {}
+    vocab = vocab if isinstance(vocab, dict) else {piece: i for i, (piece, _) in enumerate(vocab)}  # Unigram: a list
+    known = vocab | {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
+    if known.get(data.IMAGE_TAG, image_id) != image_id:
+        raise ExportError(f"{path}: <image> has id {known[data.IMAGE_TAG]} but the model uses {image_id}")
+    holder = next((t for t, i in known.items() if i == image_id and t != data.IMAGE_TAG), None)
+    if holder is not None:
+        raise ExportError(f"{path}: the model's image id {image_id} is the tokenizer's {holder!r}; cannot add <image>")
+    if data.IMAGE_TAG not in known:
+        tok.setdefault("added_tokens", []).append({"id": image_id, "content": data.IMAGE_TAG, "single_word": False,
+                                                   "lstrip": False, "rstrip": False, "normalized": False,
+                                                   "special": True})
+        path.write_text(json.dumps(tok, ensure_ascii=False))
