@@ -452,17 +452,9 @@ def test_exported_chat_template_renders_llavax_prompts(exported, tmp_path, templ
     assert processor.apply_chat_template(messages) == "".join(t for t, _ in data.TEMPLATES[template](conv))
 
 
-pending_h11a = pytest.mark.xfail(reason="data.load_image here resizes then pads and rounds the crop resize; HF pads "
-                                        "first and truncates (h11a changes data.py to match)", strict=False)
-
-
 @pytest.mark.parametrize("mode,size", [("crop", (640, 480)), ("crop", (500, 375)), ("resize", (640, 480)),
-                                       pytest.param("resize", (333, 500), marks=pytest.mark.xfail(
-                                           reason="torch's antialiased bicubic vs PIL's when a side is upsampled: "
-                                                  "0.03% of pixels 2-3 levels apart", strict=False)),
-                                       ("pad", (500, 500)),
-                                       pytest.param("pad", (640, 480), marks=pending_h11a),
-                                       pytest.param("crop", (333, 500), marks=pending_h11a)])
+                                       ("resize", (333, 500)), ("pad", (500, 500)), ("pad", (640, 480)),
+                                       ("pad", (333, 500)), ("crop", (333, 500)), ("crop", (1920, 1080))])
 def test_exported_processor_matches_llavax_preprocessing(exported, tmp_path, caplog, mode, size):
     import transformers
     from PIL import Image
