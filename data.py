@@ -327,11 +327,12 @@ def stop_token_id(template, tok):
 # images
 
 
-def load_image(data, size, mode="pad", fast=False):
+def load_image(data, size, mode="pad", fast=False, mean=CLIP_MEAN):
     """Image bytes (any mode PIL reads) -> (3, size, size) uint8, equal to what transformers' PIL-backend
     processors compute before rescaling (tests). 'crop': CLIPImageProcessor: short side to `size`, long side
     int(size * long / short) (truncated, as get_resize_output_image_size does), centre crop. 'pad': LLaVA's
-    expand2square in the CLIP mean colour, then the same (LlavaImageProcessor(do_pad=True)). 'resize': squash.
+    expand2square in the tower's mean colour (CLIP's by default), then the same (LlavaImageProcessor(do_pad=True)).
+    'resize': squash.
     fast=True trades exactness for speed (README, BENCHMARKS.md): a big JPEG decodes at 1/2, 1/4 or 1/8 scale
     (to at least twice the resized size), and torch's uint8 antialiased bicubic replaces PIL's."""
     img = Image.open(io.BytesIO(data))
@@ -342,7 +343,7 @@ def load_image(data, size, mode="pad", fast=False):
     img = img if img.mode == "RGB" else img.convert("RGB")  # LLaVA's Image.open().convert("RGB"): alpha dropped
     if mode == "pad":
         w, h = img.size
-        square = Image.new("RGB", (max(w, h), max(w, h)), tuple(int(m * 255) for m in CLIP_MEAN))
+        square = Image.new("RGB", (max(w, h), max(w, h)), tuple(int(m * 255) for m in mean))
         square.paste(img, ((max(w, h) - w) // 2, (max(w, h) - h) // 2))
         img = square
     w, h = img.size
@@ -359,14 +360,15 @@ def load_image(data, size, mode="pad", fast=False):
     return x[:, top : top + size, left : left + size].contiguous()
 
 
-def normalize_images(images):
-    """(B, 3, H, W) uint8 -> float32 with CLIP mean/std, as one multiply-add per pixel, on the images' device
-    (train.py runs it on the accelerator: batches cross the DataLoader and the host link as uint8, 4x smaller)."""
-    return images.float().mul_(NORM_SCALE.to(images.device)).add_(NORM_SHIFT.to(images.device))
+def normalize_images(images, mean=CLIP_MEAN, std=CLIP_STD):
+    """(B, 3, H, W) uint8 -> float32 with the tower's mean/std (model.ViTConfig.image_stats), as one multiply-add
+    per pixel, on the images' device (train.py runs it on the accelerator: batches cross the DataLoader and the
+    host link as uint8, 4x smaller)."""
+    scale = torch.tensor([1 / (255 * s) for s in std], device=images.device).view(1, 3, 1, 1)
+    shift = torch.tensor([-m / s for m, s in zip(mean, std)], device=images.device).view(1, 3, 1, 1)
+    return images.float().mul_(scale).add_(shift)  # (x/255 - mean)/std = x*scale + shift
 
 
-NORM_SCALE = torch.tensor([1 / (255 * s) for s in CLIP_STD]).view(1, 3, 1, 1)  # (x/255 - mean)/std = x*scale + shift
-NORM_SHIFT = torch.tensor([-m / s for m, s in zip(CLIP_MEAN, CLIP_STD)]).view(1, 3, 1, 1)
 
 
 # -----------------------------------------------------------------------------
@@ -562,7 +564,7 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     def __init__(self, paths, tokenizer, batch_size, seq_len, image_size, image_token_id, n_image_tokens,
                  template="plain", image_mode="pad", split="train", seed=0, rank=0, world_size=1, shuffle_block=1000,
-                 pack=0, fast_images=False):
+                 pack=0, fast_images=False, image_mean=CLIP_MEAN):
         expected = shard_files(paths, split)
         self.files = list(expected)
         self.index = [(i, s, e) for i, f in enumerate(self.files) for s, e in sample_offsets(f, expected[f])]
@@ -577,6 +579,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.pack, self.samples_per_batch = pack, batch_size * pack if pack else batch_size
         self.image_token_id, self.n_image_tokens = image_token_id, n_image_tokens
         self.template, self.image_mode, self.split, self.fast_images = template, image_mode, split, fast_images
+        self.image_mean = image_mean  # the pad colour: the tower's mean
         self.seed, self.rank, self.world_size, self.shuffle_block = seed, rank, world_size, shuffle_block
         self.start = 0  # sample position in this rank's stream; set by Loader
         self.per_rank = -(-len(self.index) // world_size)
@@ -619,7 +622,7 @@ class ShardStream(torch.utils.data.IterableDataset):
             conv, image = sample_conversation(members)
             problem = conversation_problem(conv)
             pixels = None if image is None or problem else \
-                load_image(image, self.image_size, self.image_mode, self.fast_images)
+                load_image(image, self.image_size, self.image_mode, self.fast_images, self.image_mean)
         except Exception as e:  # noqa: BLE001  corrupt tar, JSON or image bytes in a foreign shard
             raise DropSample(f"unreadable_sample ({type(e).__name__}: {e})") from None
         if problem:

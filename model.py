@@ -29,6 +29,11 @@ VIT_ACTIVATIONS = {"quick_gelu": quick_gelu, "gelu": F.gelu, "gelu_pytorch_tanh"
                    "gelu_new": partial(F.gelu, approximate="tanh")}
 
 
+# per-channel image mean and std of each tower kind's pretraining (CLIP's; SigLIP's are 0.5)
+IMAGE_STATS = {"clip": ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)),
+               "siglip": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))}
+
+
 @dataclass
 class ViTConfig:
     image_size: int = 336
@@ -40,12 +45,19 @@ class ViTConfig:
     norm_eps: float = 1e-5
     act: str = "quick_gelu"  # CLIP's; a key of VIT_ACTIVATIONS ("gelu_pytorch_tanh" for SigLIP)
     kind: str = "clip"  # "clip": class token + pre-LayerNorm; "siglip": neither, and a bias on the patch conv
+    image_mean: tuple | None = None  # the pixel statistics the tower was trained with; None: its kind's (IMAGE_STATS)
+    image_std: tuple | None = None
 
     def __post_init__(self):
         if self.kind not in ("clip", "siglip"):
             raise ValueError(f"vision kind must be 'clip' or 'siglip', got {self.kind!r}")
         if self.act not in VIT_ACTIVATIONS:
             raise ValueError(f"vision act {self.act!r} is not one of {sorted(VIT_ACTIVATIONS)}")
+
+    @property
+    def image_stats(self):  # (mean, std) the images are normalised with, and the pad colour's mean
+        mean, std = IMAGE_STATS[self.kind]
+        return tuple(self.image_mean or mean), tuple(self.image_std or std)
 
     @property
     def n_patches(self):

@@ -32,8 +32,8 @@ from PIL import Image, ImageDraw, ImageFont
 from tqdm import tqdm
 
 from data import IMAGE_TAG, ROLES, Skips, conversation_problem, log
-from data import (NORM_SCALE, NORM_SHIFT, TEMPLATES, DropSample, Tokenizer, check_template, encode_conversation,  # audit
-                  load_image, normalize_images, pack_rows, read_members, render, sample_conversation, sample_offsets,
+from data import (TEMPLATES, DropSample, Tokenizer, check_template, encode_conversation,  # audit
+                  load_image, pack_rows, read_members, render, sample_conversation, sample_offsets,
                   shard_files, tokenize, turns)
 
 ENERGON_VERSION = "7.4.1"  # the megatron-energon release whose .nv-meta layout we write
@@ -412,8 +412,7 @@ def contact_sheet(tiles, image_size, path):
             draw.rectangle([margin, top + margin, margin + side - 1, top + margin + side - 1], fill=(200, 200, 200))
             draw.text((margin + 4, top + margin + 4), "no image", fill=(0, 0, 0), font=font)
         else:
-            seen = normalize_images(pixels[None])  # what the model gets, mapped back to 0..255
-            shown = ((seen - NORM_SHIFT) / NORM_SCALE).round().clamp(0, 255).byte()[0].permute(1, 2, 0).numpy()
+            shown = pixels.permute(1, 2, 0).numpy()  # the uint8 image the model normalises: what it sees
             img = Image.fromarray(np.ascontiguousarray(shown)).resize((side, side), Image.NEAREST)
             sheet.paste(img, (margin, top + margin))
         draw.rectangle([margin - 1, top + margin - 1, margin + side, top + margin + side], outline=(0, 0, 0))

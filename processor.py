@@ -21,15 +21,15 @@ class ExportError(ValueError):
     pass
 
 
-def image_processor_config(size, mode):
+def image_processor_config(size, mode, mean=data.CLIP_MEAN, std=data.CLIP_STD):
     """HF's image processor for data.load_image's modes: 'crop' = shortest edge then centre crop (CLIP's),
     'resize' = squash to size x size, 'pad' = LlavaImageProcessor's pad to square with the mean colour first."""
     square, shortest = {"height": size, "width": size}, {"shortest_edge": size}
     return {"image_processor_type": "LlavaImageProcessor" if mode == "pad" else "CLIPImageProcessor",
             "do_resize": True, "size": square if mode == "resize" else shortest, "resample": 3,  # bicubic
             "do_center_crop": mode != "resize", "crop_size": square, "do_pad": mode == "pad",
-            "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": list(data.CLIP_MEAN),
-            "image_std": list(data.CLIP_STD), "do_convert_rgb": True, "processor_class": "LlavaProcessor"}
+            "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": list(mean),
+            "image_std": list(std), "do_convert_rgb": True, "processor_class": "LlavaProcessor"}
 
 
 def chat_template(template):
@@ -61,7 +61,7 @@ def write_processor(cfg, directory, template, image_mode):
         raise ExportError(f"cannot write a processor for template {template!r} and image mode {image_mode!r}")
     extra = 1 if cfg.vision.kind == "clip" else 0  # LlavaProcessor: patches + this, - 1 for "default"
     Path(directory, "preprocessor_config.json").write_text(
-        json.dumps(image_processor_config(cfg.vision.image_size, image_mode), indent=2))
+        json.dumps(image_processor_config(cfg.vision.image_size, image_mode, *cfg.vision.image_stats), indent=2))
     Path(directory, "processor_config.json").write_text(json.dumps(
         {"processor_class": "LlavaProcessor", "image_token": data.IMAGE_TAG, "patch_size": cfg.vision.patch_size,
          "vision_feature_select_strategy": "default" if cfg.vision_select == "patch" else "full",

@@ -77,10 +77,11 @@ def main(argv=None):
     pixels = []
     for f in images:
         try:
-            pixels.append(data.load_image(Path(f).read_bytes(), cfg.vision.image_size, args.image_mode))
+            pixels.append(data.load_image(Path(f).read_bytes(), cfg.vision.image_size, args.image_mode,
+                                          mean=cfg.vision.image_stats[0]))
         except (OSError, ValueError) as e:  # PIL's UnidentifiedImageError is an OSError
             sys.exit(f"sample: --image {f}: cannot read it as an image ({e})")
-    pixels = data.normalize_images(torch.stack(pixels)).to(args.device) if pixels else None
+    pixels = data.normalize_images(torch.stack(pixels).to(args.device), *cfg.vision.image_stats) if pixels else None
     stop = data.stop_token_id(template, tok)
     try:
         out = model.generate(ids.to(args.device), pixels, max_new_tokens=args.max_new_tokens,

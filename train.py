@@ -562,21 +562,22 @@ def stop_nonfinite(out, it, n, cfg, loader):
 # evaluation
 
 
-def device_batch(batch, env):
-    """The model's inputs on the device, images normalised there: they leave the loader as uint8 (4x fewer bytes)."""
+def device_batch(batch, env, vision):
+    """The model's inputs on the device, images normalised there with the tower's statistics: they leave the
+    loader as uint8 (4x fewer bytes)."""
     b = env.to_device(batch)
-    return b | {"pixel_values": data.normalize_images(b["pixel_values"])}
+    return b | {"pixel_values": data.normalize_images(b["pixel_values"], *vision.image_stats)}
 
 
 @torch.no_grad()
-def evaluate(model, val_loader, env, cfg, n_batches):
+def evaluate(model, val_loader, env, cfg, n_batches, vision):
     model.eval()
     total, count = torch.zeros((), device=env.device), torch.zeros((), device=env.device)
     val_loader.position = 0  # the same held-out batches every time
     for i, batch in enumerate(val_loader):
         if i == n_batches:
             break
-        b = device_batch(batch, env)
+        b = device_batch(batch, env, vision)
         with autocast(env, cfg):
             _, loss = model(b["input_ids"], b["pixel_values"], b["labels"], "sum", b.get("position_ids"))
         total += loss
@@ -609,9 +610,11 @@ def answer_accuracy(raw, stream, env, cfg, n, show=5, batch_size=32):
     for first in range(0, len(asked), batch_size):
         batch = asked[first : first + batch_size]
         ids, mask = left_pad([prompt for prompt, *_ in batch], tok.pad_id)
-        images = [data.load_image(image, stream.image_size, stream.image_mode) if image is not None else
-                  torch.zeros(3, stream.image_size, stream.image_size, dtype=torch.uint8) for _, _, image, _ in batch]
-        pixels = data.normalize_images(torch.stack(images)).to(env.device) if stream.image_token_id in ids else None
+        blank = torch.zeros(3, stream.image_size, stream.image_size, dtype=torch.uint8)
+        images = [data.load_image(image, stream.image_size, stream.image_mode, mean=stream.image_mean)
+                  if image is not None else blank for _, _, image, _ in batch]
+        pixels = data.normalize_images(torch.stack(images).to(env.device), *raw.cfg.vision.image_stats) \
+            if stream.image_token_id in ids else None
         with autocast(env, cfg):
             out = raw.generate(ids.to(env.device), pixels, max_new_tokens=max_new, eos_id=stop,
                                attention_mask=mask.to(env.device)).tolist()
@@ -712,7 +715,8 @@ def main(argv=None):
                    "image_size": raw.cfg.vision.image_size, "image_token_id": raw.cfg.image_token_id,
                    "n_image_tokens": raw.cfg.n_image_tokens, "template": cfg["template"], "image_mode": cfg["image_mode"],
                    "seed": cfg["seed"], "rank": env.rank, "world_size": env.world, "shuffle_block": cfg["shuffle_block"],
-                   "pack": cfg["pack"], "fast_images": cfg["fast_images"]}
+                   "pack": cfg["pack"], "fast_images": cfg["fast_images"],
+                   "image_mean": raw.cfg.vision.image_stats[0]}
     try:
         loader = data.Loader(data.ShardStream(cfg["data_dir"], split="train", **stream_args), cfg["num_workers"])
     except (OSError, ValueError) as e:
@@ -790,7 +794,7 @@ def main(argv=None):
             g["lr"] = lr_now * g["lr_scale"]
         # the loss is a sum over supervised tokens divided by their count over all micro-steps and ranks;
         # DDP and FSDP average gradients over ranks, hence the factor world
-        micro = [device_batch(b, env) for b in micro]
+        micro = [device_batch(b, env, raw.cfg.vision) for b in micro]
         count = env.all_sum(sum((b["labels"][:, 1:] != -100).sum() for b in micro).float())
         step_loss = torch.zeros((), device=env.device)
         for i, b in enumerate(micro):
@@ -869,7 +873,7 @@ def main(argv=None):
             tokens_sum.zero_()
             t_last, data_wait, rows_done, dropped = time.perf_counter(), 0.0, 0, 0
         if val_loader and cfg["eval_interval"] and (it % cfg["eval_interval"] == 0 or it == cfg["max_iters"]):
-            val = evaluate(model, val_loader, env, cfg, cfg["eval_iters"])
+            val = evaluate(model, val_loader, env, cfg, cfg["eval_iters"], raw.cfg.vision)
             print0(env, f"step {it}: val loss {val:.4f}")
             log({"step": it, "val_loss": val})
             t_last = time.perf_counter()

@@ -135,3 +135,29 @@ def test_fast_images_is_off_by_default_and_its_cost_is_bounded(processors):
     assert img.size == (1024, 768)  # decoded at 1/2 scale, still twice the target
     diff = (data.load_image(raw, SIZE, "crop", fast=True).float() - reference_levels(processors, raw, "crop")).abs()
     assert 1 < diff.max() <= 16 and diff.flatten().quantile(0.999) <= 6  # the cost README states
+
+
+@pytest.mark.parametrize("w,h", [(640, 480), (333, 500), (1920, 1080)])
+def test_a_siglip_tower_gets_siglips_statistics_and_pad_colour(w, h):
+    """A SigLIP tower was trained on (x - 0.5) / 0.5 and (LLaVA-OneVision) padded in its own mean colour: the
+    loader, the normaliser and the exported processor follow the tower's kind, checked against transformers'
+    SiglipImageProcessor (squash to size) and LlavaImageProcessor(do_pad=True) given SigLIP's statistics."""
+    from transformers import LlavaImageProcessor, SiglipImageProcessor
+
+    import processor
+    from model import ViTConfig
+
+    siglip = ViTConfig(image_size=384, patch_size=14, kind="siglip", act="gelu_pytorch_tanh")
+    mean, std = siglip.image_stats
+    assert (mean, std) == ((0.5,) * 3, (0.5,) * 3) and ViTConfig().image_stats == (data.CLIP_MEAN, data.CLIP_STD)
+    raw = encode(photo(w, h, seed=w), "PNG", compress_level=1)
+    img = np.asarray(Image.open(io.BytesIO(raw)).convert("RGB"))
+    references = {"resize": SiglipImageProcessor(size={"height": 384, "width": 384}),
+                  "pad": LlavaImageProcessor(do_pad=True, size={"shortest_edge": 384},
+                                             crop_size={"height": 384, "width": 384}, image_mean=mean, image_std=std)}
+    for mode, reference in references.items():
+        theirs = reference(images=img, return_tensors="pt", input_data_format="channels_last")["pixel_values"]
+        ours = data.normalize_images(data.load_image(raw, 384, mode, mean=mean)[None], mean, std)
+        assert ((theirs - ours) * 0.5 * 255).abs().max() <= 1.0 + 1e-3, mode  # within one uint8 level
+    exported = processor.image_processor_config(384, "pad", *siglip.image_stats)
+    assert exported["image_mean"] == [0.5] * 3 and exported["image_std"] == [0.5] * 3
