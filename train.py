@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -308,12 +309,18 @@ def file_sha256(path):
     return h.hexdigest()
 
 
+def sha256_all(files):
+    """sha256 of several files at once: hashlib releases the GIL, so shards and the optimizer file hash in parallel."""
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+        return list(pool.map(file_sha256, files))
+
+
 def write_manifest(path):
     """manifest.json: the size and sha256 of every file in checkpoint directory `path`, read back from disk.
     Written last, so a checkpoint without one is incomplete; resume checks every file against it."""
     path = Path(path)
-    files = {f.name: {"size": f.stat().st_size, "sha256": file_sha256(f)}
-             for f in sorted(path.iterdir()) if f.is_file() and f.name != MANIFEST}
+    names = [f for f in sorted(path.iterdir()) if f.is_file() and f.name != MANIFEST]
+    files = {f.name: {"size": f.stat().st_size, "sha256": digest} for f, digest in zip(names, sha256_all(names))}
     tmp = path / f"{MANIFEST}.tmp"
     tmp.write_text(json.dumps({"files": files}, indent=2))
     tmp.rename(path / MANIFEST)
@@ -332,13 +339,14 @@ def verify_checkpoint(path):
     for name in ("state.json", "config.json", "optimizer.safetensors"):
         if name not in expected:
             return f"{MANIFEST} does not list {name}"
-    for name, (size, digest) in expected.items():
+    for name, (size, _) in expected.items():
         f = path / name
         if not f.is_file():
             return f"{name} is missing"
         if f.stat().st_size != size:
             return f"{name} is {f.stat().st_size} bytes, {size} when written (truncated or overwritten)"
-        if file_sha256(f) != digest:
+    for (name, (_, digest)), now in zip(expected.items(), sha256_all([path / n for n in expected])):
+        if now != digest:
             return f"{name} differs from its sha256 when written (corrupted on disk or edited)"
     return None
 
