@@ -443,7 +443,7 @@ def check_resume_config(path, cfg, env):
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"{path / 'state.json'}: unreadable ({type(e).__name__}: {e})") from None
     now = json.loads(json.dumps(cfg | {"world": env.world}))  # tuples become lists, as in the saved one
-    changed = {k: (saved[k], now[k]) for k in now if k in saved and saved[k] != now[k]}
+    changed = {k: (saved[k], now[k]) for k in now if k in saved and saved[k] != now[k] and k != "init_from"}
     refused = [k for k in changed if k in FIXED_ON_RESUME and k not in cfg["allow_config_change"]]
     for k, (a, b) in changed.items():
         verdict = "refused" if k in refused else "allowed by allow_config_change" if k in FIXED_ON_RESUME else "allowed"
