@@ -23,6 +23,7 @@ import sys
 import time
 import traceback
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -310,12 +311,18 @@ def file_sha256(path):
     return h.hexdigest()
 
 
+def sha256_all(files):
+    """sha256 of several files at once: hashlib releases the GIL, so shards and the optimizer file hash in parallel."""
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+        return list(pool.map(file_sha256, files))
+
+
 def write_manifest(path):
     """manifest.json: the size and sha256 of every file in checkpoint directory `path`, read back from disk.
     Written last, so a checkpoint without one is incomplete; resume checks every file against it."""
     path = Path(path)
-    files = {f.name: {"size": f.stat().st_size, "sha256": file_sha256(f)}
-             for f in sorted(path.iterdir()) if f.is_file() and f.name != MANIFEST}
+    names = [f for f in sorted(path.iterdir()) if f.is_file() and f.name != MANIFEST]
+    files = {f.name: {"size": f.stat().st_size, "sha256": digest} for f, digest in zip(names, sha256_all(names))}
     tmp = path / f"{MANIFEST}.tmp"
     tmp.write_text(json.dumps({"files": files}, indent=2))
     tmp.rename(path / MANIFEST)
@@ -334,13 +341,14 @@ def verify_checkpoint(path):
     for name in ("state.json", "config.json", "optimizer.safetensors"):
         if name not in expected:
             return f"{MANIFEST} does not list {name}"
-    for name, (size, digest) in expected.items():
+    for name, (size, _) in expected.items():
         f = path / name
         if not f.is_file():
             return f"{name} is missing"
         if f.stat().st_size != size:
             return f"{name} is {f.stat().st_size} bytes, {size} when written (truncated or overwritten)"
-        if file_sha256(f) != digest:
+    for (name, (_, digest)), now in zip(expected.items(), sha256_all([path / n for n in expected])):
+        if now != digest:
             return f"{name} differs from its sha256 when written (corrupted on disk or edited)"
     return None
 
@@ -490,7 +498,7 @@ def check_resume_config(path, cfg, env):
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"{path / 'state.json'}: unreadable ({type(e).__name__}: {e})") from None
     now = json.loads(json.dumps(cfg | {"world": env.world}))  # tuples become lists, as in the saved one
-    changed = {k: (saved[k], now[k]) for k in now if k in saved and saved[k] != now[k]}
+    changed = {k: (saved[k], now[k]) for k in now if k in saved and saved[k] != now[k] and k != "init_from"}
     refused = [k for k in changed if k in FIXED_ON_RESUME and k not in cfg["allow_config_change"]]
     for k, (a, b) in changed.items():
         verdict = "refused" if k in refused else "allowed by allow_config_change" if k in FIXED_ON_RESUME else "allowed"

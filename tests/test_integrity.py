@@ -76,7 +76,8 @@ def test_nonfinite_weights_are_never_checkpointed_and_the_good_one_is_kept(shape
 
 @pytest.mark.slow
 def test_nonfinite_on_one_rank_skips_the_update_on_every_rank(shapes, tmp_path, monkeypatch):  # noqa: F811
-    common = ["--parallel=ddp", "--micro_batch_size=4", "--max_iters=5"]
+    # FSDP: each rank sees only its shard's gradient norm, so the flag must be agreed (DDP takes the same path)
+    common = ["--parallel=fsdp", "--micro_batch_size=4", "--max_iters=5"]
     monkeypatch.setenv("LLAVAX_TEST_NONFINITE", "2@1")
     r = run(args(shapes, tmp_path / "nan", *common), nproc=2)
     monkeypatch.delenv("LLAVAX_TEST_NONFINITE")

@@ -108,6 +108,14 @@ def test_checkpoints_move_between_xla_and_cpu(xla):
     assert state["iter"] == 10 and state["loader"]["position"] == 80
 
 
+def test_nonfinite_update_is_skipped_inside_the_compiled_step(xla):
+    _, _, _, results = xla
+    poisoned, skipped = results["xla-nan"], results["xla-skip"]
+    assert poisoned["3"] is None and "3" not in skipped  # no loss for the skipped update; skip_steps logs none
+    # the next step starts from the same weights as when the batch was skipped by skip_steps
+    assert close(poisoned["4"], skipped["4"]) and close(poisoned["2"], skipped["2"]), (poisoned, skipped)
+
+
 def test_bad_meshes_are_clear_errors(xla):
     _, _, _, results = xla
     errors = results["mesh_errors"]

@@ -2,6 +2,7 @@
 CPU_NUM_DEVICES=4): python tests/xla_runs.py SHAPES_DIR OUT_DIR writes OUT_DIR/results.json."""
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -86,6 +87,15 @@ def main(shapes, out):
                                                   "--init_from=resume"])
     train.main(common(shapes, out / "xla-straight") + ["--max_iters=20", "--ckpt_interval=10", "--mesh=[1,2,2]"])
     for name in ("xla-xla", "xla-straight"):
+        results[name] = {e["step"]: e["loss"] for e in log(out / name) if "loss" in e}
+
+    # a non-finite loss at iteration 2 (test-only hook): the update is undone inside the compiled step
+    os.environ["LLAVAX_TEST_NONFINITE"] = "2"
+    train.main(common(shapes, out / "xla-nan") + ["--max_iters=4", "--ckpt_interval=0", "--mesh=[1,4,1]"])
+    del os.environ["LLAVAX_TEST_NONFINITE"]
+    train.main(common(shapes, out / "xla-skip") + ["--max_iters=4", "--ckpt_interval=0", "--mesh=[1,4,1]",
+                                                   "--skip_steps=[(2, 3)]"])
+    for name in ("xla-nan", "xla-skip"):
         results[name] = {e["step"]: e["loss"] for e in log(out / name) if "loss" in e}
 
     for mesh in ([1, 2, 2], [1, 4, 1]):
