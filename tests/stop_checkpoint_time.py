@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import checkpoint  # noqa: E402
 import train  # noqa: E402
 from model import build_model, vlm_preset  # noqa: E402
 from parallel import Env  # noqa: E402
@@ -61,7 +62,7 @@ def main(preset, out, llm_layers=0):
     if env.kind == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    msd, osd = train.full_state(raw, raw, optimizer, env)
+    msd, osd = checkpoint.full_state(raw, raw, optimizer, env)
     host = [v.cpu() for v in msd.values()] + [v.cpu() for s in osd["state"].values() for v in s.values()]
     t_host = time.perf_counter() - t0
     pid = os.fork()

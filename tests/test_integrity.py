@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from test_train import args, run, shapes, weights  # noqa: F401  (shapes is a fixture)
 
 import data
+import checkpoint
 import train
 
 
@@ -61,7 +62,7 @@ def test_nonfinite_steps_in_a_row_stop_with_a_clear_error(shapes, tmp_path, monk
     no_traceback(r)
     assert "3 steps in a row had a non-finite loss or gradient" in r.stderr and "max_nonfinite_steps" in r.stderr
     assert [p.name for p in train.checkpoints(tmp_path)] == ["step-000004"] and not (tmp_path / "DONE").exists()
-    assert train.verify_checkpoint(tmp_path / "step-000004") is None
+    assert checkpoint.verify_checkpoint(tmp_path / "step-000004") is None
     assert all(torch.isfinite(t).all() for t in load_file(tmp_path / "step-000004/model.safetensors").values())
 
 
@@ -71,7 +72,7 @@ def test_nonfinite_weights_are_never_checkpointed_and_the_good_one_is_kept(shape
     no_traceback(r)
     assert "not writing step-000006: non-finite values" in r.stderr and "step-000003" in r.stderr
     assert [p.name for p in train.checkpoints(tmp_path)] == ["step-000003"]
-    assert train.verify_checkpoint(tmp_path / "step-000003") is None
+    assert checkpoint.verify_checkpoint(tmp_path / "step-000003") is None
 
 
 @pytest.mark.slow
@@ -119,9 +120,9 @@ CORRUPTIONS = {
 def test_each_corruption_is_found_and_named(base, tmp_path, kind):
     corrupt, reason = CORRUPTIONS[kind]
     ckpt = shutil.copytree(base / "step-000006", tmp_path / "step-000006")
-    assert train.verify_checkpoint(ckpt) is None
+    assert checkpoint.verify_checkpoint(ckpt) is None
     corrupt(ckpt)
-    assert reason in train.verify_checkpoint(ckpt)
+    assert reason in checkpoint.verify_checkpoint(ckpt)
 
 
 def test_resume_falls_back_past_a_silently_corrupted_checkpoint(shapes, base, tmp_path):  # noqa: F811
@@ -144,9 +145,9 @@ def test_step_numbers_of_any_width_sort_numerically_and_pruning_spares_newer(tmp
     (tmp_path / "step-000100.corrupt-1").mkdir()
     assert [p.name for p in train.checkpoints(tmp_path)] == ["step-000012", "step-000999", "step-999999",
                                                              "step-1000000"]
-    train.prune_checkpoints(tmp_path, tmp_path / "step-000999", keep_last=1)  # never anything after the newest
+    checkpoint.prune_checkpoints(tmp_path, tmp_path / "step-000999", keep_last=1)  # never anything after the newest
     assert [p.name for p in train.checkpoints(tmp_path)] == ["step-000999", "step-999999", "step-1000000"]
-    train.prune_checkpoints(tmp_path, tmp_path / "step-1000000", keep_last=2)
+    checkpoint.prune_checkpoints(tmp_path, tmp_path / "step-1000000", keep_last=2)
     assert [p.name for p in train.checkpoints(tmp_path)] == ["step-999999", "step-1000000"]
 
 

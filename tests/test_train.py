@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 import convert
 import data
+import checkpoint
 import train
 from model import build_model, vlm_preset
 
@@ -170,9 +171,9 @@ def test_torchrun_stop_checkpoint_survives_the_sigkill_after_the_grace_period(sh
             os.killpg(proc.pid, signal.SIGTERM)  # as systemd or a shell's kill -- -PGID deliver it
             break
     t0 = time.time()
-    while not (out / train.WRITER_PID).exists() and time.time() < t0 + 5:
+    while not (out / checkpoint.WRITER_PID).exists() and time.time() < t0 + 5:
         time.sleep(0.05)
-    writer = int((out / train.WRITER_PID).read_text())
+    writer = int((out / checkpoint.WRITER_PID).read_text())
     assert not train.checkpoints(out)  # the kill comes mid-write
     for pid in torchrun_workers(proc.pid):  # what torchrun does when its 30 s are up, brought forward
         os.kill(pid, signal.SIGKILL)
