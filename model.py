@@ -94,6 +94,22 @@ class VLMConfig:
     def from_dict(cls, d):
         return _from_dict(cls, d, "config")
 
+    def with_overrides(self, overrides):
+        """This config with `overrides` merged in ({"llm": {"dim": 256}, "image_token_id": 5}). Fields derived from
+        others follow their inputs unless the override sets them too: head_dim (dim // n_heads) and, where it was
+        n_heads (no GQA), n_kv_heads. The rest (n_patches, n_image_tokens) are computed, never stored."""
+        d = self.to_dict()
+        for key, value in overrides.items():
+            if key == "llm" and isinstance(value, dict):
+                llm = d["llm"]
+                derived = {"head_dim": llm["head_dim"] == llm["dim"] // llm["n_heads"],
+                           "n_kv_heads": llm["n_kv_heads"] == llm["n_heads"]}
+                value = llm | {k: None for k, was_derived in derived.items() if was_derived} | value
+            elif key == "vision" and isinstance(value, dict):
+                value = d["vision"] | value
+            d[key] = value
+        return VLMConfig.from_dict(d)
+
 
 def _from_dict(cls, d, where):
     known = {f.name for f in fields(cls)}
