@@ -170,6 +170,19 @@ def quick_gelu(x):
     return x * torch.sigmoid(1.702 * x)
 
 
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm written elementwise (mean and variance in fp32, the output dtype F.layer_norm gives). torch_xla
+    lowers F.layer_norm to batch-norm-training over a (1, B*T, D) reshape that GSPMD cannot shard: every one
+    all-gathered the global batch's activations on each device."""
+
+    def forward(self, x):
+        xf = x.float()
+        mean = xf.mean(-1, keepdim=True)
+        y = (xf - mean) * torch.rsqrt((xf - mean).pow(2).mean(-1, keepdim=True) + self.eps)
+        y = y * self.weight.float() + self.bias.float()
+        return y if torch.is_autocast_enabled(x.device.type) else y.to(x.dtype)
+
+
 class ViTAttention(nn.Module):
     def __init__(self, cfg: ViTConfig):
         super().__init__()
@@ -200,9 +213,9 @@ class ViTMLP(nn.Module):
 class ViTBlock(nn.Module):
     def __init__(self, cfg: ViTConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.ln_1 = LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.attn = ViTAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.ln_2 = LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.mlp = ViTMLP(cfg)
 
     def forward(self, x):
@@ -217,11 +230,11 @@ class ViT(nn.Module):
         self.conv1 = nn.Conv2d(3, cfg.dim, kernel_size=cfg.patch_size, stride=cfg.patch_size, bias=False)
         self.class_embedding = nn.Parameter(torch.empty(cfg.dim))
         self.positional_embedding = nn.Parameter(torch.empty(cfg.n_patches + 1, cfg.dim))
-        self.ln_pre = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.ln_pre = LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.blocks = nn.ModuleList(ViTBlock(cfg) for _ in range(cfg.n_layers))
         # ln_post only feeds CLIP's pooled output; LLaVA never uses it, but we keep it so
         # checkpoints round-trip without losing weights.
-        self.ln_post = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.ln_post = LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.checkpoint = None  # checkpoint(fn, *args): recompute each block in backward (train.py sets torch's or XLA's)
 
     def forward(self, pixel_values, layers=(-1,)):

@@ -226,7 +226,10 @@ def shard_spmd(model, env):
     if model.cfg.llm.tie_embeddings:
         model.llm.output.weight = model.llm.tok_embeddings.weight
     for name, p in model.named_parameters():
-        xs.mark_sharding(p, env.mesh, param_spec(name, p.dim()))
+        spec = param_spec(name, p.dim())
+        xs.mark_sharding(p, env.mesh, spec)
+        if p.requires_grad:  # the gradient lands sharded like its parameter: reduce-scattered, not all-reduced whole
+            p.register_post_accumulate_grad_hook(functools.partial(_shard_grad, mesh=env.mesh, spec=spec))
 
     # without these the compiler may replicate activations between blocks
     def batch_sharded(module, args, output):
@@ -235,6 +238,12 @@ def shard_spmd(model, env):
     for block in list(model.vision.blocks) + list(model.llm.layers):
         block.register_forward_hook(batch_sharded)
     return model
+
+
+def _shard_grad(p, mesh, spec):
+    import torch_xla.distributed.spmd as xs
+
+    xs.mark_sharding(p.grad, mesh, spec)
 
 
 def init_optimizer_state(raw, optimizer, env):
