@@ -443,17 +443,19 @@ class Llama(nn.Module):
 
 
 def chunked_cross_entropy(h, weight, targets, chunk, recompute):
-    """Summed token losses of logits = h @ weight.T, `chunk` positions at a time. Each chunk's logits are
+    """Summed token losses of logits = h @ weight.T, about `chunk` positions at a time: the same span of every row,
+    so a batch-sharded h stays sharded (XLA all-gathered a slice of the flattened batch). Each chunk's logits are
     recomputed in backward, so the full fp32 (B*T, vocab) logits never exist (2.1 GB at 8 x 2048 x 32k)."""
-    h, targets = h.flatten(0, 1), targets.flatten()  # (B*T, D), (B*T,)
+    span = max(1, chunk // h.shape[0])
     total = h.new_zeros((), dtype=torch.float32)
-    for i in range(0, h.shape[0], chunk):
-        total = total + recompute(_chunk_loss, h[i : i + chunk], weight, targets[i : i + chunk])
+    for i in range(0, h.shape[1], span):
+        total = total + recompute(_chunk_loss, h[:, i : i + span], weight, targets[:, i : i + span])
     return total
 
 
 def _chunk_loss(h, weight, targets):
-    return F.cross_entropy(F.linear(h, weight).float(), targets, ignore_index=-100, reduction="sum")
+    logits = F.linear(h, weight).float().flatten(0, 1)  # (B * span, vocab)
+    return F.cross_entropy(logits, targets.flatten(), ignore_index=-100, reduction="sum")
 
 
 # -----------------------------------------------------------------------------

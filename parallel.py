@@ -120,10 +120,16 @@ def print0(env, *args):
 def checkpoint_fn(device_kind):
     """The activation checkpointing function the model's blocks call: torch_xla's on XLA."""
     if device_kind == "xla":
-        import torch_xla.utils.checkpoint
-
-        return torch_xla.utils.checkpoint.checkpoint
+        return _xla_checkpoint
     return functools.partial(checkpoint, use_reentrant=False)
+
+
+def _xla_checkpoint(fn, *args):
+    # a block's bound forward: torch_xla then puts the block's weights in the optimization barrier before the
+    # recompute, so backward gathers them again rather than keeping the forward's gathered copies live all step
+    import torch_xla.utils.checkpoint
+
+    return torch_xla.utils.checkpoint.checkpoint(fn.forward if isinstance(fn, torch.nn.Module) else fn, *args)
 
 
 def shard(model, env, cfg):
@@ -237,7 +243,23 @@ def shard_spmd(model, env):
 
     for block in list(model.vision.blocks) + list(model.llm.layers):
         block.register_forward_hook(batch_sharded)
+    # and every layer's output is batch-sharded (its features over tp where the weight's output dimension is): left
+    # to itself, GSPMD all-gathered activations (the images, image features, the ViT's) wherever they were smaller
+    # than the FSDP-sharded weight that met them. Pinned, the weights are gathered instead: FSDP by construction.
+    for name, module in model.named_modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d, torch.nn.Embedding)):
+            features = "tp" if param_spec(f"{name}.weight", 2)[0] == "tp" and isinstance(module, torch.nn.Linear) else None
+            module.register_forward_hook(functools.partial(_shard_output, mesh=env.mesh, features=features))
     return model
+
+
+def _shard_output(module, args, output, mesh, features):
+    import torch_xla.distributed.spmd as xs
+
+    if isinstance(module, torch.nn.Conv2d):  # (B, D, h, w)
+        xs.mark_sharding(output, mesh, (BATCH, None, None, None))
+    else:  # (B, ..., D)
+        xs.mark_sharding(output, mesh, (BATCH,) + (None,) * (output.dim() - 2) + (features,))
 
 
 def _shard_grad(p, mesh, spec):

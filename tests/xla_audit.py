@@ -20,11 +20,12 @@ import parallel  # noqa: E402
 import train  # noqa: E402
 from model import TransformerBlock, ViTBlock, build_model  # noqa: E402
 
-# weights dominate: 4.5M parameters (18 MB fp32, 54 MB with AdamW's moments) against 8 rows of 32 tokens
+# weights dominate: 4.5M parameters (18 MB fp32, 54 MB with AdamW's moments) against 8 rows of 40 tokens; sizes
+# chosen so a batch dimension (8 rows, 320 or 40 tokens) never equals a weight's
 MODEL = {"vision": {"image_size": 28, "patch_size": 14, "dim": 64, "n_layers": 2, "n_heads": 4, "ffn_dim": 256},
          "llm": {"vocab_size": 4096, "dim": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "ffn_dim": 1024},
          "image_token_id": 4000}
-ROWS, SEQ = 8, 32
+ROWS, SEQ, VIT_TOKENS = 8, 40, 5
 BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s64": 8, "u8": 1, "s8": 1}
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -36,21 +37,20 @@ def shape_bytes(text):
 
 
 def collectives(hlo):
-    """(kind, result bytes) of every collective in an SPMD-partitioned HLO module's text."""
+    """(kind, result bytes, first result shape, its dtype) of every collective in an SPMD-partitioned HLO module's text."""
     found = []
     for line in hlo.splitlines():
         m = re.match(r"\s*(?:ROOT )?%?\S+ = (.+?) ([\w-]+)\(", line)
         if m and m.group(2).removesuffix("-start") in COLLECTIVES:
-            found.append((m.group(2).removesuffix("-start"), shape_bytes(m.group(1))))
+            dtype, dims = re.search(r"(\w+)\[([\d,]*)\]", m.group(1)).groups()
+            kind = m.group(2).removesuffix("-start")
+            found.append((kind, shape_bytes(m.group(1)), [int(d) for d in dims.split(",") if d], dtype))
     return found
 
 
 def peak_bytes(buffer_assignment):
-    """XLA's per-device heap peak from a buffer-assignment dump ('Total bytes used' is every allocation at once)."""
-    m = re.search(r"peak memory:?\s*([\d.]+)([KMG]?i?B)", buffer_assignment, re.I) or \
-        re.search(r"Total bytes used:\s*(\d+)", buffer_assignment)
-    scale = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
-    return float(m.group(1)) * (scale.get(m.group(2), 1) if m.lastindex == 2 else 1)
+    """XLA's per-device heap peak, from the buffer-assignment dump's 'peak usage' line (parameters included)."""
+    return int(re.search(r"peak usage: ([\d ]+) bytes", buffer_assignment).group(1).replace(" ", ""))
 
 
 def local_bytes(tensors):
@@ -62,14 +62,16 @@ def local_bytes(tensors):
 
 def step(mesh_shape, fsdpv2):
     import torch_xla
-    import torch_xla.runtime as xr
+    import torch_xla.core.xla_model
 
     cfg = train.load_config([f"--mesh={list(mesh_shape)}", "--device=xla", "--dtype=bfloat16", "--model=debug",
+                             "--activation_checkpointing=True", f"--loss_chunk={ROWS * SEQ // 4}",
                              f"--model_overrides={MODEL}"])
     env = parallel.Env(cfg)
     model = build_model(train.model_config(cfg), seed=0)
     train.freeze(model, 0)
-    model.recompute = parallel.checkpoint_fn("xla")
+    model.loss_chunk, model.recompute = cfg["loss_chunk"], parallel.checkpoint_fn("xla")
+    train.set_checkpointing(model, parallel.checkpoint_fn("xla"))  # as the TPU recipes
     if fsdpv2:  # torch_xla's own FSDP over SPMD, wrapping every block, on the same mesh
         from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
         from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
@@ -92,9 +94,9 @@ def step(mesh_shape, fsdpv2):
     torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
     optimizer.step()
     torch_xla.sync()
+    torch_xla.core.xla_model.wait_device_ops()
     params = [p for p in model.parameters()]
     moments = [s[k] for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
-    del xr
     return {"param_bytes": local_bytes(params), "moment_bytes": local_bytes(moments),
             "full_param_bytes": sum(p.numel() * 4 for p in params)}
 
@@ -114,8 +116,8 @@ def main(dump, out, variants):
         r |= {"collectives": found, "peak_bytes": peak_bytes(assignment.read_text()), "module": hlo.name,
               "activation_bytes": ROWS * SEQ * MODEL["llm"]["dim"] * 4}
         results["fsdpv2" if fsdpv2 else "x".join(map(str, mesh))] = r
-        print(v, {k: sum(1 for c, _ in found if c == k) for k in COLLECTIVES}, r["peak_bytes"], flush=True)
-    Path(out).write_text(json.dumps(results, indent=1))
+        print(v, {k: sum(1 for c, *_ in found if c == k) for k in COLLECTIVES}, r["peak_bytes"], flush=True)
+        Path(out).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
