@@ -15,6 +15,8 @@ pytestmark = pytest.mark.slow
 COMBOS = list(itertools.product((0, 1, 2), ("float32", "bfloat16"), (False, True), (False, True)))
 # bf16 on both sides, but XLA's autocast casts other ops than CPU's and GSPMD sums in another order
 RTOL = {"float32": 2e-4, "bfloat16": 6e-2}
+# plus a floor relative to the whole gradient: a key bias's gradient is exactly zero, what is left is rounding
+ATOL = {"float32": 1e-6, "bfloat16": 1e-3}
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +44,5 @@ def test_every_gradient_matches_cpu_eager(grads, stage, dtype, checkpointing, pa
     scale = torch.cat([cpu[n].flatten() for n in trained]).norm()
     for n in trained:
         assert cpu[n].norm() > 0 or "bias" in n, n
-        # each parameter's gradient, relative to its own size (a key bias's exact-zero gradient is rounding noise)
-        err = (xla[n] - cpu[n]).norm()
-        assert err <= rtol * cpu[n].norm() + 1e-6 * scale, (n, err.item(), cpu[n].norm().item())
+        err = (xla[n] - cpu[n]).norm()  # each parameter's gradient, relative to its own size
+        assert err <= rtol * cpu[n].norm() + ATOL[dtype] * scale, (n, err.item(), cpu[n].norm().item())
