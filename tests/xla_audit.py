@@ -6,6 +6,7 @@ per-device heap peak). Run as
         python tests/xla_audit.py DIR OUT.json [dp,fsdp,tp ...] [fsdpv2]
 """
 
+import functools
 import json
 import re
 import sys
@@ -76,7 +77,7 @@ def step(mesh_shape, fsdpv2):
         from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
         from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
 
-        policy = transformer_auto_wrap_policy(transformer_layer_cls={TransformerBlock, ViTBlock})
+        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={TransformerBlock, ViTBlock})
         net = SpmdFullyShardedDataParallel(model, mesh=env.mesh, auto_wrap_policy=policy, shard_output=lambda o, m: None)
         model = net.module
     else:
@@ -87,7 +88,7 @@ def step(mesh_shape, fsdpv2):
     ids = torch.randint(0, 4000, (ROWS, SEQ), generator=g)
     ids[:, 1:5] = MODEL["image_token_id"]
     b = {"input_ids": ids, "labels": ids.clone(), "pixel_values": torch.randn(ROWS, 3, 28, 28, generator=g)}
-    b = env.to_device(b) if not fsdpv2 else {k: v.to(env.device) for k, v in b.items()}
+    b = env.to_device(b)  # batch-sharded over (dp, fsdp) for both
     torch_xla.sync()
     count = (b["labels"][:, 1:] != -100).sum().float()
     train.forward_backward(net, b, env, cfg, 1 / count)
