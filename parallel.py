@@ -126,7 +126,7 @@ def checkpoint_fn(device_kind):
 
 def _xla_checkpoint(fn, *args):
     # a block's bound forward: torch_xla then puts the block's weights in the optimization barrier before the
-    # recompute, so backward gathers them again rather than keeping the forward's gathered copies live all step
+    # recompute (as FSDPv2 does), so the compiler cannot reuse the forward's gathered copies across the step
     import torch_xla.utils.checkpoint
 
     return torch_xla.utils.checkpoint.checkpoint(fn.forward if isinstance(fn, torch.nn.Module) else fn, *args)
@@ -234,7 +234,9 @@ def shard_spmd(model, env):
     for name, p in model.named_parameters():
         spec = param_spec(name, p.dim())
         xs.mark_sharding(p, env.mesh, spec)
-        if p.requires_grad:  # the gradient lands sharded like its parameter: reduce-scattered, not all-reduced whole
+        # the gradient carries its parameter's sharding, so it is stored sharded and a compiler with the rewrite (TPU's)
+        # reduce-scatters it; XLA's CPU pipeline still all-reduces it whole, then slices (tests/test_xla_audit.py)
+        if p.requires_grad:
             p.register_post_accumulate_grad_hook(functools.partial(_shard_grad, mesh=env.mesh, spec=spec))
 
     # without these the compiler may replicate activations between blocks
