@@ -323,8 +323,9 @@ def xla_memory(preset="llava-1.5-7b", seq_len=2048):
         train.freeze(model, stage)
         for pod, (chips, hbm) in PODS.items():
             mesh = {"dp": 1, "fsdp": chips, "tp": 1}
-            shards = {n: int(np.prod([mesh[a] for a in parallel.param_spec(n, p.dim()) if a])) for n, p in
-                      model.named_parameters()}
+            axes = {n: [a for d in parallel.param_spec(n, p.dim()) if d for a in ((d,) if isinstance(d, str) else d)]
+                    for n, p in model.named_parameters()}
+            shards = {n: int(np.prod([mesh[a] for a in axes[n]])) for n in axes}
             weights = sum(4 * p.numel() / shards[n] for n, p in model.named_parameters())
             grads = sum(4 * p.numel() / shards[n] for n, p in model.named_parameters() if p.requires_grad)
             r, L, D, T, H = batch / chips, c.llm.n_layers, c.llm.dim, seq_len, c.llm.n_heads

@@ -125,11 +125,11 @@ def checkpoint_fn(device_kind):
 
 
 def _xla_checkpoint(fn, *args):
-    # a block's bound forward: torch_xla then puts the block's weights in the optimization barrier before the
-    # recompute (as FSDPv2 does), so the compiler cannot reuse the forward's gathered copies across the step
+    # a block's bound __call__ (its hooks still run): torch_xla then puts the block's weights in the optimization
+    # barrier before the recompute (as FSDPv2 does), so the compiler cannot reuse the forward's gathered copies
     import torch_xla.utils.checkpoint
 
-    return torch_xla.utils.checkpoint.checkpoint(fn.forward if isinstance(fn, torch.nn.Module) else fn, *args)
+    return torch_xla.utils.checkpoint.checkpoint(fn.__call__ if isinstance(fn, torch.nn.Module) else fn, *args)
 
 
 def shard(model, env, cfg):
@@ -201,7 +201,10 @@ def make_mesh(shape, dcn_shape, n_devices):
 # over tp (vocab-parallel), like Megatron. Frozen towers are sharded the same way: a frozen 7B LLM in stage 1
 # must fit too. Norms, biases after a row-parallel layer and the class embedding are small and replicated.
 SHARDING_RULES = [
-    (r"llm\.(tok_embeddings|output)\.weight", ("tp", "fsdp")),
+    (r"llm\.tok_embeddings\.weight", ("tp", "fsdp")),
+    # the output layer splits the vocabulary over both (as FSDPv2's largest-dimension rule does): each device's
+    # logits need only its rows, where gathering the whole (vocab, dim) matrix per loss chunk set the audit's peak
+    (r"llm\.output\.weight", (("tp", "fsdp"), None)),
     (r"llm\.layers\.\d+\.attention\.(wq|wk|wv)\.weight", ("tp", "fsdp")),
     (r"llm\.layers\.\d+\.attention\.(wq|wk|wv)\.bias", ("tp",)),
     (r"llm\.layers\.\d+\.attention\.wo\.weight", ("fsdp", "tp")),
@@ -245,11 +248,14 @@ def shard_spmd(model, env):
 
     for block in list(model.vision.blocks) + list(model.llm.layers):
         block.register_forward_hook(batch_sharded)
+        # FSDPv2's: a barrier on the block's gradients and input gradient once its backward is done, so the compiler
+        # cannot interleave (and keep live together) the backward of several blocks (no change on XLA's CPU pipeline)
+        xs.apply_backward_optimization_barrier(block)
     # and every layer's output is batch-sharded (its features over tp where the weight's output dimension is): left
     # to itself, GSPMD all-gathered activations (the images, image features, the ViT's) wherever they were smaller
     # than the FSDP-sharded weight that met them. Pinned, the weights are gathered instead: FSDP by construction.
     for name, module in model.named_modules():
-        if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d, torch.nn.Embedding)):
+        if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d, torch.nn.Embedding)) and name != "llm.output":
             features = "tp" if param_spec(f"{name}.weight", 2)[0] == "tp" and isinstance(module, torch.nn.Linear) else None
             module.register_forward_hook(functools.partial(_shard_output, mesh=env.mesh, features=features))
     return model
