@@ -198,8 +198,9 @@ def make_mesh(shape, dcn_shape, n_devices):
 # dimension. Weights are (out, in). FSDP shards one dimension of every matrix over `fsdp`; TP is Megatron's:
 # attention heads and the MLP hidden dimension over `tp`, column-parallel in (out over tp), row-parallel out
 # (in over tp), so each block needs one reduction. The embedding and the output layer split the vocabulary
-# over tp (vocab-parallel), like Megatron. Frozen towers are sharded the same way: a frozen 7B LLM in stage 1
-# must fit too. Norms, biases after a row-parallel layer and the class embedding are small and replicated.
+# over tp (vocab-parallel), like Megatron; the output layer over fsdp too. Frozen towers are sharded the same
+# way: a frozen 7B LLM in stage 1 must fit too. Norms, biases after a row-parallel layer and the class
+# embedding are small and replicated.
 SHARDING_RULES = [
     (r"llm\.tok_embeddings\.weight", ("tp", "fsdp")),
     # the output layer splits the vocabulary over both (as FSDPv2's largest-dimension rule does): each device's
