@@ -4,6 +4,7 @@ Benchmarks. Figures go to BENCHMARKS.md with the command, date and machine.
     python bench.py train --config configs/bench.py [--peer hf] [--steps N] [--stage 1|2]
     python bench.py train [--size bench|debug] [--stage 1|2] [--peer hf] [--pack] [--compile] [--loss-chunk N]
     python bench.py data [--shards DIR]        # decode + preprocess images/s per core, ours vs webdataset + PIL
+    python bench.py xla                        # computed per-device memory of the 7B recipes on TPU pods
 
 `train` times full training steps (forward, backward, AdamW) on random weights and synthetic
 batches after warm-up, and reports tokens/s, samples/s, MFU (README's formula), peak memory and
@@ -303,6 +304,49 @@ def bench_images(shards, size=336, repeats=2):
     return results
 
 
+# -----------------------------------------------------------------------------
+# xla: computed per-device memory of the TPU recipes (not measured on a TPU)
+
+PODS = {"v4-64": (32, 32), "v5p-128": (64, 95), "v6e-64": (64, 32)}  # chips, HBM GiB a chip
+RECIPES = {1: 256, 2: 128}  # global rows of a step: configs/tpu_pretrain.py (stage 1), LLaVA-1.5 stage 2
+
+
+def xla_memory(preset="llava-1.5-7b", seq_len=2048):
+    """Per-device GiB of weights, gradients, AdamW state and activations on mesh (1, chips, 1), from parallel.py's
+    sharding rules applied to the real model's shapes (built on the meta device) and the formulas printed below."""
+    from model import VLM
+
+    with torch.device("meta"):
+        model = VLM(vlm_preset(preset))
+    c, rows = model.cfg, {}
+    vit_used = max(i if i >= 0 else c.vision.n_layers + 1 + i for i in c.vision_layers)
+    for stage, batch in RECIPES.items():
+        train.freeze(model, stage)
+        for pod, (chips, hbm) in PODS.items():
+            mesh = {"dp": 1, "fsdp": chips, "tp": 1}
+            axes = {n: [a for d in parallel.param_spec(n, p.dim()) if d for a in ((d,) if isinstance(d, str) else d)]
+                    for n, p in model.named_parameters()}
+            shards = {n: int(np.prod([mesh[a] for a in axes[n]])) for n in axes}
+            weights = sum(4 * p.numel() / shards[n] for n, p in model.named_parameters())
+            grads = sum(4 * p.numel() / shards[n] for n, p in model.named_parameters() if p.requires_grad)
+            r, L, D, T, H = batch / chips, c.llm.n_layers, c.llm.dim, seq_len, c.llm.n_heads
+            # checkpointing: each block's fp32 input is kept; one block at a time is recomputed, its bf16
+            # projections and MLP (10 D + 6 F a token), its fp32 attention scores and their gradient (8 H T a token)
+            saved = r * 4 * (L * T * D + vit_used * c.n_image_tokens * c.vision.dim)
+            block = r * T * (2 * (10 * D + 6 * c.llm.ffn_dim) + 8 * H * T)
+            # FSDP all-gathers one block's weights at a time (fp32, and their bf16 cast) for its forward or backward
+            gathered = 6 * sum(p.numel() for p in model.llm.layers[0].parameters())
+            rows[(stage, pod)] = (chips, hbm, r, weights, grads, 2 * grads, saved + block, gathered)
+    return rows
+
+
+def print_xla_memory():
+    print("| stage | pod (chips, HBM) | rows a chip | weights | grads | AdamW | activations | gathered block | total GiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for (stage, pod), (chips, hbm, r, *sizes) in xla_memory().items():
+        print(f"| {stage} | {pod} ({chips}, {hbm} GiB) | {r:g} | " + " | ".join(f"{x / 2**30:.2f}" for x in sizes)
+              + f" | {sum(sizes) / 2**30:.1f} |")
+
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -329,8 +373,11 @@ def main(argv=None):
     d.add_argument("--workdir", default="out/bench-data")
     d.add_argument("--size", type=int, default=336)
     d.add_argument("--n", type=int, default=400)
+    sub.add_parser("xla", help="computed per-device memory of the LLaVA-1.5-7B TPU recipes (README table)")
     args = p.parse_args(argv)
-    if args.cmd == "data":
+    if args.cmd == "xla":
+        print_xla_memory()
+    elif args.cmd == "data":
         shards = args.shards or make_bench_shards(args.workdir, args.n)
         r = bench_images(shards, args.size)
         print(f"decode+preprocess to {args.size}px, 1 core: llavax {r['llavax']:.0f} img/s, "

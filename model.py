@@ -130,6 +130,22 @@ class VLMConfig:
     def from_dict(cls, d):
         return _from_dict(cls, d, "config")
 
+    def with_overrides(self, overrides):
+        """This config with `overrides` merged in ({"llm": {"dim": 256}, "image_token_id": 5}). Fields derived from
+        others follow their inputs unless the override sets them too: head_dim (dim // n_heads) and, where it was
+        n_heads (no GQA), n_kv_heads. The rest (n_patches, n_image_tokens) are computed, never stored."""
+        d = self.to_dict()
+        for key, value in overrides.items():
+            if key == "llm" and isinstance(value, dict):
+                llm = d["llm"]
+                derived = {"head_dim": llm["head_dim"] == llm["dim"] // llm["n_heads"],
+                           "n_kv_heads": llm["n_kv_heads"] == llm["n_heads"]}
+                value = llm | {k: None for k, was_derived in derived.items() if was_derived} | value
+            elif key == "vision" and isinstance(value, dict):
+                value = d["vision"] | value
+            d[key] = value
+        return VLMConfig.from_dict(d)
+
 
 def _from_dict(cls, d, where):
     known = {f.name for f in fields(cls)}
@@ -203,6 +219,19 @@ def vlm_preset(name):
 # the CLIP vision tower
 
 
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm written elementwise (mean and variance in fp32, the output dtype F.layer_norm gives). torch_xla
+    lowers F.layer_norm to batch-norm-training over a (1, B*T, D) reshape that GSPMD cannot shard: every one
+    all-gathered the global batch's activations on each device."""
+
+    def forward(self, x):
+        xf = x.float()
+        mean = xf.mean(-1, keepdim=True)
+        y = (xf - mean) * torch.rsqrt((xf - mean).pow(2).mean(-1, keepdim=True) + self.eps)
+        y = y * self.weight.float() + self.bias.float()
+        return y if torch.is_autocast_enabled(x.device.type) else y.to(x.dtype)
+
+
 class ViTAttention(nn.Module):
     def __init__(self, cfg: ViTConfig):
         super().__init__()
@@ -233,9 +262,9 @@ class ViTMLP(nn.Module):
 class ViTBlock(nn.Module):
     def __init__(self, cfg: ViTConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.ln_1 = LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.attn = ViTAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.ln_2 = LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.mlp = ViTMLP(cfg)
 
     def forward(self, x):
@@ -251,11 +280,11 @@ class ViT(nn.Module):
         self.conv1 = nn.Conv2d(3, cfg.dim, kernel_size=cfg.patch_size, stride=cfg.patch_size, bias=not clip)
         self.class_embedding = nn.Parameter(torch.empty(cfg.dim)) if clip else None
         self.positional_embedding = nn.Parameter(torch.empty(cfg.n_positions, cfg.dim))
-        self.ln_pre = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps) if clip else nn.Identity()
+        self.ln_pre = LayerNorm(cfg.dim, eps=cfg.norm_eps) if clip else nn.Identity()
         self.blocks = nn.ModuleList(ViTBlock(cfg) for _ in range(cfg.n_layers))
         # ln_post only feeds the pooled output (CLIP's) or the last hidden state (SigLIP's); LLaVA reads
         # neither, but we keep it so checkpoints round-trip without losing weights.
-        self.ln_post = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.ln_post = LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.checkpoint = None  # checkpoint(fn, *args): recompute each block in backward (train.py sets torch's or XLA's)
 
     def forward(self, pixel_values, layers=(-1,)):
@@ -488,17 +517,19 @@ class Llama(nn.Module):
 
 
 def chunked_cross_entropy(h, weight, targets, chunk, recompute):
-    """Summed token losses of logits = h @ weight.T, `chunk` positions at a time. Each chunk's logits are
+    """Summed token losses of logits = h @ weight.T, about `chunk` positions at a time: the same span of every row,
+    so a batch-sharded h stays sharded (XLA all-gathered a slice of the flattened batch). Each chunk's logits are
     recomputed in backward, so the full fp32 (B*T, vocab) logits never exist (2.1 GB at 8 x 2048 x 32k)."""
-    h, targets = h.flatten(0, 1), targets.flatten()  # (B*T, D), (B*T,)
+    span = max(1, chunk // h.shape[0])
     total = h.new_zeros((), dtype=torch.float32)
-    for i in range(0, h.shape[0], chunk):
-        total = total + recompute(_chunk_loss, h[i : i + chunk], weight, targets[i : i + chunk])
+    for i in range(0, h.shape[1], span):
+        total = total + recompute(_chunk_loss, h[:, i : i + span], weight, targets[:, i : i + span])
     return total
 
 
 def _chunk_loss(h, weight, targets):
-    return F.cross_entropy(F.linear(h, weight).float(), targets, ignore_index=-100, reduction="sum")
+    logits = F.linear(h, weight).float().flatten(0, 1)  # (B * span, vocab)
+    return F.cross_entropy(logits, targets.flatten(), ignore_index=-100, reduction="sum")
 
 
 # -----------------------------------------------------------------------------

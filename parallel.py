@@ -120,10 +120,16 @@ def print0(env, *args):
 def checkpoint_fn(device_kind):
     """The activation checkpointing function the model's blocks call: torch_xla's on XLA."""
     if device_kind == "xla":
-        import torch_xla.utils.checkpoint
-
-        return torch_xla.utils.checkpoint.checkpoint
+        return _xla_checkpoint
     return functools.partial(checkpoint, use_reentrant=False)
+
+
+def _xla_checkpoint(fn, *args):
+    # a block's bound __call__ (its hooks still run): torch_xla then puts the block's weights in the optimization
+    # barrier before the recompute (as FSDPv2 does), so the compiler cannot reuse the forward's gathered copies
+    import torch_xla.utils.checkpoint
+
+    return torch_xla.utils.checkpoint.checkpoint(fn.__call__ if isinstance(fn, torch.nn.Module) else fn, *args)
 
 
 def shard(model, env, cfg):
@@ -192,10 +198,14 @@ def make_mesh(shape, dcn_shape, n_devices):
 # dimension. Weights are (out, in). FSDP shards one dimension of every matrix over `fsdp`; TP is Megatron's:
 # attention heads and the MLP hidden dimension over `tp`, column-parallel in (out over tp), row-parallel out
 # (in over tp), so each block needs one reduction. The embedding and the output layer split the vocabulary
-# over tp (vocab-parallel), like Megatron. Frozen towers are sharded the same way: a frozen 7B LLM in stage 1
-# must fit too. Norms, biases after a row-parallel layer and the class embedding are small and replicated.
+# over tp (vocab-parallel), like Megatron; the output layer over fsdp too. Frozen towers are sharded the same
+# way: a frozen 7B LLM in stage 1 must fit too. Norms, biases after a row-parallel layer and the class
+# embedding are small and replicated.
 SHARDING_RULES = [
-    (r"llm\.(tok_embeddings|output)\.weight", ("tp", "fsdp")),
+    (r"llm\.tok_embeddings\.weight", ("tp", "fsdp")),
+    # the output layer splits the vocabulary over both (as FSDPv2's largest-dimension rule does): each device's
+    # logits need only its rows, where gathering the whole (vocab, dim) matrix per loss chunk set the audit's peak
+    (r"llm\.output\.weight", (("tp", "fsdp"), None)),
     (r"llm\.layers\.\d+\.attention\.(wq|wk|wv)\.weight", ("tp", "fsdp")),
     (r"llm\.layers\.\d+\.attention\.(wq|wk|wv)\.bias", ("tp",)),
     (r"llm\.layers\.\d+\.attention\.wo\.weight", ("fsdp", "tp")),
@@ -226,7 +236,12 @@ def shard_spmd(model, env):
     if model.cfg.llm.tie_embeddings:
         model.llm.output.weight = model.llm.tok_embeddings.weight
     for name, p in model.named_parameters():
-        xs.mark_sharding(p, env.mesh, param_spec(name, p.dim()))
+        spec = param_spec(name, p.dim())
+        xs.mark_sharding(p, env.mesh, spec)
+        # the gradient carries its parameter's sharding, so it is stored sharded and a compiler with the rewrite (TPU's)
+        # reduce-scatters it; XLA's CPU pipeline still all-reduces it whole, then slices (tests/test_xla_audit.py)
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(functools.partial(_shard_grad, mesh=env.mesh, spec=spec))
 
     # without these the compiler may replicate activations between blocks
     def batch_sharded(module, args, output):
@@ -234,7 +249,32 @@ def shard_spmd(model, env):
 
     for block in list(model.vision.blocks) + list(model.llm.layers):
         block.register_forward_hook(batch_sharded)
+        # FSDPv2's: a barrier on the block's gradients and input gradient once its backward is done, so the compiler
+        # cannot interleave (and keep live together) the backward of several blocks (no change on XLA's CPU pipeline)
+        xs.apply_backward_optimization_barrier(block)
+    # and every layer's output is batch-sharded (its features over tp where the weight's output dimension is): left
+    # to itself, GSPMD all-gathered activations (the images, image features, the ViT's) wherever they were smaller
+    # than the FSDP-sharded weight that met them. Pinned, the weights are gathered instead: FSDP by construction.
+    for name, module in model.named_modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d, torch.nn.Embedding)) and name != "llm.output":
+            features = "tp" if param_spec(f"{name}.weight", 2)[0] == "tp" and isinstance(module, torch.nn.Linear) else None
+            module.register_forward_hook(functools.partial(_shard_output, mesh=env.mesh, features=features))
     return model
+
+
+def _shard_output(module, args, output, mesh, features):
+    import torch_xla.distributed.spmd as xs
+
+    if isinstance(module, torch.nn.Conv2d):  # (B, D, h, w)
+        xs.mark_sharding(output, mesh, (BATCH, None, None, None))
+    else:  # (B, ..., D)
+        xs.mark_sharding(output, mesh, (BATCH,) + (None,) * (output.dim() - 2) + (features,))
+
+
+def _shard_grad(p, mesh, spec):
+    import torch_xla.distributed.spmd as xs
+
+    xs.mark_sharding(p.grad, mesh, spec)
 
 
 def init_optimizer_state(raw, optimizer, env):

@@ -30,7 +30,7 @@ import convert
 import data
 from checkpoint import (check_resume_config, checkpoints, load_checkpoint, newest_good_checkpoint, save_checkpoint,
                         wait_for_stop_writer)
-from model import VLMConfig, build_model, left_pad, vlm_preset
+from model import build_model, left_pad, vlm_preset
 from parallel import Env, autocast, checkpoint_fn, grad_sync, init_optimizer_state, print0, shard
 
 # -----------------------------------------------------------------------------
@@ -185,10 +185,10 @@ def load_config(argv):
 
 def model_config(cfg):
     """The VLMConfig that init_from='scratch' builds: the preset `model` with `model_overrides` merged in."""
-    vcfg = vlm_preset(cfg["model"]).to_dict()
-    for key, value in cfg["model_overrides"].items():
-        vcfg[key] = vcfg[key] | value if isinstance(value, dict) else value
-    return VLMConfig.from_dict(vcfg)
+    try:
+        return vlm_preset(cfg["model"]).with_overrides(cfg["model_overrides"])
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"config: model_overrides {cfg['model_overrides']!r} do not make a model: {e}") from None
 
 
 # -----------------------------------------------------------------------------
@@ -371,6 +371,17 @@ def answer_accuracy(raw, stream, env, cfg, n, show=5, batch_size=32):
 # the loop
 
 
+def forward_backward(model, b, env, cfg, scale, poison=False):
+    """One micro-step's summed loss; backward runs outside autocast. Inside it, autocast's weight-cast cache
+    (global, cleared when a thread leaves its outermost autocast) handed torch_xla's checkpoint recompute, on the
+    autograd thread, the casts its no-grad forward had cached: the first block recomputed (the last) lost its grads."""
+    with autocast(env, cfg):
+        _, loss = model(b["input_ids"], b["pixel_values"], b["labels"], "sum", b.get("position_ids"))
+    loss = loss * float("nan") if poison else loss  # tests only (LLAVAX_TEST_NONFINITE)
+    (loss * scale).backward()
+    return loss
+
+
 def main(argv=None):
     cfg = load_config(sys.argv[1:] if argv is None else argv)
     env = Env(cfg)
@@ -537,10 +548,8 @@ def main(argv=None):
         count = env.all_sum(sum((b["labels"][:, 1:] != -100).sum() for b in micro).float())
         step_loss = torch.zeros((), device=env.device)
         for i, b in enumerate(micro):
-            with grad_sync(model, env, cfg, i == grad_accum - 1), autocast(env, cfg):
-                _, loss = model(b["input_ids"], b["pixel_values"], b["labels"], "sum", b.get("position_ids"))
-                loss = loss * float("nan") if it in poison else loss
-                (loss * env.replicas / count.clamp(min=1)).backward()
+            with grad_sync(model, env, cfg, i == grad_accum - 1):
+                loss = forward_backward(model, b, env, cfg, env.replicas / count.clamp(min=1), poison=it in poison)
             step_loss += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf"))
         # a non-finite loss or gradient skips the update (the batch is consumed, as with skip_steps). Under XLA the
