@@ -584,6 +584,7 @@ def audit_arguments(a):
 def audit_command(args):
     """The settings of train.py (its defaults, then --config), overridden by the flags given; exits with audit's status."""
     import train  # only here: train.py imports data.py, and its config is what audit must agree with
+    from model import VLMConfig
 
     if args.config and not Path(args.config).is_file():
         raise SystemExit(f"audit: --config {args.config}: no such file")
@@ -592,7 +593,7 @@ def audit_command(args):
     ckpt = Path(cfg["init_from"], "config.json") if cfg["init_from"] not in ("scratch", "resume") else None
     try:
         if ckpt and ckpt.is_file() and json.loads(ckpt.read_text()).get("model_type") != "llava":
-            mcfg, origin = train.VLMConfig.from_dict(json.loads(ckpt.read_text())), str(ckpt)
+            mcfg, origin = VLMConfig.from_dict(json.loads(ckpt.read_text())), str(ckpt)
         else:
             mcfg, origin = train.model_config(cfg), f"preset {cfg['model']!r} with model_overrides"
             origin += f" ({ckpt} not read: give the image flags if that model differs)" if ckpt else ""
