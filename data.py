@@ -158,11 +158,13 @@ def image_first(text):
     return (IMAGE_TAG + "\n" + text.replace(IMAGE_TAG, "").strip()).strip()
 
 
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
 def turns(conv):
     """(role, text) with role 'system', 'user' or 'assistant'; LLaVA's human/gpt accepted; <image> moved
     to the front of its turn, as LLaVA's training data pipeline does for every template."""
-    roles = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-    return [(roles[t["from"]], image_first(t["value"])) for t in conv]
+    return [(ROLES[t["from"]], image_first(t["value"])) for t in conv]
 
 
 # Each template maps a conversation to pieces (text, is_target); "".join(text) is the published
@@ -510,9 +512,6 @@ def read_members_by_tarfile(buf):
                 key = m.group(1)
                 members[m.group(2).lower()] = tar.extractfile(info).read()
     return key, members
-
-
-ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
 def conversation_problem(conv):
