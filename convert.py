@@ -2,7 +2,7 @@
 Weights in and out of llavax: Hugging Face LLaVA / LLaMA / CLIP, original haotian-liu/LLaVA,
 and our checkpoint directory (model.safetensors + config.json).
 
-    python convert.py from-hf --llava HF_DIR --out CKPT_DIR
+    python convert.py from-hf --llava HF_DIR --out CKPT_DIR    # model_type llava, llava_next or llava_onevision
     python convert.py from-hf --llm LLAMA_DIR --vision CLIP_DIR --out CKPT_DIR [--projector mlp2x_gelu] [--vision-layer -2]
     python convert.py from-llava --llava DIR --vision CLIP_DIR [--llm LLAMA_DIR] --out CKPT_DIR
     python convert.py to-hf --ckpt CKPT_DIR --out HF_DIR
@@ -24,7 +24,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from tqdm import tqdm
 
-from model import VIT_ACTIVATIONS, VLM, LlamaConfig, Projector, ViTConfig, VLMConfig, build_model, projector_depth
+from model import (VIT_ACTIVATIONS, VLM, LlamaConfig, Projector, ViTConfig, VLMConfig, build_model, projector_depth,
+                   vlm_preset)
 from processor import PROCESSOR_FILES, TEMPLATE_NAMES, ExportError, add_image_token_to_tokenizer, write_processor
 
 # tokenizer and processor files travel with the weights (from-hf carries an HF directory's through to ours)
@@ -83,11 +84,15 @@ def llama_table(cfg: LlamaConfig, prefix, head):
 
 
 def llava_table(cfg: VLMConfig):
-    """The HF hub layout (llava-hf/*): the one we write and the one other layouts are renamed to."""
+    """The HF hub layout (llava-hf/*): the one we write and the one other layouts are renamed to. LLaVA-NeXT and
+    OneVision add the newline embedding at the top level."""
     if cfg.projector != "mlp2x_gelu":
-        raise ConversionError(f"HF LlavaForConditionalGeneration holds only mlp2x_gelu projectors, not {cfg.projector!r}")
+        raise ConversionError(f"HF {HF_ARCHITECTURES[hf_model_type(cfg)]} holds only mlp2x_gelu projectors, "
+                              f"not {cfg.projector!r}")
     t = vit_table(cfg.vision, "vision_tower.vision_model.")
     t |= {f"projector.fc.{i}.{p}": f"multi_modal_projector.linear_{i + 1}.{p}" for i in range(2) for p in ("weight", "bias")}
+    if "image_newline" in expected_shapes(cfg):
+        t["image_newline"] = "image_newline"
     return t | llama_table(cfg.llm, "language_model.model.", "language_model.lm_head.weight")
 
 
@@ -313,7 +318,7 @@ def read_checkpoint(ckpt_dir):
         raise ConversionError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(raw, dict):
         raise ConversionError(f"{path}: not a config (a JSON object), got {type(raw).__name__}")
-    if raw.get("model_type") == "llava":
+    if raw.get("model_type") in HF_ARCHITECTURES:
         return llava_from_hf(ckpt_dir)
     try:
         cfg = VLMConfig.from_dict(raw)
@@ -429,14 +434,59 @@ def vit_hf_config(v: ViTConfig):
     return out | ({"vision_use_head": False} if v.kind == "siglip" else {})
 
 
+# one view per image (LLaVA-1.5), anyres tiles + newline (LLaVA-NeXT), anyres_max_N + multi-image + video (OneVision)
+HF_ARCHITECTURES = {"llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",
+                    "llava_onevision": "LlavaOnevisionForConditionalGeneration"}
+
+
+def hf_model_type(cfg: VLMConfig):
+    if cfg.anyres.startswith("anyres_max_"):
+        if cfg.video_token_id is None:
+            raise ConversionError("HF LlavaOnevisionForConditionalGeneration needs a <video> id: set video_token_id")
+        return "llava_onevision"
+    if cfg.video_token_id is not None:
+        raise ConversionError(f"video_token_id is set but anyres is {cfg.anyres!r}: only LLaVA-OneVision "
+                              "(anyres_max_N) holds video in transformers")
+    return {"": "llava", "anyres": "llava_next"}[cfg.anyres]
+
+
 def llava_hf_config(cfg: VLMConfig):
-    return {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
-            "image_token_index": cfg.image_token_id, "image_seq_length": cfg.n_image_tokens,
-            "projector_hidden_act": "gelu", "multimodal_projector_bias": True,
-            "vision_feature_layer": cfg.vision_layer,
-            "vision_feature_select_strategy": "default" if cfg.vision_select == "patch" else "full",
-            "tie_word_embeddings": cfg.llm.tie_embeddings, "text_config": llama_hf_config(cfg.llm),
-            "vision_config": vit_hf_config(cfg.vision)}
+    kind = hf_model_type(cfg)
+    out = {"architectures": [HF_ARCHITECTURES[kind]], "model_type": kind, "image_token_index": cfg.image_token_id,
+           "projector_hidden_act": "gelu", "multimodal_projector_bias": True,
+           "vision_feature_layer": cfg.vision_layer,
+           "vision_feature_select_strategy": "default" if cfg.vision_select == "patch" else "full",
+           "tie_word_embeddings": cfg.llm.tie_embeddings, "text_config": llama_hf_config(cfg.llm),
+           "vision_config": vit_hf_config(cfg.vision)}
+    if kind != "llava_onevision":  # tokens of one view; LlavaOnevisionConfig has no such field
+        out["image_seq_length"] = cfg.n_image_tokens
+    if kind != "llava":
+        out["image_grid_pinpoints"] = [list(p) for p in cfg.grid_pinpoints]
+    if kind == "llava_onevision":
+        out |= {"vision_aspect_ratio": cfg.anyres, "video_token_index": cfg.video_token_id}
+    return out
+
+
+def anyres_from_hf(hf, kind, where):
+    """(anyres, grid_pinpoints, video_token_id) of an HF config; absent fields take transformers' class defaults,
+    which our presets of the same models hold."""
+    if kind == "llava":
+        return "", None, None
+    default = vlm_preset("llava-next-vicuna-7b" if kind == "llava_next" else "llava-onevision-qwen2-7b")
+    pinpoints = hf.get("image_grid_pinpoints") or default.grid_pinpoints
+    if not (isinstance(pinpoints, list) and pinpoints and all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(x, int) and x > 0 for x in p)
+            for p in pinpoints)):
+        raise ConversionError(f"{where}: image_grid_pinpoints must be a list of [height, width] pixel pairs, "
+                              f"got {pinpoints!r}")
+    if kind == "llava_next":
+        return "anyres", [list(p) for p in pinpoints], None
+    anyres = hf.get("vision_aspect_ratio", default.anyres)
+    if not re.fullmatch(r"anyres_max_[1-9]\d*", str(anyres)):
+        raise ConversionError(f"{where}: vision_aspect_ratio {anyres!r} is not supported; transformers' OneVision "
+                              "reads only 'anyres_max_N' (the tile budget N)")
+    video = hf.get("video_token_index", hf.get("video_token_id", default.video_token_id))
+    return anyres, [list(p) for p in pinpoints], video
 
 
 def read_json(path):
@@ -454,20 +504,30 @@ def read_json(path):
 
 def llava_from_hf(hf_dir):
     hf = read_json(Path(hf_dir, "config.json"))
-    if hf.get("model_type", "llava") != "llava":
-        raise ConversionError(f"{hf_dir}: model_type {hf.get('model_type')!r} is not supported; llavax converts "
-                              "LlavaForConditionalGeneration (model_type 'llava') directories")
+    kind = hf.get("model_type", "llava")
+    if kind not in HF_ARCHITECTURES:
+        raise ConversionError(f"{hf_dir}: model_type {kind!r} is not supported; llavax converts "
+                              + ", ".join(f"{v} ({k!r})" for k, v in HF_ARCHITECTURES.items()) + " directories")
     if hf.get("projector_hidden_act", "gelu") != "gelu" or not hf.get("multimodal_projector_bias", True):
         act, bias = hf.get("projector_hidden_act"), hf.get("multimodal_projector_bias")
         raise ConversionError(f"{hf_dir}: unsupported projector (projector_hidden_act={act}, bias={bias})")
     tied = hf.get("tie_word_embeddings", hf.get("text_config", {}).get("tie_word_embeddings", False))
     llm = llama_config(hf.get("text_config", {}) | {"tie_word_embeddings": tied}, hf_dir)
-    select = hf.get("vision_feature_select_strategy", "default")
-    cfg = VLMConfig(vision=vit_config(hf.get("vision_config", {}), f"{hf_dir} vision_config"), llm=llm,
-                    projector="mlp2x_gelu",
-                    vision_layer=hf.get("vision_feature_layer", -2),
-                    vision_select={"default": "patch", "full": "cls_patch"}[select],
-                    image_token_id=hf.get("image_token_index", hf.get("image_token_id", 32000)))
+    onevision = kind == "llava_onevision"  # its class defaults differ: layer -1, "full", <image> 151646
+    select = hf.get("vision_feature_select_strategy", "full" if onevision else "default")
+    if select not in ("default", "full"):
+        raise ConversionError(f"{hf_dir}: vision_feature_select_strategy {select!r} is not 'default' or 'full'")
+    anyres, pinpoints, video = anyres_from_hf(hf, kind, hf_dir)
+    vision = vit_config(hf.get("vision_config", {}), f"{hf_dir} vision_config")
+    try:
+        cfg = VLMConfig(vision=vision, llm=llm, projector="mlp2x_gelu",
+                        vision_layer=hf.get("vision_feature_layer", -1 if onevision else -2),
+                        vision_select={"default": "patch", "full": "cls_patch"}[select],
+                        image_token_id=hf.get("image_token_index", hf.get("image_token_id",
+                                                                          151646 if onevision else 32000)),
+                        anyres=anyres, grid_pinpoints=pinpoints, video_token_id=video)
+    except ValueError as e:
+        raise ConversionError(f"{hf_dir}: {e}") from None
     state = drop_siglip_head({hub_name(k): v for k, v in read_weights(hf_dir).items()}, hf_dir)
     state = drop_tied_head(state, llm, "language_model.model.embed_tokens.weight", "language_model.lm_head.weight",
                            hf_dir)
@@ -495,7 +555,7 @@ def llava_to_hf(ckpt_dir, out, template=None, image_mode=None):
         copy_tokenizer(ckpt_dir, tmp)
         if not carried:
             write_processor(cfg, tmp, template, image_mode)
-        add_image_token_to_tokenizer(tmp, cfg.image_token_id)
+        add_image_token_to_tokenizer(tmp, cfg.image_token_id, cfg.video_token_id)
     return write_dir(out, fill)
 
 
@@ -631,8 +691,9 @@ def from_llava(llava_dir, vision_dir, llm_dir=None, pad_vocab=64):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    a = sub.add_parser("from-hf", help="HF LlavaForConditionalGeneration, or LlamaForCausalLM + CLIP")
-    a.add_argument("--llava", help="HF LLaVA directory (hub, transformers-5 or in-memory key layout)")
+    a = sub.add_parser("from-hf", help="HF Llava / LlavaNext / LlavaOnevision, or LlamaForCausalLM + CLIP")
+    a.add_argument("--llava", help="HF LLaVA, LLaVA-NeXT or OneVision directory (hub, transformers-5 or in-memory "
+                                   "key layout)")
     a.add_argument("--llm", help="HF LlamaForCausalLM directory (with --vision)")
     a.add_argument("--vision", help="HF CLIPVisionModel or CLIPModel directory (with --llm)")
     a.add_argument("--projector", default="mlp2x_gelu")
@@ -647,7 +708,7 @@ def main(argv=None):
     b.add_argument("--llm", help="base LLM, needed when --llava holds only mm_projector.bin")
     b.add_argument("--pad-vocab", type=int, default=64)
     b.add_argument("--out", required=True)
-    c = sub.add_parser("to-hf", help="our checkpoint -> HF LlavaForConditionalGeneration (hub layout) + processor")
+    c = sub.add_parser("to-hf", help="our checkpoint -> HF Llava / LlavaNext / LlavaOnevision (hub layout) + processor")
     c.add_argument("--ckpt", required=True)
     c.add_argument("--template", choices=TEMPLATE_NAMES, help="default: the training config's")
     c.add_argument("--image-mode", choices=["pad", "crop", "resize"], help="default: the training config's")
