@@ -353,7 +353,11 @@ def test_tied_checkpoint_that_also_stores_lm_head_loads_as_transformers_does(tmp
 
 
 @pytest.mark.parametrize("where,change,expect", [
-    ("llava", {"model_type": "llava_next"}, "model_type 'llava_next' is not supported"),
+    ("llava", {"model_type": "llava_next_video"}, "model_type 'llava_next_video' is not supported"),
+    ("llava", {"model_type": "llava_onevision", "vision_aspect_ratio": "anyres"},
+     "vision_aspect_ratio 'anyres' is not supported"),
+    ("llava", {"model_type": "llava_next", "image_grid_pinpoints": [[28, 56], [30, 60]]}, "multiples of the vision"),
+    ("llava", {"model_type": "llava_next", "image_grid_pinpoints": [336, 672]}, "[height, width] pixel pairs"),
     ("vision", {"model_type": "siglip2_vision_model"}, "vision tower model_type 'siglip2_vision_model' is not supported"),
     ("vision", {"model_type": "dinov2"}, "vision tower model_type 'dinov2' is not supported"),
     ("text", {"model_type": "gemma"}, "LLM model_type 'gemma' is not supported"),
@@ -532,3 +536,94 @@ def test_export_refuses_an_image_id_the_tokenizer_already_uses(exported, tmp_pat
     with pytest.raises(SystemExit, match=re.escape("is the tokenizer's '<|im_end|>'; cannot add <image>")):
         convert.main(["to-hf", "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")])
     assert not (tmp_path / "hf").exists()
+
+
+# -----------------------------------------------------------------------------
+# LLaVA-NeXT (anyres) and LLaVA-OneVision (anyres_max_N, video): both ways, and their processors
+
+# 28 px tiles of 2x2 features: the pinpoints give 1x2, 2x1, 2x2 and 1x3 grids
+TINY_PINPOINTS = [[28, 56], [56, 28], [56, 56], [28, 84]]
+
+
+def tiny_hf_anyres(kind, seed=0):
+    """A random, tiny LlavaNextForConditionalGeneration (CLIP + Llama) or LlavaOnevisionForConditionalGeneration
+    (SigLIP + Qwen2). OneVision gets anyres_max_2, so that a 2x2 grid (16 features > 1.1 x 2 tiles' 8) is reduced
+    and a converter that assumes 9 is caught."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    vision = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, image_size=28,
+                  patch_size=14)
+    text = dict(vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256)
+    if kind == "llava_next":
+        cfg = tf.LlavaNextConfig(vision_config=tf.CLIPVisionConfig(**vision), text_config=tf.LlamaConfig(**text),
+                                 image_token_index=511, image_grid_pinpoints=TINY_PINPOINTS)
+        model = tf.LlavaNextForConditionalGeneration(cfg)
+    else:
+        cfg = tf.LlavaOnevisionConfig(vision_config=tf.SiglipVisionConfig(**vision, vision_use_head=False),
+                                      text_config=tf.Qwen2Config(**text), image_token_index=509, video_token_index=510,
+                                      image_grid_pinpoints=TINY_PINPOINTS, vision_aspect_ratio="anyres_max_2")
+        model = tf.LlavaOnevisionForConditionalGeneration(cfg)
+    with torch.no_grad():  # HF initialises norms to 1 and biases to 0; perturb them so a mixed-up key cannot hide
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias") or "layrnorm" in name or "image_newline" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def anyres_logits(hf, ours, size, video_frames=0):
+    """(HF logits, ours) for one row holding one image of `size` (h, w), or a video of that many frames."""
+    from model import image_layout, place_images
+
+    cfg = ours.cfg
+    video = video_frames > 0
+    n_tiles, index, weight = image_layout(cfg, *size, kind="video" if video else "image", n_frames=video_frames)
+    placeholder = cfg.video_token_id if video else cfg.image_token_id
+    ids = torch.tensor([[5, 6] + [placeholder] * len(index) + [7, 8, 9]])
+    tiles = torch.randn(1, n_tiles, 3, 28, 28, generator=torch.Generator().manual_seed(3))
+    extra = {"pixel_values_videos": tiles} if video else {"pixel_values": tiles, "image_sizes": torch.tensor([size])}
+    with torch.no_grad():
+        theirs = hf(input_ids=ids, **extra).logits
+        image_index, image_weight = place_images(ids[0], [(n_tiles, index, weight)], cfg)
+        mine = ours(ids, tiles, image_index=image_index[None], image_weight=image_weight[None])[0]
+    return theirs, mine
+
+
+@pytest.mark.parametrize("kind,layout", [("llava_next", "transformers5"), ("llava_next", "in-memory"),
+                                         ("llava_onevision", "hub")])
+def test_anyres_round_trip_hf_ours_hf(tmp_path, kind, layout):
+    """save_pretrained -> from-hf -> to-hf -> from_pretrained: the same weights and config, and our converted
+    model gives transformers' logits for images whose aspect ratios select different grids (and a video)."""
+    import transformers as tf
+
+    hf = tiny_hf_anyres(kind)
+    write_layout(hf, tmp_path / "src", layout)
+    convert.main(["from-hf", "--llava", str(tmp_path / "src"), "--out", str(tmp_path / "ours")])
+    convert.main(["to-hf", "--ckpt", str(tmp_path / "ours"), "--out", str(tmp_path / "back")])
+    cls = getattr(tf, convert.HF_ARCHITECTURES[kind])
+    back, info = cls.from_pretrained(tmp_path / "back", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert "image_newline" in load_file(tmp_path / "back/model.safetensors")  # the hub name
+    # image_seq_length: LlavaNextConfig's default 576 is read by neither model nor processor; we write one view's
+    assert getattr(back.config, "image_seq_length", 4) == 4
+    theirs, again = hf.state_dict(), back.state_dict()
+    assert theirs.keys() == again.keys() and all(torch.equal(theirs[k], again[k]) for k in theirs)
+    fields = ["model_type", "image_grid_pinpoints", "vision_feature_select_strategy", "vision_feature_layer",
+              "image_token_index", "vision_aspect_ratio", "video_token_index"]
+    assert {f: getattr(back.config, f, None) for f in fields} == {f: getattr(hf.config, f, None) for f in fields}
+    for sub in ("text_config", "vision_config"):
+        a, b = getattr(hf.config, sub).to_dict(), getattr(back.config, sub).to_dict()
+        assert {k: (a[k], b.get(k)) for k in a if b.get(k) != a[k] and k not in ("projection_dim", "dtype")} \
+            == {}, sub  # CLIPVisionConfig's projection_dim: unused by LLaVA
+    ours = convert.load_model(tmp_path / "ours").eval()
+    assert ours.cfg.anyres == ("anyres" if kind == "llava_next" else "anyres_max_2")
+    assert ours.cfg.grid_pinpoints == TINY_PINPOINTS
+    # 50x33 -> 2x2 grid (reduced under anyres_max_2), 33x90 -> 1x3 unpadded, 60x20 -> 2x1
+    for size in [(50, 33), (33, 90), (60, 20)]:
+        expect, mine = anyres_logits(hf, ours, size)
+        assert (mine - expect).abs().max() <= 1e-4, size
+    if kind == "llava_onevision":
+        assert ours.cfg.video_token_id == 510
+        expect, mine = anyres_logits(hf, ours, (28, 28), video_frames=3)
+        assert (mine - expect).abs().max() <= 1e-4
