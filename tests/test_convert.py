@@ -627,3 +627,90 @@ def test_anyres_round_trip_hf_ours_hf(tmp_path, kind, layout):
         assert ours.cfg.video_token_id == 510
         expect, mine = anyres_logits(hf, ours, (28, 28), video_frames=3)
         assert (mine - expect).abs().max() <= 1e-4
+
+
+@pytest.fixture(scope="module")
+def anyres_exports(tmp_path_factory):
+    """Tiny LLaVA-NeXT and OneVision checkpoints of ours with a BPE tokenizer.json, exported with chatml."""
+    from test_data import bpe_tokenizer
+
+    root = tmp_path_factory.mktemp("anyres-export")
+    tok = bpe_tokenizer(root)
+    out = {}
+    for kind, extra in [("llava_next", {"anyres": "anyres"}),
+                        ("llava_onevision", {"anyres": "anyres_max_2", "video_token_id": tok.vocab_size + 1,
+                                             "vision_select": "cls_patch", "vision_layer": -1,
+                                             "vision": {"kind": "siglip", "act": "gelu_pytorch_tanh"}})]:
+        cfg = vlm_preset("debug").with_overrides({"image_token_id": tok.vocab_size, "grid_pinpoints": TINY_PINPOINTS,
+                                                  "llm": {"vocab_size": -(-(tok.vocab_size + 2) // 64) * 64}} | extra)
+        convert.save_model(build_model(cfg, seed=0), root / kind, tokenizer_dir=root)
+        convert.llava_to_hf(root / kind, root / f"{kind}-hf", template="chatml", image_mode="pad")
+        out[kind] = root / f"{kind}-hf", cfg
+    return out
+
+
+def onevision_processor(directory):
+    """AutoProcessor, or where transformers' LlavaOnevisionVideoProcessor cannot load (it needs torchvision, which
+    this environment lacks on purpose) the same processor assembled from the export's image processor, tokenizer
+    and processor_config.json: its constructor insists on the video processor, its image path reads only these."""
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, LlavaOnevisionProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(directory)
+    except ImportError as e:
+        assert "torchvision" in str(e).lower(), e
+    processor = LlavaOnevisionProcessor.__new__(LlavaOnevisionProcessor)
+    processor.image_processor = AutoImageProcessor.from_pretrained(directory)
+    processor.tokenizer = AutoTokenizer.from_pretrained(directory)
+    settings = json.loads((directory / "processor_config.json").read_text())
+    assert settings.pop("processor_class") == "LlavaOnevisionProcessor"
+    for k, v in settings.items():
+        setattr(processor, k, v)
+    return processor
+
+
+@pytest.mark.parametrize("kind", ["llava_next", "llava_onevision"])
+def test_anyres_export_processor_counts_and_logits_match_ours(anyres_exports, kind):
+    """The export's processor (LlavaNextProcessor via AutoProcessor; OneVision's image processor, tokenizer and
+    settings) puts as many placeholders in the prompt as image_layout gives, for images whose aspect ratios pick
+    different grids, and the exported HF model on the processor's output gives our logits."""
+    import io
+
+    import transformers as tf
+    from PIL import Image
+
+    from model import image_layout, place_images
+
+    directory, cfg = anyres_exports[kind]
+    if kind == "llava_next":
+        processor = tf.AutoProcessor.from_pretrained(directory)
+        assert type(processor).__name__ == "LlavaNextProcessor"
+    else:
+        processor = onevision_processor(directory)
+        assert processor.tokenizer.convert_tokens_to_ids("<video>") == cfg.video_token_id
+    assert type(processor.image_processor).__name__.startswith(type(processor).__name__.replace("Processor", ""))
+    assert processor.image_processor.image_grid_pinpoints == TINY_PINPOINTS
+    assert tuple(processor.image_processor.image_mean) == cfg.vision.image_stats[0]  # SigLIP's 0.5 for OneVision
+    several = [{"role": "user", "content": [{"type": "image"}, {"type": "video"}, {"type": "text", "text": "Which?"}]}]
+    assert processor.tokenizer.apply_chat_template(several, chat_template=(directory / "chat_template.jinja").read_text(),
+                                                   tokenize=False, add_generation_prompt=True) == \
+        data.generation_prompt("chatml", f"{data.IMAGE_TAG}\n<video>\nWhich?")
+    hf = getattr(tf, convert.HF_ARCHITECTURES[kind]).from_pretrained(directory).eval()
+    ours = convert.load_model(directory).eval()
+    template = (directory / "chat_template.jinja").read_text()
+    for size in [(333, 500), (500, 333), (40, 300)]:  # (h, w): 2x2 (reduced under anyres_max_2), 2x1, 1x3
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+        prompt = processor.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                                         add_generation_prompt=True)
+        assert prompt == data.generation_prompt("chatml", f"{data.IMAGE_TAG}\nWhat is it?")
+        image = Image.open(io.BytesIO(photo(size[1], size[0])))
+        inputs = processor(text=prompt, images=image, return_tensors="pt")
+        n_tiles, index, weight = image_layout(cfg, *size)
+        assert int((inputs.input_ids == cfg.image_token_id).sum()) == len(index), size
+        assert inputs.pixel_values.shape[1] == n_tiles, size
+        with torch.no_grad():
+            expect = hf(**inputs).logits
+            image_index, image_weight = place_images(inputs.input_ids[0], [(n_tiles, index, weight)], cfg)
+            mine = ours(inputs.input_ids, inputs.pixel_values, image_index=image_index[None],
+                        image_weight=image_weight[None])[0]
+        assert (mine - expect).abs().max() <= 1e-4, size
