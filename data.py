@@ -802,6 +802,7 @@ def main(argv=None):
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--image-size", type=int, default=48)
     b.add_argument("--turns", type=int, default=1, help="questions per image, as a multi-turn conversation")
+    b.add_argument("--images", type=int, default=1, help="2: two images a sample, 'Which image has more circles?'")
     # function-level imports: pack.py and shapes.py import this file, never the other way round
     from pack import audit_arguments, audit_command
 
@@ -818,7 +819,8 @@ def main(argv=None):
     else:
         import shapes  # the demo's dataset lives in its own file; it packs with pack.pack()
 
-        shapes.make_shapes(args.out, args.n, args.seed, image_size=args.image_size, turns=args.turns)
+        shapes.make_shapes(args.out, args.n, args.seed, image_size=args.image_size, turns=args.turns,
+                           images=args.images)
 
 
 if __name__ == "__main__":
