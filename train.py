@@ -710,16 +710,16 @@ def main(argv=None):
 
     if it >= cfg["max_iters"]:
         if cfg["final_accuracy_samples"] and val_stream is not None:
-            on = raw, env
+            asker, asker_env = raw, env
             if env.kind == "xla":  # token-by-token generation would recompile at every length: answer on the host
-                host = build_model(raw.cfg, device="cpu", init=False)
-                host.load_state_dict({k: v.cpu() for k, v in raw.state_dict().items()})
-                on = host, SimpleNamespace(kind="cpu", device=torch.device("cpu"), distributed=False)
+                asker = build_model(raw.cfg, device="cpu", init=False)
+                asker.load_state_dict({k: v.cpu() for k, v in raw.state_dict().items()})
+                asker_env = SimpleNamespace(kind="cpu", device=torch.device("cpu"), distributed=False)
             if cfg["max_tiles"]:  # the questions as the loader tiles and places their images, one sample a row
                 unpacked = data.ShardStream(cfg["data_dir"], split="val", **(stream_args | {"pack": 0}))
-                result = tiled_answer_accuracy(*on, unpacked, cfg, cfg["final_accuracy_samples"])
+                result = tiled_answer_accuracy(asker, unpacked, asker_env, cfg, cfg["final_accuracy_samples"])
             else:
-                result = answer_accuracy(*on, val_stream, cfg, cfg["final_accuracy_samples"])
+                result = answer_accuracy(asker, val_stream, asker_env, cfg, cfg["final_accuracy_samples"])
             acc, shown, n_asked, too_long = result
             print0(env, f"held-out exact-match accuracy: {100 * acc:.1f}% on {n_asked} questions"
                    + (f" ({too_long} longer than the model's max_seq_len skipped)" if too_long else ""))
