@@ -153,7 +153,7 @@ def ours_from(hf):
 
 def mixed_batch(cfg, rows, seed=0):
     """Rows of ("image", h, w) / ("multi", h, w) / ("video", n_frames) items between random text, as our batch
-    (input_ids, pixel slots, image_index, image_weight) and as HF's keyword arguments."""
+    (input_ids, pixel slots, image_index, image_weight), as HF's keyword arguments, and each row's layouts."""
     g = torch.Generator().manual_seed(seed)
     text = lambda n: torch.randint(3, 500, (n,), generator=g)  # noqa: E731
     ids, slots, layouts, images, sizes, videos = [], [], [], [], [], []
@@ -185,7 +185,7 @@ def mixed_batch(cfg, rows, seed=0):
         hf["pixel_values_videos"] = torch.stack(videos)
     if cfg.video_token_id is not None:
         hf["batch_num_images"] = torch.tensor([sum(kind != "video" for kind, *_ in row) for row in rows])
-    return (ids, pixels, index, weight), hf
+    return (ids, pixels, index, weight), hf, layouts
 
 
 def test_llava_next_logits_match_transformers():
@@ -195,7 +195,7 @@ def test_llava_next_logits_match_transformers():
     ours = ours_from(hf)
     rows = [[("image", 60, 100)], [("image", 33, 50)], [("image", 50, 33)], [("image", 40, 180)],
             [("image", 180, 40)], [("image", 1, 1)], [("image", 100, 60), ("image", 41, 97)]]
-    (ids, pixels, index, weight), inputs = mixed_batch(ours.cfg, rows)
+    (ids, pixels, index, weight), inputs, _ = mixed_batch(ours.cfg, rows)
     with torch.no_grad():
         theirs = hf(**inputs).logits
         logits, _ = ours(ids, pixels, image_index=index, image_weight=weight)
@@ -214,8 +214,40 @@ def test_llava_onevision_logits_match_transformers():
     ours = ours_from(hf)
     rows = [[("image", 250, 240)], [("image", 200, 130)], [("image", 90, 80)], [("multi", 60, 100), ("multi", 100, 60)],
             [("video", 3)], []]
-    (ids, pixels, index, weight), inputs = mixed_batch(ours.cfg, rows)
+    (ids, pixels, index, weight), inputs, _ = mixed_batch(ours.cfg, rows)
     with torch.no_grad():
         theirs = hf(**inputs).logits
         logits, _ = ours(ids, pixels, image_index=index, image_weight=weight)
     assert (logits - theirs).abs().max().item() <= TOL
+
+
+def test_packed_row_scores_each_sample_as_transformers_does_alone():
+    """Three samples with different image token counts (a reduced single image, two images, a video) packed into one
+    row, their slots in turn, placed by place_images over the whole row: each sample's summed token loss equals
+    LlavaOnevisionForConditionalGeneration's on that sample alone."""
+    hf = tiny_hf("onevision")
+    ours = ours_from(hf)
+    samples = [[("image", 200, 130)], [("multi", 60, 100), ("multi", 33, 50)], [("video", 2)]]
+    ids, slots, layouts, labels, theirs = [], [], [], [], []
+    for i, sample in enumerate(samples):
+        (sample_ids, pixels, _, _), inputs, (sample_layouts,) = mixed_batch(ours.cfg, [sample], seed=i)
+        sample_labels = torch.where(sample_ids >= 500, -100, sample_ids)  # placeholders unsupervised
+        sample_labels[:, :2] = -100
+        with torch.no_grad():
+            theirs.append(hf(**inputs, labels=sample_labels).loss * (sample_labels[0, 1:] != -100).sum())
+        ids.append(sample_ids[0])
+        slots.append(pixels[0])
+        labels.append(sample_labels[0])
+        layouts += sample_layouts
+    tail = 5  # padding after the last sample: one more, unsupervised, sample
+    ids, slots = torch.cat(ids + [torch.zeros(tail, dtype=torch.long)]), torch.cat(slots)
+    positions = torch.cat([torch.arange(len(lab)) for lab in labels] + [torch.arange(tail)])
+    labels = torch.cat(labels + [torch.full((tail,), -100)])
+    index, weight = place_images(ids, layouts, ours.cfg)
+    with torch.no_grad():
+        _, per_token = ours(ids[None], slots[None], labels[None], loss_reduction="none", position_ids=positions[None],
+                            image_index=index[None], image_weight=weight[None])
+    starts = (positions == 0).nonzero().squeeze(1).tolist()
+    for start, end, expected in zip(starts, starts[1:], theirs):
+        mine = per_token[0, start:end].sum()
+        assert abs(mine.item() - expected.item()) <= 1e-4 * max(1.0, abs(expected.item()))
