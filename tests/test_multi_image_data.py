@@ -6,9 +6,11 @@ import io
 import json
 import tarfile
 
+import numpy as np
 import pytest
+import torch
 from PIL import Image
-from test_images import photo
+from test_images import encode, photo
 
 import pack
 
@@ -90,3 +92,91 @@ def test_webdataset_and_energon_yield_every_image_of_a_sample_in_order(multi_jso
         images = s.image if isinstance(s.image, list) else [] if s.image is None else [s.image]
         got[s.answers] = [(img.shape[-1], img.shape[-2]) for img in images]
     assert got == want
+
+
+# -----------------------------------------------------------------------------
+# tiles: equal to the transformers image processors (PIL backends, as here without torchvision)
+
+NEXT_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]  # llava-hf v1.6
+OV_PINPOINTS = [[384 * i, 384 * j] for i in range(1, 7) for j in range(1, 7)]  # llava-onevision-qwen2-*-ov-hf
+
+
+def next_config(**kw):  # llava-v1.6: CLIP ViT-L/14-336, "default" features
+    from model import VIT_PRESETS, VLMConfig, vlm_preset
+
+    return VLMConfig(vision=VIT_PRESETS["clip-vit-l-336"], llm=vlm_preset("debug").llm, image_token_id=1,
+                     anyres="anyres", grid_pinpoints=NEXT_PINPOINTS, **kw)
+
+
+def onevision_config(**kw):  # llava-onevision: SigLIP so400m 384, "full" features
+    from model import VIT_PRESETS, VLMConfig, vlm_preset
+
+    return VLMConfig(vision=VIT_PRESETS["siglip-so400m-patch14-384"], llm=vlm_preset("debug").llm, vision_layer=-1,
+                     vision_select="cls_patch", image_token_id=1, video_token_id=2, anyres="anyres_max_9",
+                     grid_pinpoints=OV_PINPOINTS, **kw)
+
+
+def levels(pixel_values, stats):
+    """A processor's normalised pixel_values (n, 3, S, S) mapped back to 0..255."""
+    mean, std = (torch.tensor(s).view(3, 1, 1) for s in stats)
+    return (pixel_values * std + mean) * 255
+
+
+# (width, height): a photo each way, sizes whose scaled side has a fraction (500x333), full HD, a panorama,
+# a tiny odd one; they select different grids (LLaVA-NeXT 1x2, 2x1, 2x2, 1x3; OneVision up to 3x5 and 1x6)
+TILE_SIZES = [(640, 480), (500, 333), (333, 500), (1920, 1080), (3000, 200), (17, 9)]
+
+
+@pytest.mark.parametrize("w,h", TILE_SIZES, ids=[f"{w}x{h}" for w, h in TILE_SIZES])
+def test_tiles_equal_the_llava_next_and_onevision_processors(w, h):
+    """Base view + grid (LlavaNextImageProcessorPil, CLIP 336, v1.6 pinpoints; LlavaOnevisionImageProcessorPil,
+    SigLIP 384, OneVision pinpoints) and OneVision's view of an image among several (pad to square in the mean
+    colour): within one uint8 level of the processors, and as many tiles as model.image_layout places."""
+    from model import image_layout
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import \
+        LlavaOnevisionImageProcessorPil
+
+    import images
+
+    raw = encode(photo(w, h, seed=w + h), "JPEG", quality=90)
+    rgb = np.asarray(Image.open(io.BytesIO(raw)).convert("RGB"))
+    other = np.asarray(photo(300, 200, seed=1))
+    nxt, ov = next_config(), onevision_config()
+    next_processor = LlavaNextImageProcessorPil(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336},
+                                                image_grid_pinpoints=NEXT_PINPOINTS)
+    stats = ov.vision.image_stats
+    ov_processor = LlavaOnevisionImageProcessorPil(image_mean=list(stats[0]), image_std=list(stats[1]),
+                                                   image_grid_pinpoints=OV_PINPOINTS)
+    cases = [(nxt, "image", next_processor(images=rgb, input_data_format="channels_last")),
+             (ov, "image", ov_processor(images=rgb, input_data_format="channels_last")),
+             (ov, "multi", ov_processor(images=[[other, rgb]], input_data_format="channels_last"))]
+    for cfg, kind, ref in cases:
+        ref = torch.as_tensor(np.asarray(ref["pixel_values"][-1 if kind == "multi" else 0]))
+        ours = images.image_tiles(raw, cfg, kind)
+        assert ours.dtype == torch.uint8 and ours.shape == ref.shape, (cfg.anyres, kind)
+        assert (ours.float() - levels(ref, cfg.vision.image_stats)).abs().max() <= 1, (cfg.anyres, kind)
+        assert len(ours) == image_layout(cfg, h, w, kind)[0]
+    # pad colours: the grid pads with black, OneVision's square view with int(255 * mean)
+    wide = images.image_tiles(encode(Image.new("RGB", (1000, 100), (255, 255, 255)), "PNG"), ov, "image")
+    assert wide[1:, :, 0].min() == 0 and wide[0].min() == 255  # the grid's top rows; the base view is squashed
+    square = images.image_tiles(encode(Image.new("RGB", (1000, 100), (255, 255, 255)), "PNG"), ov, "multi")
+    assert square[0, :, 0].unique().tolist() == [127]
+
+
+def test_video_frames_are_squashed_as_llava_onevision_preprocesses_them():
+    """LLaVA-NeXT's training code runs each frame through the SigLIP image processor (resize to 384 x 384);
+    transformers' LlavaOnevisionVideoProcessor needs torchvision, which is not installed here."""
+    from model import image_layout
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+    import images
+
+    cfg = onevision_config()
+    processor = SiglipImageProcessorPil(size={"height": 384, "width": 384}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    for w, h in [(640, 360), (333, 500)]:
+        raw = encode(photo(w, h, seed=w), "JPEG", quality=90)
+        ref = processor(images=np.asarray(Image.open(io.BytesIO(raw)).convert("RGB")), return_tensors="pt")
+        ours = images.image_tiles(raw, cfg, "video")
+        assert (ours.float() - levels(ref["pixel_values"], cfg.vision.image_stats)).abs().max() <= 1
+    assert image_layout(cfg, h, w, "video", n_frames=3)[0] == 3
