@@ -14,7 +14,6 @@ the layout of Megatron-Energon's VQA datasets.
 import argparse
 import io
 import json
-import math
 import os
 import re
 import struct
@@ -25,13 +24,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from PIL import Image
+
+from images import CLIP_MEAN, CLIP_STD, image_hw, image_tiles, load_image, normalize_images  # noqa: F401  data.*
 
 IMAGE_TAG = "<image>"
+VIDEO_TAG = "<video>"  # LLaVA-OneVision's placeholder for a video's frames
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MAX_OPEN_SHARDS = 64  # shard files one ShardStream keeps open
 KEY_RE = re.compile(r"^((?:.*/)?[^./]+)\.([^/]+)$")  # webdataset/energon: the key ends at the first dot of the basename
 
@@ -152,8 +150,9 @@ LLAMA2_SYSTEM = ("You are a helpful language and vision assistant. You are able 
 
 
 def image_first(text):
-    """LLaVA's preprocess_multimodal: a turn holding <image> becomes "<image>\\n" + its stripped text."""
-    if IMAGE_TAG not in text:
+    """LLaVA's preprocess_multimodal: a turn holding one <image> becomes "<image>\\n" + its stripped text.
+    Several tags stay where they are (LLaVA-NeXT's preprocess_multimodal moves only a lone one)."""
+    if text.count(IMAGE_TAG) != 1:
         return text
     return (IMAGE_TAG + "\n" + text.replace(IMAGE_TAG, "").strip()).strip()
 
@@ -323,54 +322,6 @@ def stop_token_id(template, tok):
     marker = {"llama_3": "<|eot_id|>", "chatml": "<|im_end|>"}.get(template)
     ids = tok.encode(marker) if marker else []
     return ids[-1] if len(ids) and tok.decode(ids[-1:]) == marker else tok.eos_id
-
-
-# -----------------------------------------------------------------------------
-# images
-
-
-def load_image(data, size, mode="pad", fast=False, mean=CLIP_MEAN):
-    """Image bytes (any mode PIL reads) -> (3, size, size) uint8, equal to what transformers' PIL-backend
-    processors compute before rescaling (tests). 'crop': CLIPImageProcessor: short side to `size`, long side
-    int(size * long / short) (truncated, as get_resize_output_image_size does), centre crop. 'pad': LLaVA's
-    expand2square in the tower's mean colour (CLIP's by default), then the same (LlavaImageProcessor(do_pad=True)).
-    'resize': squash.
-    fast=True trades exactness for speed (README, BENCHMARKS.md): a big JPEG decodes at 1/2, 1/4 or 1/8 scale
-    (to at least twice the resized size), and torch's uint8 antialiased bicubic replaces PIL's."""
-    img = Image.open(io.BytesIO(data))
-    if fast and img.format == "JPEG":
-        w, h = img.size
-        scale = 2 * size / (min(w, h) if mode == "crop" else max(w, h))
-        img.draft("RGB", (2 * size, 2 * size) if mode == "resize" else (math.ceil(w * scale), math.ceil(h * scale)))
-    img = img if img.mode == "RGB" else img.convert("RGB")  # LLaVA's Image.open().convert("RGB"): alpha dropped
-    if mode == "pad":
-        w, h = img.size
-        square = Image.new("RGB", (max(w, h), max(w, h)), tuple(int(m * 255) for m in mean))
-        square.paste(img, ((max(w, h) - w) // 2, (max(w, h) - h) // 2))
-        img = square
-    w, h = img.size
-    if mode == "resize":
-        nw, nh = size, size
-    else:
-        nw, nh = (int(size * w / h), size) if h <= w else (size, int(size * h / w))
-    if fast:
-        x = torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1)[None]  # (1, 3, h, w)
-        x = F.interpolate(x, size=(nh, nw), mode="bicubic", antialias=True)[0]  # (3, nh, nw)
-    else:  # PIL's bicubic, as the reference
-        x = torch.from_numpy(np.asarray(img.resize((nw, nh), Image.BICUBIC)).copy()).permute(2, 0, 1)  # (3, nh, nw)
-    top, left = (nh - size) // 2, (nw - size) // 2
-    return x[:, top : top + size, left : left + size].contiguous()
-
-
-def normalize_images(images, mean=CLIP_MEAN, std=CLIP_STD):
-    """(B, 3, H, W) uint8 -> float32 with the tower's mean/std (model.ViTConfig.image_stats), as one multiply-add
-    per pixel, on the images' device (train.py runs it on the accelerator: batches cross the DataLoader and the
-    host link as uint8, 4x smaller)."""
-    scale = torch.tensor([1 / (255 * s) for s in std], device=images.device).view(1, 3, 1, 1)
-    shift = torch.tensor([-m / s for m, s in zip(mean, std)], device=images.device).view(1, 3, 1, 1)
-    return images.float().mul_(scale).add_(shift)  # (x/255 - mean)/std = x*scale + shift
-
-
 
 
 # -----------------------------------------------------------------------------
@@ -802,6 +753,7 @@ def main(argv=None):
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--image-size", type=int, default=48)
     b.add_argument("--turns", type=int, default=1, help="questions per image, as a multi-turn conversation")
+    b.add_argument("--images", type=int, default=1, help="2: two images a sample, 'Which image has more circles?'")
     # function-level imports: pack.py and shapes.py import this file, never the other way round
     from pack import audit_arguments, audit_command
 
@@ -818,7 +770,8 @@ def main(argv=None):
     else:
         import shapes  # the demo's dataset lives in its own file; it packs with pack.pack()
 
-        shapes.make_shapes(args.out, args.n, args.seed, image_size=args.image_size, turns=args.turns)
+        shapes.make_shapes(args.out, args.n, args.seed, image_size=args.image_size, turns=args.turns,
+                           images=args.images)
 
 
 if __name__ == "__main__":

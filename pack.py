@@ -31,7 +31,7 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 from tqdm import tqdm
 
-from data import IMAGE_TAG, ROLES, Skips, conversation_problem, log
+from data import IMAGE_TAG, ROLES, VIDEO_TAG, Skips, conversation_problem, log
 from data import (TEMPLATES, DropSample, Tokenizer, check_template, encode_conversation,  # audit
                   load_image, pack_rows, read_members, render, sample_conversation, sample_offsets,
                   shard_files, tokenize, turns)
@@ -86,19 +86,42 @@ def read_records(path):
     yield from ((r, None) for r in records)
 
 
+def record_images(rec):
+    """("image" | "multi" | "video", [names]) of a record, or (None, reason). One image: "image": "a.jpg" (or a
+    one-element list); several: "image": [...], one <image> tag each, in tag order (LLaVA-OneVision's format);
+    a video: "video": [frame paths] (pre-extracted frames) with one <video> tag."""
+    image, video = rec.get("image"), rec.get("video")
+    if image and video:
+        return None, "image_and_video"
+    if video:
+        if isinstance(video, str):
+            return None, "video_file_not_frames"  # decoding video files is not pack's job: extract frames first
+        return ("video", video) if isinstance(video, list) else (None, "malformed_video_field")
+    if not image:
+        return "image", []
+    names = image if isinstance(image, list) else [image]
+    return ("multi" if len(names) > 1 else "image"), names
+
+
 def check_conversations(rec):
     """The reason a record cannot be trained on, or None."""
     conv = rec.get("conversations")
     reason = conversation_problem(conv)  # the same check the loader applies to foreign shards
     if reason:
         return reason
+    kind, names = record_images(rec)
+    if kind is None:
+        return names
     n_tags = sum(t["value"].count(IMAGE_TAG) for t in conv)
-    if n_tags > 1:
-        return "multiple_image_tags"
-    if isinstance(rec.get("image"), list) and len(rec["image"]) > 1:
-        return "multiple_images"  # until multi-image samples are supported
-    if n_tags and not rec.get("image"):
+    n_video_tags = sum(t["value"].count(VIDEO_TAG) for t in conv)
+    if kind == "video":
+        return "image_tag_in_video_sample" if n_tags else "video_tag_count_mismatch" if n_video_tags > 1 else None
+    if n_video_tags:
+        return "video_tag_without_video"
+    if n_tags and not names:
         return "image_tag_without_image"
+    if n_tags != len(names) and not (n_tags == 0 and len(names) == 1):  # one untagged image goes first, as LLaVA's
+        return "image_tag_count_mismatch"
     return None
 
 
@@ -128,33 +151,34 @@ def prepare_record(args):
     if reason:
         return None, reason
     conv = [{"from": t["from"], "value": t["value"]} for t in rec["conversations"]]
-    image = None  # (member extension, bytes)
-    if rec.get("image"):
-        path, reason = image_path(images_dir, rec["image"])
+    kind, names = record_images(rec)
+    stored = []  # (member extension, bytes): KEY.jpg alone; KEY.0.jpg, KEY.1.png... for several; KEY.f0.jpg... frames
+    for n, name in enumerate(names):
+        path, reason = image_path(images_dir, name)
         if reason:
             return None, reason
         if not path.is_file():
-            return None, "missing_image"
+            return None, "missing_video_frame" if kind == "video" else "missing_image"
         data = path.read_bytes()
         try:
             img = Image.open(io.BytesIO(data))
             img.load()  # a full decode: truncated files pass Image.verify()
         except Exception:  # noqa: BLE001  PIL raises many types for corrupt files
             return None, "corrupt_image"
-        image = stored_image(data, img)
-        if not any(IMAGE_TAG in t["value"] for t in conv):  # LLaVA puts the image before the first question
-            conv[0] = {"from": conv[0]["from"], "value": IMAGE_TAG + "\n" + conv[0]["value"]}
+        ext, data = stored_image(data, img)
+        stored.append((ext if kind == "image" else f"{'f' * (kind == 'video')}{n}.{ext}", data))
+    tag = VIDEO_TAG if kind == "video" else IMAGE_TAG
+    if stored and not any(tag in t["value"] for t in conv):  # LLaVA puts the image before the first question
+        conv[0] = {"from": conv[0]["from"], "value": tag + "\n" + conv[0]["value"]}
     first_q = next((t["value"] for t in conv if ROLES[t["from"]] == "user"), "")
     answer = next(t["value"] for t in conv if ROLES[t["from"]] == "assistant")
-    meta = {"question": first_q.replace(IMAGE_TAG, "").strip(), "conversations": conv, "id": rec.get("id", index)}
+    question = first_q.replace(IMAGE_TAG, "").replace(VIDEO_TAG, "").strip()
+    meta = {"question": question, "conversations": conv, "id": rec.get("id", index)}
     try:
         text = json.dumps(meta, ensure_ascii=False).encode()
     except UnicodeEncodeError:  # a lone surrogate (JSON "\\ud800") has no UTF-8 form
         return None, "invalid_unicode"
-    sample = {"txt": answer.encode(), "json": text}
-    if image:
-        sample[image[0]] = image[1]
-    return sample, None
+    return dict(stored) | {"txt": answer.encode(), "json": text}, None
 
 
 def stored_image(data, img):
@@ -206,20 +230,26 @@ class ShardWriter:
 
 # energon's VQA field map needs an image in every sample and drops the rest without a word, so the folder
 # names this loader instead: every sample loads, text-only ones with image=None, multi-turn ones by their
-# first exchange (the whole conversation is in KEY.json). Parts arrive decoded (json -> dict, txt -> str).
+# first exchange (the whole conversation is in KEY.json), several images (KEY.0.jpg, KEY.1.png...) or video
+# frames (KEY.f0.jpg...) as a list in order. Parts arrive decoded (json -> dict, txt -> str, images).
 SAMPLE_LOADER = '''"""Written by llavax pack.py: lets megatron-energon load every sample of this folder as a VQASample."""
 import json
+import re
+
+NUMBERED = re.compile(r"(f?)(\\d+)\\.(jpg|png)")  # KEY.0.jpg: image 0 of several; KEY.f0.jpg: video frame 0
 
 
 def sample_loader(raw):
     meta = json.loads(raw["json"]) if isinstance(raw["json"], (bytes, str)) else raw["json"]
     answer = raw["txt"].decode() if isinstance(raw["txt"], bytes) else raw["txt"]
-    image = raw["jpg"] if "jpg" in raw else raw.get("png")
+    numbered = sorted(((int(m[2]), raw[part]) for part in raw if (m := NUMBERED.fullmatch(part))),
+                      key=lambda x: x[0])
+    image = raw["jpg"] if "jpg" in raw else raw.get("png", [img for _, img in numbered] or None)
     return dict(__key__=raw["__key__"], image=image, context=meta["question"], answers=answer)  # as field_map gave
 
 
 def part_filter(part):
-    return part in ("jpg", "png", "txt", "json")
+    return part in ("jpg", "png", "txt", "json") or NUMBERED.fullmatch(part) is not None
 '''
 
 
@@ -292,7 +322,7 @@ def pack(json_path, images_dir, out_dir, shard_size=1000, val_ratio=0.0, workers
         if reason:
             skips.add(reason, sample_id)
             continue
-        members = [(ext, sample[ext]) for ext in ("jpg", "png", "txt", "json") if sample.get(ext) is not None]
+        members = list(sample.items())  # images in tag order, then txt and json
         split = "val" if (val_ids(sample_id) if val_ids else val_ratio and is_val(sample_id, val_ratio)) else "train"
         writers[split].add(f"sample{n:09d}", members)
         n += 1

@@ -66,7 +66,7 @@ def packed(llava_json, tmp_path_factory):
 def test_bad_records_are_counted_by_reason_and_no_good_record_is_lost(packed):
     out, good, skips = packed
     assert dict(skips.counts) == {"malformed_json": 1, "missing_image": 1, "corrupt_image": 1, "no_gpt_turn": 1,
-                                  "empty_answer": 1, "multiple_image_tags": 1}
+                                  "empty_answer": 1, "image_tag_count_mismatch": 1}
     assert skips.examples["missing_image"] == ["missing"] and skips.examples["malformed_json"] == ["line 7"]
     info = json.loads((out / ".nv-meta/.info.json").read_text())
     assert sum(info["shard_counts"].values()) == len(good) == 14

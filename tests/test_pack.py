@@ -94,18 +94,18 @@ def test_unknown_roles_are_skipped_by_reason_and_strict_fails(tmp_path, capfd):
     assert "unknown_role: 5 (first: rec10, rec11" in capfd.readouterr().err
 
 
-def test_null_list_surrogate_and_multi_image_values_are_skipped_each_with_its_reason(tmp_path):
+def test_null_list_and_surrogate_values_are_skipped_each_with_its_reason(tmp_path):
     imgs = images_dir(tmp_path)
     null, listed, surrogate, multi = record(1), record(2), record(3, answer="caf\ud800"), record(0)
     null["conversations"][1]["value"] = None
     listed["conversations"][1]["value"] = ["a", "b"]
-    multi["image"] = ["0.jpg", "1.jpg"]  # LLaVA-OneVision style
+    multi["image"] = ["0.jpg", "1.jpg"]  # LLaVA-OneVision style, one tag for two images (tests/test_multi_image_data.py)
     one_in_list = record(2) | {"id": "single", "image": ["2.jpg"]}
     # json.dumps writes the lone surrogate as the escape "\ud800", as a real file would hold it
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in [record(0), null, listed, surrogate, multi,
                                                                        one_in_list]))
     skips = pack.pack(tmp_path / "d.jsonl", imgs, tmp_path / "out")
-    assert dict(skips.counts) == {"non_text_value": 2, "invalid_unicode": 1, "multiple_images": 1}
+    assert dict(skips.counts) == {"non_text_value": 2, "invalid_unicode": 1, "image_tag_count_mismatch": 1}
     import webdataset as wds
 
     texts = [s["txt"].decode() for s in wds.WebDataset(str(tmp_path / "out/shard-000000.tar"), shardshuffle=False)]

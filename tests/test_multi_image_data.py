@@ -1,0 +1,182 @@
+"""Several images a sample, video frames and anyres tiles: pack.py's records and members against tarfile,
+webdataset and megatron-energon; images.py's tiles against transformers' LLaVA-NeXT / OneVision / SigLIP image
+processors (PIL backends); the loader's static tile slots against model.image_layout / place_images."""
+
+import io
+import json
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from test_images import encode, photo
+
+import pack
+
+# -----------------------------------------------------------------------------
+# records and shards: KEY.0.jpg, KEY.1.png... in tag order; KEY.f0.jpg... video frames
+
+
+def conv(question, answer="Two."):
+    return [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]
+
+
+@pytest.fixture(scope="module")
+def multi_json(tmp_path_factory):
+    """OneVision-format records: several images with a tag each, video frames, and each way to get them wrong."""
+    d = tmp_path_factory.mktemp("multi")
+    imgs = d / "images"
+    imgs.mkdir()
+    sizes = {"a.jpg": (640, 480), "b.png": (333, 500), "c.jpg": (500, 333), "p.jpg": (1920, 1080)}
+    for name, (w, h) in sizes.items():
+        photo(w, h, seed=w).save(imgs / name, **({"quality": 90} if name.endswith("jpg") else {}))
+    for i in range(3):
+        photo(120, 90, seed=i).save(imgs / f"f{i}.jpg")
+    (imgs / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")
+    good = [
+        {"id": "two", "image": ["a.jpg", "b.png"], "conversations": conv("<image> or <image>: which has more?")},
+        {"id": "three", "image": ["c.jpg", "a.jpg", "b.png"],
+         "conversations": conv("First <image>\nthen <image>\nand <image>?", "The third.")},
+        {"id": "single", "image": "p.jpg", "conversations": conv("What is it?", "A photo.")},
+        {"id": "video", "video": ["f0.jpg", "f1.jpg", "f2.jpg"],
+         "conversations": conv("<video>\nWhat happens?", "It moves.")},
+        {"id": "text", "conversations": conv("Hi?", "Hello.")},
+    ]
+    bad = [
+        {"id": "one_tag_two_images", "image": ["a.jpg", "b.png"], "conversations": conv("<image> which?")},
+        {"id": "three_tags_two_images", "image": ["a.jpg", "b.png"], "conversations": conv("<image><image><image>")},
+        {"id": "video_file", "video": "clip.mp4", "conversations": conv("<video> what?")},
+        {"id": "missing_frame", "video": ["f0.jpg", "f9.jpg"], "conversations": conv("<video> what?")},
+        {"id": "both", "image": "a.jpg", "video": ["f0.jpg"], "conversations": conv("<video> what?")},
+        {"id": "video_tag_no_video", "image": "a.jpg", "conversations": conv("<video> <image> what?")},
+        {"id": "missing_second", "image": ["a.jpg", "nope.jpg"], "conversations": conv("<image> <image>")},
+    ]
+    (d / "d.json").write_text(json.dumps(good + bad))
+    skips = pack.pack(d / "d.json", imgs, d / "out", shard_size=3)
+    return d, good, skips
+
+
+def test_multi_image_and_video_records_pack_and_bad_ones_are_skipped_by_reason(multi_json):
+    d, good, skips = multi_json
+    assert dict(skips.counts) == {"image_tag_count_mismatch": 2, "video_file_not_frames": 1, "missing_video_frame": 1,
+                                  "image_and_video": 1, "video_tag_without_video": 1, "missing_image": 1}
+    names = [m.name for p in sorted((d / "out").glob("*.tar")) for m in tarfile.open(p)]
+    # the documented naming: one member per image, numbered in tag order; frames with an f
+    assert names[:5] == ["sample000000000.0.jpg", "sample000000000.1.png", "sample000000000.txt",
+                         "sample000000000.json", "sample000000001.0.jpg"]
+    assert "sample000000002.jpg" in names and [n for n in names if ".f" in n] == \
+        ["sample000000003.f0.jpg", "sample000000003.f1.jpg", "sample000000003.f2.jpg"]
+
+
+def test_webdataset_and_energon_yield_every_image_of_a_sample_in_order(multi_json):
+    import webdataset as wds
+    from megatron.energon import WorkerConfig, get_loader, get_train_dataset
+
+    d, good, _ = multi_json
+    want = {r["conversations"][1]["value"]: [Image.open(d / "images" / n).size for n in
+                                            ([r["image"]] if isinstance(r.get("image"), str) else
+                                             r.get("image") or r.get("video") or [])] for r in good}
+    tars = sorted(str(p) for p in (d / "out").glob("*.tar"))
+    got = {}
+    for s in wds.WebDataset(tars, shardshuffle=False):
+        keys = sorted((k for k in s if k.endswith((".jpg", ".png")) or k in ("jpg", "png")),
+                      key=lambda k: int(k.split(".")[0].lstrip("f")) if "." in k else 0)
+        got[s["txt"].decode()] = [Image.open(io.BytesIO(s[k])).size for k in keys]
+    assert got == want
+    ds = get_train_dataset(d / "out", split_part="train", batch_size=None, shuffle_buffer_size=None,
+                           max_samples_per_sequence=None, repeat=False,
+                           worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0))
+    got = {}
+    for s in get_loader(ds):  # energon decodes images to (3, H, W) tensors
+        images = s.image if isinstance(s.image, list) else [] if s.image is None else [s.image]
+        got[s.answers] = [(img.shape[-1], img.shape[-2]) for img in images]
+    assert got == want
+
+
+# -----------------------------------------------------------------------------
+# tiles: equal to the transformers image processors (PIL backends, as here without torchvision)
+
+NEXT_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]  # llava-hf v1.6
+OV_PINPOINTS = [[384 * i, 384 * j] for i in range(1, 7) for j in range(1, 7)]  # llava-onevision-qwen2-*-ov-hf
+
+
+def next_config(**kw):  # llava-v1.6: CLIP ViT-L/14-336, "default" features
+    from model import VIT_PRESETS, VLMConfig, vlm_preset
+
+    return VLMConfig(vision=VIT_PRESETS["clip-vit-l-336"], llm=vlm_preset("debug").llm, image_token_id=1,
+                     anyres="anyres", grid_pinpoints=NEXT_PINPOINTS, **kw)
+
+
+def onevision_config(**kw):  # llava-onevision: SigLIP so400m 384, "full" features
+    from model import VIT_PRESETS, VLMConfig, vlm_preset
+
+    return VLMConfig(vision=VIT_PRESETS["siglip-so400m-patch14-384"], llm=vlm_preset("debug").llm, vision_layer=-1,
+                     vision_select="cls_patch", image_token_id=1, video_token_id=2, anyres="anyres_max_9",
+                     grid_pinpoints=OV_PINPOINTS, **kw)
+
+
+def levels(pixel_values, stats):
+    """A processor's normalised pixel_values (n, 3, S, S) mapped back to 0..255."""
+    mean, std = (torch.tensor(s).view(3, 1, 1) for s in stats)
+    return (pixel_values * std + mean) * 255
+
+
+# (width, height): a photo each way, sizes whose scaled side has a fraction (500x333), full HD, a panorama,
+# a tiny odd one; they select different grids (LLaVA-NeXT 1x2, 2x1, 2x2, 1x3; OneVision up to 3x5 and 1x6)
+TILE_SIZES = [(640, 480), (500, 333), (333, 500), (1920, 1080), (3000, 200), (17, 9)]
+
+
+@pytest.mark.parametrize("w,h", TILE_SIZES, ids=[f"{w}x{h}" for w, h in TILE_SIZES])
+def test_tiles_equal_the_llava_next_and_onevision_processors(w, h):
+    """Base view + grid (LlavaNextImageProcessorPil, CLIP 336, v1.6 pinpoints; LlavaOnevisionImageProcessorPil,
+    SigLIP 384, OneVision pinpoints) and OneVision's view of an image among several (pad to square in the mean
+    colour): within one uint8 level of the processors, and as many tiles as model.image_layout places."""
+    from model import image_layout
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import \
+        LlavaOnevisionImageProcessorPil
+
+    import images
+
+    raw = encode(photo(w, h, seed=w + h), "JPEG", quality=90)
+    rgb = np.asarray(Image.open(io.BytesIO(raw)).convert("RGB"))
+    other = np.asarray(photo(300, 200, seed=1))
+    nxt, ov = next_config(), onevision_config()
+    next_processor = LlavaNextImageProcessorPil(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336},
+                                                image_grid_pinpoints=NEXT_PINPOINTS)
+    stats = ov.vision.image_stats
+    ov_processor = LlavaOnevisionImageProcessorPil(image_mean=list(stats[0]), image_std=list(stats[1]),
+                                                   image_grid_pinpoints=OV_PINPOINTS)
+    cases = [(nxt, "image", next_processor(images=rgb, input_data_format="channels_last")),
+             (ov, "image", ov_processor(images=rgb, input_data_format="channels_last")),
+             (ov, "multi", ov_processor(images=[[other, rgb]], input_data_format="channels_last"))]
+    for cfg, kind, ref in cases:
+        ref = torch.as_tensor(np.asarray(ref["pixel_values"][-1 if kind == "multi" else 0]))
+        ours = images.image_tiles(raw, cfg, kind)
+        assert ours.dtype == torch.uint8 and ours.shape == ref.shape, (cfg.anyres, kind)
+        assert (ours.float() - levels(ref, cfg.vision.image_stats)).abs().max() <= 1, (cfg.anyres, kind)
+        assert len(ours) == image_layout(cfg, h, w, kind)[0]
+    # pad colours: the grid pads with black, OneVision's square view with int(255 * mean)
+    wide = images.image_tiles(encode(Image.new("RGB", (1000, 100), (255, 255, 255)), "PNG"), ov, "image")
+    assert wide[1:, :, 0].min() == 0 and wide[0].min() == 255  # the grid's top rows; the base view is squashed
+    square = images.image_tiles(encode(Image.new("RGB", (1000, 100), (255, 255, 255)), "PNG"), ov, "multi")
+    assert square[0, :, 0].unique().tolist() == [127]
+
+
+def test_video_frames_are_squashed_as_llava_onevision_preprocesses_them():
+    """LLaVA-NeXT's training code runs each frame through the SigLIP image processor (resize to 384 x 384);
+    transformers' LlavaOnevisionVideoProcessor needs torchvision, which is not installed here."""
+    from model import image_layout
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+    import images
+
+    cfg = onevision_config()
+    processor = SiglipImageProcessorPil(size={"height": 384, "width": 384}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    for w, h in [(640, 360), (333, 500)]:
+        raw = encode(photo(w, h, seed=w), "JPEG", quality=90)
+        ref = processor(images=np.asarray(Image.open(io.BytesIO(raw)).convert("RGB")), return_tensors="pt")
+        ours = images.image_tiles(raw, cfg, "video")
+        assert (ours.float() - levels(ref["pixel_values"], cfg.vision.image_stats)).abs().max() <= 1
+    assert image_layout(cfg, h, w, "video", n_frames=3)[0] == 3
