@@ -6,6 +6,7 @@ and our checkpoint directory (model.safetensors + config.json).
     python convert.py from-hf --llm LLAMA_DIR --vision CLIP_DIR --out CKPT_DIR [--projector mlp2x_gelu] [--vision-layer -2]
     python convert.py from-llava --llava DIR --vision CLIP_DIR [--llm LLAMA_DIR] --out CKPT_DIR
     python convert.py to-hf --ckpt CKPT_DIR --out HF_DIR
+    python convert.py anyres --ckpt CKPT_DIR --preset llava-next-vicuna-7b --out CKPT_DIR   # tile images from here on
 
 Every conversion goes through an explicit table (our name -> their name). Every source key
 must be consumed and every shape must match, or ConversionError lists what did not.
@@ -684,6 +685,32 @@ def from_llava(llava_dir, vision_dir, llm_dir=None, pad_vocab=64):
                     projector_state=projector_state, pad_vocab=pad_vocab)
 
 
+def to_anyres(ckpt_dir, preset, video_token_id=None, seed=0):
+    """A checkpoint that tiles images as `preset` does (anyres, grid_pinpoints, <video>) with a fresh image_newline
+    (normal, std 1/sqrt(dim), as HF and LLaVA-NeXT initialise it): LLaVA-NeXT and OneVision switch to anyres after
+    a stage 1 that saw one view an image."""
+    state, cfg = read_checkpoint(ckpt_dir)
+    target = vlm_preset(preset)
+    if not target.anyres:
+        raise ConversionError(f"preset {preset!r} does not tile images (anyres={target.anyres!r})")
+    video = target.video_token_id if video_token_id is None else video_token_id
+    if video is not None and (video == cfg.image_token_id or not 0 <= video < cfg.llm.vocab_size):
+        raise ConversionError(f"<video> id {video} must be a free id below the vocab size {cfg.llm.vocab_size}, not "
+                              f"<image>'s {cfg.image_token_id}; pass --video-token-id")
+    try:
+        cfg = cfg.with_overrides({"anyres": target.anyres, "grid_pinpoints": target.grid_pinpoints,
+                                  "video_token_id": video})
+    except ValueError as e:
+        raise ConversionError(f"{ckpt_dir}: cannot tile as {preset!r}: {e}") from None
+    if "image_newline" not in state:
+        gen = torch.Generator().manual_seed(seed)
+        state["image_newline"] = torch.randn(cfg.llm.dim, generator=gen) * cfg.llm.dim**-0.5
+        state["image_newline"] = state["image_newline"].to(state["llm.tok_embeddings.weight"].dtype)
+        say(f"initialised a fresh image_newline (normal std {cfg.llm.dim**-0.5:.4f}, seed {seed})")
+    shapes = expected_shapes(cfg)
+    return check_complete(remap(state, {k: k for k in shapes}, shapes, str(ckpt_dir)), cfg, str(ckpt_dir)), cfg
+
+
 # -----------------------------------------------------------------------------
 # command line
 
@@ -713,12 +740,22 @@ def main(argv=None):
     c.add_argument("--template", choices=TEMPLATE_NAMES, help="default: the training config's")
     c.add_argument("--image-mode", choices=["pad", "crop", "resize"], help="default: the training config's")
     c.add_argument("--out", required=True)
+    d = sub.add_parser("anyres", help="our checkpoint -> the same, tiling images as a LLaVA-NeXT / OneVision preset")
+    d.add_argument("--ckpt", required=True)
+    d.add_argument("--preset", required=True, choices=["llava-next-vicuna-7b", "llava-next-mistral-7b",
+                                                       "llava-onevision-qwen2-7b", "llava-onevision-qwen2-0.5b"])
+    d.add_argument("--video-token-id", type=int, help="default: the preset's (OneVision: 151647)")
+    d.add_argument("--seed", type=int, default=0, help="seed of the fresh image_newline")
+    d.add_argument("--out", required=True)
     args = p.parse_args(argv)
     try:
         if args.cmd == "to-hf":
             out = llava_to_hf(args.ckpt, args.out, args.template, args.image_mode)
         else:
-            if args.cmd == "from-llava":
+            if args.cmd == "anyres":
+                state, cfg = to_anyres(args.ckpt, args.preset, args.video_token_id, args.seed)
+                tokenizer_dir = args.ckpt
+            elif args.cmd == "from-llava":
                 state, cfg = from_llava(args.llava, args.vision, args.llm, args.pad_vocab)
                 tokenizer_dir = args.llava if Path(args.llava, "tokenizer.model").exists() else args.llm
             elif args.llava:

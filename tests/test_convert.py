@@ -714,3 +714,48 @@ def test_anyres_export_processor_counts_and_logits_match_ours(anyres_exports, ki
             mine = ours(inputs.input_ids, inputs.pixel_values, image_index=image_index[None],
                         image_weight=image_weight[None])[0]
         assert (mine - expect).abs().max() <= 1e-4, size
+
+
+def test_anyres_subcommand_adds_tiling_and_a_newline_hf_loads(our_ckpt, tmp_path):
+    """A stage-1 checkpoint (one view an image) -> the same weights, tiling as LLaVA-NeXT, with a fresh newline;
+    to-hf then writes a LlavaNextForConditionalGeneration that transformers loads without missing keys."""
+    from transformers import LlavaNextForConditionalGeneration
+
+    convert.main(["anyres", "--ckpt", str(our_ckpt), "--preset", "llava-next-vicuna-7b", "--out", str(tmp_path / "a")])
+    before, after = convert.load_model(our_ckpt), convert.load_model(tmp_path / "a")
+    assert after.cfg.anyres == "anyres" and after.cfg.grid_pinpoints == vlm_preset("llava-next-vicuna-7b").grid_pinpoints
+    old = before.state_dict()
+    assert all(torch.equal(v, after.state_dict()[k]) for k, v in old.items())
+    assert 0.5 < float(after.image_newline.detach().std()) * after.cfg.llm.dim**0.5 < 2  # HF's normal(0, 1/sqrt(dim))
+    convert.main(["to-hf", "--ckpt", str(tmp_path / "a"), "--out", str(tmp_path / "hf")])
+    hf, info = LlavaNextForConditionalGeneration.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert torch.equal(hf.model.image_newline, after.image_newline)
+    # <video> must be a free id in the vocab; 384 px OneVision tiles do not fit a 28 px tower
+    ov = ["anyres", "--ckpt", str(our_ckpt), "--preset", "llava-onevision-qwen2-7b", "--out", str(tmp_path / "b")]
+    with pytest.raises(SystemExit, match="<video> id 151647 must be a free id below the vocab size 512"):
+        convert.main(ov)
+    with pytest.raises(SystemExit, match="cannot tile as 'llava-onevision-qwen2-7b'.*multiples"):
+        convert.main(ov + ["--video-token-id", "510"])
+    with pytest.raises(SystemExit, match="<video> id 511 must be a free id"):
+        convert.main(["anyres", "--ckpt", str(our_ckpt), "--preset", "llava-next-vicuna-7b", "--video-token-id",
+                      "511", "--out", str(tmp_path / "c")])
+
+
+@pytest.mark.parametrize("name", ["llava_next_7b", "onevision_qwen2_7b"])
+def test_recipe_configs_parse_and_hold_their_largest_inputs(name):
+    """Each recipe config loads through train.py's parser, names a preset train.py accepts with its max_tiles, and its
+    static shapes hold the largest image (any aspect ratio) and a 32-frame video, counted by image_layout."""
+    import train
+    from model import image_layout
+
+    cfg = train.load_config([str(ROOT / "configs" / f"{name}.py")])
+    vlm = train.model_config(cfg)
+    train.check_tiles(vlm, cfg["max_tiles"])
+    assert cfg["batch_size"] % cfg["micro_batch_size"] == 0 and cfg["seq_len"] <= vlm.llm.max_seq_len
+    sizes = [(h, w) for h in (1, 200, 333, 480, 1080, 2000, 4032) for w in (1, 300, 500, 640, 1920, 3000, 4032)]
+    layouts = [image_layout(vlm, h, w) for h, w in sizes]
+    if vlm.video_token_id is not None:
+        layouts.append(image_layout(vlm, 0, 0, "video", 32))
+    assert max(n_tiles for n_tiles, _, _ in layouts) <= cfg["max_tiles"]
+    assert max(len(index) for _, index, _ in layouts) + 256 <= cfg["seq_len"]  # room for the conversation
