@@ -13,10 +13,7 @@ import re
 from pathlib import Path
 
 from model import VIT_ACTIVATIONS, LlamaConfig, ViTConfig, VLMConfig, vlm_preset
-
-
-class ConversionError(ValueError):
-    pass
+from weight_files import ConversionError
 
 
 LLAMA_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
