@@ -371,6 +371,11 @@ def from_llava(llava_dir, vision_dir, llm_dir=None, pad_vocab=64):
     hf = read_json(Path(llava_dir, "config.json"))
     if hf.get("mm_use_im_start_end") or hf.get("mm_use_im_patch_token"):
         raise ConversionError(f"{llava_dir}: mm_use_im_start_end / mm_use_im_patch_token are not supported")
+    if str(hf.get("image_aspect_ratio", "")).startswith("anyres"):  # LLaVA-VL/LLaVA-NeXT's own checkpoints
+        raise ConversionError(f"{llava_dir}: an original LLaVA-NeXT / OneVision checkpoint (image_aspect_ratio "
+                              f"{hf['image_aspect_ratio']!r}) is not read directly; convert it with transformers' "
+                              "convert_llava_next / convert_llava_onevision script (or use the llava-hf copy), "
+                              "then from-hf --llava")
     projector = hf.get("mm_projector_type", "linear")
     layer = hf.get("mm_vision_select_layer", -1)
     select = hf.get("mm_vision_select_feature", "patch")

@@ -759,3 +759,12 @@ def test_recipe_configs_parse_and_hold_their_largest_inputs(name):
         layouts.append(image_layout(vlm, 0, 0, "video", 32))
     assert max(n_tiles for n_tiles, _, _ in layouts) <= cfg["max_tiles"]
     assert max(len(index) for _, index, _ in layouts) + 256 <= cfg["seq_len"]  # room for the conversation
+
+
+def test_original_llava_next_checkpoint_is_refused_with_a_sentence(tmp_path):
+    original_llava_dir(tmp_path)
+    path = tmp_path / "llava/config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"image_aspect_ratio": "anyres_max_9"}))
+    with pytest.raises(SystemExit, match="original LLaVA-NeXT / OneVision checkpoint.*'anyres_max_9'"):
+        convert.main(["from-llava", "--llava", str(tmp_path / "llava"), "--vision", str(tmp_path / "clip"), "--out",
+                      str(tmp_path / "ours")])
