@@ -21,8 +21,7 @@ from pathlib import Path
 
 import torch
 
-from hf_config import (HF_ARCHITECTURES, anyres_from_hf, hf_model_type, llama_config, llava_hf_config,
-                       read_json, vit_config)
+from hf_config import HF_ARCHITECTURES, hf_model_type, llama_config, llava_config, llava_hf_config, read_json, vit_config
 from model import VLM, LlamaConfig, Projector, ViTConfig, VLMConfig, build_model, projector_depth, vlm_preset
 from processor import PROCESSOR_FILES, TEMPLATE_NAMES, ExportError, add_image_token_to_tokenizer, write_processor
 from weight_files import (SHARD_BYTES, ConversionError, read_weights, say, write_dir, write_safetensors,  # noqa: F401
@@ -218,33 +217,9 @@ def load_model(ckpt_dir, device="cpu", dtype=torch.float32):
 
 
 def llava_from_hf(hf_dir):
-    hf = read_json(Path(hf_dir, "config.json"))
-    kind = hf.get("model_type", "llava")
-    if kind not in HF_ARCHITECTURES:
-        raise ConversionError(f"{hf_dir}: model_type {kind!r} is not supported; llavax converts "
-                              + ", ".join(f"{v} ({k!r})" for k, v in HF_ARCHITECTURES.items()) + " directories")
-    if hf.get("projector_hidden_act", "gelu") != "gelu" or not hf.get("multimodal_projector_bias", True):
-        act, bias = hf.get("projector_hidden_act"), hf.get("multimodal_projector_bias")
-        raise ConversionError(f"{hf_dir}: unsupported projector (projector_hidden_act={act}, bias={bias})")
-    tied = hf.get("tie_word_embeddings", hf.get("text_config", {}).get("tie_word_embeddings", False))
-    llm = llama_config(hf.get("text_config", {}) | {"tie_word_embeddings": tied}, hf_dir)
-    onevision = kind == "llava_onevision"  # its class defaults differ: layer -1, "full", <image> 151646
-    select = hf.get("vision_feature_select_strategy", "full" if onevision else "default")
-    if select not in ("default", "full"):
-        raise ConversionError(f"{hf_dir}: vision_feature_select_strategy {select!r} is not 'default' or 'full'")
-    anyres, pinpoints, video = anyres_from_hf(hf, kind, hf_dir)
-    vision = vit_config(hf.get("vision_config", {}), f"{hf_dir} vision_config")
-    try:
-        cfg = VLMConfig(vision=vision, llm=llm, projector="mlp2x_gelu",
-                        vision_layer=hf.get("vision_feature_layer", -1 if onevision else -2),
-                        vision_select={"default": "patch", "full": "cls_patch"}[select],
-                        image_token_id=hf.get("image_token_index", hf.get("image_token_id",
-                                                                          151646 if onevision else 32000)),
-                        anyres=anyres, grid_pinpoints=pinpoints, video_token_id=video)
-    except ValueError as e:
-        raise ConversionError(f"{hf_dir}: {e}") from None
+    cfg = llava_config(read_json(Path(hf_dir, "config.json")), hf_dir)
     state = drop_siglip_head({hub_name(k): v for k, v in read_weights(hf_dir).items()}, hf_dir)
-    state = drop_tied_head(state, llm, "language_model.model.embed_tokens.weight", "language_model.lm_head.weight",
+    state = drop_tied_head(state, cfg.llm, "language_model.model.embed_tokens.weight", "language_model.lm_head.weight",
                            hf_dir)
     return check_complete(remap(state, llava_table(cfg), expected_shapes(cfg), str(hf_dir)), cfg, hf_dir), cfg
 

@@ -173,3 +173,32 @@ def read_json(path):
         raise ConversionError(f"{path}: missing") from None
     except json.JSONDecodeError as e:
         raise ConversionError(f"{path}: malformed JSON ({e})") from None
+
+
+def llava_config(hf, hf_dir):
+    """The VLMConfig of an HF LLaVA / LLaVA-NeXT / OneVision config.json (a dict)."""
+    kind = hf.get("model_type", "llava")
+    if kind not in HF_ARCHITECTURES:
+        raise ConversionError(f"{hf_dir}: model_type {kind!r} is not supported; llavax converts "
+                              + ", ".join(f"{v} ({k!r})" for k, v in HF_ARCHITECTURES.items()) + " directories")
+    if hf.get("projector_hidden_act", "gelu") != "gelu" or not hf.get("multimodal_projector_bias", True):
+        act, bias = hf.get("projector_hidden_act"), hf.get("multimodal_projector_bias")
+        raise ConversionError(f"{hf_dir}: unsupported projector (projector_hidden_act={act}, bias={bias})")
+    tied = hf.get("tie_word_embeddings", hf.get("text_config", {}).get("tie_word_embeddings", False))
+    llm = llama_config(hf.get("text_config", {}) | {"tie_word_embeddings": tied}, hf_dir)
+    onevision = kind == "llava_onevision"  # its class defaults differ: layer -1, "full", <image> 151646
+    select = hf.get("vision_feature_select_strategy", "full" if onevision else "default")
+    if select not in ("default", "full"):
+        raise ConversionError(f"{hf_dir}: vision_feature_select_strategy {select!r} is not 'default' or 'full'")
+    anyres, pinpoints, video = anyres_from_hf(hf, kind, hf_dir)
+    vision = vit_config(hf.get("vision_config", {}), f"{hf_dir} vision_config")
+    try:
+        cfg = VLMConfig(vision=vision, llm=llm, projector="mlp2x_gelu",
+                        vision_layer=hf.get("vision_feature_layer", -1 if onevision else -2),
+                        vision_select={"default": "patch", "full": "cls_patch"}[select],
+                        image_token_id=hf.get("image_token_index", hf.get("image_token_id",
+                                                                          151646 if onevision else 32000)),
+                        anyres=anyres, grid_pinpoints=pinpoints, video_token_id=video)
+    except ValueError as e:
+        raise ConversionError(f"{hf_dir}: {e}") from None
+    return cfg

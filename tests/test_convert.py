@@ -768,3 +768,29 @@ def test_original_llava_next_checkpoint_is_refused_with_a_sentence(tmp_path):
     with pytest.raises(SystemExit, match="original LLaVA-NeXT / OneVision checkpoint.*'anyres_max_9'"):
         convert.main(["from-llava", "--llava", str(tmp_path / "llava"), "--vision", str(tmp_path / "clip"), "--out",
                       str(tmp_path / "ours")])
+
+
+@pytest.mark.parametrize("name", ["llava-next-vicuna-7b", "llava-next-mistral-7b", "llava-onevision-qwen2-7b",
+                                  "llava-onevision-qwen2-0.5b"])
+def test_presets_equal_what_transformers_configs_convert_to(name):
+    """Each preset is the config from-hf makes of transformers' LlavaNextConfig / LlavaOnevisionConfig defaults (the
+    vision tower, pinpoints, feature layer and strategy, ids, vision_aspect_ratio) around the published LLM's shapes
+    (vicuna-7b-v1.5, Mistral-7B-Instruct-v0.2, Qwen2-{7B,0.5B}-Instruct config.json, vocab grown by 2 to a multiple
+    of 64 as transformers' conversion scripts do)."""
+    import transformers as tf
+
+    import hf_config
+
+    rope = {"rope_type": "default", "rope_theta": 1e6}
+    text = {"llava-next-vicuna-7b": tf.LlamaConfig(vocab_size=32064, max_position_embeddings=4096, rms_norm_eps=1e-5),
+            "llava-next-mistral-7b": tf.MistralConfig(vocab_size=32064, max_position_embeddings=32768, rms_norm_eps=1e-5,
+                                                      rope_parameters=rope, sliding_window=None),
+            "llava-onevision-qwen2-7b": tf.Qwen2Config(vocab_size=152128, hidden_size=3584, intermediate_size=18944,
+                                                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                                                       max_position_embeddings=32768, rope_parameters=rope),
+            "llava-onevision-qwen2-0.5b": tf.Qwen2Config(vocab_size=152000, hidden_size=896, intermediate_size=4864,
+                                                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                                                         max_position_embeddings=32768, rope_parameters=rope,
+                                                         tie_word_embeddings=True)}[name]
+    config = (tf.LlavaNextConfig if "next" in name else tf.LlavaOnevisionConfig)(text_config=text)
+    assert hf_config.llava_config(config.to_dict(), name) == vlm_preset(name)
