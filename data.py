@@ -290,7 +290,7 @@ def tokenize(pieces, tok, image_token_id, n_image_tokens, video_token_id=None):
                 t = tok.encode(chunk, prefix)
                 ids += t
                 labels += t if target else [-100] * len(t)
-                if not (prefix and chunk == tok.bos):  # the BOS a tokenizer adds itself leaves the text at its start
+                if t and not (prefix and chunk == tok.bos):  # a BOS the tokenizer adds leaves the text at its start
                     prefix = tok.legacy and t[-1] in tok.specials.values()
     return ids, labels
 
