@@ -29,6 +29,8 @@ from images import CLIP_MEAN, CLIP_STD, image_hw, image_tiles, load_image, norma
 
 IMAGE_TAG = "<image>"
 VIDEO_TAG = "<video>"  # LLaVA-OneVision's placeholder for a video's frames
+IMAGE_TAG_RE, TAGS_RE = re.compile(f"({IMAGE_TAG})"), re.compile(f"({IMAGE_TAG}|{VIDEO_TAG})")
+NUMBERED_IMAGE_RE = re.compile(r"(f?)(\d+)\.(?:jpg|jpeg|png|webp)")  # KEY.0.jpg: image 0 of several; KEY.f0.jpg: frame 0
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 MAX_OPEN_SHARDS = 64  # shard files one ShardStream keeps open
 KEY_RE = re.compile(r"^((?:.*/)?[^./]+)\.([^/]+)$")  # webdataset/energon: the key ends at the first dot of the basename
@@ -269,33 +271,46 @@ def generation_prompt(template, question, tok=None):
     return text[: text.index("\x00")].rstrip(" ")
 
 
-def tokenize(pieces, tok, image_token_id, n_image_tokens):
+def tokenize(pieces, tok, image_token_id, n_image_tokens, video_token_id=None):
     """(ids, labels): each <image> becomes n_image_tokens image ids; labels are -100 outside targets.
-    The ids equal the tokenizer's on the joined string, split at <image> as LLaVA's tokenizer_image_token does."""
+    The ids equal the tokenizer's on the joined string, split at <image> as LLaVA's tokenizer_image_token does.
+    n_image_tokens may be a list, one count a tag in order (anyres: each image's own); with video_token_id,
+    <video> is a tag too and becomes video ids."""
+    counts = iter(n_image_tokens) if isinstance(n_image_tokens, list) else None
+    tags = TAGS_RE if video_token_id is not None else IMAGE_TAG_RE
     ids, labels, prefix = [], [], True
     for text, target in pieces:
-        for j, chunk in enumerate(text.split(IMAGE_TAG)):
-            if j:
-                ids += [image_token_id] * n_image_tokens
-                labels += [-100] * n_image_tokens
+        for j, chunk in enumerate(tags.split(text)):
+            if j % 2:  # a tag (the split keeps them)
+                n = next(counts, 0) if counts else n_image_tokens
+                ids += [video_token_id if chunk == VIDEO_TAG else image_token_id] * n
+                labels += [-100] * n
                 prefix = True  # LLaVA tokenizes the text after an image as a new call
-            if chunk:
+            elif chunk:
                 t = tok.encode(chunk, prefix)
                 ids += t
                 labels += t if target else [-100] * len(t)
-                if not (prefix and chunk == tok.bos):  # the BOS a tokenizer adds itself leaves the text at its start
+                if t and not (prefix and chunk == tok.bos):  # a BOS the tokenizer adds leaves the text at its start
                     prefix = tok.legacy and t[-1] in tok.specials.values()
     return ids, labels
 
 
-def encode_conversation(conv, has_image, template, tok, seq_len, image_token_id, n_image_tokens):
+def encode_conversation(conv, has_image, template, tok, seq_len, image_token_id, n_image_tokens, video_token_id=None):
     """(ids, labels, truncated) or raise DropSample. Rule: cut the tail to seq_len; drop the sample if that
-    would cut into its image tokens or leave no supervised token."""
+    would cut into its image tokens or leave no supervised token. n_image_tokens: an int, or a list with each
+    image's count (anyres), whose length must be the number of tags the template writes."""
     if template == "plain" and not has_image:
         raise DropSample("plain_template_without_image")
-    ids, labels = tokenize(render(template, conv, tok), tok, image_token_id, n_image_tokens)
-    image_positions = [i for i, t in enumerate(ids) if t == image_token_id]
-    if len(image_positions) != n_image_tokens * has_image:
+    pieces = render(template, conv, tok)
+    if isinstance(n_image_tokens, list):
+        tags = IMAGE_TAG_RE if video_token_id is None else TAGS_RE
+        n_tags = sum(len(tags.findall(text)) for text, _ in pieces)
+        if n_tags != len(n_image_tokens):
+            raise DropSample(f"image_tag_count_mismatch ({n_tags} tags for {len(n_image_tokens)} images)")
+    ids, labels = tokenize(pieces, tok, image_token_id, n_image_tokens, video_token_id)
+    image_positions = [i for i, t in enumerate(ids) if t == image_token_id or t == video_token_id]
+    expected = sum(n_image_tokens) if isinstance(n_image_tokens, list) else n_image_tokens * has_image
+    if len(image_positions) != expected:
         raise DropSample("image_tag_mismatch")
     truncated = len(ids) > seq_len
     if image_positions and image_positions[-1] >= seq_len:
@@ -502,6 +517,20 @@ def sample_conversation(members):
     return [{"from": "human", "value": question}, {"from": "gpt", "value": answer}], image
 
 
+def sample_images(members):
+    """("image" | "multi" | "video", [image bytes]) of a sample's members: KEY.jpg alone, KEY.0.jpg, KEY.1.png...
+    (several, in tag order), KEY.f0.jpg, KEY.f1.jpg... (a video's frames). No image: ("image", [])."""
+    numbered = sorted((m[1] == "f", int(m[2]), ext) for ext in members if (m := NUMBERED_IMAGE_RE.fullmatch(ext)))
+    single = [members[e] for e in IMAGE_EXTS if e in members][:1]
+    frames = [members[ext] for is_frame, _, ext in numbered if is_frame]
+    several = [members[ext] for is_frame, _, ext in numbered if not is_frame]
+    if sum(map(bool, (single, frames, several))) > 1:
+        raise DropSample("image_and_video (in the sample's members)")
+    if frames:
+        return "video", frames
+    return ("multi" if len(several) > 1 else "image"), several or single
+
+
 class ShardStream(torch.utils.data.IterableDataset):
     """An endless stream of fixed-shape batches from shards, the same for any number of DataLoader workers.
 
@@ -514,7 +543,11 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     def __init__(self, paths, tokenizer, batch_size, seq_len, image_size, image_token_id, n_image_tokens,
                  template="plain", image_mode="pad", split="train", seed=0, rank=0, world_size=1, shuffle_block=1000,
-                 pack=0, fast_images=False, image_mean=CLIP_MEAN):
+                 pack=0, fast_images=False, image_mean=CLIP_MEAN, vlm=None, max_tiles=0):
+        if max_tiles and vlm is None:
+            raise ValueError("ShardStream: max_tiles > 0 (tile slots) needs the model config: pass vlm=VLMConfig")
+        # max_tiles > 0: each row holds max_tiles tile slots; images are tiled and placed by vlm (encode_tiled)
+        self.vlm, self.max_tiles = vlm, max_tiles
         expected = shard_files(paths, split)
         self.files = list(expected)
         self.index = [(i, s, e) for i, f in enumerate(self.files) for s, e in sample_offsets(f, expected[f])]
@@ -567,22 +600,68 @@ class ShardStream(torch.utils.data.IterableDataset):
         return read_members(f, start, end)
 
     def encode(self, sample):
+        if self.max_tiles:
+            return self.encode_tiled(sample)
         try:
             key, members = self.read(sample)
             conv, image = sample_conversation(members)
+            kind, found = sample_images(members)
             problem = conversation_problem(conv)
             pixels = None if image is None or problem else \
                 load_image(image, self.image_size, self.image_mode, self.fast_images, self.image_mean)
+        except DropSample:
+            raise
         except Exception as e:  # noqa: BLE001  corrupt tar, JSON or image bytes in a foreign shard
             raise DropSample(f"unreadable_sample ({type(e).__name__}: {e})") from None
         if problem:
             raise DropSample(f"{problem} (in the sample's conversation)")
+        if len(found) > 1:
+            raise DropSample(f"{kind}_needs_max_tiles ({len(found)} images: set max_tiles > 0)")
         where = f"{self.files[self.index[sample][0]].name}:{key}"
         ids, labels, truncated = encode_conversation(conv, image is not None, self.template, self.tok, self.seq_len,
                                                      self.image_token_id, self.n_image_tokens)
         if truncated:
             self.skips.add("truncated_not_dropped", where)
         return ids, labels, pixels
+
+    def encode_tiled(self, sample):
+        """(ids, labels, tiles (n, 3, S, S) uint8 or None, layouts): each tag expanded to its image's token count
+        (model.image_layout), the tiles as the HF image processors make them (images.image_tiles)."""
+        from model import image_layout
+
+        vlm = self.vlm
+        try:
+            key, members = self.read(sample)
+            conv, _ = sample_conversation(members)
+            kind, blobs = sample_images(members)
+            problem = conversation_problem(conv)
+            sizes = [image_hw(b) for b in blobs]
+        except DropSample:
+            raise
+        except Exception as e:  # noqa: BLE001  corrupt tar, JSON or image bytes in a foreign shard
+            raise DropSample(f"unreadable_sample ({type(e).__name__}: {e})") from None
+        if problem:
+            raise DropSample(f"{problem} (in the sample's conversation)")
+        if kind == "video" and vlm.video_token_id is None:
+            raise DropSample(f"video_without_video_token ({len(blobs)} frames; the model has no video_token_id)")
+        layouts = [image_layout(vlm, *sizes[0], "video", len(blobs))] if kind == "video" else \
+            [image_layout(vlm, h, w, kind) for h, w in sizes]
+        n_tiles = sum(n for n, _, _ in layouts)
+        if n_tiles > self.max_tiles:
+            raise DropSample(f"too_many_tiles ({n_tiles} tiles, max_tiles {self.max_tiles})")
+        where = f"{self.files[self.index[sample][0]].name}:{key}"
+        ids, labels, truncated = encode_conversation(conv, bool(blobs), self.template, self.tok, self.seq_len,
+                                                     self.image_token_id, [len(index) for _, index, _ in layouts],
+                                                     vlm.video_token_id)
+        if truncated:
+            self.skips.add("truncated_not_dropped", where)
+        try:
+            tile_kind = "video" if kind == "video" else kind
+            tiles = torch.cat([image_tiles(b, vlm, tile_kind, self.image_mode, self.image_mean) for b in blobs]) \
+                if blobs else None
+        except Exception as e:  # noqa: BLE001  bytes PIL cannot decode past the header
+            raise DropSample(f"unreadable_sample ({type(e).__name__}: {e})") from None
+        return ids, labels, tiles, layouts
 
     def encode_or_drop(self, sample):
         """encode(sample), or None for a sample that cannot be trained on: counted, and the first few printed."""
@@ -605,6 +684,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         encoded = [self.encode_or_drop(sample) for sample in sample_ids.tolist()]
         # a dropped sample keeps its place as padding with no labels: shapes are static, the position arithmetic holds
         dropped = torch.tensor([e is None for e in encoded])
+        if self.max_tiles:
+            return self.tiled_batch(sample_ids, encoded, dropped)
         images = torch.zeros((N, 3, S, S), dtype=torch.uint8)
         has_image = torch.zeros(N, dtype=torch.bool)
         if self.pack:
@@ -633,6 +714,46 @@ class ShardStream(torch.utils.data.IterableDataset):
         return {"input_ids": input_ids, "labels": labels, "pixel_values": images,  # uint8: normalize_images on device
                 "has_image": has_image, "dropped": dropped, "sample_id": sample_ids} | extra
 
+    def tiled_batch(self, sample_ids, encoded, dropped):
+        """batch() with tile slots: pixel_values (B, max_tiles, 3, S, S) uint8 and image_index / image_weight
+        (B, T, taps) from model.place_images, each row's images in placeholder order in its slots from slot 0."""
+        from model import place_images
+
+        B, T, vlm = self.batch_size, self.seq_len, self.vlm
+        S, taps = vlm.vision.image_size, vlm.image_taps
+        has_image = torch.tensor([e is not None and e[2] is not None for e in encoded])
+        if self.pack:
+            kept = [i for i, e in enumerate(encoded) if e is not None]
+            n_tiles = [0 if encoded[i][2] is None else len(encoded[i][2]) for i in kept]
+            b = packed_batch([encoded[i][:2] for i in kept], B, T, self.tok.pad_id, n_tiles, self.max_tiles)
+            for i, where in zip(kept, b["where"]):
+                if where is None:  # no room (tokens or tile slots) left in this batch's rows: lower `pack`
+                    self.drop(int(sample_ids[i]), f"no_room_in_pack ({len(encoded[i][0])} tokens, "
+                                                  f"{n_tiles[kept.index(i)]} tiles)")
+                    dropped[i], has_image[i] = True, False
+            rows = [[kept[j] for j in members] for members in b["rows"]]
+            input_ids, labels, extra = b["input_ids"], b["labels"], {"position_ids": b["position_ids"]}
+        else:
+            input_ids = torch.full((B, T), self.tok.pad_id, dtype=torch.long)
+            labels = torch.full((B, T), -100, dtype=torch.long)
+            rows, extra = [[i] if e is not None else [] for i, e in enumerate(encoded)], {}
+            for row, i in ((r, m[0]) for r, m in enumerate(rows) if m):
+                ids, lab = encoded[i][:2]
+                input_ids[row, : len(ids)], labels[row, : len(lab)] = torch.tensor(ids), torch.tensor(lab)
+        pixel_values = torch.zeros((B, self.max_tiles, 3, S, S), dtype=torch.uint8)
+        image_index = torch.zeros((B, T, taps), dtype=torch.long)
+        image_weight = torch.zeros((B, T, taps), dtype=torch.float32)
+        for row, members in enumerate(rows):
+            with_images = [encoded[i] for i in members if encoded[i][2] is not None]
+            if with_images:  # the row's images in the order of their placeholders: its samples' order
+                tiles = torch.cat([e[2] for e in with_images])  # (n_tiles, 3, S, S)
+                pixel_values[row, : len(tiles)] = tiles
+                image_index[row], image_weight[row] = place_images(input_ids[row], [lay for e in with_images
+                                                                                    for lay in e[3]], vlm)
+        return {"input_ids": input_ids, "labels": labels, "pixel_values": pixel_values,  # uint8: normalised on device
+                "image_index": image_index, "image_weight": image_weight, "has_image": has_image, "dropped": dropped,
+                "sample_id": sample_ids} | extra
+
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker, n_workers = (info.id, info.num_workers) if info else (0, 1)
@@ -643,26 +764,31 @@ class ShardStream(torch.utils.data.IterableDataset):
             k += n_workers
 
 
-def pack_rows(lengths, n_rows, seq_len):
-    """First-fit decreasing: place samples of the given lengths into n_rows rows of seq_len tokens.
+def pack_rows(lengths, n_rows, seq_len, tiles=None, max_tiles=0):
+    """First-fit decreasing: place samples of the given lengths into n_rows rows of seq_len tokens (and, with
+    max_tiles > 0, of max_tiles image tile slots, each sample taking tiles[i]).
     Returns (row, offset) per sample, None for a sample that found no room, and each row's samples in order."""
     free, rows, where = [seq_len] * n_rows, [[] for _ in range(n_rows)], [None] * len(lengths)
+    tiles, free_tiles = tiles or [0] * len(lengths), [max_tiles] * n_rows
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        row = next((r for r in range(n_rows) if free[r] >= lengths[i]), None)
+        row = next((r for r in range(n_rows) if free[r] >= lengths[i] and (not max_tiles or free_tiles[r] >= tiles[i])),
+                   None)
         if row is not None:
             where[i] = (row, seq_len - free[row])
             free[row] -= lengths[i]
+            free_tiles[row] -= tiles[i]
             rows[row].append(i)
     for r in rows:
         r.sort(key=lambda i: where[i][1])
     return where, rows
 
 
-def packed_batch(samples, n_rows, seq_len, pad_id):
+def packed_batch(samples, n_rows, seq_len, pad_id, tiles=None, max_tiles=0):
     """Several samples a row: input_ids, labels and position_ids (B, T); position 0 starts a sample, so the
     model keeps samples apart (model.Llama.forward). `order` lists the placed samples in flattened order: their
-    images (text-only ones have none) go to pixel_values in that order; `where` is None for an unplaced sample."""
-    where, rows = pack_rows([len(ids) for ids, _ in samples], n_rows, seq_len)
+    images (text-only ones have none) go to pixel_values in that order; `rows` each row's samples in order;
+    `where` is None for an unplaced sample. tiles/max_tiles: each sample's image tiles and a row's slots (pack_rows)."""
+    where, rows = pack_rows([len(ids) for ids, _ in samples], n_rows, seq_len, tiles, max_tiles)
     input_ids = torch.full((n_rows, seq_len), pad_id, dtype=torch.long)
     labels = torch.full((n_rows, seq_len), -100, dtype=torch.long)
     position_ids = torch.zeros((n_rows, seq_len), dtype=torch.long)
@@ -676,7 +802,7 @@ def packed_batch(samples, n_rows, seq_len, pad_id):
             position_ids[r, start:end] = torch.arange(len(ids))
         position_ids[r, end:] = torch.arange(seq_len - end)  # the padding tail: one more (unsupervised) sample
     return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids,
-            "order": [i for r in rows for i in r], "where": where}
+            "order": [i for r in rows for i in r], "rows": rows, "where": where}
 
 
 def _survive_group_signals(worker_id):

@@ -800,7 +800,7 @@ class VLM(nn.Module):
             is_image = is_image | (input_ids == self.cfg.video_token_id)
         h = self.llm.tok_embeddings(torch.where(is_image, 0, input_ids))  # (B, T, D)
         B, T, D = h.shape
-        features = self.encode_images(pixel_values).to(h.dtype)  # (B, n_slots * P, D)
+        features = h.new_zeros(B, 0, D) if pixel_values is None else self.encode_images(pixel_values).to(h.dtype)
         newline = features.new_zeros(D) if self.image_newline is None else self.image_newline.to(h.dtype)
         table = torch.cat([newline.expand(B, 1, D), features], dim=1)  # (B, 1 + n_slots * P, D)
         placed = torch.zeros_like(h)

@@ -137,7 +137,7 @@ def make_shapes(out, n=20000, seed=0, val_fraction=0.1, image_size=48, vocab_siz
     train_tokenizer(texts, out / "tokenizer", vocab_size)
     pack(out / "shapes.json", out / "images", out / "shards", shard_size=2000, val_ids=lambda i: str(i).startswith("val"),
          overwrite=True)
-    log(f"shapes: {n} images, tokenizer {out / 'tokenizer.model'}, shards in {out / 'shards'}")
+    log(f"shapes: {n} samples of {images} image(s), tokenizer {out / 'tokenizer.model'}, shards in {out / 'shards'}")
     return out
 
 

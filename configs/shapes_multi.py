@@ -8,5 +8,5 @@ out_dir = "out/shapes_multi"
 data_dir = "data/shapes2/shards"
 tokenizer = "data/shapes2/tokenizer.model"
 max_tiles = 2  # two images a row, one view each (anyres="")
-seq_len = 48  # 2 x 9 image tokens, the question and the answer in the llama_3 template
+seq_len = 56  # about 51 tokens: 2 x 9 image tokens, the question and the answer in the llama_3 template
 max_iters = 1500

@@ -90,6 +90,19 @@ def test_layout_tiles_and_placement_are_consistent():
         place_images(ids[:-2], layouts, cfg)
 
 
+@pytest.mark.parametrize("change,message", [
+    (dict(anyres="anyres"), "needs grid_pinpoints"),
+    (dict(anyres="anyres", grid_pinpoints=[[336, 600]]), "multiples of the vision image_size 336"),
+    (dict(anyres="anyres_max_x", grid_pinpoints=NEXT_PINPOINTS), "anyres_max_N"),
+    (dict(anyres="anyres", grid_pinpoints=NEXT_PINPOINTS, vision_select="cls_patch"), "vision_select='patch'"),
+])
+def test_bad_anyres_configs_are_refused_with_a_reason(change, message):
+    with pytest.raises(ValueError, match=message):
+        VLMConfig(vision=VIT_PRESETS["clip-vit-l-336"], llm=vlm_preset("debug").llm, **change)
+    with pytest.raises(ValueError, match="not a positive whole number"):
+        image_layout(real_next_config(), 0, 640)
+
+
 # -----------------------------------------------------------------------------
 # fp32 logits against LlavaNextForConditionalGeneration and LlavaOnevisionForConditionalGeneration
 
@@ -208,12 +221,12 @@ def test_llava_next_logits_match_transformers():
 
 
 def test_llava_onevision_logits_match_transformers():
-    """anyres_max_9 reducing by exactly 2 and by a fraction, not reducing, a two-image sample (one view + newline
-    each), a three-frame video (27 -> 14 pooling's odd case: 3 -> 2 per side), and a text-only row, in one batch."""
+    """anyres_max_9 reducing by exactly 2 and by a fraction, not reducing, a 1 x 1 grid, a two-image sample (one view
+    + newline each), a three-frame video (27 -> 14 pooling's odd case: 3 -> 2 per side), a text-only row: one batch."""
     hf = tiny_hf("onevision")
     ours = ours_from(hf)
-    rows = [[("image", 250, 240)], [("image", 200, 130)], [("image", 90, 80)], [("multi", 60, 100), ("multi", 100, 60)],
-            [("video", 3)], []]
+    rows = [[("image", 250, 240)], [("image", 200, 130)], [("image", 90, 80)], [("image", 1, 1)],
+            [("multi", 60, 100), ("multi", 100, 60)], [("video", 3)], []]
     (ids, pixels, index, weight), inputs, _ = mixed_batch(ours.cfg, rows)
     with torch.no_grad():
         theirs = hf(**inputs).logits

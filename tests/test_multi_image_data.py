@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 from test_images import encode, photo
 
+import data
 import pack
 
 # -----------------------------------------------------------------------------
@@ -104,16 +105,16 @@ OV_PINPOINTS = [[384 * i, 384 * j] for i in range(1, 7) for j in range(1, 7)]  #
 def next_config(**kw):  # llava-v1.6: CLIP ViT-L/14-336, "default" features
     from model import VIT_PRESETS, VLMConfig, vlm_preset
 
-    return VLMConfig(vision=VIT_PRESETS["clip-vit-l-336"], llm=vlm_preset("debug").llm, image_token_id=1,
-                     anyres="anyres", grid_pinpoints=NEXT_PINPOINTS, **kw)
+    return VLMConfig(vision=VIT_PRESETS["clip-vit-l-336"], llm=vlm_preset("debug").llm,
+                     **{"image_token_id": 1, "anyres": "anyres", "grid_pinpoints": NEXT_PINPOINTS} | kw)
 
 
 def onevision_config(**kw):  # llava-onevision: SigLIP so400m 384, "full" features
     from model import VIT_PRESETS, VLMConfig, vlm_preset
 
     return VLMConfig(vision=VIT_PRESETS["siglip-so400m-patch14-384"], llm=vlm_preset("debug").llm, vision_layer=-1,
-                     vision_select="cls_patch", image_token_id=1, video_token_id=2, anyres="anyres_max_9",
-                     grid_pinpoints=OV_PINPOINTS, **kw)
+                     vision_select="cls_patch", **{"image_token_id": 1, "video_token_id": 2, "anyres": "anyres_max_9",
+                                                   "grid_pinpoints": OV_PINPOINTS} | kw)
 
 
 def levels(pixel_values, stats):
@@ -180,3 +181,92 @@ def test_video_frames_are_squashed_as_llava_onevision_preprocesses_them():
         ours = images.image_tiles(raw, cfg, "video")
         assert (ours.float() - levels(ref["pixel_values"], cfg.vision.image_stats)).abs().max() <= 1
     assert image_layout(cfg, h, w, "video", n_frames=3)[0] == 3
+
+
+# -----------------------------------------------------------------------------
+# the loader's tile slots: the prompt LlavaOnevisionProcessor builds, the tiles in order, drops counted
+
+
+def chat_tokenizer(folder):
+    """A byte-level BPE tokenizer.json with Qwen2's chat markers and <image>/<video> as special tokens; the same
+    file read by data.Tokenizer (ours) and PreTrainedTokenizerFast (transformers')."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    t.train_from_iterator(["system user assistant You are a helpful assistant. Which image has more circles?"] * 10,
+                          trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>",
+                                                                             "<|im_end|>", "<image>", "<video>"],
+                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder.mkdir(exist_ok=True)
+    t.save(str(folder / "tokenizer.json"))
+    return data.Tokenizer(folder / "tokenizer.json")
+
+
+def onevision_processor(folder):
+    """LlavaOnevisionProcessor without its video processor (that needs torchvision): images only."""
+    from transformers import LlavaOnevisionProcessor, PreTrainedTokenizerFast
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import \
+        LlavaOnevisionImageProcessorPil
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+    p = LlavaOnevisionProcessor.__new__(LlavaOnevisionProcessor)
+    p.image_processor = LlavaOnevisionImageProcessorPil(image_mean=[0.5] * 3, image_std=[0.5] * 3,
+                                                        image_grid_pinpoints=OV_PINPOINTS)
+    p.tokenizer, p.num_image_tokens, p.vision_feature_select_strategy = tok, 729, "full"
+    p.vision_aspect_ratio, p.image_token, p.video_token = "anyres_max_9", "<image>", "<video>"
+    p.image_token_id, p.video_token_id = tok.convert_tokens_to_ids("<image>"), tok.convert_tokens_to_ids("<video>")
+    return p
+
+
+def test_tiled_batches_hold_the_prompts_and_tiles_llava_onevision_processor_gives(tmp_path):
+    tok = chat_tokenizer(tmp_path / "tok")
+    processor = onevision_processor(tmp_path / "tok")
+    imgs = tmp_path / "images"
+    imgs.mkdir()
+    for name, (w, h) in {"a.jpg": (640, 480), "b.png": (333, 500), "c.jpg": (500, 333), "big.jpg": (1920, 1080),
+                         "f0.jpg": (160, 90), "f1.jpg": (160, 90)}.items():
+        photo(w, h, seed=w + h).save(imgs / name)
+    recs = [{"id": "two", "image": ["a.jpg", "b.png"], "conversations": conv("<image>\n<image>\nWhich has more?")},
+            {"id": "one", "image": "c.jpg", "conversations": conv("What is <image> it?", "A photo.")},
+            {"id": "text", "conversations": conv("Hi?", "Hello.")},
+            {"id": "video", "video": ["f0.jpg", "f1.jpg"], "conversations": conv("<video>\nWhat happens?", "It moves.")},
+            {"id": "big", "image": "big.jpg", "conversations": conv("<image>\nWhat is it?", "Too big.")}]
+    (tmp_path / "d.json").write_text(json.dumps(recs))
+    pack.pack(tmp_path / "d.json", imgs, tmp_path / "out")
+    cfg = onevision_config(image_token_id=processor.image_token_id, video_token_id=processor.video_token_id)
+    stream = data.ShardStream(tmp_path / "out", tok, batch_size=5, seq_len=2200, image_size=384,
+                              image_token_id=cfg.image_token_id, n_image_tokens=cfg.n_image_tokens, template="chatml",
+                              shuffle_block=1, vlm=cfg, max_tiles=4, image_mean=cfg.vision.image_stats[0])
+    b = stream.batch(0)
+    assert b["pixel_values"].shape == (5, 4, 3, 384, 384) and b["pixel_values"].dtype == torch.uint8
+    assert b["image_index"].shape == b["image_weight"].shape == (5, 2200, 4)
+    assert b["sample_id"].tolist() == [0, 1, 2, 3, 4] and b["dropped"].tolist() == [False] * 4 + [True]
+    assert dict(stream.skips.counts) == {"too_many_tiles": 1}  # the 1920 x 1080 photo needs 16 tiles
+    for row, rec in enumerate(recs[:4]):
+        stored = json.loads(pack.prepare_record((0, rec, imgs))[0]["json"])["conversations"]  # tag added if absent
+        prompt = "".join(text for text, _ in data.render("chatml", stored, tok))
+        names = rec.get("image") or rec.get("video") or []
+        pictures = [np.asarray(Image.open(imgs / n).convert("RGB")) for n in ([names] if isinstance(names, str) else
+                                                                               names)]
+        if "video" in rec:  # the processor's own count for a 2-frame video (its frames need torchvision)
+            prompt = prompt.replace("<video>", processor.replace_video_token(
+                {"pixel_values_videos": [np.zeros((2, 3, 384, 384))]}, 0))
+            ref = processor.tokenizer([prompt])
+        else:
+            ref = processor(text=[prompt], images=[pictures] if pictures else None)
+        want = list(ref["input_ids"][0])
+        ours = b["input_ids"][row].tolist()
+        assert ours[: len(want)] == want and set(ours[len(want):]) <= {tok.pad_id}, rec["id"]
+        placeholders = [i for i, t in enumerate(want) if t in (cfg.image_token_id, cfg.video_token_id)]
+        weights = b["image_weight"][row].sum(-1)
+        assert torch.allclose(weights[placeholders], torch.ones(len(placeholders)))  # each a view, newline or mix
+        assert weights.sum() == len(placeholders)  # and nothing elsewhere: text rows take no image feature
+        if pictures and "video" not in rec:  # the slots hold the processor's tiles, image after image
+            tiles = torch.cat([torch.as_tensor(np.asarray(x)) for x in ref["pixel_values"]])
+            n = len(tiles)
+            assert (b["pixel_values"][row, :n].float() - levels(tiles, cfg.vision.image_stats)).abs().max() <= 1
+            assert b["pixel_values"][row, n:].eq(0).all()
+        if not names:
+            assert b["pixel_values"][row].eq(0).all() and not b["has_image"][row]
