@@ -270,3 +270,55 @@ def test_tiled_batches_hold_the_prompts_and_tiles_llava_onevision_processor_give
             assert b["pixel_values"][row, n:].eq(0).all()
         if not names:
             assert b["pixel_values"][row].eq(0).all() and not b["has_image"][row]
+
+
+def test_packed_rows_with_varying_image_tokens_give_each_sample_its_unpacked_loss(tmp_path):
+    """A tiny OneVision-style model (anyres_max_9 over 28 px tiles, video pooling) on samples with 0, 1 (tiled),
+    2 images and a video: packed three a row, each sample's summed loss equals its loss alone in a row."""
+    from model import VIT_PRESETS, VLM, VLMConfig, vlm_preset
+
+    tok = chat_tokenizer(tmp_path / "tok")
+    imgs = tmp_path / "images"
+    imgs.mkdir()
+    for name, (w, h) in {"a.jpg": (640, 480), "b.png": (333, 500), "c.jpg": (500, 333), "f0.jpg": (160, 90),
+                         "f1.jpg": (160, 90)}.items():
+        photo(w, h, seed=w + h).save(imgs / name)
+    recs = [{"id": "two", "image": ["a.jpg", "b.png"], "conversations": conv("<image>\n<image>\nWhich has more?")},
+            {"id": "big", "image": "a.jpg", "conversations": conv("What is it?", "A photo of a thing.")},
+            {"id": "text", "conversations": conv("Hi?", "Hello.")},
+            {"id": "video", "video": ["f0.jpg", "f1.jpg"], "conversations": conv("<video>\nWhat happens?", "It moves.")},
+            {"id": "small", "image": "c.jpg", "conversations": conv("<image>\nAnd this?", "Another one.")},
+            {"id": "text2", "conversations": conv("Which is more, two or three?", "Three.")}]
+    (tmp_path / "d.json").write_text(json.dumps(recs))
+    pack.pack(tmp_path / "d.json", imgs, tmp_path / "out")
+    vision = VIT_PRESETS["debug"].__class__(**{**vars(VIT_PRESETS["debug"]), "kind": "siglip"})
+    cfg = VLMConfig(vision=vision, llm=vlm_preset("debug").llm, vision_layer=-1, vision_select="cls_patch",
+                    image_token_id=tok.specials["<image>"], video_token_id=tok.specials["<video>"],
+                    anyres="anyres_max_9", grid_pinpoints=[[28 * i, 28 * j] for i in range(1, 5) for j in range(1, 5)])
+    with torch.device("meta"):
+        model = VLM(cfg)
+    model.to_empty(device="cpu").init_weights(seed=0)
+    model.eval()
+    kw = {"image_size": 28, "image_token_id": cfg.image_token_id, "n_image_tokens": cfg.n_image_tokens,
+          "template": "chatml", "shuffle_block": 1, "vlm": cfg, "max_tiles": 20}
+
+    def sample_losses(batch):
+        pixels = data.normalize_images(batch["pixel_values"], *cfg.vision.image_stats)
+        with torch.no_grad():
+            _, loss = model(batch["input_ids"], pixels, batch["labels"], loss_reduction="none",
+                            position_ids=batch.get("position_ids"), image_index=batch["image_index"],
+                            image_weight=batch["image_weight"])  # (B, T) per token, 0 where unsupervised
+        positions = batch.get("position_ids", torch.arange(loss.shape[1]).expand_as(loss))  # 0 starts a sample
+        segment = (positions == 0).long().cumsum(1)  # which sample of its row each token belongs to
+        return sorted(float(loss[r][segment[r] == s].sum()) for r in range(len(loss)) for s in segment[r].unique()
+                      if loss[r][segment[r] == s].abs().sum() > 0)
+
+    alone = data.ShardStream(tmp_path / "out", tok, batch_size=6, seq_len=160, **kw).batch(0)
+    packed_stream = data.ShardStream(tmp_path / "out", tok, batch_size=2, seq_len=240, pack=3, **kw)
+    packed = packed_stream.batch(0)
+    assert not alone["dropped"].any() and not packed["dropped"].any()
+    tiles_per_row = packed["pixel_values"].flatten(2).any(-1).sum(1)  # slots holding a tile
+    assert tiles_per_row.sum() == alone["pixel_values"].flatten(2).any(-1).sum() > 20  # more than one row's slots
+    assert (packed["image_weight"].sum(-1) > 0).sum() == (alone["image_weight"].sum(-1) > 0).sum()
+    ours, theirs = sample_losses(packed), sample_losses(alone)
+    assert len(theirs) == 6 and np.allclose(ours, theirs, rtol=1e-4, atol=1e-4)
