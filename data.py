@@ -616,7 +616,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         if problem:
             raise DropSample(f"{problem} (in the sample's conversation)")
         if len(found) > 1:
-            raise DropSample(f"{kind}_needs_max_tiles ({len(found)} images: set max_tiles > 0)")
+            raise DropSample(f"{kind}_needs_max_tiles ({len(found)} {'frames' if kind == 'video' else 'images'}: "
+                             "set max_tiles > 0)")
         where = f"{self.files[self.index[sample][0]].name}:{key}"
         ids, labels, truncated = encode_conversation(conv, image is not None, self.template, self.tok, self.seq_len,
                                                      self.image_token_id, self.n_image_tokens)

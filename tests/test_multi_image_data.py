@@ -125,7 +125,7 @@ def levels(pixel_values, stats):
 
 # (width, height): a photo each way, sizes whose scaled side has a fraction (500x333), full HD, a panorama,
 # a tiny odd one; they select different grids (LLaVA-NeXT 1x2, 2x1, 2x2, 1x3; OneVision up to 3x5 and 1x6)
-TILE_SIZES = [(640, 480), (500, 333), (333, 500), (1920, 1080), (3000, 200), (17, 9)]
+TILE_SIZES = [(640, 480), (500, 333), (333, 500), (1920, 1080), (3000, 200), (17, 9), (1, 3000)]
 
 
 @pytest.mark.parametrize("w,h", TILE_SIZES, ids=[f"{w}x{h}" for w, h in TILE_SIZES])
@@ -220,6 +220,39 @@ def onevision_processor(folder):
     return p
 
 
+def tiny_onevision_config(tok):
+    """OneVision's layout at test size: SigLIP-style 28 px tiles of 2x2 features, pinpoints up to 4x4 tiles (so
+    anyres_max_9 reduces the biggest grids), <image>/<video> ids from `tok`."""
+    from model import VIT_PRESETS, VLMConfig, vlm_preset
+
+    vision = VIT_PRESETS["debug"].__class__(**{**vars(VIT_PRESETS["debug"]), "kind": "siglip"})
+    return VLMConfig(vision=vision, llm=vlm_preset("debug").llm, vision_layer=-1, vision_select="cls_patch",
+                     image_token_id=tok.specials["<image>"], video_token_id=tok.specials["<video>"],
+                     anyres="anyres_max_9", grid_pinpoints=[[28 * i, 28 * j] for i in range(1, 5) for j in range(1, 5)])
+
+
+def test_tiled_loader_resumes_at_the_exact_next_batch_and_the_legacy_one_refuses_several_images(multi_json, tmp_path):
+    d, good, _ = multi_json
+    tok = chat_tokenizer(tmp_path / "tok")
+    cfg = tiny_onevision_config(tok)
+    kw = {"batch_size": 2, "seq_len": 200, "image_size": 28, "image_token_id": cfg.image_token_id,
+          "n_image_tokens": cfg.n_image_tokens, "template": "chatml", "shuffle_block": 2}
+    run = data.Loader(data.ShardStream(d / "out", tok, vlm=cfg, max_tiles=17, **kw))
+    batches = [b for b, _ in zip(run, range(4))]
+    assert sum(b["image_weight"].gt(0).any(-1).sum() for b in batches) > 0
+    resumed = data.Loader(data.ShardStream(d / "out", tok, vlm=cfg, max_tiles=17, **kw))
+    state = {**run.state_dict(), "position": 2 * 2}  # after two batches
+    resumed.load_state_dict(state)
+    again = [b for b, _ in zip(resumed, range(2))]
+    for a, b in zip(batches[2:], again):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    legacy = data.ShardStream(d / "out", tok, **kw | {"batch_size": len(good)})
+    legacy.batch(0)
+    assert legacy.skips.counts["multi_needs_max_tiles"] == 2 and legacy.skips.counts["video_needs_max_tiles"] == 1
+    with pytest.raises(ValueError, match="max_tiles > 0 .* needs the model config"):
+        data.ShardStream(d / "out", tok, max_tiles=4, **kw)
+
+
 def test_tiled_batches_hold_the_prompts_and_tiles_llava_onevision_processor_gives(tmp_path):
     tok = chat_tokenizer(tmp_path / "tok")
     processor = onevision_processor(tmp_path / "tok")
@@ -275,7 +308,7 @@ def test_tiled_batches_hold_the_prompts_and_tiles_llava_onevision_processor_give
 def test_packed_rows_with_varying_image_tokens_give_each_sample_its_unpacked_loss(tmp_path):
     """A tiny OneVision-style model (anyres_max_9 over 28 px tiles, video pooling) on samples with 0, 1 (tiled),
     2 images and a video: packed three a row, each sample's summed loss equals its loss alone in a row."""
-    from model import VIT_PRESETS, VLM, VLMConfig, vlm_preset
+    from model import VLM
 
     tok = chat_tokenizer(tmp_path / "tok")
     imgs = tmp_path / "images"
@@ -291,10 +324,7 @@ def test_packed_rows_with_varying_image_tokens_give_each_sample_its_unpacked_los
             {"id": "text2", "conversations": conv("Which is more, two or three?", "Three.")}]
     (tmp_path / "d.json").write_text(json.dumps(recs))
     pack.pack(tmp_path / "d.json", imgs, tmp_path / "out")
-    vision = VIT_PRESETS["debug"].__class__(**{**vars(VIT_PRESETS["debug"]), "kind": "siglip"})
-    cfg = VLMConfig(vision=vision, llm=vlm_preset("debug").llm, vision_layer=-1, vision_select="cls_patch",
-                    image_token_id=tok.specials["<image>"], video_token_id=tok.specials["<video>"],
-                    anyres="anyres_max_9", grid_pinpoints=[[28 * i, 28 * j] for i in range(1, 5) for j in range(1, 5)])
+    cfg = tiny_onevision_config(tok)
     with torch.device("meta"):
         model = VLM(cfg)
     model.to_empty(device="cpu").init_weights(seed=0)
