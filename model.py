@@ -775,7 +775,7 @@ class VLM(nn.Module):
             is_image = is_image | (input_ids == self.cfg.video_token_id)
         h = self.llm.tok_embeddings(torch.where(is_image, 0, input_ids))  # (B, T, D)
         B, T, D = h.shape
-        features = self.encode_images(pixel_values).to(h.dtype)  # (B, n_slots * P, D)
+        features = h.new_zeros(B, 0, D) if pixel_values is None else self.encode_images(pixel_values).to(h.dtype)
         newline = features.new_zeros(D) if self.image_newline is None else self.image_newline.to(h.dtype)
         table = torch.cat([newline.expand(B, 1, D), features], dim=1)  # (B, 1 + n_slots * P, D)
         placed = torch.zeros_like(h)
@@ -838,6 +838,12 @@ class VLM(nn.Module):
             h = self.llm.tok_embeddings(token[:, None])  # (B, 1, D)
             logits = self.llm.output(self.llm(h, cache, T + i, pad=None if pad is None else pad[:, : T + i + 1])[:, -1])
         return torch.stack(out, dim=1)
+
+
+def param_group(name):
+    """The part a parameter trains with: "vision", "projector" or "llm". image_newline goes with the LLM, as
+    LLaVA-NeXT's train.py unfreezes it (mm_tunable_parts "mm_language_model": all but vision tower and projector)."""
+    return "llm" if name == "image_newline" else name.split(".")[0]
 
 
 def left_pad(prompts, pad_id=0):
