@@ -531,6 +531,40 @@ def sample_images(members):
     return ("multi" if len(several) > 1 else "image"), several or single
 
 
+def image_layouts(vlm, kind, sizes):
+    """model.image_layout of each image of a sample, kind and (height, width) sizes as sample_images / image_hw give
+    them; a video is one layout over all its frames."""
+    from model import image_layout
+
+    if kind == "video":
+        return [image_layout(vlm, *sizes[0], "video", len(sizes))]
+    return [image_layout(vlm, h, w, kind) for h, w in sizes]
+
+
+def sample_tiles(vlm, kind, blobs, image_mode="pad", mean=None):
+    """(n_tiles, 3, S, S) uint8: the tiles of a sample's images in order (images.image_tiles), None for none."""
+    return torch.cat([image_tiles(b, vlm, kind, image_mode, mean) for b in blobs]) if blobs else None
+
+
+def tiled_prompt(vlm, template, tok, question, blobs, kind=None, image_mode="pad", mean=None):
+    """(ids, tiles, layouts) of a generation prompt asking `question` about image bytes `blobs` with a tiling model:
+    what the tiled loader makes of such a sample. kind: "image" (one), "multi" (several, one <image> each), "video"
+    (frames, one <video>); by default "image" or "multi" by count. Tags are put first unless the question has them."""
+    kind = kind or ("multi" if len(blobs) > 1 else "image")
+    tag = VIDEO_TAG if kind == "video" else IMAGE_TAG
+    n_tags = len(blobs) if kind == "multi" else 1 if blobs else 0
+    if blobs and tag not in question:
+        question = (tag + "\n") * n_tags + question
+    layouts = image_layouts(vlm, kind, [image_hw(b) for b in blobs])
+    counts = [len(index) for _, index, _ in layouts]
+    pieces = [(generation_prompt(template, question, tok), False)]
+    n_found = sum(len((TAGS_RE if vlm.video_token_id is not None else IMAGE_TAG_RE).findall(t)) for t, _ in pieces)
+    if n_found != len(counts):
+        raise ValueError(f"the prompt has {n_found} image/video tags for {len(counts)} {kind} inputs")
+    ids, _ = tokenize(pieces, tok, vlm.image_token_id, counts, vlm.video_token_id)
+    return ids, sample_tiles(vlm, kind, blobs, image_mode, mean), layouts
+
+
 class ShardStream(torch.utils.data.IterableDataset):
     """An endless stream of fixed-shape batches from shards, the same for any number of DataLoader workers.
 
@@ -628,8 +662,6 @@ class ShardStream(torch.utils.data.IterableDataset):
     def encode_tiled(self, sample):
         """(ids, labels, tiles (n, 3, S, S) uint8 or None, layouts): each tag expanded to its image's token count
         (model.image_layout), the tiles as the HF image processors make them (images.image_tiles)."""
-        from model import image_layout
-
         vlm = self.vlm
         try:
             key, members = self.read(sample)
@@ -645,8 +677,7 @@ class ShardStream(torch.utils.data.IterableDataset):
             raise DropSample(f"{problem} (in the sample's conversation)")
         if kind == "video" and vlm.video_token_id is None:
             raise DropSample(f"video_without_video_token ({len(blobs)} frames; the model has no video_token_id)")
-        layouts = [image_layout(vlm, *sizes[0], "video", len(blobs))] if kind == "video" else \
-            [image_layout(vlm, h, w, kind) for h, w in sizes]
+        layouts = image_layouts(vlm, kind, sizes)
         n_tiles = sum(n for n, _, _ in layouts)
         if n_tiles > self.max_tiles:
             raise DropSample(f"too_many_tiles ({n_tiles} tiles, max_tiles {self.max_tiles})")
@@ -657,9 +688,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         if truncated:
             self.skips.add("truncated_not_dropped", where)
         try:
-            tile_kind = "video" if kind == "video" else kind
-            tiles = torch.cat([image_tiles(b, vlm, tile_kind, self.image_mode, self.image_mean) for b in blobs]) \
-                if blobs else None
+            tiles = sample_tiles(vlm, kind, blobs, self.image_mode, self.image_mean)
         except Exception as e:  # noqa: BLE001  bytes PIL cannot decode past the header
             raise DropSample(f"unreadable_sample ({type(e).__name__}: {e})") from None
         return ids, labels, tiles, layouts

@@ -352,3 +352,54 @@ def test_packed_rows_with_varying_image_tokens_give_each_sample_its_unpacked_los
     assert (packed["image_weight"].sum(-1) > 0).sum() == (alone["image_weight"].sum(-1) > 0).sum()
     ours, theirs = sample_losses(packed), sample_losses(alone)
     assert len(theirs) == 6 and np.allclose(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_sample_py_asks_about_several_images_as_the_processor_and_the_loader_build_them(tmp_path, capsys):
+    """data.tiled_prompt (sample.py's) gives LlavaOnevisionProcessor's ids for a two-image question, and sample.py
+    --together answers a tiny model exactly as generate() does on the tiled loader's own row for that sample."""
+    import convert
+    import sample
+    from model import VLM, left_pad
+
+    tok = chat_tokenizer(tmp_path / "tok")
+    processor = onevision_processor(tmp_path / "tok")
+    imgs = tmp_path / "images"
+    imgs.mkdir()
+    photo(640, 480, seed=1).save(imgs / "a.jpg")
+    photo(333, 500, seed=2).save(imgs / "b.png")
+    blobs = [(imgs / n).read_bytes() for n in ("a.jpg", "b.png")]
+    question = "Which image has more circles?"
+    cfg = onevision_config(image_token_id=processor.image_token_id, video_token_id=processor.video_token_id)
+    ids, tiles, _ = data.tiled_prompt(cfg, "chatml", tok, question, blobs, image_mode="pad",
+                                      mean=cfg.vision.image_stats[0])
+    prompt = data.generation_prompt("chatml", "<image>\n<image>\n" + question, tok)
+    pictures = [np.asarray(Image.open(io.BytesIO(b)).convert("RGB")) for b in blobs]
+    ref = processor(text=[prompt], images=[pictures])
+    assert ids == list(ref["input_ids"][0]) and len(tiles) == 2
+
+    cfg = tiny_onevision_config(tok)
+    with torch.device("meta"):
+        model = VLM(cfg)
+    model.to_empty(device="cpu").init_weights(seed=0)
+    convert.save_model(model, tmp_path / "ckpt", tmp_path / "tok")
+    (tmp_path / "d.json").write_text(json.dumps([{"id": "q", "image": ["a.jpg", "b.png"],
+                                                  "conversations": conv("<image>\n<image>\n" + question, "The first.")}]))
+    pack.pack(tmp_path / "d.json", imgs, tmp_path / "out")
+    stream = data.ShardStream(tmp_path / "out", tok, batch_size=1, seq_len=100, image_size=28,
+                              image_token_id=cfg.image_token_id, n_image_tokens=cfg.n_image_tokens, template="chatml",
+                              vlm=cfg, max_tiles=4, image_mean=cfg.vision.image_stats[0])
+    b = stream.batch(0)
+    start = int((b["labels"][0] != -100).nonzero()[0])  # the answer starts here: the prompt is what precedes it
+    ids, mask = left_pad([b["input_ids"][0, :start].tolist()], tok.pad_id)
+    want = model.eval().generate(ids, data.normalize_images(b["pixel_values"], *cfg.vision.image_stats),
+                                 max_new_tokens=4, attention_mask=mask, image_index=b["image_index"][:, :start],
+                                 image_weight=b["image_weight"][:, :start])
+    capsys.readouterr()
+    sample.main(["--ckpt", str(tmp_path / "ckpt"), "--image", str(imgs / "a.jpg"), str(imgs / "b.png"), "--together",
+                 "--prompt", question, "--template", "chatml", "--max-new-tokens", "4", "--device", "cpu"])
+    stop = data.stop_token_id("chatml", tok)
+    tokens = want[0].tolist()
+    assert capsys.readouterr().out.strip() == tok.decode(tokens[: tokens.index(stop)] if stop in tokens else tokens).strip()
+    with pytest.raises(SystemExit, match="video"):  # this model has a <video> id; a plain anyres one would not
+        sample.main(["--ckpt", str(tmp_path / "ckpt"), "--image", str(imgs / "a.jpg"), "--video", "--prompt",
+                     "<image> and <video>?", "--template", "chatml", "--device", "cpu"])
