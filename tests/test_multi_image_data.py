@@ -403,3 +403,17 @@ def test_sample_py_asks_about_several_images_as_the_processor_and_the_loader_bui
     with pytest.raises(SystemExit, match="video"):  # this model has a <video> id; a plain anyres one would not
         sample.main(["--ckpt", str(tmp_path / "ckpt"), "--image", str(imgs / "a.jpg"), "--video", "--prompt",
                      "<image> and <video>?", "--template", "chatml", "--device", "cpu"])
+
+
+def test_audit_counts_what_the_tiled_and_the_one_image_loaders_would_drop(multi_json, tmp_path):
+    d, good, _ = multi_json
+    tok = chat_tokenizer(tmp_path / "tok")
+    cfg = tiny_onevision_config(tok)
+    args = (d / "out", tok, "chatml", 200, 28, cfg.n_image_tokens, cfg.image_token_id)
+    tiled, single = io.StringIO(), io.StringIO()
+    assert pack.audit(*args, show=0, out=tiled, vlm=cfg, max_tiles=12) == 0
+    pack.audit(*args, show=0, out=single)
+    # the 1920 x 1080 photo needs a base view and a 3x4 grid of 28 px tiles (pinpoint 84 x 112): 13
+    assert "kept: 4" in tiled.getvalue() and "dropped, too_many_tiles: 1" in tiled.getvalue()
+    assert "dropped, multi_needs_max_tiles: 2" in single.getvalue()
+    assert "dropped, video_needs_max_tiles: 1" in single.getvalue() and "kept: 2" in single.getvalue()
