@@ -233,8 +233,8 @@ def save_checkpoint(path, model, raw, optimizer, loader, it, cfg, env, detach=Fa
 
 # keys whose change on resume would alter the data order, the batches or the model: refused unless listed in
 # allow_config_change (the model itself always comes from the checkpoint). Every other key may change.
-FIXED_ON_RESUME = ("seed", "batch_size", "micro_batch_size", "pack", "seq_len", "data_dir", "tokenizer", "template",
-                   "image_mode", "shuffle_block", "stage", "model", "model_overrides", "world")
+FIXED_ON_RESUME = ("seed", "batch_size", "micro_batch_size", "pack", "max_tiles", "seq_len", "data_dir", "tokenizer",
+                   "template", "image_mode", "shuffle_block", "stage", "model", "model_overrides", "world")
 
 
 def check_resume_config(path, cfg, env):

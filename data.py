@@ -290,7 +290,7 @@ def tokenize(pieces, tok, image_token_id, n_image_tokens, video_token_id=None):
                 t = tok.encode(chunk, prefix)
                 ids += t
                 labels += t if target else [-100] * len(t)
-                if not (prefix and chunk == tok.bos):  # the BOS a tokenizer adds itself leaves the text at its start
+                if t and not (prefix and chunk == tok.bos):  # a BOS the tokenizer adds leaves the text at its start
                     prefix = tok.legacy and t[-1] in tok.specials.values()
     return ids, labels
 
@@ -909,6 +909,7 @@ def main(argv=None):
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--image-size", type=int, default=48)
     b.add_argument("--turns", type=int, default=1, help="questions per image, as a multi-turn conversation")
+    b.add_argument("--images", type=int, default=1, help="2: two images a sample, 'Which image has more circles?'")
     # function-level imports: pack.py and shapes.py import this file, never the other way round
     from pack import audit_arguments, audit_command
 
@@ -925,7 +926,8 @@ def main(argv=None):
     else:
         import shapes  # the demo's dataset lives in its own file; it packs with pack.pack()
 
-        shapes.make_shapes(args.out, args.n, args.seed, image_size=args.image_size, turns=args.turns)
+        shapes.make_shapes(args.out, args.n, args.seed, image_size=args.image_size, turns=args.turns,
+                           images=args.images)
 
 
 if __name__ == "__main__":

@@ -99,7 +99,8 @@ class Env:
 
     def to_device(self, batch):
         """The model's inputs on the device; under SPMD the host's rows become its part of a global batch."""
-        keys = [k for k in ("input_ids", "labels", "pixel_values", "position_ids") if k in batch]
+        keys = [k for k in ("input_ids", "labels", "pixel_values", "position_ids", "image_index", "image_weight")
+                if k in batch]
         if self.kind != "xla":
             return {k: batch[k].to(self.device, non_blocking=True) for k in keys}
         import torch_xla.core.xla_model as xm

@@ -4,6 +4,7 @@ coloured circles, squares and triangles, one question each with exactly one righ
 into shards by pack.pack, with a sentencepiece tokenizer trained on the text.
 
     python data.py shapes --out data/shapes [--n 20000] [--seed 0] [--turns 1]
+    python data.py shapes --out data/shapes2 --images 2     # two images a sample: "Which image has more circles?"
 """
 
 import json
@@ -24,13 +25,17 @@ SHAPES = ("circle", "square", "triangle")
 NUMBERS = ("zero", "one", "two", "three")
 
 
-def draw_scene(rng, size=48):
+def draw_scene(rng, size=48, circles=None):
     """1-3 shapes in distinct cells of a 3x3 grid, with jittered position and size. -> (image, objects)
-    With size 48 and 16 px patches, each cell is exactly one ViT patch."""
+    With size 48 and 16 px patches, each cell is exactly one ViT patch. circles=n: exactly n of them are circles."""
     img = Image.new("RGB", (size, size), (255, 255, 255))
     draw, cell, objects = ImageDraw.Draw(img), size / 3, []
-    for c in rng.choice(9, size=rng.integers(1, 4), replace=False):
-        shape, color = SHAPES[rng.integers(3)], list(COLORS)[rng.integers(len(COLORS))]
+    n = rng.integers(1, 4) if circles is None else rng.integers(max(1, circles), 4)
+    kinds = None if circles is None else \
+        rng.permutation(["circle"] * circles + [SHAPES[rng.integers(1, 3)] for _ in range(n - circles)])
+    for i, c in enumerate(rng.choice(9, size=n, replace=False)):
+        shape = SHAPES[rng.integers(3)] if kinds is None else str(kinds[i])
+        color = list(COLORS)[rng.integers(len(COLORS))]
         r = cell * rng.uniform(0.34, 0.46)
         x = (c % 3 + 0.5) * cell + rng.uniform(-1, 1) * (cell / 2 - r)
         y = (c // 3 + 0.5) * cell + rng.uniform(-1, 1) * (cell / 2 - r)
@@ -71,6 +76,19 @@ def shape_question(objects, rng):
     return f"How many {shape}s are there?", NUMBERS[count[shape]]
 
 
+MORE_CIRCLES = ("the first", "the second", "neither")
+
+
+def two_scenes(rng, size):
+    """Two scenes and the answer to "Which image has more circles?", drawn first so the three answers are equally
+    frequent; equal counts (0-3 each) answer "neither". -> (image, image, answer)"""
+    answer, more, same = int(rng.integers(3)), int(rng.integers(1, 4)), int(rng.integers(4))
+    fewer = int(rng.integers(more))
+    counts = {0: (more, fewer), 1: (fewer, more), 2: (same, same)}[answer]
+    (first, _), (second, _) = (draw_scene(rng, size, circles=c) for c in counts)
+    return first, second, MORE_CIRCLES[answer]
+
+
 def train_tokenizer(texts, out_prefix, vocab_size):
     import sentencepiece as spm
 
@@ -82,12 +100,26 @@ def train_tokenizer(texts, out_prefix, vocab_size):
         hard_vocab_limit=False, num_threads=1, minloglevel=2)
 
 
-def make_shapes(out, n=20000, seed=0, val_fraction=0.1, image_size=48, vocab_size=512, turns=1):
+def make_shapes(out, n=20000, seed=0, val_fraction=0.1, image_size=48, vocab_size=512, turns=1, images=1):
+    """n samples of one image and `turns` questions, or (images=2) of two images and "Which image has more
+    circles?", in the OneVision format: "image": [first, second] and one <image> tag for each, in order."""
+    if images not in (1, 2):
+        raise SystemExit(f"shapes: --images must be 1 or 2, got {images}")
     out = Path(out)
     (out / "images").mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     records = []
-    for i in tqdm(range(n), desc="drawing shapes", unit="img"):
+    for i in tqdm(range(n), desc="drawing shapes", unit="sample"):
+        split = "val" if i >= n * (1 - val_fraction) else "train"
+        if images == 2:
+            first, second, answer = two_scenes(rng, image_size)
+            first.save(out / "images" / f"{i:06d}-0.png")
+            second.save(out / "images" / f"{i:06d}-1.png")
+            conv = [{"from": "human", "value": f"{IMAGE_TAG}\n{IMAGE_TAG}\nWhich image has more circles?"},
+                    {"from": "gpt", "value": answer}]
+            records.append({"id": f"{split}-{i:06d}", "image": [f"{i:06d}-0.png", f"{i:06d}-1.png"],
+                            "conversations": conv})
+            continue
         img, objects = draw_scene(rng, image_size)
         img.save(out / "images" / f"{i:06d}.png")
         qa = {}
@@ -97,7 +129,6 @@ def make_shapes(out, n=20000, seed=0, val_fraction=0.1, image_size=48, vocab_siz
                 qa.setdefault(q, a)
         conv = [t for q, a in qa.items() for t in ({"from": "human", "value": q}, {"from": "gpt", "value": a})]
         conv[0] = {"from": "human", "value": f"{IMAGE_TAG}\n{conv[0]['value']}"}
-        split = "val" if i >= n * (1 - val_fraction) else "train"
         records.append({"id": f"{split}-{i:06d}", "image": f"{i:06d}.png", "conversations": conv})
     (out / "shapes.json").write_text(json.dumps(records))
     texts = [t["value"].replace(IMAGE_TAG, "").strip() for r in records for t in r["conversations"]]
@@ -106,7 +137,7 @@ def make_shapes(out, n=20000, seed=0, val_fraction=0.1, image_size=48, vocab_siz
     train_tokenizer(texts, out / "tokenizer", vocab_size)
     pack(out / "shapes.json", out / "images", out / "shards", shard_size=2000, val_ids=lambda i: str(i).startswith("val"),
          overwrite=True)
-    log(f"shapes: {n} images, tokenizer {out / 'tokenizer.model'}, shards in {out / 'shards'}")
+    log(f"shapes: {n} samples of {images} image(s), tokenizer {out / 'tokenizer.model'}, shards in {out / 'shards'}")
     return out
 
 

@@ -51,6 +51,7 @@ tokenizer = "data/shapes/tokenizer.model"
 template = "llama_3"
 seq_len = 40
 pack = 0  # > 0: each micro-batch reads pack x rows samples and packs them into its rows (no padding waste)
+max_tiles = 0  # > 0: static ViT tile slots a row, shared by its images and their anyres tiles; 0: one image a row
 image_mode = "pad"
 fast_images = False  # True: JPEG draft decoding + torch's bicubic, ~2x faster, up to ~12 levels off (README)
 num_workers = 1
@@ -136,8 +137,8 @@ def run_config_file(arg):
 POSITIVE = ("batch_size", "micro_batch_size", "max_iters", "seq_len", "log_interval", "shuffle_block",
             "max_nonfinite_steps")
 NON_NEGATIVE = ("eval_interval", "eval_iters", "ckpt_interval", "keep_last", "num_workers", "pack", "warmup_iters",
-                "lr_decay_iters", "final_accuracy_samples", "lr", "min_lr", "weight_decay", "grad_clip", "loss_chunk",
-                "peak_flops")
+                "lr_decay_iters", "max_tiles", "final_accuracy_samples", "lr", "min_lr", "weight_decay", "grad_clip",
+                "loss_chunk", "peak_flops")
 
 
 def load_config(argv):
@@ -189,6 +190,22 @@ def model_config(cfg):
         return vlm_preset(cfg["model"]).with_overrides(cfg["model_overrides"])
     except (ValueError, TypeError) as e:
         raise SystemExit(f"config: model_overrides {cfg['model_overrides']!r} do not make a model: {e}") from None
+
+
+def check_tiles(vlm, max_tiles):
+    """An anyres or video model needs tile slots; anyres needs room for the base view and the smallest grid."""
+    tiled = vlm.anyres or vlm.video_token_id is not None
+    if tiled and not max_tiles:
+        raise SystemExit(f"config: max_tiles=0, but the model tiles images (anyres={vlm.anyres!r}, video_token_id="
+                         f"{vlm.video_token_id}): set max_tiles to the ViT slots a row holds (e.g. 10 for a base view and "
+                         f"a 3x3 grid)")
+    if vlm.anyres and max_tiles and vlm.grid_pinpoints:
+        size = vlm.vision.image_size
+        least = 1 + min(math.ceil(h / size) * math.ceil(w / size) for h, w in vlm.grid_pinpoints)
+        if max_tiles < least:
+            raise SystemExit(f"config: max_tiles={max_tiles} is fewer than the {least} tiles the smallest anyres image "
+                             f"needs (a base view and the smallest grid of grid_pinpoints {vlm.grid_pinpoints}): every "
+                             f"image would be dropped")
 
 
 # -----------------------------------------------------------------------------
@@ -246,16 +263,17 @@ def lr_at(it, cfg):
     return cfg["min_lr"] + 0.5 * (1 + math.cos(math.pi * ratio)) * (cfg["lr"] - cfg["min_lr"])
 
 
-def flops_per_sample(raw, stage, seq_tokens):
-    """Model FLOPs of one sample (fwd + bwd), README's formula: 6N trained, 4N frozen with gradients flowing
-    through, 2N frozen with nothing upstream to train; attention 12*L*d*T (fwd+bwd), halved when causal."""
+def flops_per_sample(raw, stage, seq_tokens, n_tiles=1):
+    """Model FLOPs of one sample (fwd + bwd) with n_tiles ViT views, README's formula: 6N trained, 4N frozen with
+    gradients flowing through, 2N frozen with nothing upstream to train; attention 12*L*d*T (fwd+bwd), halved when
+    causal."""
     cfg = raw.cfg
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     vit_tokens = cfg.vision.n_patches + 1
     vit_mult = 6 if stage == 0 else 2
     vit_attention = (vit_mult * 2) * cfg.vision.n_layers * cfg.vision.dim * vit_tokens**2
-    vit = vit_mult * count(raw.vision.blocks) * vit_tokens + vit_attention
-    proj = 6 * count(raw.projector) * cfg.n_image_tokens
+    vit = (vit_mult * count(raw.vision.blocks) * vit_tokens + vit_attention) * n_tiles
+    proj = 6 * count(raw.projector) * cfg.n_image_tokens * n_tiles
     llm_params = count(raw.llm) - raw.llm.tok_embeddings.weight.numel() * (not cfg.llm.tie_embeddings)
     llm_mult = 6 if stage in (0, 2) else 4
     llm = llm_mult * llm_params * seq_tokens + 6 * cfg.llm.n_layers * cfg.llm.n_heads * cfg.llm.head_dim * seq_tokens**2
@@ -303,7 +321,8 @@ def stop_nonfinite(out, it, n, cfg, loader):
 
 def device_batch(batch, env, vision):
     """The model's inputs on the device, images normalised there with the tower's statistics: they leave the
-    loader as uint8 (4x fewer bytes)."""
+    loader as uint8 (4x fewer bytes). With max_tiles they are (B, max_tiles, 3, S, S) and image_index/image_weight
+    say where each tile's features go."""
     b = env.to_device(batch)
     return b | {"pixel_values": data.normalize_images(b["pixel_values"], *vision.image_stats)}
 
@@ -318,7 +337,8 @@ def evaluate(model, val_loader, env, cfg, n_batches, vision):
             break
         b = device_batch(batch, env, vision)
         with autocast(env, cfg):
-            _, loss = model(b["input_ids"], b["pixel_values"], b["labels"], "sum", b.get("position_ids"))
+            _, loss = model(b["input_ids"], b["pixel_values"], b["labels"], "sum", b.get("position_ids"),
+                            image_index=b.get("image_index"), image_weight=b.get("image_weight"))
         total += loss
         count += (b["labels"][:, 1:] != -100).sum()
         env.step_end()
@@ -367,6 +387,52 @@ def answer_accuracy(raw, stream, env, cfg, n, show=5, batch_size=32):
     return right / max(1, total), shown, total, too_long
 
 
+@torch.no_grad()
+def tiled_answer_accuracy(raw, stream, env, cfg, n, show=5):
+    """answer_accuracy on the tile path (max_tiles > 0), from the loader's own unpacked val batches: each row is cut
+    where its first answer starts, the prompts left-padded, and image_index/image_weight shifted with them."""
+    raw.eval()
+    tok, stop, max_new = stream.tok, data.stop_token_id(stream.template, stream.tok), 8
+    right, shown, total, too_long, n = 0, [], 0, 0, min(n, len(stream))
+    for k in range(-(-n // stream.batch_size)):
+        b, asked = stream.batch(k), []
+        for r in range(min(stream.batch_size, n - k * stream.batch_size)):
+            supervised = (b["labels"][r] != -100).nonzero().flatten()  # labels align with input_ids
+            if b["dropped"][r] or not len(supervised):
+                continue
+            start = int(supervised[0])
+            end = start + int((supervised - start == torch.arange(len(supervised))).cumprod(0).sum())  # first answer
+            if start + max_new > raw.cfg.llm.max_seq_len:
+                too_long += 1
+                continue
+            answer = b["input_ids"][r, start:end].tolist()
+            asked.append((r, start, tok.decode(answer[: answer.index(stop)] if stop in answer else answer).strip()))
+        if not asked:
+            continue
+        ids, mask = left_pad([b["input_ids"][r, :start].tolist() for r, start, _ in asked], tok.pad_id)
+        index = torch.zeros(ids.shape + b["image_index"].shape[2:], dtype=torch.long)  # (B, T, K)
+        weight = torch.zeros(index.shape)
+        for i, (r, start, _) in enumerate(asked):
+            index[i, ids.shape[1] - start :], weight[i, ids.shape[1] - start :] = \
+                b["image_index"][r, :start], b["image_weight"][r, :start]
+        rows = torch.tensor([r for r, _, _ in asked])
+        pixels = data.normalize_images(b["pixel_values"][rows].to(env.device), *raw.cfg.vision.image_stats)
+        with autocast(env, cfg):
+            out = raw.generate(ids.to(env.device), pixels, max_new_tokens=max_new, eos_id=stop,
+                               attention_mask=mask.to(env.device), image_index=index.to(env.device),
+                               image_weight=weight.to(env.device)).tolist()
+        for tokens, (r, _, answer) in zip(out, asked):
+            said = tok.decode(tokens[: tokens.index(stop)] if stop in tokens else tokens).strip()
+            right += said.lower() == answer.lower()
+            total += 1
+            if len(shown) < show:
+                conv = data.sample_conversation(stream.read(int(b["sample_id"][r]))[1])[0]
+                question = next(t["value"] for t in conv if t["from"] in ("human", "user"))
+                shown.append((question.replace(data.IMAGE_TAG, "").strip(), said, answer))
+    raw.train()
+    return right / max(1, total), shown, total, too_long
+
+
 # -----------------------------------------------------------------------------
 # the loop
 
@@ -376,7 +442,8 @@ def forward_backward(model, b, env, cfg, scale, poison=False):
     (global, cleared when a thread leaves its outermost autocast) handed torch_xla's checkpoint recompute, on the
     autograd thread, the casts its no-grad forward had cached: the first block recomputed (the last) lost its grads."""
     with autocast(env, cfg):
-        _, loss = model(b["input_ids"], b["pixel_values"], b["labels"], "sum", b.get("position_ids"))
+        _, loss = model(b["input_ids"], b["pixel_values"], b["labels"], "sum", b.get("position_ids"),
+                        image_index=b.get("image_index"), image_weight=b.get("image_weight"))
     loss = loss * float("nan") if poison else loss  # tests only (LLAVAX_TEST_NONFINITE)
     (loss * scale).backward()
     return loss
@@ -460,6 +527,8 @@ def main(argv=None):
     print0(env, f"model: {sum(p.numel() for p in raw.parameters()) / 1e6:.2f}M parameters, {n_trained / 1e6:.2f}M "
            f"trained (stage {cfg['stage']}); {env.world} x {env.kind}, {cfg['parallel'] if env.distributed else 'single'}")
 
+    check_tiles(raw.cfg, cfg["max_tiles"])
+
     # data
     stream_args = {"tokenizer": cfg["tokenizer"], "batch_size": rows_per_host, "seq_len": cfg["seq_len"],
                    "image_size": raw.cfg.vision.image_size, "image_token_id": raw.cfg.image_token_id,
@@ -467,6 +536,8 @@ def main(argv=None):
                    "seed": cfg["seed"], "rank": env.rank, "world_size": env.world, "shuffle_block": cfg["shuffle_block"],
                    "pack": cfg["pack"], "fast_images": cfg["fast_images"],
                    "image_mean": raw.cfg.vision.image_stats[0]}
+    if cfg["max_tiles"]:  # tiles and placement by the model's config (anyres, grid_pinpoints, image_layout)
+        stream_args |= {"vlm": raw.cfg, "max_tiles": cfg["max_tiles"]}
     try:
         loader = data.Loader(data.ShardStream(cfg["data_dir"], split="train", **stream_args), cfg["num_workers"])
     except (OSError, ValueError) as e:
@@ -528,7 +599,10 @@ def main(argv=None):
     rows_done, dropped = 0, 0
     per_row = max(1, cfg["pack"])  # samples read per row
     # FLOPs of a row: one sample of seq_len tokens, or `pack` samples of seq_len / pack (attention within each)
-    row_flops = per_row * flops_per_sample(raw, cfg["stage"], cfg["seq_len"] // per_row)
+    # with max_tiles the ViT runs on every slot of a row, however many images its samples hold
+    row_flops = per_row * flops_per_sample(raw, cfg["stage"], cfg["seq_len"] // per_row) if not cfg["max_tiles"] else \
+        per_row * flops_per_sample(raw, cfg["stage"], cfg["seq_len"] // per_row, 0) + \
+        flops_per_sample(raw, cfg["stage"], 0, cfg["max_tiles"])
     while it < cfg["max_iters"]:
         t0 = time.perf_counter()
         micro = [next(batches) for _ in range(grad_accum)]
@@ -636,13 +710,16 @@ def main(argv=None):
 
     if it >= cfg["max_iters"]:
         if cfg["final_accuracy_samples"] and val_stream is not None:
+            asker, asker_env = raw, env
             if env.kind == "xla":  # token-by-token generation would recompile at every length: answer on the host
-                host = build_model(raw.cfg, device="cpu", init=False)
-                host.load_state_dict({k: v.cpu() for k, v in raw.state_dict().items()})
-                on_host = SimpleNamespace(kind="cpu", device=torch.device("cpu"), distributed=False)
-                result = answer_accuracy(host, val_stream, on_host, cfg, cfg["final_accuracy_samples"])
+                asker = build_model(raw.cfg, device="cpu", init=False)
+                asker.load_state_dict({k: v.cpu() for k, v in raw.state_dict().items()})
+                asker_env = SimpleNamespace(kind="cpu", device=torch.device("cpu"), distributed=False)
+            if cfg["max_tiles"]:  # the questions as the loader tiles and places their images, one sample a row
+                unpacked = data.ShardStream(cfg["data_dir"], split="val", **(stream_args | {"pack": 0}))
+                result = tiled_answer_accuracy(asker, unpacked, asker_env, cfg, cfg["final_accuracy_samples"])
             else:
-                result = answer_accuracy(raw, val_stream, env, cfg, cfg["final_accuracy_samples"])
+                result = answer_accuracy(asker, val_stream, asker_env, cfg, cfg["final_accuracy_samples"])
             acc, shown, n_asked, too_long = result
             print0(env, f"held-out exact-match accuracy: {100 * acc:.1f}% on {n_asked} questions"
                    + (f" ({too_long} longer than the model's max_seq_len skipped)" if too_long else ""))

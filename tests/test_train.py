@@ -358,3 +358,79 @@ def test_final_accuracy_pass_batches_questions_without_changing_answers(shapes, 
     batched = train.answer_accuracy(model, s, env, cfg, 12, show=12, batch_size=5)
     assert len(batched[1]) == 12 and batched == alone
     assert len({len(q) for q, _, _ in batched[1]}) > 1  # questions of different lengths shared a batch
+
+
+# -----------------------------------------------------------------------------
+# the tile path (max_tiles > 0): several images a sample, image_index / image_weight placement
+
+
+def test_one_tile_a_row_trains_as_the_single_image_path(shapes, single_run, tmp_path):
+    """max_tiles=1 with a one-view model places each image's features by image_index instead of the placeholder
+    count: the same numbers (the single-image path is checked against transformers' LLaVA)."""
+    run(args(shapes, tmp_path, "--max_iters=5", "--max_tiles=1"))
+    ref, got = losses(single_run), losses(tmp_path)
+    assert sorted(got) == [1, 2, 3, 4, 5] and all(abs(got[s] - ref[s]) <= 1e-5 * ref[s] for s in got), (got, ref)
+
+
+def test_tiled_answer_accuracy_gives_the_single_image_answers(shapes, single_run):
+    """The tile path's accuracy pass cuts the loader's rows at the answer and left-pads image_index with them: the
+    same greedy answers as the single-image pass, which tokenizes the questions itself."""
+    from types import SimpleNamespace
+
+    model = convert.load_model(single_run / "step-000020")
+    common = dict(batch_size=5, seq_len=48, image_size=28, image_token_id=512, n_image_tokens=4, template="llama_3",
+                  split="val")
+    legacy = data.ShardStream(shapes / "shards", shapes / "tokenizer.model", **common)
+    tiled = data.ShardStream(shapes / "shards", shapes / "tokenizer.model", **common, vlm=model.cfg, max_tiles=1)
+    env = SimpleNamespace(kind="cpu", device=torch.device("cpu"), distributed=False)
+    cfg = {"template": "llama_3", "dtype": "float32"}
+    n = len(legacy)  # every val question: the tile pass asks them in the loader's shuffled order
+    want = train.answer_accuracy(model, legacy, env, cfg, n, show=n)
+    got = train.tiled_answer_accuracy(model, tiled, env, cfg, n, show=n)
+    assert got[2] == want[2] == n and got[0] == want[0]
+    assert sorted(got[1]) == sorted(want[1]) and len({said for _, said, _ in got[1]}) > 1
+
+
+@pytest.fixture(scope="module")
+def shapes2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("shapes2")
+    make_shapes(out, n=120, seed=0, val_fraction=0.1, images=2)
+    return out
+
+
+def multi_args(shapes2, out, *extra):
+    """configs/shapes_multi.py, made tiny: the debug model on its 48 px images."""
+    tiny = "{'vision': {'image_size': 48, 'patch_size': 16}, 'llm': {'vocab_size': 576}, 'image_token_id': 512}"
+    return [str(ROOT / "configs/shapes_multi.py"), f"--data_dir={shapes2 / 'shards'}", "--model=debug",
+            f"--tokenizer={shapes2 / 'tokenizer.model'}", f"--out_dir={out}", f"--model_overrides={tiny}",
+            "--batch_size=8", "--micro_batch_size=8", "--warmup_iters=2", "--lr_decay_iters=8", "--log_interval=1",
+            "--eval_interval=0", "--ckpt_interval=0", "--num_workers=0", *extra]
+
+
+@pytest.mark.slow
+def test_two_image_demo_trains_answers_and_resumes_exactly(shapes2, tmp_path, capsys):
+    """The two-image shapes demo end to end, briefly (in this process): two tile slots a row, no sample dropped or
+    cut, a stop at step 4 and a resume that ends on the weights of a straight run; the held-out pass asks every
+    val question."""
+    train.main(multi_args(shapes2, tmp_path / "straight", "--max_iters=8", "--final_accuracy_samples=12"))
+    out = capsys.readouterr().out
+    assert "held-out exact-match accuracy" in out and "on 12 questions" in out, out[-2000:]
+    truths = [line.rsplit("truth: ", 1)[1] for line in out.splitlines() if "Which image has more circles?" in line]
+    assert len(truths) == 5 and set(truths) <= {"the first", "the second", "neither"}, out[-2000:]  # whole answers
+    events = [json.loads(line) for line in (tmp_path / "straight/log.jsonl").read_text().splitlines()]
+    assert sum(e.get("dropped_samples", 0) for e in events) == 0
+    train.main(multi_args(shapes2, tmp_path / "resumed", "--max_iters=4", "--final_accuracy_samples=0"))
+    train.main(multi_args(shapes2, tmp_path / "resumed", "--max_iters=8", "--init_from=resume",
+                          "--final_accuracy_samples=0"))
+    assert weights(tmp_path / "resumed/step-000008") == weights(tmp_path / "straight/step-000008")
+
+
+def test_tile_settings_that_cannot_work_are_config_errors(shapes, tmp_path):
+    anyres = ("--model_overrides={'vision': {'image_size': 28, 'patch_size': 14}, 'llm': {'vocab_size': 576}, "
+              "'image_token_id': 512, 'anyres': 'anyres', 'grid_pinpoints': [[56, 28], [56, 56]]}")
+    with pytest.raises(SystemExit, match="max_tiles=0, but the model tiles images"):
+        train.main(args(shapes, tmp_path / "a", anyres))
+    with pytest.raises(SystemExit, match="max_tiles=2 is fewer than the 3 tiles"):
+        train.main(args(shapes, tmp_path / "b", anyres, "--max_tiles=2"))
+    with pytest.raises(SystemExit, match="max_tiles must be >= 0"):
+        train.main(args(shapes, tmp_path / "c", "--max_tiles=-1"))

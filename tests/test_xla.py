@@ -11,7 +11,7 @@ import sys
 import pytest
 from conftest import ROOT
 from test_train import args, losses, run
-from xla_runs import PACKED
+from xla_runs import PACKED, tiled
 
 pytestmark = pytest.mark.slow
 REL = 1e-4
@@ -30,6 +30,8 @@ def xla(tmp_path_factory):
         run(args(shapes, cpu[stage], f"--stage={stage}", "--max_iters=5", "--ckpt_interval=0"))
     run(args(shapes, out / "cpu-packed", "--max_iters=5", "--ckpt_interval=0", *PACKED))
     run(args(shapes, out / "cpu-straight", "--max_iters=20", "--ckpt_interval=10", "--keep_last=5"))
+    make_mixed(out / "mixed")
+    run(args(shapes, out / "cpu-tiled", *tiled(out / "mixed")))
     (out / "xla-resume").mkdir()
     shutil.copytree(out / "cpu-straight/step-000010", out / "xla-resume/step-000010")  # the CPU run's checkpoint
     env = os.environ | {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
@@ -41,6 +43,42 @@ def xla(tmp_path_factory):
     # and the CPU side resumes what XLA saved
     run(args(shapes, out / "xla-save", "--max_iters=20", "--ckpt_interval=10", "--init_from=resume"))
     return out, shapes, cpu, results
+
+
+SIZES = [(500, 333), (333, 500), (90, 20), (20, 90), (61, 61), (7, 200), (640, 480), (28, 28)]  # (width, height)
+
+
+def make_mixed(out, n=48):
+    """LLaVA-OneVision-style records, packed: single images whose sizes select each grid of xla_runs.TILED_MODEL
+    (2x2, 1x2, 2x1, 1x1-ish strips, odd sizes), two-image samples and text-only ones, in an order that gives every
+    batch of 8 another mix."""
+    import numpy as np
+    from pack import pack
+    from shapes import NUMBERS, draw_scene
+
+    rng, records = np.random.default_rng(0), []
+    (out / "images").mkdir(parents=True)
+    for i in range(n):
+        kind = ("single", "single", "two", "text")[int(rng.integers(4))]
+        scenes = [draw_scene(rng, 48) for _ in range({"single": 1, "two": 2, "text": 0}[kind])]
+        names = []
+        for j, (img, _) in enumerate(scenes):
+            names.append(f"{i:03d}-{j}.{'jpg' if j else 'png'}")
+            img.resize(SIZES[int(rng.integers(len(SIZES)))]).save(out / "images" / names[-1])
+        circles = [sum(s == "circle" for s, *_ in objects) for _, objects in scenes]
+        if kind == "text":
+            conv = [{"from": "human", "value": "How many sides has a square?"}, {"from": "gpt", "value": "four"}]
+        elif kind == "single":
+            conv = [{"from": "human", "value": "<image>\nHow many circles are there?"},
+                    {"from": "gpt", "value": NUMBERS[circles[0]]}]
+        else:
+            more = "the first" if circles[0] > circles[1] else "the second" if circles[1] > circles[0] else "neither"
+            conv = [{"from": "human", "value": "<image>\n<image>\nWhich image has more circles?"},
+                    {"from": "gpt", "value": more}]
+        records.append({"id": f"mixed-{i}", "image": names, "conversations": conv} if names else
+                       {"id": f"mixed-{i}", "conversations": conv})
+    (out / "mixed.json").write_text(json.dumps(records))
+    pack(out / "mixed.json", out / "images", out / "shards", shard_size=1000, overwrite=True)
 
 
 def close(a, b):
@@ -123,3 +161,24 @@ def test_bad_meshes_are_clear_errors(xla):
     assert "at most one -1" in errors["[-1,-1,1]"]
     assert "[dp, fsdp, tp]" in errors["[1,2]"]
     assert "8 devices" in errors["[2,2,2]"]
+
+
+def test_tiled_steps_compile_once_and_match_cpu_eager(xla):
+    """Batches of single images of many aspect ratios (different grids, OneVision's reduction), two-image samples
+    and text-only rows, in another mix each step: one compiled step, and the CPU eager losses."""
+    import data
+    from model import vlm_preset
+    from xla_runs import TILED_MODEL
+
+    out, shapes, _, results = xla
+    vlm = vlm_preset("debug").with_overrides(TILED_MODEL)
+    stream = data.ShardStream(out / "mixed/shards", shapes / "tokenizer.model", batch_size=8, seq_len=48, image_size=28,
+                              image_token_id=512, n_image_tokens=4, template="llama_3", vlm=vlm, max_tiles=5)
+    batches = [stream.batch(k) for k in range(10)]  # what the 10 steps read
+    tokens = [tuple((b["image_weight"].sum(-1) > 0).sum(-1).tolist()) for b in batches]  # image tokens a row
+    assert len(set(tokens)) == 10 and len({n for t in tokens for n in t}) >= 6, tokens
+    assert not any(b["dropped"].any() for b in batches)
+    compiles, got = results["tiled"]["compiles"], results["tiled"]["losses"]
+    expected = list(losses(out / "cpu-tiled").values())
+    assert len(got) == len(expected) == 10 and all(close(g, e) for g, e in zip(got, expected)), (got, expected)
+    assert compiles[1] == compiles[-1], compiles

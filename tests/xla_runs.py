@@ -21,6 +21,15 @@ from model import build_model, vlm_preset  # noqa: E402
 # checkpointing x packing on one mesh; these runs check five-step losses across meshes)
 STAGE_MESHES = {1: ([4, 1, 1], [1, 2, 2]), 2: ([1, 4, 1], [2, 2, 1])}
 PACKED = ["--pack=2", "--batch_size=4", "--micro_batch_size=4", "--seq_len=96", "--loss_chunk=40"]
+# the tile path: OneVision's anyres_max (with its bilinear reduction at this size: N=2), up to a base view and a 2x2
+# grid a row, on test_xla.py's mixed data (single images of many aspect ratios, two-image and text-only samples)
+TILED_MODEL = {"vision": {"image_size": 28, "patch_size": 14}, "llm": {"vocab_size": 576}, "image_token_id": 512,
+               "anyres": "anyres_max_2", "grid_pinpoints": [[28, 56], [56, 28], [56, 56]]}
+
+
+def tiled(mixed):
+    return [f"--data_dir={mixed / 'shards'}", f"--model_overrides={TILED_MODEL!r}", "--max_tiles=5", "--max_iters=10",
+            "--ckpt_interval=0"]
 
 
 def common(shapes, out):
@@ -76,6 +85,12 @@ def main(shapes, out):
     train.main(common(shapes, d) + ["--max_iters=10", "--ckpt_interval=0", "--mesh=[2,2,1]", "--seq_len=24"])
     results["compiles"] = [e["xla_compiles"] for e in log(d) if "loss" in e]
     results["dropped"] = sum(e.get("dropped_samples", 0) for e in log(d))
+
+    # the tile path: one compiled step whatever a batch's image counts and grids, the CPU eager losses
+    d = out / "xla-tiled"
+    train.main(common(shapes, d) + tiled(out / "mixed") + ["--mesh=[2,2,1]"])
+    results["tiled"] = {"losses": [e["loss"] for e in log(d) if "loss" in e],
+                        "compiles": [e["xla_compiles"] for e in log(d) if "loss" in e]}
 
     # checkpoints: XLA writes step 10 (the CPU side resumes it); XLA resumes the CPU run's step 10 to 20
     train.main(common(shapes, out / "xla-save") + ["--max_iters=10", "--ckpt_interval=10", "--mesh=[1,2,2]"])
