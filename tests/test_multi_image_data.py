@@ -246,6 +246,10 @@ def test_tiled_loader_resumes_at_the_exact_next_batch_and_the_legacy_one_refuses
     again = [b for b, _ in zip(resumed, range(2))]
     for a, b in zip(batches[2:], again):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    short = data.ShardStream(d / "out", tok, vlm=cfg, max_tiles=17, **kw | {"batch_size": len(good), "seq_len": 40})
+    assert short.batch(0)["dropped"].tolist() == [True] * 4 + [False]  # only the text-only sample fits in 40
+    # the 3-image sample and the 13-tile photo: their image tokens would be cut; the others lose their answer
+    assert dict(short.skips.counts) == {"image_beyond_seq_len": 2, "no_supervised_tokens": 2}
     legacy = data.ShardStream(d / "out", tok, **kw | {"batch_size": len(good)})
     legacy.batch(0)
     assert legacy.skips.counts["multi_needs_max_tiles"] == 2 and legacy.skips.counts["video_needs_max_tiles"] == 1
@@ -417,3 +421,38 @@ def test_audit_counts_what_the_tiled_and_the_one_image_loaders_would_drop(multi_
     assert "kept: 4" in tiled.getvalue() and "dropped, too_many_tiles: 1" in tiled.getvalue()
     assert "dropped, multi_needs_max_tiles: 2" in single.getvalue()
     assert "dropped, video_needs_max_tiles: 1" in single.getvalue() and "kept: 2" in single.getvalue()
+
+
+def test_llava_next_rows_hold_the_prompts_and_tiles_llava_next_processor_gives(tmp_path):
+    """LLaVA-NeXT tiles every image, one of several too: two grids in one row (CLIP 336, v1.6 pinpoints)."""
+    from transformers import LlavaNextProcessor, PreTrainedTokenizerFast
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    tok = chat_tokenizer(tmp_path / "tok")
+    hf_tok = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tok/tokenizer.json"))
+    processor = LlavaNextProcessor(
+        image_processor=LlavaNextImageProcessorPil(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336},
+                                                   image_grid_pinpoints=NEXT_PINPOINTS),
+        tokenizer=hf_tok, patch_size=14, vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    imgs = tmp_path / "images"
+    imgs.mkdir()
+    photo(640, 480, seed=1).save(imgs / "a.jpg")
+    photo(333, 500, seed=2).save(imgs / "b.png")
+    rec = {"id": "two", "image": ["a.jpg", "b.png"], "conversations": conv("<image> and <image>: which has more?")}
+    (tmp_path / "d.json").write_text(json.dumps([rec]))
+    pack.pack(tmp_path / "d.json", imgs, tmp_path / "out")
+    cfg = next_config(image_token_id=tok.specials["<image>"])
+    stream = data.ShardStream(tmp_path / "out", tok, batch_size=1, seq_len=4000, image_size=336,
+                              image_token_id=cfg.image_token_id, n_image_tokens=cfg.n_image_tokens, template="chatml",
+                              vlm=cfg, max_tiles=8, image_mean=cfg.vision.image_stats[0])
+    b = stream.batch(0)
+    prompt = "".join(text for text, _ in data.render("chatml", rec["conversations"], tok))
+    pictures = [np.asarray(Image.open(imgs / n).convert("RGB")) for n in rec["image"]]
+    ref = processor(text=[prompt], images=pictures)
+    want = list(ref["input_ids"][0])
+    assert b["input_ids"][0, : len(want)].tolist() == want and len(want) > 2340  # 480 x 640 alone takes 2340
+    # the processor zero-pads each image's tiles to the batch's most: keep each image's own (480 x 640: base + 2x2,
+    # 500 x 333: base + 2x1)
+    tiles = torch.cat([torch.as_tensor(np.asarray(ref["pixel_values"][0]))[:5],
+                       torch.as_tensor(np.asarray(ref["pixel_values"][1]))[:3]])
+    assert (b["pixel_values"][0].float() - levels(tiles, cfg.vision.image_stats)).abs().max() <= 1
