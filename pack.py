@@ -5,7 +5,8 @@ The writing side of llavax's data: LLaVA JSON/JSONL + images -> tar shards with 
     python data.py audit SHARDS|JSON [--images DIR] [--config configs/x.py] [--hf-tokenizer DIR] [--sheet sheet.png]
 
 A sample is KEY.jpg (image), KEY.txt (first answer) and KEY.json ({"question", "conversations", "id"}),
-the layout of Megatron-Energon's VQA datasets; .nv-meta/ and SHARD.tar.idx are written too, so
+the layout of Megatron-Energon's VQA datasets (several images: KEY.0.jpg, KEY.1.png... in tag order; a video's
+frames: KEY.f0.jpg, KEY.f1.jpg...); .nv-meta/ and SHARD.tar.idx are written too, so
 `energon` reads the folder with no prepare step and webdataset reads the tars as they are.
 data.py reads the shards back.
 """
