@@ -714,6 +714,21 @@ def test_anyres_export_processor_counts_and_logits_match_ours(anyres_exports, ki
             mine = ours(inputs.input_ids, inputs.pixel_values, image_index=image_index[None],
                         image_weight=image_weight[None])[0]
         assert (mine - expect).abs().max() <= 1e-4, size
+    if kind == "llava_onevision":  # two images in one prompt: OneVision's one view and a newline each
+        images = [Image.open(io.BytesIO(photo(500, 333))), Image.open(io.BytesIO(photo(40, 300, seed=1)))]
+        prompt = processor.tokenizer.apply_chat_template(
+            [{"role": "user", "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Which?"}]}],
+            chat_template=template, tokenize=False, add_generation_prompt=True)
+        inputs = processor(text=prompt, images=[images], return_tensors="pt")
+        layouts = [image_layout(cfg, 333, 500, "multi"), image_layout(cfg, 300, 40, "multi")]
+        assert int((inputs.input_ids == cfg.image_token_id).sum()) == sum(len(index) for _, index, _ in layouts)
+        assert inputs.pixel_values.shape[:2] == (2, 1)  # (images, views)
+        with torch.no_grad():
+            expect = hf(**inputs).logits
+            image_index, image_weight = place_images(inputs.input_ids[0], layouts, cfg)
+            mine = ours(inputs.input_ids, inputs.pixel_values.transpose(0, 1), image_index=image_index[None],
+                        image_weight=image_weight[None])[0]
+        assert (mine - expect).abs().max() <= 1e-4
 
 
 def test_anyres_subcommand_adds_tiling_and_a_newline_hf_loads(our_ckpt, tmp_path):
