@@ -178,6 +178,7 @@ def test_tiled_steps_compile_once_and_match_cpu_eager(xla):
     tokens = [tuple((b["image_weight"].sum(-1) > 0).sum(-1).tolist()) for b in batches]  # image tokens a row
     assert len(set(tokens)) == 10 and len({n for t in tokens for n in t}) >= 6, tokens
     assert not any(b["dropped"].any() for b in batches)
+    assert max(int((b["image_weight"] > 0).sum(-1).max()) for b in batches) == 4  # bilinear reduction taps in use
     compiles, got = results["tiled"]["compiles"], results["tiled"]["losses"]
     expected = list(losses(out / "cpu-tiled").values())
     assert len(got) == len(expected) == 10 and all(close(g, e) for g, e in zip(got, expected)), (got, expected)
