@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import forkserver
 import pytest
 import torch
 from conftest import ROOT
@@ -47,7 +48,10 @@ def run(argv, nproc=1, check=True, **kw):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
                "127.0.0.1", "--master_port", str(free_port()), str(ROOT / "train.py"), *argv]
     env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300, **kw)
+    if nproc == 1 and not kw:  # a real process, forked after the imports (tests/forkserver.py)
+        r = forkserver.run(cmd, env, cwd=ROOT, timeout=300)
+    else:
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300, **kw)
     if check and r.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     return r
