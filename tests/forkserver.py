@@ -1,5 +1,6 @@
-"""Run our command lines (python train.py ..., sample.py, convert.py) as real processes, forked from one that has
-already imported torch: each `python train.py` of the tests spent ~4.5 s of its ~7 s importing, on one core.
+"""Run our command lines (python train.py, sample.py, convert.py, -m torch.distributed.run, -c CODE) as real
+processes, forked from one that has already imported torch: each `python train.py` of the tests spent ~4.5 s of its
+~7 s importing, on one core. (torchrun's workers are its own cold starts.)
 
 The child is a real process: its own pid, the given argv, environment and working directory, fds 1 and 2 to files,
 the script run as __main__ by runpy, and an uncaught exception or SystemExit ends it as the interpreter ends any
@@ -35,9 +36,16 @@ def child(job, reply_fd):
     for fd, path in ((1, job["stdout"]), (2, job["stderr"])):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
     signal.alarm(int(job["timeout"]))  # a hung run dies with SIGALRM (status -14) instead of hanging the suite
-    sys.argv = list(job["argv"])
-    sys.path[:] = [str(Path(sys.argv[0]).resolve().parent), *PATH]
-    runpy.run_path(sys.argv[0], run_name="__main__")
+    argv = job["argv"]
+    if argv[0] == "-m":  # python -m module args: sys.argv[0] becomes the module's file, sys.path[0] the cwd
+        sys.argv, sys.path[:] = [argv[1], *argv[2:]], [job["cwd"], *PATH]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    elif argv[0] == "-c":  # python -c code args
+        sys.argv, sys.path[:] = ["-c", *argv[2:]], ["", *PATH]
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    else:
+        sys.argv, sys.path[:] = list(argv), [str(Path(argv[0]).resolve().parent), *PATH]
+        runpy.run_path(argv[0], run_name="__main__")
 
 
 def serve():
@@ -80,8 +88,8 @@ def stop(server):
 
 
 def run_many(cmds, env, cwd=ROOT, timeout=300, parallel=1):
-    """Run each cmd ([sys.executable, script, *args]) in a child of the server, `parallel` at a time; a list of
-    subprocess.CompletedProcess (text stdout and stderr), as subprocess.run(..., capture_output=True) returns."""
+    """Run each cmd ([sys.executable, script | -m module | -c code, *args]) in a child of the server, `parallel` at a
+    time; a list of subprocess.CompletedProcess (text stdout, stderr) as subprocess.run(..., capture_output=True) gives."""
     global _server
     if env.get("OMP_NUM_THREADS") != "1":
         raise ValueError("the fork server's children run torch with one thread: pass OMP_NUM_THREADS=1")
