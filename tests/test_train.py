@@ -290,9 +290,9 @@ def test_shipped_configs_parse(name):
 
 
 def bench(*extra, size=("--size", "debug")):
-    r = subprocess.run([sys.executable, str(ROOT / "bench.py"), "train", *size, "--peer", "hf", "--steps", "2",
+    r = forkserver.run([sys.executable, str(ROOT / "bench.py"), "train", *size, "--peer", "hf", "--steps", "2",
                         "--warmup", "1", "--rounds", "1", "--dtype", "float32", "--device", "cpu", *extra],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+                       os.environ | {"OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -313,8 +313,8 @@ def test_bench_runs_ours_against_transformers_on_cpu():
 
 
 def test_bench_data_runs_both_pipelines(tmp_path):
-    r = subprocess.run([sys.executable, str(ROOT / "bench.py"), "data", "--workdir", str(tmp_path), "--n", "12"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    r = forkserver.run([sys.executable, str(ROOT / "bench.py"), "data", "--workdir", str(tmp_path), "--n", "12"],
+                       os.environ | {"OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     assert "llavax" in r.stdout and "webdataset+PIL" in r.stdout and "ratio" in r.stdout
 
