@@ -81,8 +81,11 @@ def wait_for_background(name, timeout):
 
 @pytest.fixture(scope="session", autouse=True)
 def background(request, tmp_path_factory):
-    """Each collected module that has start_background(tmp_path_factory) starts it now; what is still running at the
-    end of the session (an early failure, -x) is killed."""
+    """Each collected module that has start_background(tmp_path_factory) starts it now, and so does the fork server
+    of the command-line tests (tests/forkserver.py) if they import it; what is still running at the end of the
+    session (an early failure, -x) is killed."""
+    if "forkserver" in sys.modules:
+        sys.modules["forkserver"].start()
     for module in {item.module for item in request.session.items if item.module is not None}:
         if hasattr(module, "start_background") and module.__name__ not in BACKGROUND:
             module.start_background(tmp_path_factory)

@@ -82,6 +82,15 @@ def serve():
 _server = None
 
 
+def start():
+    """Start the server (its imports take a few seconds; tests/conftest.py starts it with the session)."""
+    global _server
+    if _server is None or _server.poll() is not None:
+        _server = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   text=True, cwd=ROOT, env=os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+        atexit.register(stop, _server)
+
+
 def stop(server):
     server.stdin.close()  # the server ends at EOF; waited for, so that its CPU time counts as ours
     server.wait(timeout=60)
@@ -90,13 +99,9 @@ def stop(server):
 def run_many(cmds, env, cwd=ROOT, timeout=300, parallel=1):
     """Run each cmd ([sys.executable, script | -m module | -c code, *args]) in a child of the server, `parallel` at a
     time; a list of subprocess.CompletedProcess (text stdout, stderr) as subprocess.run(..., capture_output=True) gives."""
-    global _server
     if env.get("OMP_NUM_THREADS") != "1":
         raise ValueError("the fork server's children run torch with one thread: pass OMP_NUM_THREADS=1")
-    if _server is None or _server.poll() is not None:
-        _server = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                   text=True, cwd=ROOT, env=os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-        atexit.register(stop, _server)
+    start()
     tmp = Path(tempfile.mkdtemp(prefix="forkserver-"))
     jobs = [{"argv": [str(a) for a in cmd[1:]], "env": dict(env), "cwd": str(cwd), "stdout": str(tmp / f"{i}.out"),
              "stderr": str(tmp / f"{i}.err"), "timeout": timeout} for i, cmd in enumerate(cmds)]
