@@ -1,4 +1,5 @@
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -50,3 +51,46 @@ def hf_llava_dir(tmp_path):
     model = tiny_hf_llava()
     model.save_pretrained(tmp_path / "hf")
     return model, tmp_path / "hf"
+
+
+# -----------------------------------------------------------------------------
+# long self-contained subprocesses (the XLA gradient matrix and compiled-program audit) start with the session, at
+# low priority, on the core that the mostly one-process-at-a-time rest of the suite leaves idle; their fixtures wait
+
+BACKGROUND = {}  # module name -> (Popen, folder holding its log.txt)
+
+
+def start_in_background(name, cmd, env, folder):
+    """Popen cmd at nice 10, its stdout and stderr to folder/log.txt, for the test module `name` to wait for."""
+    log = open(folder / "log.txt", "w")  # noqa: SIM115  the child holds it
+    BACKGROUND[name] = (subprocess.Popen(["nice", "-n", "10", *map(str, cmd)], stdout=log, stderr=subprocess.STDOUT,
+                                         env=env, cwd=ROOT), folder)
+    log.close()
+
+
+def wait_for_background(name, timeout):
+    proc, folder = BACKGROUND[name]
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 0, (folder / "log.txt").read_text()[-8000:]
+    return folder
+
+
+@pytest.fixture(scope="session", autouse=True)
+def background(request, tmp_path_factory):
+    """Each collected module that has start_background(tmp_path_factory) starts it now, and so does the fork server
+    of the command-line tests (tests/forkserver.py) if they import it; what is still running at the end of the
+    session (an early failure, -x) is killed."""
+    if "forkserver" in sys.modules:
+        sys.modules["forkserver"].start()
+    for module in {item.module for item in request.session.items if item.module is not None}:
+        if hasattr(module, "start_background") and module.__name__ not in BACKGROUND:
+            module.start_background(tmp_path_factory)
+    yield
+    for proc, _ in BACKGROUND.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

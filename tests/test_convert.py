@@ -2,9 +2,10 @@
 
 import json
 import re
-import subprocess
+import os
 import sys
 
+import forkserver
 import pytest
 import torch
 from conftest import ROOT, image_batch, tiny_hf_llava
@@ -41,9 +42,10 @@ def test_round_trip_hf_ours_hf(tmp_path, layout):
 
     hf = tiny_hf_llava()
     write_layout(hf, tmp_path / "src", layout)
-    cmd = [sys.executable, str(ROOT / "convert.py")]
-    subprocess.run(cmd + ["from-hf", "--llava", str(tmp_path / "src"), "--out", str(tmp_path / "ours")], check=True)
-    subprocess.run(cmd + ["to-hf", "--ckpt", str(tmp_path / "ours"), "--out", str(tmp_path / "back")], check=True)
+    cmd, env = [sys.executable, str(ROOT / "convert.py")], os.environ | {"OMP_NUM_THREADS": "1"}
+    for r in forkserver.run_many([cmd + ["from-hf", "--llava", str(tmp_path / "src"), "--out", str(tmp_path / "ours")],
+                                  cmd + ["to-hf", "--ckpt", str(tmp_path / "ours"), "--out", str(tmp_path / "back")]], env):
+        assert r.returncode == 0, r.stderr[-3000:]
     assert any(k.startswith("vision_tower.vision_model.") for k in load_file(tmp_path / "back/model.safetensors"))
     back, info = LlavaForConditionalGeneration.from_pretrained(tmp_path / "back", output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
@@ -201,8 +203,8 @@ def test_truncated_safetensors_is_a_clear_error(our_ckpt):
     path = our_ckpt / "model.safetensors"
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
-    result = subprocess.run([sys.executable, str(ROOT / "convert.py"), "to-hf", "--ckpt", str(our_ckpt),
-                             "--out", str(our_ckpt.parent / "hf")], capture_output=True, text=True)
+    result = forkserver.run([sys.executable, str(ROOT / "convert.py"), "to-hf", "--ckpt", str(our_ckpt),
+                             "--out", str(our_ckpt.parent / "hf")], os.environ | {"OMP_NUM_THREADS": "1"})
     assert result.returncode != 0
     assert "model.safetensors: not a readable safetensors file" in result.stderr and "truncated" in result.stderr
     assert "Traceback" not in result.stderr

@@ -3,9 +3,11 @@
 import hashlib
 import io
 import json
+import os
 import subprocess
 import sys
 
+import forkserver
 import numpy as np
 import pytest
 import torch
@@ -74,8 +76,8 @@ def test_bad_records_are_counted_by_reason_and_no_good_record_is_lost(packed):
 
 def test_strict_exits_nonzero_and_summary_names_ids(llava_json, tmp_path):
     d, _ = llava_json
-    r = subprocess.run([sys.executable, str(ROOT / "data.py"), "pack", "--json", str(d / "data.jsonl"), "--images",
-                        str(d / "images"), "--out", str(tmp_path / "s"), "--strict"], capture_output=True, text=True)
+    r = forkserver.run([sys.executable, str(ROOT / "data.py"), "pack", "--json", str(d / "data.jsonl"), "--images",
+                        str(d / "images"), "--out", str(tmp_path / "s"), "--strict"], os.environ | {"OMP_NUM_THREADS": "1"})
     assert r.returncode != 0
     assert "corrupt_image: 1 (first: corrupt)" in r.stderr and "--strict" in r.stderr
 

@@ -8,8 +8,8 @@ import shutil
 import struct
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
+import forkserver
 import pytest
 import torch
 from conftest import ROOT
@@ -231,19 +231,18 @@ CASES = list(cases(*(ROOT,) * 3))
 
 @pytest.fixture(scope="module")
 def bad_runs(shapes, base, bad_inputs):  # noqa: F811
-    """Every case's (returncode, stderr) and whether the good run's files stayed as they were: two at a time, since
-    each start is mostly importing torch on one core."""
+    """Every case's (returncode, stderr) and whether the good run's files stayed as they were. The python command
+    lines run two at a time as processes forked after the imports (tests/forkserver.py): each start was mostly
+    importing torch on one core."""
     before = sorted(p.name for p in base.iterdir())
     env = os.environ | {"OMP_NUM_THREADS": "1", "NPROC_PER_NODE": "abc"}
-
-    def one(case):
-        argv, _ = cases(shapes, base, bad_inputs)[case]
-        cmd = ["bash", str(ROOT / argv[0]), *argv[1:]] if argv[0].endswith(".sh") else \
-            [sys.executable, str(ROOT / argv[0]), *argv[1:]]
-        return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
-
-    with ThreadPoolExecutor(2) as pool:
-        results = dict(zip(CASES, pool.map(one, CASES)))
+    argvs = {case: cases(shapes, base, bad_inputs)[case][0] for case in CASES}
+    python = [case for case in CASES if argvs[case][0].endswith(".py")]
+    results = dict(zip(python, forkserver.run_many([[sys.executable, ROOT / argvs[c][0], *argvs[c][1:]] for c in python],
+                                                   env, cwd=ROOT, parallel=2)))
+    for case in set(CASES) - set(python):
+        results[case] = subprocess.run(["bash", ROOT / argvs[case][0], *argvs[case][1:]], capture_output=True, text=True,
+                                       env=env, cwd=ROOT, timeout=300)
     return results, sorted(p.name for p in base.iterdir()) == before
 
 

@@ -7,11 +7,10 @@ followed by a slice into a reduce-scatter (TPU's has). Known gathers left are xf
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, start_in_background, wait_for_background
 from xla_audit import ROWS, SEQ, VIT_TOKENS
 
 pytestmark = pytest.mark.slow
@@ -19,17 +18,19 @@ MESHES = ["1,8,1", "2,4,1", "1,4,2"]
 CPU_PIPELINE = "XLA's CPU pipeline has no all-reduce + dynamic-slice -> reduce-scatter rewrite (TPU's has)"
 
 
-@pytest.fixture(scope="module")
-def audit(tmp_path_factory):
+def start_background(tmp_path_factory):  # at the start of the session (tests/conftest.py)
     out = tmp_path_factory.mktemp("audit")
     env = os.environ | {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8", "OMP_NUM_THREADS": "1",
                         # level 0: faster CPU codegen; the HLO passes, collectives and buffer assignment are the same
                         "XLA_FLAGS": f"--xla_dump_to={out / 'dump'} --xla_dump_hlo_as_text "
                                      "--xla_backend_optimization_level=0"}
-    r = subprocess.run([sys.executable, str(ROOT / "tests/xla_audit.py"), str(out / "dump"), str(out / "audit.json"),
-                        *MESHES, "fsdpv2"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=1800)
-    assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
-    return json.loads((out / "audit.json").read_text())
+    start_in_background(__name__, [sys.executable, ROOT / "tests/xla_audit.py", out / "dump", out / "audit.json",
+                                   *MESHES, "fsdpv2"], env, out)
+
+
+@pytest.fixture(scope="module")
+def audit():
+    return json.loads((wait_for_background(__name__, timeout=1800) / "audit.json").read_text())
 
 
 def activation_gathers(result, batch=(ROWS, ROWS * SEQ, ROWS * VIT_TOKENS)):

@@ -3,12 +3,11 @@ CPU eager, for stage x dtype x activation checkpointing x packing (tests/xla_gra
 
 import itertools
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, start_in_background, wait_for_background
 from shapes import make_shapes
 
 pytestmark = pytest.mark.slow
@@ -19,17 +18,17 @@ RTOL = {"float32": 2e-4, "bfloat16": 6e-2}
 ATOL = {"float32": 1e-6, "bfloat16": 1e-3}
 
 
-@pytest.fixture(scope="module")
-def grads(tmp_path_factory):
+def start_background(tmp_path_factory):  # at the start of the session (tests/conftest.py)
     shapes = tmp_path_factory.mktemp("grad_shapes")
     make_shapes(shapes, n=40, seed=1, val_fraction=0.1)
-    out = shapes / "grads.pt"
     env = os.environ | {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "OMP_NUM_THREADS": "1",
                         "XLA_FLAGS": "--xla_backend_optimization_level=0"}  # compiles faster; results unchanged
-    r = subprocess.run([sys.executable, str(ROOT / "tests/xla_grads.py"), str(shapes), str(out)], capture_output=True,
-                       text=True, env=env, cwd=ROOT, timeout=1800)
-    assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
-    return torch.load(out)
+    start_in_background(__name__, [sys.executable, ROOT / "tests/xla_grads.py", shapes, shapes / "grads.pt"], env, shapes)
+
+
+@pytest.fixture(scope="module")
+def grads():
+    return torch.load(wait_for_background(__name__, timeout=1800) / "grads.pt")
 
 
 @pytest.mark.parametrize("stage,dtype,checkpointing,packed", COMBOS)

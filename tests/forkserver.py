@@ -1,0 +1,129 @@
+"""Run our command lines (python train.py, sample.py, convert.py, -m torch.distributed.run, -c CODE) as real
+processes, forked from one that has already imported torch: each `python train.py` of the tests spent ~4.5 s of its
+~7 s importing, on one core. (torchrun's workers are its own cold starts.)
+
+The child is a real process: its own pid, the given argv, environment and working directory, fds 1 and 2 to files,
+the script run as __main__ by runpy, and an uncaught exception or SystemExit ends it as the interpreter ends any
+script (a traceback or the message on stderr, the exit status). What it shares with its parent is only the state
+after the imports (torch's thread count included: the server runs with OMP_NUM_THREADS=1, as the tests' runs do).
+An import-time failure of a script would not show here: tests/test_train.py's other launches start it cold.
+
+Protocol: one JSON line a request on stdin ({"jobs": [{argv, env, cwd, stdout, stderr, timeout}], "parallel": n}),
+one JSON line of exit statuses back on stdout, in job order."""
+
+import atexit
+import gc
+import json
+import os
+import runpy
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PATH = sys.path[1:]  # as `python script.py` has it, after the script's own folder
+
+
+def child(job, reply_fd):
+    os.chdir(job["cwd"])
+    os.environ.clear()
+    os.environ.update(job["env"])
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, reply_fd):  # the child reads nothing, and cannot write into the replies
+        os.dup2(null, fd)
+    for fd, path in ((1, job["stdout"]), (2, job["stderr"])):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+    signal.alarm(int(job["timeout"]))  # a hung run dies with SIGALRM (status -14) instead of hanging the suite
+    argv = job["argv"]
+    if argv[0] == "-m":  # python -m module args: sys.argv[0] becomes the module's file, sys.path[0] the cwd
+        sys.argv, sys.path[:] = [argv[1], *argv[2:]], [job["cwd"], *PATH]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    elif argv[0] == "-c":  # python -c code args
+        sys.argv, sys.path[:] = ["-c", *argv[2:]], ["", *PATH]
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    else:
+        sys.argv, sys.path[:] = list(argv), [str(Path(argv[0]).resolve().parent), *PATH]
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+def serve():
+    sys.path.insert(0, str(ROOT))
+    import sentencepiece  # noqa: F401  what train.py, sample.py and convert.py import at start or first use
+    import convert  # noqa: F401
+    import sample  # noqa: F401
+    import train  # noqa: F401
+
+    gc.freeze()  # the imports stay out of the children's garbage collections: fewer copy-on-write pages
+
+    reply = os.fdopen(os.dup(1), "w")
+    for line in sys.stdin:
+        request = json.loads(line)
+        jobs, running, status = request["jobs"], {}, {}
+        for i, job in enumerate(jobs):
+            while len(running) >= request["parallel"]:
+                pid, code = os.wait()
+                status[running.pop(pid)] = os.waitstatus_to_exitcode(code)
+            reply.flush()
+            pid = os.fork()
+            if pid == 0:
+                child(job, reply.fileno())
+                sys.exit(0)  # the script returned: exit as the interpreter does (atexit handlers, flushed streams)
+            running[pid] = i
+        while running:
+            pid, code = os.wait()
+            status[running.pop(pid)] = os.waitstatus_to_exitcode(code)
+        reply.write(json.dumps([status[i] for i in range(len(jobs))]) + "\n")
+        reply.flush()
+
+
+# -----------------------------------------------------------------------------
+# the client side, in the pytest process
+
+_server = None
+
+
+def start():
+    """Start the server (its imports take a few seconds; tests/conftest.py starts it with the session)."""
+    global _server
+    if _server is None or _server.poll() is not None:
+        _server = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   text=True, cwd=ROOT, env=os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+        atexit.register(stop, _server)
+
+
+def stop(server):
+    server.stdin.close()  # the server ends at EOF; waited for, so that its CPU time counts as ours
+    server.wait(timeout=60)
+
+
+def run_many(cmds, env, cwd=ROOT, timeout=300, parallel=1):
+    """Run each cmd ([sys.executable, script | -m module | -c code, *args]) in a child of the server, `parallel` at a
+    time; a list of subprocess.CompletedProcess (text stdout, stderr) as subprocess.run(..., capture_output=True) gives."""
+    if env.get("OMP_NUM_THREADS") != "1":
+        raise ValueError("the fork server's children run torch with one thread: pass OMP_NUM_THREADS=1")
+    start()
+    tmp = Path(tempfile.mkdtemp(prefix="forkserver-"))
+    jobs = [{"argv": [str(a) for a in cmd[1:]], "env": dict(env), "cwd": str(cwd), "stdout": str(tmp / f"{i}.out"),
+             "stderr": str(tmp / f"{i}.err"), "timeout": timeout} for i, cmd in enumerate(cmds)]
+    assert all(cmd[0] == sys.executable for cmd in cmds), cmds
+    _server.stdin.write(json.dumps({"jobs": jobs, "parallel": parallel}) + "\n")
+    _server.stdin.flush()
+    line = _server.stdout.readline()
+    if not line:
+        raise RuntimeError(f"tests/forkserver.py died (exit status {_server.wait()})")
+    results = [subprocess.CompletedProcess(cmd, code, Path(job["stdout"]).read_text(errors="replace"),
+                                           Path(job["stderr"]).read_text(errors="replace"))
+               for cmd, job, code in zip(cmds, jobs, json.loads(line))]
+    shutil.rmtree(tmp, ignore_errors=True)
+    return results
+
+
+def run(cmd, env, cwd=ROOT, timeout=300):
+    return run_many([cmd], env, cwd, timeout)[0]
+
+
+if __name__ == "__main__":
+    serve()
