@@ -840,6 +840,12 @@ class VLM(nn.Module):
         return torch.stack(out, dim=1)
 
 
+def param_group(name):
+    """The part a parameter trains with: "vision", "projector" or "llm". image_newline goes with the LLM, as
+    LLaVA-NeXT's train.py unfreezes it (mm_tunable_parts "mm_language_model": all but vision tower and projector)."""
+    return "llm" if name == "image_newline" else name.split(".")[0]
+
+
 def left_pad(prompts, pad_id=0):
     """Token id lists of different lengths -> input_ids (B, T) padded on the left and attention_mask (B, T)."""
     T = max(len(p) for p in prompts)
