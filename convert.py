@@ -2,10 +2,11 @@
 Weights in and out of llavax: Hugging Face LLaVA / LLaMA / CLIP, original haotian-liu/LLaVA,
 and our checkpoint directory (model.safetensors + config.json).
 
-    python convert.py from-hf --llava HF_DIR --out CKPT_DIR
+    python convert.py from-hf --llava HF_DIR --out CKPT_DIR    # model_type llava, llava_next or llava_onevision
     python convert.py from-hf --llm LLAMA_DIR --vision CLIP_DIR --out CKPT_DIR [--projector mlp2x_gelu] [--vision-layer -2]
     python convert.py from-llava --llava DIR --vision CLIP_DIR [--llm LLAMA_DIR] --out CKPT_DIR
     python convert.py to-hf --ckpt CKPT_DIR --out HF_DIR
+    python convert.py anyres --ckpt CKPT_DIR --preset llava-next-vicuna-7b --out CKPT_DIR   # tile images from here on
 
 Every conversion goes through an explicit table (our name -> their name). Every source key
 must be consumed and every shape must match, or ConversionError lists what did not.
@@ -13,34 +14,24 @@ must be consumed and every shape must match, or ConversionError lists what did n
 
 import argparse
 import json
-import os
 import re
 import shutil
-import struct
 import sys
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-from tqdm import tqdm
 
-from model import VIT_ACTIVATIONS, VLM, LlamaConfig, Projector, ViTConfig, VLMConfig, build_model, projector_depth
+from hf_config import (HF_ARCHITECTURES, anyres_from_hf, hf_model_type, llama_config, llava_hf_config,
+                       read_json, vit_config)
+from model import VLM, LlamaConfig, Projector, ViTConfig, VLMConfig, build_model, projector_depth, vlm_preset
 from processor import PROCESSOR_FILES, TEMPLATE_NAMES, ExportError, add_image_token_to_tokenizer, write_processor
+from weight_files import (SHARD_BYTES, ConversionError, read_weights, say, write_dir, write_safetensors,  # noqa: F401
+                          write_weights)  # write_safetensors: checkpoint.py and tests call it as convert.write_safetensors
 
 # tokenizer and processor files travel with the weights (from-hf carries an HF directory's through to ours)
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
                    "processor_config.json")
-SHARD_BYTES = 5 * 2**30  # shard above this, like HF's default max_shard_size
-PROGRESS_BYTES = 2**30  # show a progress bar for reads and writes larger than this
-
-
-class ConversionError(ValueError):
-    pass
-
-
-def say(msg):
-    print(f"convert: {msg}", file=sys.stderr)
 
 
 # -----------------------------------------------------------------------------
@@ -83,11 +74,15 @@ def llama_table(cfg: LlamaConfig, prefix, head):
 
 
 def llava_table(cfg: VLMConfig):
-    """The HF hub layout (llava-hf/*): the one we write and the one other layouts are renamed to."""
+    """The HF hub layout (llava-hf/*): the one we write and the one other layouts are renamed to. LLaVA-NeXT and
+    OneVision add the newline embedding at the top level."""
     if cfg.projector != "mlp2x_gelu":
-        raise ConversionError(f"HF LlavaForConditionalGeneration holds only mlp2x_gelu projectors, not {cfg.projector!r}")
+        raise ConversionError(f"HF {HF_ARCHITECTURES[hf_model_type(cfg)]} holds only mlp2x_gelu projectors, "
+                              f"not {cfg.projector!r}")
     t = vit_table(cfg.vision, "vision_tower.vision_model.")
     t |= {f"projector.fc.{i}.{p}": f"multi_modal_projector.linear_{i + 1}.{p}" for i in range(2) for p in ("weight", "bias")}
+    if "image_newline" in expected_shapes(cfg):
+        t["image_newline"] = "image_newline"
     return t | llama_table(cfg.llm, "language_model.model.", "language_model.lm_head.weight")
 
 
@@ -163,126 +158,13 @@ def check_complete(state, cfg, what):
 
 
 # -----------------------------------------------------------------------------
-# reading and writing weight files
-
-
-def weight_files(directory):
-    d = Path(directory)
-    if not d.is_dir():
-        raise ConversionError(f"{d}: not a directory")
-    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        if (d / index).exists():
-            return [d / f for f in sorted(set(json.loads((d / index).read_text())["weight_map"].values()))]
-    # model*.safetensors first: a training checkpoint also holds optimizer.safetensors and rng.safetensors
-    files = sorted(d.glob("model*.safetensors")) or sorted(d.glob("*.safetensors")) or \
-        sorted(d.glob("pytorch_model*.bin")) or sorted(d.glob("mm_projector.bin"))
-    if not files:
-        raise ConversionError(f"{d}: no *.safetensors, pytorch_model*.bin or mm_projector.bin weights found")
-    return files
-
-
-def read_weights(directory):
-    files = weight_files(directory)
-    total = sum(f.stat().st_size for f in files if f.exists())
-    state = {}
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"reading {directory}", disable=total < PROGRESS_BYTES) as bar:
-        for f in files:
-            if not f.exists():
-                raise ConversionError(f"{f}: listed in the index but missing")
-            if f.suffix == ".bin":
-                # a pickle: weights_only=True refuses anything but tensors and plain containers
-                say(f"{f} is a pickle; loading it with torch.load(weights_only=True)")
-                try:
-                    state |= torch.load(f, map_location="cpu", weights_only=True)
-                except Exception as e:
-                    raise ConversionError(f"{f}: cannot load as a weights-only torch file ({e})") from None
-            else:
-                try:
-                    with safe_open(f, framework="pt") as sf:
-                        state |= {k: sf.get_tensor(k) for k in sf.keys()}
-                except (SafetensorError, OSError, RuntimeError) as e:
-                    raise ConversionError(f"{f}: not a readable safetensors file ({e}); "
-                                          "it may be truncated by an interrupted download or copy") from None
-            bar.update(f.stat().st_size)
-    return state
-
-
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-                      torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
-
-
-def write_safetensors(tensors, path, metadata=None):
-    """A safetensors file written one tensor at a time: the header comes from shapes alone, then each tensor is
-    fetched to the host and written. Tensors may live on any device (sharded XLA tensors are gathered one by one),
-    so the host never holds more than one of them."""
-    header, offset = {"__metadata__": metadata or {"format": "pt"}}, 0
-    for k, t in tensors.items():
-        n = t.numel() * t.element_size()
-        header[k] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        for t in tensors.values():
-            f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-
-
-def write_weights(state, directory, prefix="model", shard_bytes=SHARD_BYTES):
-    """One file, or HF-style shards plus `{prefix}.safetensors.index.json` when larger than shard_bytes."""
-    shards, size = [[]], 0
-    for k, t in state.items():
-        n = t.numel() * t.element_size()
-        if shards[-1] and size + n > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(k)
-        size += n
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    names = [f"{prefix}.safetensors"] if len(shards) == 1 else \
-        [f"{prefix}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for name, keys in tqdm(list(zip(names, shards)), desc=f"writing {directory}", disable=total < PROGRESS_BYTES):
-        write_safetensors({k: state[k] for k in keys}, os.path.join(directory, name))
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": {k: n for n, ks in zip(names, shards) for k in ks}}
-        Path(directory, f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2))
-
-
-def write_dir(out, fill, overwrite=False):
-    """Run fill(tmp_dir) and rename tmp_dir to `out` only when complete, so no half-written `out` exists."""
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise ConversionError(f"{out}: already exists; refusing to overwrite it (choose another --out)")
-    for stale in out.parent.glob(f".{out.name}.tmp-*"):  # left by a killed write to the same `out`
-        pid = stale.name.rsplit("-", 1)[1]
-        if pid.isdigit() and Path("/proc/self").exists() and not Path(f"/proc/{pid}").exists():
-            say(f"removing {stale}, left by a write that was killed")
-            shutil.rmtree(stale, ignore_errors=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        fill(tmp)
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+# our checkpoint directory (tokenizer files travel with the weights)
 
 
 def copy_tokenizer(src, dst):
     for name in TOKENIZER_FILES:
         if src and Path(src, name).exists():
             shutil.copy(Path(src, name), Path(dst, name))
-
-
-# -----------------------------------------------------------------------------
-# our checkpoint directory
 
 
 def save_checkpoint(state, cfg: VLMConfig, out, tokenizer_dir=None, overwrite=False, shard_bytes=SHARD_BYTES):
@@ -313,7 +195,7 @@ def read_checkpoint(ckpt_dir):
         raise ConversionError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(raw, dict):
         raise ConversionError(f"{path}: not a config (a JSON object), got {type(raw).__name__}")
-    if raw.get("model_type") == "llava":
+    if raw.get("model_type") in HF_ARCHITECTURES:
         return llava_from_hf(ckpt_dir)
     try:
         cfg = VLMConfig.from_dict(raw)
@@ -332,142 +214,35 @@ def load_model(ckpt_dir, device="cpu", dtype=torch.float32):
 
 
 # -----------------------------------------------------------------------------
-# Hugging Face configs. Missing fields take transformers' class defaults, as from_pretrained does.
-
-LLAMA_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=None, head_dim=None, rms_norm_eps=1e-6,
-                      max_position_embeddings=2048, rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=False,
-                      attention_bias=False, mlp_bias=False, hidden_act="silu")
-CLIP_DEFAULTS = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-                     image_size=224, patch_size=32, layer_norm_eps=1e-5, hidden_act="quick_gelu")
-SIGLIP_DEFAULTS = CLIP_DEFAULTS | dict(patch_size=16, layer_norm_eps=1e-6, hidden_act="gelu_pytorch_tanh")
-# the LLM families we convert; original LLaVA / LLaVA-NeXT name them llava_llama, llava_mistral, llava_qwen
-LLM_TYPES = {None: "llama", "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "llava": "llama",
-             "llava_llama": "llama", "llava_mistral": "mistral", "llava_qwen": "qwen2"}
-VISION_TYPES = {None: "clip", "clip_vision_model": "clip", "clip": "clip", "siglip_vision_model": "siglip",
-                "siglip": "siglip"}
-ROPE_TYPES = ("default", "linear", "llama3")  # what model.rope_frequencies implements
-
-
-def llama_config(hf, where):
-    family = LLM_TYPES.get(hf.get("model_type"))
-    if family is None:
-        raise ConversionError(f"{where}: LLM model_type {hf.get('model_type')!r} is not supported; llavax converts "
-                              "llama, mistral and qwen2 decoders")
-    c = LLAMA_DEFAULTS | {k: v for k, v in hf.items() if v is not None}
-    rope = dict(c.get("rope_parameters") or {})  # transformers 5 folds rope_theta/rope_scaling in here
-    theta = rope.pop("rope_theta", c["rope_theta"])
-    scaling = rope if rope.get("rope_type", "default") != "default" else c["rope_scaling"]
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if kind not in ROPE_TYPES:
-        raise ConversionError(f"{where}: rope scaling type {kind!r} is not implemented (llavax has "
-                              f"{', '.join(ROPE_TYPES)}); converting it would give different logits")
-    qwen = family == "qwen2"
-    if c["hidden_act"] != "silu" or c["mlp_bias"] or (c["attention_bias"] and not qwen):
-        raise ConversionError(f"{where}: unsupported LLaMA variant (hidden_act={c['hidden_act']}, "
-                              f"mlp_bias={c['mlp_bias']}, attention_bias={c['attention_bias']})")
-    window, window_layers = sliding_window(hf, family, c["num_hidden_layers"])
-    return LlamaConfig(vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=c["num_hidden_layers"],
-                       n_heads=c["num_attention_heads"], n_kv_heads=c["num_key_value_heads"], head_dim=c["head_dim"],
-                       ffn_dim=c["intermediate_size"], norm_eps=c["rms_norm_eps"], rope_theta=float(theta),
-                       rope_scaling=scaling, max_seq_len=c["max_position_embeddings"], qkv_bias=qwen,
-                       tie_embeddings=c["tie_word_embeddings"], sliding_window=window, sliding_layers=window_layers)
-
-
-def sliding_window(hf, family, n_layers):
-    """(window, layers using it) as transformers reads them: Mistral windows every layer (4096 when the field is
-    absent); Qwen2 only with use_sliding_window, in the layers that layer_types marks, by default those from
-    max_window_layers on. Llama has none."""
-    if family == "mistral":
-        return hf.get("sliding_window", 4096), None
-    if family != "qwen2" or not hf.get("use_sliding_window") or hf.get("sliding_window") is None:
-        return None, None
-    types = hf.get("layer_types") or ["sliding_attention" if i >= hf.get("max_window_layers", 28) else "full_attention"
-                                      for i in range(n_layers)]
-    layers = [i for i, t in enumerate(types) if t == "sliding_attention"]
-    return (hf["sliding_window"], layers) if layers else (None, None)
-
-
-def vit_config(hf, where="vision config"):
-    c = hf.get("vision_config", hf)  # a CLIPModel / SiglipModel config nests the tower
-    kind = VISION_TYPES.get(c.get("model_type"))
-    if kind is None:
-        raise ConversionError(f"{where}: vision tower model_type {c.get('model_type')!r} is not supported; llavax has "
-                              "CLIP and SigLIP towers (SigLIP2's NaFlex towers are siglip2_vision_model: not supported)")
-    c = (CLIP_DEFAULTS if kind == "clip" else SIGLIP_DEFAULTS) | c
-    if c["hidden_act"] not in VIT_ACTIVATIONS:
-        raise ConversionError(f"{where}: vision hidden_act {c['hidden_act']!r} is not implemented (llavax has "
-                              f"{', '.join(VIT_ACTIVATIONS)})")
-    return ViTConfig(image_size=c["image_size"], patch_size=c["patch_size"], dim=c["hidden_size"],
-                     n_layers=c["num_hidden_layers"], n_heads=c["num_attention_heads"], ffn_dim=c["intermediate_size"],
-                     norm_eps=c["layer_norm_eps"], act=c["hidden_act"], kind=kind)
-
-
-def llama_hf_config(cfg: LlamaConfig):
-    out = dict(model_type="llama", vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
-               num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
-               head_dim=cfg.head_dim, rms_norm_eps=cfg.norm_eps, max_position_embeddings=cfg.max_seq_len,
-               tie_word_embeddings=cfg.tie_embeddings, hidden_act="silu", attention_bias=False, mlp_bias=False,
-               rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta, **(cfg.rope_scaling or {})})
-    if cfg.qkv_bias:
-        out |= dict(model_type="qwen2", attention_bias=True, use_sliding_window=cfg.sliding_window is not None,
-                    sliding_window=cfg.sliding_window)
-        if cfg.sliding_window:
-            layers = range(cfg.n_layers) if cfg.sliding_layers is None else cfg.sliding_layers
-            out["layer_types"] = ["sliding_attention" if i in layers else "full_attention" for i in range(cfg.n_layers)]
-    elif cfg.sliding_window:
-        if cfg.sliding_layers is not None:
-            raise ConversionError("a LLaMA-style LLM with sliding windows in some layers only has no HF config")
-        out |= dict(model_type="mistral", sliding_window=cfg.sliding_window)
-    return out
-
-
-def vit_hf_config(v: ViTConfig):
-    out = dict(model_type=f"{v.kind}_vision_model", hidden_size=v.dim, intermediate_size=v.ffn_dim,
-               num_hidden_layers=v.n_layers, num_attention_heads=v.n_heads, image_size=v.image_size,
-               patch_size=v.patch_size, layer_norm_eps=v.norm_eps, hidden_act=v.act, num_channels=3)
-    return out | ({"vision_use_head": False} if v.kind == "siglip" else {})
-
-
-def llava_hf_config(cfg: VLMConfig):
-    return {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava",
-            "image_token_index": cfg.image_token_id, "image_seq_length": cfg.n_image_tokens,
-            "projector_hidden_act": "gelu", "multimodal_projector_bias": True,
-            "vision_feature_layer": cfg.vision_layer,
-            "vision_feature_select_strategy": "default" if cfg.vision_select == "patch" else "full",
-            "tie_word_embeddings": cfg.llm.tie_embeddings, "text_config": llama_hf_config(cfg.llm),
-            "vision_config": vit_hf_config(cfg.vision)}
-
-
-def read_json(path):
-    try:
-        return json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConversionError(f"{path}: missing") from None
-    except json.JSONDecodeError as e:
-        raise ConversionError(f"{path}: malformed JSON ({e})") from None
-
-
-# -----------------------------------------------------------------------------
 # conversions
 
 
 def llava_from_hf(hf_dir):
     hf = read_json(Path(hf_dir, "config.json"))
-    if hf.get("model_type", "llava") != "llava":
-        raise ConversionError(f"{hf_dir}: model_type {hf.get('model_type')!r} is not supported; llavax converts "
-                              "LlavaForConditionalGeneration (model_type 'llava') directories")
+    kind = hf.get("model_type", "llava")
+    if kind not in HF_ARCHITECTURES:
+        raise ConversionError(f"{hf_dir}: model_type {kind!r} is not supported; llavax converts "
+                              + ", ".join(f"{v} ({k!r})" for k, v in HF_ARCHITECTURES.items()) + " directories")
     if hf.get("projector_hidden_act", "gelu") != "gelu" or not hf.get("multimodal_projector_bias", True):
         act, bias = hf.get("projector_hidden_act"), hf.get("multimodal_projector_bias")
         raise ConversionError(f"{hf_dir}: unsupported projector (projector_hidden_act={act}, bias={bias})")
     tied = hf.get("tie_word_embeddings", hf.get("text_config", {}).get("tie_word_embeddings", False))
     llm = llama_config(hf.get("text_config", {}) | {"tie_word_embeddings": tied}, hf_dir)
-    select = hf.get("vision_feature_select_strategy", "default")
-    cfg = VLMConfig(vision=vit_config(hf.get("vision_config", {}), f"{hf_dir} vision_config"), llm=llm,
-                    projector="mlp2x_gelu",
-                    vision_layer=hf.get("vision_feature_layer", -2),
-                    vision_select={"default": "patch", "full": "cls_patch"}[select],
-                    image_token_id=hf.get("image_token_index", hf.get("image_token_id", 32000)))
+    onevision = kind == "llava_onevision"  # its class defaults differ: layer -1, "full", <image> 151646
+    select = hf.get("vision_feature_select_strategy", "full" if onevision else "default")
+    if select not in ("default", "full"):
+        raise ConversionError(f"{hf_dir}: vision_feature_select_strategy {select!r} is not 'default' or 'full'")
+    anyres, pinpoints, video = anyres_from_hf(hf, kind, hf_dir)
+    vision = vit_config(hf.get("vision_config", {}), f"{hf_dir} vision_config")
+    try:
+        cfg = VLMConfig(vision=vision, llm=llm, projector="mlp2x_gelu",
+                        vision_layer=hf.get("vision_feature_layer", -1 if onevision else -2),
+                        vision_select={"default": "patch", "full": "cls_patch"}[select],
+                        image_token_id=hf.get("image_token_index", hf.get("image_token_id",
+                                                                          151646 if onevision else 32000)),
+                        anyres=anyres, grid_pinpoints=pinpoints, video_token_id=video)
+    except ValueError as e:
+        raise ConversionError(f"{hf_dir}: {e}") from None
     state = drop_siglip_head({hub_name(k): v for k, v in read_weights(hf_dir).items()}, hf_dir)
     state = drop_tied_head(state, llm, "language_model.model.embed_tokens.weight", "language_model.lm_head.weight",
                            hf_dir)
@@ -495,7 +270,7 @@ def llava_to_hf(ckpt_dir, out, template=None, image_mode=None):
         copy_tokenizer(ckpt_dir, tmp)
         if not carried:
             write_processor(cfg, tmp, template, image_mode)
-        add_image_token_to_tokenizer(tmp, cfg.image_token_id)
+        add_image_token_to_tokenizer(tmp, cfg.image_token_id, cfg.video_token_id)
     return write_dir(out, fill)
 
 
@@ -596,6 +371,11 @@ def from_llava(llava_dir, vision_dir, llm_dir=None, pad_vocab=64):
     hf = read_json(Path(llava_dir, "config.json"))
     if hf.get("mm_use_im_start_end") or hf.get("mm_use_im_patch_token"):
         raise ConversionError(f"{llava_dir}: mm_use_im_start_end / mm_use_im_patch_token are not supported")
+    if str(hf.get("image_aspect_ratio", "")).startswith("anyres"):  # LLaVA-VL/LLaVA-NeXT's own checkpoints
+        raise ConversionError(f"{llava_dir}: an original LLaVA-NeXT / OneVision checkpoint (image_aspect_ratio "
+                              f"{hf['image_aspect_ratio']!r}) is not read directly; convert it with transformers' "
+                              "convert_llava_next / convert_llava_onevision script (or use the llava-hf copy), "
+                              "then from-hf --llava")
     projector = hf.get("mm_projector_type", "linear")
     layer = hf.get("mm_vision_select_layer", -1)
     select = hf.get("mm_vision_select_feature", "patch")
@@ -624,6 +404,32 @@ def from_llava(llava_dir, vision_dir, llm_dir=None, pad_vocab=64):
                     projector_state=projector_state, pad_vocab=pad_vocab)
 
 
+def to_anyres(ckpt_dir, preset, video_token_id=None, seed=0):
+    """A checkpoint that tiles images as `preset` does (anyres, grid_pinpoints, <video>) with a fresh image_newline
+    (normal, std 1/sqrt(dim), as HF and LLaVA-NeXT initialise it): LLaVA-NeXT and OneVision switch to anyres after
+    a stage 1 that saw one view an image."""
+    state, cfg = read_checkpoint(ckpt_dir)
+    target = vlm_preset(preset)
+    if not target.anyres:
+        raise ConversionError(f"preset {preset!r} does not tile images (anyres={target.anyres!r})")
+    video = target.video_token_id if video_token_id is None else video_token_id
+    if video is not None and (video == cfg.image_token_id or not 0 <= video < cfg.llm.vocab_size):
+        raise ConversionError(f"<video> id {video} must be a free id below the vocab size {cfg.llm.vocab_size}, not "
+                              f"<image>'s {cfg.image_token_id}; pass --video-token-id")
+    try:
+        cfg = cfg.with_overrides({"anyres": target.anyres, "grid_pinpoints": target.grid_pinpoints,
+                                  "video_token_id": video})
+    except ValueError as e:
+        raise ConversionError(f"{ckpt_dir}: cannot tile as {preset!r}: {e}") from None
+    if "image_newline" not in state:
+        gen = torch.Generator().manual_seed(seed)
+        state["image_newline"] = torch.randn(cfg.llm.dim, generator=gen) * cfg.llm.dim**-0.5
+        state["image_newline"] = state["image_newline"].to(state["llm.tok_embeddings.weight"].dtype)
+        say(f"initialised a fresh image_newline (normal std {cfg.llm.dim**-0.5:.4f}, seed {seed})")
+    shapes = expected_shapes(cfg)
+    return check_complete(remap(state, {k: k for k in shapes}, shapes, str(ckpt_dir)), cfg, str(ckpt_dir)), cfg
+
+
 # -----------------------------------------------------------------------------
 # command line
 
@@ -631,8 +437,9 @@ def from_llava(llava_dir, vision_dir, llm_dir=None, pad_vocab=64):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    a = sub.add_parser("from-hf", help="HF LlavaForConditionalGeneration, or LlamaForCausalLM + CLIP")
-    a.add_argument("--llava", help="HF LLaVA directory (hub, transformers-5 or in-memory key layout)")
+    a = sub.add_parser("from-hf", help="HF Llava / LlavaNext / LlavaOnevision, or LlamaForCausalLM + CLIP")
+    a.add_argument("--llava", help="HF LLaVA, LLaVA-NeXT or OneVision directory (hub, transformers-5 or in-memory "
+                                   "key layout)")
     a.add_argument("--llm", help="HF LlamaForCausalLM directory (with --vision)")
     a.add_argument("--vision", help="HF CLIPVisionModel or CLIPModel directory (with --llm)")
     a.add_argument("--projector", default="mlp2x_gelu")
@@ -647,17 +454,27 @@ def main(argv=None):
     b.add_argument("--llm", help="base LLM, needed when --llava holds only mm_projector.bin")
     b.add_argument("--pad-vocab", type=int, default=64)
     b.add_argument("--out", required=True)
-    c = sub.add_parser("to-hf", help="our checkpoint -> HF LlavaForConditionalGeneration (hub layout) + processor")
+    c = sub.add_parser("to-hf", help="our checkpoint -> HF Llava / LlavaNext / LlavaOnevision (hub layout) + processor")
     c.add_argument("--ckpt", required=True)
     c.add_argument("--template", choices=TEMPLATE_NAMES, help="default: the training config's")
     c.add_argument("--image-mode", choices=["pad", "crop", "resize"], help="default: the training config's")
     c.add_argument("--out", required=True)
+    d = sub.add_parser("anyres", help="our checkpoint -> the same, tiling images as a LLaVA-NeXT / OneVision preset")
+    d.add_argument("--ckpt", required=True)
+    d.add_argument("--preset", required=True, choices=["llava-next-vicuna-7b", "llava-next-mistral-7b",
+                                                       "llava-onevision-qwen2-7b", "llava-onevision-qwen2-0.5b"])
+    d.add_argument("--video-token-id", type=int, help="default: the preset's (OneVision: 151647)")
+    d.add_argument("--seed", type=int, default=0, help="seed of the fresh image_newline")
+    d.add_argument("--out", required=True)
     args = p.parse_args(argv)
     try:
         if args.cmd == "to-hf":
             out = llava_to_hf(args.ckpt, args.out, args.template, args.image_mode)
         else:
-            if args.cmd == "from-llava":
+            if args.cmd == "anyres":
+                state, cfg = to_anyres(args.ckpt, args.preset, args.video_token_id, args.seed)
+                tokenizer_dir = args.ckpt
+            elif args.cmd == "from-llava":
                 state, cfg = from_llava(args.llava, args.vision, args.llm, args.pad_vocab)
                 tokenizer_dir = args.llava if Path(args.llava, "tokenizer.model").exists() else args.llm
             elif args.llava:

@@ -5,20 +5,19 @@ Data for llavax: LLaVA conversations -> Energon-compatible tar shards -> fixed-s
     python data.py shapes --out DIR [--n 20000] [--seed 0]      # the synthetic demo dataset (shapes.py)
     python data.py audit SHARDS|JSON [--config configs/x.py] [--sheet F.png]   # what training would get (pack.py)
 
-This file is the reading side: templates, tokenizer, images, shards -> batches. The writing side
-(records, shard writer, energon metadata) is pack.py; the CLI above dispatches to it.
+This file is the reading side: templates, tokenizer, samples -> batches (pixels: images.py; tars and .nv-meta:
+shards.py; both re-exported here). The writing side (records, shard writer, energon metadata) is pack.py; the CLI
+above dispatches to it.
 A sample is KEY.jpg (image), KEY.txt (first answer) and KEY.json ({"question", "conversations", "id"}),
-the layout of Megatron-Energon's VQA datasets.
+the layout of Megatron-Energon's VQA datasets; several images are KEY.0.jpg, KEY.1.png... (tag order), a video's
+frames KEY.f0.jpg, KEY.f1.jpg...
 """
 
 import argparse
-import io
 import json
 import os
 import re
-import struct
 import sys
-import tarfile
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -26,6 +25,8 @@ import numpy as np
 import torch
 
 from images import CLIP_MEAN, CLIP_STD, image_hw, image_tiles, load_image, normalize_images  # noqa: F401  data.*
+from shards import (KEY_RE, LONG_NAME_TYPES, DatasetError, dataset_shards, read_members,  # noqa: F401  data.*
+                    read_members_by_tarfile, sample_offsets, shard_files, split_parts)
 
 IMAGE_TAG = "<image>"
 VIDEO_TAG = "<video>"  # LLaVA-OneVision's placeholder for a video's frames
@@ -33,7 +34,6 @@ IMAGE_TAG_RE, TAGS_RE = re.compile(f"({IMAGE_TAG})"), re.compile(f"({IMAGE_TAG}|
 NUMBERED_IMAGE_RE = re.compile(r"(f?)(\d+)\.(?:jpg|jpeg|png|webp)")  # KEY.0.jpg: image 0 of several; KEY.f0.jpg: frame 0
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 MAX_OPEN_SHARDS = 64  # shard files one ShardStream keeps open
-KEY_RE = re.compile(r"^((?:.*/)?[^./]+)\.([^/]+)$")  # webdataset/energon: the key ends at the first dot of the basename
 
 
 def log(msg):
@@ -340,144 +340,7 @@ def stop_token_id(template, tok):
 
 
 # -----------------------------------------------------------------------------
-# reading shards: an index of samples, a deterministic order, exact resume
-
-
-class DatasetError(SystemExit):
-    """A shard folder or tar that is incomplete or inconsistent. Training cannot go on, so it exits with one
-    message naming the file, not a traceback (catch it like any exception to do otherwise)."""
-
-
-def split_parts(split_yaml):
-    """{part: [shard names]} from .nv-meta/split.yaml (the tiny YAML subset pack and `energon prepare` write)."""
-    parts, current = {}, None
-    for line in split_yaml.read_text().splitlines():
-        if m := re.match(r"^  (\w+):\s*(\[\])?\s*$", line):
-            current = m.group(1)
-            parts[current] = []
-        elif (m := re.match(r"^\s+- (.+)$", line)) and current:
-            parts[current].append(m.group(1).strip())
-        elif not line.startswith(" "):
-            current = None
-    return parts
-
-
-def dataset_shards(folder, split):
-    """{shard path: sample count} of one split of a dataset folder, after checking the folder is whole: pack
-    (like `energon prepare`) writes .nv-meta/.info.json last, and every shard must match what it records."""
-    meta = folder / ".nv-meta"
-    missing = [name for name in (".info.json", "split.yaml") if not (meta / name).exists()]
-    if missing:
-        raise DatasetError(f"{folder}: no .nv-meta/{missing[0]}, so not a finished dataset (a pack that was killed "
-                           "or is still running leaves this); re-run pack with --overwrite, run `energon prepare` on "
-                           "a webdataset folder, or pass its .tar files themselves")
-    counts = json.loads((meta / ".info.json").read_text())["shard_counts"]
-    ours = json.loads((meta / "llavax.json").read_text())["shards"] if (meta / "llavax.json").exists() else {}
-    unlisted = sorted(p.name for p in folder.glob("*.tar") if p.name not in counts)
-    if unlisted:
-        raise DatasetError(f"{folder / unlisted[0]}: a shard that .nv-meta/.info.json does not list (left by an "
-                           "earlier pack?); remove it, or re-pack with --overwrite")
-    shards = {}
-    for name in split_parts(meta / "split.yaml").get(split, []):
-        path = folder / name
-        if name not in counts or not path.exists():
-            raise DatasetError(f"{path}: listed in {meta / 'split.yaml'} but "
-                               f"{'missing' if name in counts else 'not in .info.json'}")
-        size, expected = path.stat().st_size, ours.get(name, {}).get("bytes")
-        if expected is not None and size != expected:
-            raise DatasetError(f"{path}: {size} bytes where .nv-meta/llavax.json records {expected}: truncated "
-                               "or replaced; re-pack with --overwrite")
-        shards[path] = counts[name]
-    return shards
-
-
-def shard_files(paths, split="train"):
-    """{tar: expected sample count or None} of `paths`: tar files, or dataset folders (their `split` part)."""
-    out = {}
-    for p in map(Path, [paths] if isinstance(paths, (str, Path)) else paths):
-        out |= {p: None} if p.is_file() else dataset_shards(p, split)
-    if not out:
-        raise FileNotFoundError(f"no {split} shards found in {paths}")
-    return out
-
-
-def sample_offsets(tar_path, count=None):
-    """[(start, end)] byte ranges of the samples in one tar, from its .tar.idx or a scan of the headers.
-    An index that does not fit its tar (stale, short, or the tar truncated) is an error naming the file."""
-    idx, size = Path(str(tar_path) + ".idx"), Path(tar_path).stat().st_size
-    if idx.exists():
-        raw = idx.read_bytes()
-        offsets = struct.unpack(f"{len(raw) // 8}Q", raw)
-        with open(tar_path, "rb") as f:
-            # the index ends where the last sample ends: the tar's end-of-archive zeros must follow
-            f.seek(offsets[-1] if offsets else 0)
-            tail = f.read(512)
-        problem = ("not a whole number of 8-byte offsets" if len(raw) % 8 or len(offsets) < 2 else
-                   "offsets not increasing" if any(b <= a for a, b in zip(offsets, offsets[1:])) else
-                   f"ends at byte {offsets[-1]} of a {size}-byte tar" if offsets[-1] > size else
-                   f"{len(offsets) - 1} samples where .nv-meta says {count}" if count not in (None, len(offsets) - 1)
-                   else f"more samples follow its last offset {offsets[-1]}" if tail.strip(b"\0") else None)
-        if problem:
-            raise DatasetError(f"{idx}: does not match {Path(tar_path).name} ({problem}): stale or short; "
-                               "re-pack, or delete the .idx to read the tar by scanning")
-        return list(zip(offsets[:-1], offsets[1:]))
-    ranges, last_key = [], None
-    try:
-        with tarfile.open(tar_path) as tar:  # only headers are read; data blocks are skipped
-            for member in tar:
-                m = KEY_RE.match(member.name) if member.isreg() else None
-                if not m:
-                    continue
-                if m.group(1) != last_key:
-                    if ranges:
-                        ranges[-1][1] = member.offset
-                    ranges.append([member.offset, None])
-                    last_key = m.group(1)
-            end = tar.offset
-            tar.fileobj.seek(end)
-            # tarfile stops quietly at a cut-off header: a whole tar ends with two zero blocks
-            if tar.fileobj.read(1024).strip(b"\0") or size < end + 1024:
-                raise DatasetError(f"{tar_path}: truncated: no end-of-archive marker after byte {end}")
-    except tarfile.TarError as e:
-        raise DatasetError(f"{tar_path}: not a readable tar ({e})") from None
-    if ranges:
-        ranges[-1][1] = end
-    if count not in (None, len(ranges)):
-        raise DatasetError(f"{tar_path}: {len(ranges)} samples where .nv-meta says {count}")
-    return [tuple(r) for r in ranges]
-
-
-def read_members(f, start, end):
-    """(key, {ext: bytes}) of one sample: its tar members between two header offsets."""
-    f.seek(start)
-    buf, members, key, pos = f.read(end - start), {}, None, 0
-    while pos + 512 <= len(buf):
-        info = tarfile.TarInfo.frombuf(buf[pos : pos + 512], tarfile.ENCODING, "surrogateescape")
-        if info.type in LONG_NAME_TYPES:
-            return read_members_by_tarfile(buf)
-        data_at = pos + 512
-        pos = data_at + -(-info.size // 512) * 512
-        m = KEY_RE.match(info.name) if info.isreg() else None
-        if m:
-            key = m.group(1)
-            members[m.group(2).lower()] = buf[data_at : data_at + info.size]
-    return key, members
-
-
-# names over 100 bytes come in PAX or GNU records before the member (webdataset's TarWriter and tarfile
-# write PAX): those samples go through tarfile, which applies them; the plain walk above is ~2x faster
-LONG_NAME_TYPES = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK)
-
-
-def read_members_by_tarfile(buf):
-    members, key = {}, None
-    with tarfile.open(fileobj=io.BytesIO(buf), mode="r:") as tar:
-        for info in tar:
-            m = KEY_RE.match(info.name) if info.isreg() else None
-            if m:
-                key = m.group(1)
-                members[m.group(2).lower()] = tar.extractfile(info).read()
-    return key, members
+# reading shards: an index of samples, a deterministic order, exact resume (tars and .nv-meta: shards.py)
 
 
 def conversation_problem(conv):
@@ -529,6 +392,40 @@ def sample_images(members):
     if frames:
         return "video", frames
     return ("multi" if len(several) > 1 else "image"), several or single
+
+
+def image_layouts(vlm, kind, sizes):
+    """model.image_layout of each image of a sample, kind and (height, width) sizes as sample_images / image_hw give
+    them; a video is one layout over all its frames."""
+    from model import image_layout
+
+    if kind == "video":
+        return [image_layout(vlm, *sizes[0], "video", len(sizes))]
+    return [image_layout(vlm, h, w, kind) for h, w in sizes]
+
+
+def sample_tiles(vlm, kind, blobs, image_mode="pad", mean=None):
+    """(n_tiles, 3, S, S) uint8: the tiles of a sample's images in order (images.image_tiles), None for none."""
+    return torch.cat([image_tiles(b, vlm, kind, image_mode, mean) for b in blobs]) if blobs else None
+
+
+def tiled_prompt(vlm, template, tok, question, blobs, kind=None, image_mode="pad", mean=None):
+    """(ids, tiles, layouts) of a generation prompt asking `question` about image bytes `blobs` with a tiling model:
+    what the tiled loader makes of such a sample. kind: "image" (one), "multi" (several, one <image> each), "video"
+    (frames, one <video>); by default "image" or "multi" by count. Tags are put first unless the question has them."""
+    kind = kind or ("multi" if len(blobs) > 1 else "image")
+    tag = VIDEO_TAG if kind == "video" else IMAGE_TAG
+    n_tags = len(blobs) if kind == "multi" else 1 if blobs else 0
+    if blobs and tag not in question:
+        question = (tag + "\n") * n_tags + question
+    layouts = image_layouts(vlm, kind, [image_hw(b) for b in blobs])
+    counts = [len(index) for _, index, _ in layouts]
+    pieces = [(generation_prompt(template, question, tok), False)]
+    n_found = sum(len((TAGS_RE if vlm.video_token_id is not None else IMAGE_TAG_RE).findall(t)) for t, _ in pieces)
+    if n_found != len(counts):
+        raise ValueError(f"the prompt has {n_found} image/video tags for {len(counts)} {kind} inputs")
+    ids, _ = tokenize(pieces, tok, vlm.image_token_id, counts, vlm.video_token_id)
+    return ids, sample_tiles(vlm, kind, blobs, image_mode, mean), layouts
 
 
 class ShardStream(torch.utils.data.IterableDataset):
@@ -616,7 +513,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         if problem:
             raise DropSample(f"{problem} (in the sample's conversation)")
         if len(found) > 1:
-            raise DropSample(f"{kind}_needs_max_tiles ({len(found)} images: set max_tiles > 0)")
+            raise DropSample(f"{kind}_needs_max_tiles ({len(found)} {'frames' if kind == 'video' else 'images'}: "
+                             "set max_tiles > 0)")
         where = f"{self.files[self.index[sample][0]].name}:{key}"
         ids, labels, truncated = encode_conversation(conv, image is not None, self.template, self.tok, self.seq_len,
                                                      self.image_token_id, self.n_image_tokens)
@@ -627,8 +525,6 @@ class ShardStream(torch.utils.data.IterableDataset):
     def encode_tiled(self, sample):
         """(ids, labels, tiles (n, 3, S, S) uint8 or None, layouts): each tag expanded to its image's token count
         (model.image_layout), the tiles as the HF image processors make them (images.image_tiles)."""
-        from model import image_layout
-
         vlm = self.vlm
         try:
             key, members = self.read(sample)
@@ -644,8 +540,7 @@ class ShardStream(torch.utils.data.IterableDataset):
             raise DropSample(f"{problem} (in the sample's conversation)")
         if kind == "video" and vlm.video_token_id is None:
             raise DropSample(f"video_without_video_token ({len(blobs)} frames; the model has no video_token_id)")
-        layouts = [image_layout(vlm, *sizes[0], "video", len(blobs))] if kind == "video" else \
-            [image_layout(vlm, h, w, kind) for h, w in sizes]
+        layouts = image_layouts(vlm, kind, sizes)
         n_tiles = sum(n for n, _, _ in layouts)
         if n_tiles > self.max_tiles:
             raise DropSample(f"too_many_tiles ({n_tiles} tiles, max_tiles {self.max_tiles})")
@@ -656,9 +551,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         if truncated:
             self.skips.add("truncated_not_dropped", where)
         try:
-            tile_kind = "video" if kind == "video" else kind
-            tiles = torch.cat([image_tiles(b, vlm, tile_kind, self.image_mode, self.image_mean) for b in blobs]) \
-                if blobs else None
+            tiles = sample_tiles(vlm, kind, blobs, self.image_mode, self.image_mean)
         except Exception as e:  # noqa: BLE001  bytes PIL cannot decode past the header
             raise DropSample(f"unreadable_sample ({type(e).__name__}: {e})") from None
         return ids, labels, tiles, layouts

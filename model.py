@@ -232,11 +232,36 @@ def vlm_preset(name):
         llm = LlamaConfig(vocab_size=152000, dim=1024, n_layers=24, n_heads=16, ffn_dim=2816, norm_eps=1e-6,
                           rope_theta=1e6, max_seq_len=32768, qkv_bias=True, tie_embeddings=True)
         return VLMConfig(vision=vision, llm=llm, vision_layer=-1, vision_select="cls_patch", image_token_id=151646)
+    if name in ("llava-next-vicuna-7b", "llava-next-mistral-7b"):
+        # llava-hf/llava-v1.6-{vicuna,mistral}-7b-hf, as transformers' convert_llava_next_weights_to_hf.py builds
+        # them: CLIP-336, layer -2, "default" (our "patch"), <image> = 32000, vocab 32000 + 2 padded to 64 = 32064,
+        # and LlavaNextConfig's default pinpoints (the v1.6 image processor's). Mistral-7B-Instruct-v0.2: GQA 8,
+        # FFN 14336, rope_theta 1e6, 32k positions, no sliding window (its config.json has sliding_window null).
+        if name.endswith("vicuna-7b"):
+            llm = LlamaConfig(**{**asdict(LLM_PRESETS["vicuna-7b"]), "vocab_size": 32064})
+        else:
+            llm = LlamaConfig(vocab_size=32064, n_kv_heads=8, ffn_dim=14336, rope_theta=1e6, max_seq_len=32768)
+        return VLMConfig(vision=VIT_PRESETS["clip-vit-l-336"], llm=llm, image_token_id=32000, anyres="anyres",
+                         grid_pinpoints=[[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]])
+    if name in ("llava-onevision-qwen2-7b", "llava-onevision-qwen2-0.5b"):
+        # llava-hf/llava-onevision-qwen2-{7b,0.5b}-ov-hf (transformers' LlavaOnevisionConfig defaults and
+        # convert_llava_onevision_weights_to_hf.py): SigLIP so400m less its last layer (26), layer -1, "full" (our
+        # "cls_patch": SigLIP has no CLS, every token kept), anyres_max_9 over the 36 pinpoints 384..2304 step 384,
+        # <image> 151646 and <video> 151647; vocab = Qwen2-*-Instruct's + 2 padded to 64 (152064 -> 152128,
+        # 151936 -> 152000); 0.5B ties its embeddings, 7B does not.
+        vision = ViTConfig(**{**asdict(VIT_PRESETS["siglip-so400m-patch14-384"]), "n_layers": 26})
+        llm = LLM_PRESETS["qwen2-7b" if name.endswith("7b") else "qwen2-0.5b"]
+        llm = LlamaConfig(**{**asdict(llm), "vocab_size": 152128 if name.endswith("7b") else 152000})
+        sides = range(384, 2305, 384)
+        return VLMConfig(vision=vision, llm=llm, vision_layer=-1, vision_select="cls_patch", image_token_id=151646,
+                         video_token_id=151647, anyres="anyres_max_9",
+                         grid_pinpoints=[[h, w] for h in sides for w in sides])
     if name == "bench":  # TinyLlama-shaped LLM + ViT-L/14-336, the target of bench.py
         llm = LlamaConfig(**{**asdict(LLM_PRESETS["tinyllama-1.1b"]), "vocab_size": 32064})
         return VLMConfig(vision=VIT_PRESETS["clip-vit-l-336"], llm=llm, image_token_id=32000)
     raise ValueError(f"unknown VLM preset {name!r}; known: debug, llava-1.5-7b, llava-1.5-13b, llava-llama3-8b, "
-                     "llava-interleave-qwen-0.5b, bench")
+                     "llava-interleave-qwen-0.5b, llava-next-vicuna-7b, llava-next-mistral-7b, "
+                     "llava-onevision-qwen2-7b, llava-onevision-qwen2-0.5b, bench")
 
 
 # -----------------------------------------------------------------------------

@@ -5,7 +5,8 @@ The writing side of llavax's data: LLaVA JSON/JSONL + images -> tar shards with 
     python data.py audit SHARDS|JSON [--images DIR] [--config configs/x.py] [--hf-tokenizer DIR] [--sheet sheet.png]
 
 A sample is KEY.jpg (image), KEY.txt (first answer) and KEY.json ({"question", "conversations", "id"}),
-the layout of Megatron-Energon's VQA datasets; .nv-meta/ and SHARD.tar.idx are written too, so
+the layout of Megatron-Energon's VQA datasets (several images: KEY.0.jpg, KEY.1.png... in tag order; a video's
+frames: KEY.f0.jpg, KEY.f1.jpg...); .nv-meta/ and SHARD.tar.idx are written too, so
 `energon` reads the folder with no prepare step and webdataset reads the tars as they are.
 data.py reads the shards back.
 """
@@ -33,8 +34,8 @@ from tqdm import tqdm
 
 from data import IMAGE_TAG, ROLES, VIDEO_TAG, Skips, conversation_problem, log
 from data import (TEMPLATES, DropSample, Tokenizer, check_template, encode_conversation,  # audit
-                  load_image, pack_rows, read_members, render, sample_conversation, sample_offsets,
-                  shard_files, tokenize, turns)
+                  image_hw, image_layouts, image_tiles, load_image, pack_rows, read_members, render,
+                  sample_conversation, sample_images, sample_offsets, shard_files, tokenize, turns)
 
 ENERGON_VERSION = "7.4.1"  # the megatron-energon release whose .nv-meta layout we write
 
@@ -482,7 +483,7 @@ def padding_share(lengths, seq_len, rows, pack):
 
 def audit(source, tokenizer, template, seq_len, image_size, n_image_tokens, image_token_id, image_mode="pad",
           images_dir=None, split="train", pack=0, rows=8, show=4, limit=0, sheet=None, hf_tokenizer=None,
-          progress=1000, out=None):
+          progress=1000, out=None, vlm=None, max_tiles=0):
     """Print what training would get from `source`; returns the exit status (1: samples with no supervised tokens,
     or a template that disagrees with the HF chat template)."""
     if template not in TEMPLATES:
@@ -526,9 +527,22 @@ def audit(source, tokenizer, template, seq_len, image_size, n_image_tokens, imag
                     expected = f"<apply_chat_template raised {type(e).__name__}: {e}>"
                 if expected != got:
                     mismatched.append((where, differences(expected, got)))
-            pixels = load_image(image, image_size, image_mode) if image is not None else None
-            ids, labels, truncated = encode_conversation(conv, image is not None, template, tok, seq_len,
-                                                         image_token_id, n_image_tokens)
+            if max_tiles:  # tile slots (anyres, several images, video), as ShardStream(max_tiles=...) reads them
+                kind, blobs = sample_images(members)
+                layouts = image_layouts(vlm, kind, [image_hw(b) for b in blobs])
+                if sum(n for n, _, _ in layouts) > max_tiles:
+                    raise DropSample(f"too_many_tiles ({sum(n for n, _, _ in layouts)} tiles, max_tiles {max_tiles})")
+                pixels = image_tiles(blobs[0], vlm, kind, image_mode, vlm.vision.image_stats[0])[0] if blobs else None
+                ids, labels, truncated = encode_conversation(conv, bool(blobs), template, tok, seq_len, image_token_id,
+                                                             [len(index) for _, index, _ in layouts],
+                                                             vlm.video_token_id)
+            else:
+                kind, blobs = sample_images(members)
+                if len(blobs) > 1:  # as the loader without tile slots drops them
+                    raise DropSample(f"{kind}_needs_max_tiles ({len(blobs)} images or frames: set max_tiles > 0)")
+                pixels = load_image(image, image_size, image_mode) if image is not None else None
+                ids, labels, truncated = encode_conversation(conv, image is not None, template, tok, seq_len,
+                                                             image_token_id, n_image_tokens)
         except Exception as e:  # noqa: BLE001  a foreign shard's bad JSON, image or roles: counted, as the loader does
             outcome = str(e).split(" ")[0] if isinstance(e, DropSample) else "unreadable_sample"
             outcomes[outcome] += 1
@@ -604,6 +618,7 @@ def audit_arguments(a):
     a.add_argument("--image-mode", choices=("pad", "crop", "resize"))
     a.add_argument("--n-image-tokens", type=int)
     a.add_argument("--image-token-id", type=int)
+    a.add_argument("--max-tiles", type=int, help="tile slots a row (train.py's max_tiles): anyres, several images")
     a.add_argument("--show", type=int, default=4, help="print the first N samples in full")
     a.add_argument("--limit", type=int, default=0, help="audit only the first N samples (0: all)")
     a.add_argument("--sheet", help="write a contact sheet of the shown samples here (.png or .html)")
@@ -637,4 +652,4 @@ def audit_command(args):
                    given(args.n_image_tokens, mcfg.n_image_tokens), given(args.image_token_id, mcfg.image_token_id),
                    given(args.image_mode, cfg["image_mode"]), args.images, args.split, given(args.pack, cfg["pack"]),
                    given(args.rows, cfg["micro_batch_size"]), args.show, args.limit, args.sheet, args.hf_tokenizer,
-                   args.progress))
+                   args.progress, vlm=mcfg, max_tiles=given(args.max_tiles, cfg.get("max_tiles", 0))))

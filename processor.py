@@ -15,6 +15,7 @@ import data
 
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.jinja")
 TEMPLATE_NAMES = sorted(data.TEMPLATES)
+VIDEO_TAG = "<video>"  # OneVision's video placeholder (LlavaOnevisionProcessor's default)
 
 
 class ExportError(ValueError):
@@ -38,7 +39,8 @@ def chat_template(template):
     Text goes in as string expressions: HF renders with trim_blocks, which would eat a newline after a tag."""
     lit = lambda text: "{{ " + json.dumps(text) + " }}"  # noqa: E731
     content = ("{% if m.content is string %}{{ m.content }}{% else %}{% for c in m.content %}{% if c.type == 'image' %}"
-               + lit(data.IMAGE_TAG + "\n") + "{% endif %}{% endfor %}{% for c in m.content %}{% if c.type == 'text' %}"
+               + lit(data.IMAGE_TAG + "\n") + "{% elif c.type == 'video' %}" + lit(VIDEO_TAG + "\n")
+               + "{% endif %}{% endfor %}{% for c in m.content %}{% if c.type == 'text' %}"
                "{{ c.text }}{% endif %}{% endfor %}{% endif %}")
     if template == "plain":  # stage 1: the image, then the caption; questions are not shown
         first_answer = "(messages | selectattr('role', 'equalto', 'assistant') | list)[:1]"
@@ -56,39 +58,66 @@ def chat_template(template):
             + "{% else %}" + lit(last) + "{% endif %}")
 
 
+def anyres_processor_configs(cfg, image, settings):
+    """LlavaNextImageProcessor / LlavaOnevisionImageProcessor tile as llavax's loader does for cfg.anyres; the
+    image mode does not apply (the base view is squashed, the grid aspect-kept and padded, as in HF)."""
+    size, pinpoints = cfg.vision.image_size, [list(p) for p in cfg.grid_pinpoints]
+    image = image | {"do_pad": True, "image_grid_pinpoints": pinpoints}
+    if cfg.anyres == "anyres":
+        image |= {"image_processor_type": "LlavaNextImageProcessor", "processor_class": "LlavaNextProcessor",
+                  "size": {"shortest_edge": size}, "crop_size": {"height": size, "width": size},
+                  "do_center_crop": True}
+        return image, settings | {"processor_class": "LlavaNextProcessor"}
+    image |= {"image_processor_type": "LlavaOnevisionImageProcessor", "processor_class": "LlavaOnevisionProcessor",
+              "size": {"height": size, "width": size}, "do_center_crop": False}
+    image.pop("crop_size")
+    # the processor counts the base view as num_image_tokens and the grid as its square root per tile side
+    settings = {k: v for k, v in settings.items() if k not in ("patch_size", "num_additional_image_tokens")}
+    return image, settings | {"processor_class": "LlavaOnevisionProcessor", "video_token": VIDEO_TAG,
+                              "num_image_tokens": cfg.vision.n_patches, "vision_aspect_ratio": cfg.anyres}
+
+
 def write_processor(cfg, directory, template, image_mode):
     if template not in data.TEMPLATES or image_mode not in ("pad", "crop", "resize"):
         raise ExportError(f"cannot write a processor for template {template!r} and image mode {image_mode!r}")
     extra = 1 if cfg.vision.kind == "clip" else 0  # LlavaProcessor: patches + this, - 1 for "default"
-    Path(directory, "preprocessor_config.json").write_text(
-        json.dumps(image_processor_config(cfg.vision.image_size, image_mode, *cfg.vision.image_stats), indent=2))
-    Path(directory, "processor_config.json").write_text(json.dumps(
-        {"processor_class": "LlavaProcessor", "image_token": data.IMAGE_TAG, "patch_size": cfg.vision.patch_size,
-         "vision_feature_select_strategy": "default" if cfg.vision_select == "patch" else "full",
-         "num_additional_image_tokens": extra}, indent=2))
+    image = image_processor_config(cfg.vision.image_size, image_mode, *cfg.vision.image_stats)
+    settings = {"processor_class": "LlavaProcessor", "image_token": data.IMAGE_TAG, "patch_size": cfg.vision.patch_size,
+                "vision_feature_select_strategy": "default" if cfg.vision_select == "patch" else "full",
+                "num_additional_image_tokens": extra}
+    if cfg.anyres:
+        image, settings = anyres_processor_configs(cfg, image, settings)
+    Path(directory, "preprocessor_config.json").write_text(json.dumps(image, indent=2))
+    Path(directory, "processor_config.json").write_text(json.dumps(settings, indent=2))
     Path(directory, "chat_template.jinja").write_text(chat_template(template))
     Path(directory, "chat_template.json").unlink(missing_ok=True)  # one template only: the .jinja wins
 
 
-def add_image_token_to_tokenizer(directory, image_id):
-    """Register <image> at the model's id in tokenizer.json (the added-token list HF loads), if not there yet."""
+def add_image_token_to_tokenizer(directory, image_id, video_id=None):
+    """Register <image> (and OneVision's <video>) at the model's ids in tokenizer.json (the added-token list HF
+    loads), if not there yet."""
+    tags = {data.IMAGE_TAG: image_id} | ({VIDEO_TAG: video_id} if video_id is not None else {})
     path = Path(directory, "tokenizer.json")
     if not path.exists():
         if Path(directory, "tokenizer.model").exists():
-            print(f"convert: {directory}: only a sentencepiece tokenizer.model; AutoProcessor needs <image> (id {image_id}) "
-                "added to it by hand", file=sys.stderr)
+            print(f"convert: {directory}: only a sentencepiece tokenizer.model; AutoProcessor needs "
+                  + ", ".join(f"{t} (id {i})" for t, i in tags.items()) + " added to it by hand", file=sys.stderr)
         return
     tok = json.loads(path.read_text())
     vocab = tok.get("model", {}).get("vocab") or {}
     vocab = vocab if isinstance(vocab, dict) else {piece: i for i, (piece, _) in enumerate(vocab)}  # Unigram: a list
     known = vocab | {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
-    if known.get(data.IMAGE_TAG, image_id) != image_id:
-        raise ExportError(f"{path}: <image> has id {known[data.IMAGE_TAG]} but the model uses {image_id}")
-    holder = next((t for t, i in known.items() if i == image_id and t != data.IMAGE_TAG), None)
-    if holder is not None:
-        raise ExportError(f"{path}: the model's image id {image_id} is the tokenizer's {holder!r}; cannot add <image>")
-    if data.IMAGE_TAG not in known:
-        tok.setdefault("added_tokens", []).append({"id": image_id, "content": data.IMAGE_TAG, "single_word": False,
-                                                   "lstrip": False, "rstrip": False, "normalized": False,
-                                                   "special": True})
+    missing = [tag for tag in tags if tag not in known]
+    for tag, tag_id in tags.items():
+        if known.get(tag, tag_id) != tag_id:
+            raise ExportError(f"{path}: {tag} has id {known[tag]} but the model uses {tag_id}")
+        holder = next((t for t, i in known.items() if i == tag_id and t != tag), None)
+        if holder is not None:
+            raise ExportError(f"{path}: the model's {tag} id {tag_id} is the tokenizer's {holder!r}; cannot add {tag}")
+        if tag not in known:
+            tok.setdefault("added_tokens", []).append({"id": tag_id, "content": tag, "single_word": False,
+                                                       "lstrip": False, "rstrip": False, "normalized": False,
+                                                       "special": True})
+            known[tag] = tag_id
+    if missing:
         path.write_text(json.dumps(tok, ensure_ascii=False))

@@ -6,11 +6,16 @@ Ask a trained model about an image.
     python sample.py --ckpt llava-1.5-7b-hf --image cat.jpg --prompt "What is this?" --template vicuna_v1
     python sample.py --ckpt CKPT --image a.jpg b.jpg c.jpg --prompt "What is this?"    # one batch, 3 answers
     python sample.py --ckpt CKPT --image a.jpg a.jpg --prompt "What colour?" "How many?"
+    python sample.py --ckpt CKPT --image a.jpg b.jpg --together --prompt "Which image has more circles?"
+    python sample.py --ckpt CKPT --image f0.jpg f1.jpg f2.jpg --video --prompt "What happens?"   # OneVision
 
 --ckpt is a llavax checkpoint directory (a training step or a convert.py output) or an HF LLaVA
 directory, converted in memory. The template defaults to the one the checkpoint was trained with.
 Several images and/or prompts run as one left-padded batch: N images with one prompt, one image
-with N prompts, or N of each paired in order; one answer is printed per line.
+with N prompts, or N of each paired in order; one answer is printed per line. --together asks each
+prompt about all the images at once (one <image> each, in order; put the tags in the prompt to place
+them), --video about the images as the frames of one video. A LLaVA-NeXT / OneVision model (anyres) tiles
+each image as its training loader does (data.tiled_prompt).
 """
 
 import argparse
@@ -33,6 +38,8 @@ def main(argv=None):
     p.add_argument("--template", help="default: the training config's, else vicuna_v1")
     p.add_argument("--tokenizer", help="default: tokenizer.model or tokenizer.json in --ckpt")
     p.add_argument("--image-mode", default="pad", choices=["pad", "crop", "resize"])
+    p.add_argument("--together", action="store_true", help="every prompt is about all the images (several a sample)")
+    p.add_argument("--video", action="store_true", help="the images are the frames of one video (OneVision)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -59,9 +66,12 @@ def main(argv=None):
         sys.exit(f"sample: {e}")
     cfg = model.cfg
     n = max(len(args.image), len(args.prompt))
-    if len(args.image) not in (0, 1, n) or len(args.prompt) not in (1, n):
+    if not (args.together or args.video) and (len(args.image) not in (0, 1, n) or len(args.prompt) not in (1, n)):
         sys.exit(f"sample: {len(args.image)} images and {len(args.prompt)} prompts do not pair up; give one of "
                  "either, or the same number of each")
+    if args.together or args.video or cfg.anyres or cfg.video_token_id is not None:
+        ids, mask, pixels, extra = tiled_batch(args, cfg, template, tok)
+        return answer(args, model, template, tok, ids, mask, pixels, extra)
     images = [args.image[i if len(args.image) > 1 else 0] for i in range(n)] if args.image else []
     prompts = [args.prompt[i if len(args.prompt) > 1 else 0] for i in range(n)]
     rows = []
@@ -82,12 +92,61 @@ def main(argv=None):
         except (OSError, ValueError) as e:  # PIL's UnidentifiedImageError is an OSError
             sys.exit(f"sample: --image {f}: cannot read it as an image ({e})")
     pixels = data.normalize_images(torch.stack(pixels).to(args.device), *cfg.vision.image_stats) if pixels else None
+    answer(args, model, template, tok, ids, mask, pixels, {})
+
+
+def tiled_batch(args, cfg, template, tok):
+    """(ids, mask, pixel_values (B, n_slots, 3, S, S), {image_index, image_weight}) for a tiling model, or for
+    --together / --video: each row as the tiled training loader would build it (data.tiled_prompt)."""
+    from model import place_images
+
+    blobs = []
+    for f in args.image:
+        try:
+            blobs.append(Path(f).read_bytes())
+            data.image_hw(blobs[-1])
+        except OSError as e:  # PIL's UnidentifiedImageError is an OSError
+            sys.exit(f"sample: --image {f}: cannot read it as an image ({e})")
+    if args.together or args.video:
+        per_row = [(prompt, blobs) for prompt in args.prompt]
+    else:  # paired as main() checked
+        n = max(len(blobs), len(args.prompt))
+        per_row = [(args.prompt[i % len(args.prompt)], blobs[i % len(blobs)] if blobs else []) for i in range(n)]
+        per_row = [(prompt, [b] if b else []) for prompt, b in per_row]
+    kind = "video" if args.video else None
+    rows, tiles, layouts = [], [], []
+    for prompt, images in per_row:
+        try:
+            ids, row_tiles, row_layouts = data.tiled_prompt(cfg, template, tok, prompt, images, kind, args.image_mode,
+                                                            cfg.vision.image_stats[0])
+        except (OSError, ValueError) as e:
+            sys.exit(f"sample: --prompt {prompt!r}: {e}")
+        if len(ids) + args.max_new_tokens > cfg.llm.max_seq_len:
+            sys.exit(f"sample: --prompt {prompt!r} is {len(ids)} tokens (with the template and images); with "
+                     f"--max-new-tokens {args.max_new_tokens} that exceeds the model's max_seq_len={cfg.llm.max_seq_len}")
+        rows.append(ids)
+        tiles.append(row_tiles)
+        layouts.append(row_layouts)
+    ids, mask = left_pad(rows, tok.pad_id)
+    S, n_slots = cfg.vision.image_size, max([len(t) for t in tiles if t is not None], default=0)
+    pixels = torch.zeros((len(rows), max(n_slots, 1), 3, S, S), dtype=torch.uint8)
+    index, weight = zip(*(place_images(row, row_layouts, cfg) for row, row_layouts in zip(ids, layouts)))
+    for r, row_tiles in enumerate(tiles):
+        if row_tiles is not None:
+            pixels[r, : len(row_tiles)] = row_tiles
+    pixels = data.normalize_images(pixels.to(args.device), *cfg.vision.image_stats) if n_slots else None
+    return ids, mask, pixels, {"image_index": torch.stack(index).to(args.device),
+                               "image_weight": torch.stack(weight).to(args.device)}
+
+
+def answer(args, model, template, tok, ids, mask, pixels, extra):
+    """Generate for the left-padded batch and print one answer a line."""
     stop = data.stop_token_id(template, tok)
     try:
         out = model.generate(ids.to(args.device), pixels, max_new_tokens=args.max_new_tokens,
                              temperature=args.temperature, top_p=args.top_p, eos_id=stop,
                              generator=torch.Generator(args.device).manual_seed(args.seed),
-                             attention_mask=mask.to(args.device)).tolist()
+                             attention_mask=mask.to(args.device), **extra).tolist()
     except ValueError as e:  # e.g. prompt + max_new_tokens longer than the model's max_seq_len
         sys.exit(f"sample: {e}")
     for tokens in out:

@@ -353,7 +353,11 @@ def test_tied_checkpoint_that_also_stores_lm_head_loads_as_transformers_does(tmp
 
 
 @pytest.mark.parametrize("where,change,expect", [
-    ("llava", {"model_type": "llava_next"}, "model_type 'llava_next' is not supported"),
+    ("llava", {"model_type": "llava_next_video"}, "model_type 'llava_next_video' is not supported"),
+    ("llava", {"model_type": "llava_onevision", "vision_aspect_ratio": "anyres"},
+     "vision_aspect_ratio 'anyres' is not supported"),
+    ("llava", {"model_type": "llava_next", "image_grid_pinpoints": [[28, 56], [30, 60]]}, "multiples of the vision"),
+    ("llava", {"model_type": "llava_next", "image_grid_pinpoints": [336, 672]}, "[height, width] pixel pairs"),
     ("vision", {"model_type": "siglip2_vision_model"}, "vision tower model_type 'siglip2_vision_model' is not supported"),
     ("vision", {"model_type": "dinov2"}, "vision tower model_type 'dinov2' is not supported"),
     ("text", {"model_type": "gemma"}, "LLM model_type 'gemma' is not supported"),
@@ -532,3 +536,235 @@ def test_export_refuses_an_image_id_the_tokenizer_already_uses(exported, tmp_pat
     with pytest.raises(SystemExit, match=re.escape("is the tokenizer's '<|im_end|>'; cannot add <image>")):
         convert.main(["to-hf", "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")])
     assert not (tmp_path / "hf").exists()
+
+
+# -----------------------------------------------------------------------------
+# LLaVA-NeXT (anyres) and LLaVA-OneVision (anyres_max_N, video): both ways, and their processors
+
+# 28 px tiles of 2x2 features: the pinpoints give 1x2, 2x1, 2x2 and 1x3 grids
+TINY_PINPOINTS = [[28, 56], [56, 28], [56, 56], [28, 84]]
+
+
+def tiny_hf_anyres(kind, seed=0):
+    """A random, tiny LlavaNextForConditionalGeneration (CLIP + Llama) or LlavaOnevisionForConditionalGeneration
+    (SigLIP + Qwen2). OneVision gets anyres_max_2, so that a 2x2 grid (16 features > 1.1 x 2 tiles' 8) is reduced
+    and a converter that assumes 9 is caught."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    vision = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, image_size=28,
+                  patch_size=14)
+    text = dict(vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256)
+    if kind == "llava_next":
+        cfg = tf.LlavaNextConfig(vision_config=tf.CLIPVisionConfig(**vision), text_config=tf.LlamaConfig(**text),
+                                 image_token_index=511, image_grid_pinpoints=TINY_PINPOINTS)
+        model = tf.LlavaNextForConditionalGeneration(cfg)
+    else:
+        cfg = tf.LlavaOnevisionConfig(vision_config=tf.SiglipVisionConfig(**vision, vision_use_head=False),
+                                      text_config=tf.Qwen2Config(**text), image_token_index=509, video_token_index=510,
+                                      image_grid_pinpoints=TINY_PINPOINTS, vision_aspect_ratio="anyres_max_2")
+        model = tf.LlavaOnevisionForConditionalGeneration(cfg)
+    with torch.no_grad():  # HF initialises norms to 1 and biases to 0; perturb them so a mixed-up key cannot hide
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias") or "layrnorm" in name or "image_newline" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def anyres_logits(hf, ours, size, video_frames=0):
+    """(HF logits, ours) for one row holding one image of `size` (h, w), or a video of that many frames."""
+    from model import image_layout, place_images
+
+    cfg = ours.cfg
+    video = video_frames > 0
+    n_tiles, index, weight = image_layout(cfg, *size, kind="video" if video else "image", n_frames=video_frames)
+    placeholder = cfg.video_token_id if video else cfg.image_token_id
+    ids = torch.tensor([[5, 6] + [placeholder] * len(index) + [7, 8, 9]])
+    tiles = torch.randn(1, n_tiles, 3, 28, 28, generator=torch.Generator().manual_seed(3))
+    extra = {"pixel_values_videos": tiles} if video else {"pixel_values": tiles, "image_sizes": torch.tensor([size])}
+    with torch.no_grad():
+        theirs = hf(input_ids=ids, **extra).logits
+        image_index, image_weight = place_images(ids[0], [(n_tiles, index, weight)], cfg)
+        mine = ours(ids, tiles, image_index=image_index[None], image_weight=image_weight[None])[0]
+    return theirs, mine
+
+
+@pytest.mark.parametrize("kind,layout", [("llava_next", "transformers5"), ("llava_next", "in-memory"),
+                                         ("llava_onevision", "hub")])
+def test_anyres_round_trip_hf_ours_hf(tmp_path, kind, layout):
+    """save_pretrained -> from-hf -> to-hf -> from_pretrained: the same weights and config, and our converted
+    model gives transformers' logits for images whose aspect ratios select different grids (and a video)."""
+    import transformers as tf
+
+    hf = tiny_hf_anyres(kind)
+    write_layout(hf, tmp_path / "src", layout)
+    convert.main(["from-hf", "--llava", str(tmp_path / "src"), "--out", str(tmp_path / "ours")])
+    convert.main(["to-hf", "--ckpt", str(tmp_path / "ours"), "--out", str(tmp_path / "back")])
+    cls = getattr(tf, convert.HF_ARCHITECTURES[kind])
+    back, info = cls.from_pretrained(tmp_path / "back", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert "image_newline" in load_file(tmp_path / "back/model.safetensors")  # the hub name
+    # image_seq_length: LlavaNextConfig's default 576 is read by neither model nor processor; we write one view's
+    assert getattr(back.config, "image_seq_length", 4) == 4
+    theirs, again = hf.state_dict(), back.state_dict()
+    assert theirs.keys() == again.keys() and all(torch.equal(theirs[k], again[k]) for k in theirs)
+    fields = ["model_type", "image_grid_pinpoints", "vision_feature_select_strategy", "vision_feature_layer",
+              "image_token_index", "vision_aspect_ratio", "video_token_index"]
+    assert {f: getattr(back.config, f, None) for f in fields} == {f: getattr(hf.config, f, None) for f in fields}
+    for sub in ("text_config", "vision_config"):
+        a, b = getattr(hf.config, sub).to_dict(), getattr(back.config, sub).to_dict()
+        assert {k: (a[k], b.get(k)) for k in a if b.get(k) != a[k] and k not in ("projection_dim", "dtype")} \
+            == {}, sub  # CLIPVisionConfig's projection_dim: unused by LLaVA
+    ours = convert.load_model(tmp_path / "ours").eval()
+    assert ours.cfg.anyres == ("anyres" if kind == "llava_next" else "anyres_max_2")
+    assert ours.cfg.grid_pinpoints == TINY_PINPOINTS
+    # 50x33 -> 2x2 grid (reduced under anyres_max_2), 33x90 -> 1x3 unpadded, 60x20 -> 2x1
+    for size in [(50, 33), (33, 90), (60, 20)]:
+        expect, mine = anyres_logits(hf, ours, size)
+        assert (mine - expect).abs().max() <= 1e-4, size
+    if kind == "llava_onevision":
+        assert ours.cfg.video_token_id == 510
+        expect, mine = anyres_logits(hf, ours, (28, 28), video_frames=3)
+        assert (mine - expect).abs().max() <= 1e-4
+
+
+@pytest.fixture(scope="module")
+def anyres_exports(tmp_path_factory):
+    """Tiny LLaVA-NeXT and OneVision checkpoints of ours with a BPE tokenizer.json, exported with chatml."""
+    from test_data import bpe_tokenizer
+
+    root = tmp_path_factory.mktemp("anyres-export")
+    tok = bpe_tokenizer(root)
+    out = {}
+    for kind, extra in [("llava_next", {"anyres": "anyres"}),
+                        ("llava_onevision", {"anyres": "anyres_max_2", "video_token_id": tok.vocab_size + 1,
+                                             "vision_select": "cls_patch", "vision_layer": -1,
+                                             "vision": {"kind": "siglip", "act": "gelu_pytorch_tanh"}})]:
+        cfg = vlm_preset("debug").with_overrides({"image_token_id": tok.vocab_size, "grid_pinpoints": TINY_PINPOINTS,
+                                                  "llm": {"vocab_size": -(-(tok.vocab_size + 2) // 64) * 64}} | extra)
+        convert.save_model(build_model(cfg, seed=0), root / kind, tokenizer_dir=root)
+        convert.llava_to_hf(root / kind, root / f"{kind}-hf", template="chatml", image_mode="pad")
+        out[kind] = root / f"{kind}-hf", cfg
+    return out
+
+
+def onevision_processor(directory):
+    """AutoProcessor, or where transformers' LlavaOnevisionVideoProcessor cannot load (it needs torchvision, which
+    this environment lacks on purpose) the same processor assembled from the export's image processor, tokenizer
+    and processor_config.json: its constructor insists on the video processor, its image path reads only these."""
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, LlavaOnevisionProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(directory)
+    except ImportError as e:
+        assert "torchvision" in str(e).lower(), e
+    processor = LlavaOnevisionProcessor.__new__(LlavaOnevisionProcessor)
+    processor.image_processor = AutoImageProcessor.from_pretrained(directory)
+    processor.tokenizer = AutoTokenizer.from_pretrained(directory)
+    settings = json.loads((directory / "processor_config.json").read_text())
+    assert settings.pop("processor_class") == "LlavaOnevisionProcessor"
+    for k, v in settings.items():
+        setattr(processor, k, v)
+    return processor
+
+
+@pytest.mark.parametrize("kind", ["llava_next", "llava_onevision"])
+def test_anyres_export_processor_counts_and_logits_match_ours(anyres_exports, kind):
+    """The export's processor (LlavaNextProcessor via AutoProcessor; OneVision's image processor, tokenizer and
+    settings) puts as many placeholders in the prompt as image_layout gives, for images whose aspect ratios pick
+    different grids, and the exported HF model on the processor's output gives our logits."""
+    import io
+
+    import transformers as tf
+    from PIL import Image
+
+    from model import image_layout, place_images
+
+    directory, cfg = anyres_exports[kind]
+    if kind == "llava_next":
+        processor = tf.AutoProcessor.from_pretrained(directory)
+        assert type(processor).__name__ == "LlavaNextProcessor"
+    else:
+        processor = onevision_processor(directory)
+        assert processor.tokenizer.convert_tokens_to_ids("<video>") == cfg.video_token_id
+    assert type(processor.image_processor).__name__.startswith(type(processor).__name__.replace("Processor", ""))
+    assert processor.image_processor.image_grid_pinpoints == TINY_PINPOINTS
+    assert tuple(processor.image_processor.image_mean) == cfg.vision.image_stats[0]  # SigLIP's 0.5 for OneVision
+    several = [{"role": "user", "content": [{"type": "image"}, {"type": "video"}, {"type": "text", "text": "Which?"}]}]
+    assert processor.tokenizer.apply_chat_template(several, chat_template=(directory / "chat_template.jinja").read_text(),
+                                                   tokenize=False, add_generation_prompt=True) == \
+        data.generation_prompt("chatml", f"{data.IMAGE_TAG}\n<video>\nWhich?")
+    hf = getattr(tf, convert.HF_ARCHITECTURES[kind]).from_pretrained(directory).eval()
+    ours = convert.load_model(directory).eval()
+    template = (directory / "chat_template.jinja").read_text()
+    for size in [(333, 500), (500, 333), (40, 300)]:  # (h, w): 2x2 (reduced under anyres_max_2), 2x1, 1x3
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+        prompt = processor.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                                         add_generation_prompt=True)
+        assert prompt == data.generation_prompt("chatml", f"{data.IMAGE_TAG}\nWhat is it?")
+        image = Image.open(io.BytesIO(photo(size[1], size[0])))
+        inputs = processor(text=prompt, images=image, return_tensors="pt")
+        n_tiles, index, weight = image_layout(cfg, *size)
+        assert int((inputs.input_ids == cfg.image_token_id).sum()) == len(index), size
+        assert inputs.pixel_values.shape[1] == n_tiles, size
+        with torch.no_grad():
+            expect = hf(**inputs).logits
+            image_index, image_weight = place_images(inputs.input_ids[0], [(n_tiles, index, weight)], cfg)
+            mine = ours(inputs.input_ids, inputs.pixel_values, image_index=image_index[None],
+                        image_weight=image_weight[None])[0]
+        assert (mine - expect).abs().max() <= 1e-4, size
+
+
+def test_anyres_subcommand_adds_tiling_and_a_newline_hf_loads(our_ckpt, tmp_path):
+    """A stage-1 checkpoint (one view an image) -> the same weights, tiling as LLaVA-NeXT, with a fresh newline;
+    to-hf then writes a LlavaNextForConditionalGeneration that transformers loads without missing keys."""
+    from transformers import LlavaNextForConditionalGeneration
+
+    convert.main(["anyres", "--ckpt", str(our_ckpt), "--preset", "llava-next-vicuna-7b", "--out", str(tmp_path / "a")])
+    before, after = convert.load_model(our_ckpt), convert.load_model(tmp_path / "a")
+    assert after.cfg.anyres == "anyres" and after.cfg.grid_pinpoints == vlm_preset("llava-next-vicuna-7b").grid_pinpoints
+    old = before.state_dict()
+    assert all(torch.equal(v, after.state_dict()[k]) for k, v in old.items())
+    assert 0.5 < float(after.image_newline.detach().std()) * after.cfg.llm.dim**0.5 < 2  # HF's normal(0, 1/sqrt(dim))
+    convert.main(["to-hf", "--ckpt", str(tmp_path / "a"), "--out", str(tmp_path / "hf")])
+    hf, info = LlavaNextForConditionalGeneration.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert torch.equal(hf.model.image_newline, after.image_newline)
+    # <video> must be a free id in the vocab; 384 px OneVision tiles do not fit a 28 px tower
+    ov = ["anyres", "--ckpt", str(our_ckpt), "--preset", "llava-onevision-qwen2-7b", "--out", str(tmp_path / "b")]
+    with pytest.raises(SystemExit, match="<video> id 151647 must be a free id below the vocab size 512"):
+        convert.main(ov)
+    with pytest.raises(SystemExit, match="cannot tile as 'llava-onevision-qwen2-7b'.*multiples"):
+        convert.main(ov + ["--video-token-id", "510"])
+    with pytest.raises(SystemExit, match="<video> id 511 must be a free id"):
+        convert.main(["anyres", "--ckpt", str(our_ckpt), "--preset", "llava-next-vicuna-7b", "--video-token-id",
+                      "511", "--out", str(tmp_path / "c")])
+
+
+@pytest.mark.parametrize("name", ["llava_next_7b", "onevision_qwen2_7b"])
+def test_recipe_configs_parse_and_hold_their_largest_inputs(name):
+    """Each recipe config loads through train.py's parser, names a preset train.py accepts with its max_tiles, and its
+    static shapes hold the largest image (any aspect ratio) and a 32-frame video, counted by image_layout."""
+    import train
+    from model import image_layout
+
+    cfg = train.load_config([str(ROOT / "configs" / f"{name}.py")])
+    vlm = train.model_config(cfg)
+    train.check_tiles(vlm, cfg["max_tiles"])
+    assert cfg["batch_size"] % cfg["micro_batch_size"] == 0 and cfg["seq_len"] <= vlm.llm.max_seq_len
+    sizes = [(h, w) for h in (1, 200, 333, 480, 1080, 2000, 4032) for w in (1, 300, 500, 640, 1920, 3000, 4032)]
+    layouts = [image_layout(vlm, h, w) for h, w in sizes]
+    if vlm.video_token_id is not None:
+        layouts.append(image_layout(vlm, 0, 0, "video", 32))
+    assert max(n_tiles for n_tiles, _, _ in layouts) <= cfg["max_tiles"]
+    assert max(len(index) for _, index, _ in layouts) + 256 <= cfg["seq_len"]  # room for the conversation
+
+
+def test_original_llava_next_checkpoint_is_refused_with_a_sentence(tmp_path):
+    original_llava_dir(tmp_path)
+    path = tmp_path / "llava/config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | {"image_aspect_ratio": "anyres_max_9"}))
+    with pytest.raises(SystemExit, match="original LLaVA-NeXT / OneVision checkpoint.*'anyres_max_9'"):
+        convert.main(["from-llava", "--llava", str(tmp_path / "llava"), "--vision", str(tmp_path / "clip"), "--out",
+                      str(tmp_path / "ours")])

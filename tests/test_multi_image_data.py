@@ -125,7 +125,7 @@ def levels(pixel_values, stats):
 
 # (width, height): a photo each way, sizes whose scaled side has a fraction (500x333), full HD, a panorama,
 # a tiny odd one; they select different grids (LLaVA-NeXT 1x2, 2x1, 2x2, 1x3; OneVision up to 3x5 and 1x6)
-TILE_SIZES = [(640, 480), (500, 333), (333, 500), (1920, 1080), (3000, 200), (17, 9)]
+TILE_SIZES = [(640, 480), (500, 333), (333, 500), (1920, 1080), (3000, 200), (17, 9), (1, 3000)]
 
 
 @pytest.mark.parametrize("w,h", TILE_SIZES, ids=[f"{w}x{h}" for w, h in TILE_SIZES])
@@ -220,6 +220,43 @@ def onevision_processor(folder):
     return p
 
 
+def tiny_onevision_config(tok):
+    """OneVision's layout at test size: SigLIP-style 28 px tiles of 2x2 features, pinpoints up to 4x4 tiles (so
+    anyres_max_9 reduces the biggest grids), <image>/<video> ids from `tok`."""
+    from model import VIT_PRESETS, VLMConfig, vlm_preset
+
+    vision = VIT_PRESETS["debug"].__class__(**{**vars(VIT_PRESETS["debug"]), "kind": "siglip"})
+    return VLMConfig(vision=vision, llm=vlm_preset("debug").llm, vision_layer=-1, vision_select="cls_patch",
+                     image_token_id=tok.specials["<image>"], video_token_id=tok.specials["<video>"],
+                     anyres="anyres_max_9", grid_pinpoints=[[28 * i, 28 * j] for i in range(1, 5) for j in range(1, 5)])
+
+
+def test_tiled_loader_resumes_at_the_exact_next_batch_and_the_legacy_one_refuses_several_images(multi_json, tmp_path):
+    d, good, _ = multi_json
+    tok = chat_tokenizer(tmp_path / "tok")
+    cfg = tiny_onevision_config(tok)
+    kw = {"batch_size": 2, "seq_len": 200, "image_size": 28, "image_token_id": cfg.image_token_id,
+          "n_image_tokens": cfg.n_image_tokens, "template": "chatml", "shuffle_block": 2}
+    run = data.Loader(data.ShardStream(d / "out", tok, vlm=cfg, max_tiles=17, **kw))
+    batches = [b for b, _ in zip(run, range(4))]
+    assert sum(b["image_weight"].gt(0).any(-1).sum() for b in batches) > 0
+    resumed = data.Loader(data.ShardStream(d / "out", tok, vlm=cfg, max_tiles=17, **kw))
+    state = {**run.state_dict(), "position": 2 * 2}  # after two batches
+    resumed.load_state_dict(state)
+    again = [b for b, _ in zip(resumed, range(2))]
+    for a, b in zip(batches[2:], again):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    short = data.ShardStream(d / "out", tok, vlm=cfg, max_tiles=17, **kw | {"batch_size": len(good), "seq_len": 40})
+    assert short.batch(0)["dropped"].tolist() == [True] * 4 + [False]  # only the text-only sample fits in 40
+    # the 3-image sample and the 13-tile photo: their image tokens would be cut; the others lose their answer
+    assert dict(short.skips.counts) == {"image_beyond_seq_len": 2, "no_supervised_tokens": 2}
+    legacy = data.ShardStream(d / "out", tok, **kw | {"batch_size": len(good)})
+    legacy.batch(0)
+    assert legacy.skips.counts["multi_needs_max_tiles"] == 2 and legacy.skips.counts["video_needs_max_tiles"] == 1
+    with pytest.raises(ValueError, match="max_tiles > 0 .* needs the model config"):
+        data.ShardStream(d / "out", tok, max_tiles=4, **kw)
+
+
 def test_tiled_batches_hold_the_prompts_and_tiles_llava_onevision_processor_gives(tmp_path):
     tok = chat_tokenizer(tmp_path / "tok")
     processor = onevision_processor(tmp_path / "tok")
@@ -270,3 +307,152 @@ def test_tiled_batches_hold_the_prompts_and_tiles_llava_onevision_processor_give
             assert b["pixel_values"][row, n:].eq(0).all()
         if not names:
             assert b["pixel_values"][row].eq(0).all() and not b["has_image"][row]
+
+
+def test_packed_rows_with_varying_image_tokens_give_each_sample_its_unpacked_loss(tmp_path):
+    """A tiny OneVision-style model (anyres_max_9 over 28 px tiles, video pooling) on samples with 0, 1 (tiled),
+    2 images and a video: packed three a row, each sample's summed loss equals its loss alone in a row."""
+    from model import VLM
+
+    tok = chat_tokenizer(tmp_path / "tok")
+    imgs = tmp_path / "images"
+    imgs.mkdir()
+    for name, (w, h) in {"a.jpg": (640, 480), "b.png": (333, 500), "c.jpg": (500, 333), "f0.jpg": (160, 90),
+                         "f1.jpg": (160, 90)}.items():
+        photo(w, h, seed=w + h).save(imgs / name)
+    recs = [{"id": "two", "image": ["a.jpg", "b.png"], "conversations": conv("<image>\n<image>\nWhich has more?")},
+            {"id": "big", "image": "a.jpg", "conversations": conv("What is it?", "A photo of a thing.")},
+            {"id": "text", "conversations": conv("Hi?", "Hello.")},
+            {"id": "video", "video": ["f0.jpg", "f1.jpg"], "conversations": conv("<video>\nWhat happens?", "It moves.")},
+            {"id": "small", "image": "c.jpg", "conversations": conv("<image>\nAnd this?", "Another one.")},
+            {"id": "text2", "conversations": conv("Which is more, two or three?", "Three.")}]
+    (tmp_path / "d.json").write_text(json.dumps(recs))
+    pack.pack(tmp_path / "d.json", imgs, tmp_path / "out")
+    cfg = tiny_onevision_config(tok)
+    with torch.device("meta"):
+        model = VLM(cfg)
+    model.to_empty(device="cpu").init_weights(seed=0)
+    model.eval()
+    kw = {"image_size": 28, "image_token_id": cfg.image_token_id, "n_image_tokens": cfg.n_image_tokens,
+          "template": "chatml", "shuffle_block": 1, "vlm": cfg, "max_tiles": 20}
+
+    def sample_losses(batch):
+        pixels = data.normalize_images(batch["pixel_values"], *cfg.vision.image_stats)
+        with torch.no_grad():
+            _, loss = model(batch["input_ids"], pixels, batch["labels"], loss_reduction="none",
+                            position_ids=batch.get("position_ids"), image_index=batch["image_index"],
+                            image_weight=batch["image_weight"])  # (B, T) per token, 0 where unsupervised
+        positions = batch.get("position_ids", torch.arange(loss.shape[1]).expand_as(loss))  # 0 starts a sample
+        segment = (positions == 0).long().cumsum(1)  # which sample of its row each token belongs to
+        return sorted(float(loss[r][segment[r] == s].sum()) for r in range(len(loss)) for s in segment[r].unique()
+                      if loss[r][segment[r] == s].abs().sum() > 0)
+
+    alone = data.ShardStream(tmp_path / "out", tok, batch_size=6, seq_len=160, **kw).batch(0)
+    packed_stream = data.ShardStream(tmp_path / "out", tok, batch_size=2, seq_len=240, pack=3, **kw)
+    packed = packed_stream.batch(0)
+    assert not alone["dropped"].any() and not packed["dropped"].any()
+    tiles_per_row = packed["pixel_values"].flatten(2).any(-1).sum(1)  # slots holding a tile
+    assert tiles_per_row.sum() == alone["pixel_values"].flatten(2).any(-1).sum() > 20  # more than one row's slots
+    assert (packed["image_weight"].sum(-1) > 0).sum() == (alone["image_weight"].sum(-1) > 0).sum()
+    ours, theirs = sample_losses(packed), sample_losses(alone)
+    assert len(theirs) == 6 and np.allclose(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_sample_py_asks_about_several_images_as_the_processor_and_the_loader_build_them(tmp_path, capsys):
+    """data.tiled_prompt (sample.py's) gives LlavaOnevisionProcessor's ids for a two-image question, and sample.py
+    --together answers a tiny model exactly as generate() does on the tiled loader's own row for that sample."""
+    import convert
+    import sample
+    from model import VLM, left_pad
+
+    tok = chat_tokenizer(tmp_path / "tok")
+    processor = onevision_processor(tmp_path / "tok")
+    imgs = tmp_path / "images"
+    imgs.mkdir()
+    photo(640, 480, seed=1).save(imgs / "a.jpg")
+    photo(333, 500, seed=2).save(imgs / "b.png")
+    blobs = [(imgs / n).read_bytes() for n in ("a.jpg", "b.png")]
+    question = "Which image has more circles?"
+    cfg = onevision_config(image_token_id=processor.image_token_id, video_token_id=processor.video_token_id)
+    ids, tiles, _ = data.tiled_prompt(cfg, "chatml", tok, question, blobs, image_mode="pad",
+                                      mean=cfg.vision.image_stats[0])
+    prompt = data.generation_prompt("chatml", "<image>\n<image>\n" + question, tok)
+    pictures = [np.asarray(Image.open(io.BytesIO(b)).convert("RGB")) for b in blobs]
+    ref = processor(text=[prompt], images=[pictures])
+    assert ids == list(ref["input_ids"][0]) and len(tiles) == 2
+
+    cfg = tiny_onevision_config(tok)
+    with torch.device("meta"):
+        model = VLM(cfg)
+    model.to_empty(device="cpu").init_weights(seed=0)
+    convert.save_model(model, tmp_path / "ckpt", tmp_path / "tok")
+    (tmp_path / "d.json").write_text(json.dumps([{"id": "q", "image": ["a.jpg", "b.png"],
+                                                  "conversations": conv("<image>\n<image>\n" + question, "The first.")}]))
+    pack.pack(tmp_path / "d.json", imgs, tmp_path / "out")
+    stream = data.ShardStream(tmp_path / "out", tok, batch_size=1, seq_len=100, image_size=28,
+                              image_token_id=cfg.image_token_id, n_image_tokens=cfg.n_image_tokens, template="chatml",
+                              vlm=cfg, max_tiles=4, image_mean=cfg.vision.image_stats[0])
+    b = stream.batch(0)
+    start = int((b["labels"][0] != -100).nonzero()[0])  # the answer starts here: the prompt is what precedes it
+    ids, mask = left_pad([b["input_ids"][0, :start].tolist()], tok.pad_id)
+    want = model.eval().generate(ids, data.normalize_images(b["pixel_values"], *cfg.vision.image_stats),
+                                 max_new_tokens=4, attention_mask=mask, image_index=b["image_index"][:, :start],
+                                 image_weight=b["image_weight"][:, :start])
+    capsys.readouterr()
+    sample.main(["--ckpt", str(tmp_path / "ckpt"), "--image", str(imgs / "a.jpg"), str(imgs / "b.png"), "--together",
+                 "--prompt", question, "--template", "chatml", "--max-new-tokens", "4", "--device", "cpu"])
+    stop = data.stop_token_id("chatml", tok)
+    tokens = want[0].tolist()
+    assert capsys.readouterr().out.strip() == tok.decode(tokens[: tokens.index(stop)] if stop in tokens else tokens).strip()
+    with pytest.raises(SystemExit, match="video"):  # this model has a <video> id; a plain anyres one would not
+        sample.main(["--ckpt", str(tmp_path / "ckpt"), "--image", str(imgs / "a.jpg"), "--video", "--prompt",
+                     "<image> and <video>?", "--template", "chatml", "--device", "cpu"])
+
+
+def test_audit_counts_what_the_tiled_and_the_one_image_loaders_would_drop(multi_json, tmp_path):
+    d, good, _ = multi_json
+    tok = chat_tokenizer(tmp_path / "tok")
+    cfg = tiny_onevision_config(tok)
+    args = (d / "out", tok, "chatml", 200, 28, cfg.n_image_tokens, cfg.image_token_id)
+    tiled, single = io.StringIO(), io.StringIO()
+    assert pack.audit(*args, show=0, out=tiled, vlm=cfg, max_tiles=12) == 0
+    pack.audit(*args, show=0, out=single)
+    # the 1920 x 1080 photo needs a base view and a 3x4 grid of 28 px tiles (pinpoint 84 x 112): 13
+    assert "kept: 4" in tiled.getvalue() and "dropped, too_many_tiles: 1" in tiled.getvalue()
+    assert "dropped, multi_needs_max_tiles: 2" in single.getvalue()
+    assert "dropped, video_needs_max_tiles: 1" in single.getvalue() and "kept: 2" in single.getvalue()
+
+
+def test_llava_next_rows_hold_the_prompts_and_tiles_llava_next_processor_gives(tmp_path):
+    """LLaVA-NeXT tiles every image, one of several too: two grids in one row (CLIP 336, v1.6 pinpoints)."""
+    from transformers import LlavaNextProcessor, PreTrainedTokenizerFast
+    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
+
+    tok = chat_tokenizer(tmp_path / "tok")
+    hf_tok = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tok/tokenizer.json"))
+    processor = LlavaNextProcessor(
+        image_processor=LlavaNextImageProcessorPil(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336},
+                                                   image_grid_pinpoints=NEXT_PINPOINTS),
+        tokenizer=hf_tok, patch_size=14, vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    imgs = tmp_path / "images"
+    imgs.mkdir()
+    photo(640, 480, seed=1).save(imgs / "a.jpg")
+    photo(333, 500, seed=2).save(imgs / "b.png")
+    rec = {"id": "two", "image": ["a.jpg", "b.png"], "conversations": conv("<image> and <image>: which has more?")}
+    (tmp_path / "d.json").write_text(json.dumps([rec]))
+    pack.pack(tmp_path / "d.json", imgs, tmp_path / "out")
+    cfg = next_config(image_token_id=tok.specials["<image>"])
+    stream = data.ShardStream(tmp_path / "out", tok, batch_size=1, seq_len=4000, image_size=336,
+                              image_token_id=cfg.image_token_id, n_image_tokens=cfg.n_image_tokens, template="chatml",
+                              vlm=cfg, max_tiles=8, image_mean=cfg.vision.image_stats[0])
+    b = stream.batch(0)
+    prompt = "".join(text for text, _ in data.render("chatml", rec["conversations"], tok))
+    pictures = [np.asarray(Image.open(imgs / n).convert("RGB")) for n in rec["image"]]
+    ref = processor(text=[prompt], images=pictures)
+    want = list(ref["input_ids"][0])
+    assert b["input_ids"][0, : len(want)].tolist() == want and len(want) > 2340  # 480 x 640 alone takes 2340
+    # the processor zero-pads each image's tiles to the batch's most: keep each image's own (480 x 640: base + 2x2,
+    # 500 x 333: base + 2x1)
+    tiles = torch.cat([torch.as_tensor(np.asarray(ref["pixel_values"][0]))[:5],
+                       torch.as_tensor(np.asarray(ref["pixel_values"][1]))[:3]])
+    assert (b["pixel_values"][0].float() - levels(tiles, cfg.vision.image_stats)).abs().max() <= 1
