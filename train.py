@@ -30,7 +30,7 @@ import convert
 import data
 from checkpoint import (check_resume_config, checkpoints, load_checkpoint, newest_good_checkpoint, save_checkpoint,
                         wait_for_stop_writer)
-from model import build_model, left_pad, vlm_preset
+from model import build_model, left_pad, param_group, vlm_preset
 from parallel import Env, autocast, checkpoint_fn, grad_sync, init_optimizer_state, print0, shard
 
 # -----------------------------------------------------------------------------
@@ -219,7 +219,7 @@ def freeze(model, stage):
     top = max(i if i >= 0 else n + 1 + i for i in model.cfg.vision_layers)
     for name, p in model.named_parameters():
         unused = name.startswith("vision.ln_post") or (name.startswith("vision.blocks.") and int(name.split(".")[2]) >= top)
-        p.requires_grad_(name.split(".")[0] in trained and not unused)
+        p.requires_grad_(param_group(name) in trained and not unused)
 
 
 def set_checkpointing(model, fn):
@@ -245,7 +245,7 @@ def make_optimizer(raw, cfg, env):
     groups = {}
     for name, p in raw.named_parameters():
         if p.requires_grad:
-            module, decay = name.split(".")[0], p.dim() >= 2  # no weight decay on norms and biases
+            module, decay = param_group(name), p.dim() >= 2  # no weight decay on norms, biases, image_newline
             g = groups.setdefault((module, decay), {"params": [], "lr_scale": cfg["lr_scale"][module],
                                                     "weight_decay": cfg["weight_decay"] if decay else 0.0})
             g["params"].append(p)

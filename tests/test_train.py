@@ -406,26 +406,40 @@ def multi_args(shapes2, out, *extra):
     tiny = "{'vision': {'image_size': 48, 'patch_size': 16}, 'llm': {'vocab_size': 576}, 'image_token_id': 512}"
     return [str(ROOT / "configs/shapes_multi.py"), f"--data_dir={shapes2 / 'shards'}", "--model=debug",
             f"--tokenizer={shapes2 / 'tokenizer.model'}", f"--out_dir={out}", f"--model_overrides={tiny}",
-            "--batch_size=8", "--micro_batch_size=8", "--warmup_iters=2", "--lr_decay_iters=8", "--log_interval=1",
+            "--batch_size=4", "--micro_batch_size=4", "--warmup_iters=2", "--lr_decay_iters=6", "--log_interval=1",
             "--eval_interval=0", "--ckpt_interval=0", "--num_workers=0", *extra]
 
 
 @pytest.mark.slow
 def test_two_image_demo_trains_answers_and_resumes_exactly(shapes2, tmp_path, capsys):
     """The two-image shapes demo end to end, briefly (in this process): two tile slots a row, no sample dropped or
-    cut, a stop at step 4 and a resume that ends on the weights of a straight run; the held-out pass asks every
+    cut, a stop at step 3 and a resume that ends on the weights of a straight run; the held-out pass asks every
     val question."""
-    train.main(multi_args(shapes2, tmp_path / "straight", "--max_iters=8", "--final_accuracy_samples=12"))
+    train.main(multi_args(shapes2, tmp_path / "straight", "--max_iters=6", "--final_accuracy_samples=12"))
     out = capsys.readouterr().out
     assert "held-out exact-match accuracy" in out and "on 12 questions" in out, out[-2000:]
     truths = [line.rsplit("truth: ", 1)[1] for line in out.splitlines() if "Which image has more circles?" in line]
     assert len(truths) == 5 and set(truths) <= {"the first", "the second", "neither"}, out[-2000:]  # whole answers
     events = [json.loads(line) for line in (tmp_path / "straight/log.jsonl").read_text().splitlines()]
     assert sum(e.get("dropped_samples", 0) for e in events) == 0
-    train.main(multi_args(shapes2, tmp_path / "resumed", "--max_iters=4", "--final_accuracy_samples=0"))
-    train.main(multi_args(shapes2, tmp_path / "resumed", "--max_iters=8", "--init_from=resume",
+    train.main(multi_args(shapes2, tmp_path / "resumed", "--max_iters=3", "--final_accuracy_samples=0"))
+    train.main(multi_args(shapes2, tmp_path / "resumed", "--max_iters=6", "--init_from=resume",
                           "--final_accuracy_samples=0"))
-    assert weights(tmp_path / "resumed/step-000008") == weights(tmp_path / "straight/step-000008")
+    assert weights(tmp_path / "resumed/step-000006") == weights(tmp_path / "straight/step-000006")
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_image_newline_trains_with_the_llm(shapes, tmp_path, stage):
+    """LLaVA-NeXT's train.py unfreezes image_newline with the language model: stage 2 trains it, stage 1 does not."""
+    cfg = vlm_preset("debug").with_overrides({"vision": {"image_size": 28, "patch_size": 14}, "llm": {"vocab_size": 576},
+                                              "image_token_id": 512, "anyres": "anyres",
+                                              "grid_pinpoints": [[28, 56], [56, 28], [56, 56]]})
+    convert.save_model(build_model(cfg, seed=0), tmp_path / "init")
+    train.main(args(shapes, tmp_path / "out", f"--stage={stage}", f"--init_from={tmp_path / 'init'}", "--max_iters=2",
+                    "--max_tiles=5"))
+    before, after = load_file(tmp_path / "init/model.safetensors"), load_file(tmp_path / "out/step-000002/model.safetensors")
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert ("image_newline" in changed) == (stage == 2) and any(k.startswith("projector") for k in changed)
 
 
 def test_tile_settings_that_cannot_work_are_config_errors(shapes, tmp_path):
