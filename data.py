@@ -395,9 +395,9 @@ def sample_images(members):
 
 
 def image_layouts(vlm, kind, sizes):
-    """model.image_layout of each image of a sample, kind and (height, width) sizes as sample_images / image_hw give
+    """anyres.image_layout of each image of a sample, kind and (height, width) sizes as sample_images / image_hw give
     them; a video is one layout over all its frames."""
-    from model import image_layout
+    from anyres import image_layout
 
     if kind == "video":
         return [image_layout(vlm, *sizes[0], "video", len(sizes))]
@@ -524,7 +524,7 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     def encode_tiled(self, sample):
         """(ids, labels, tiles (n, 3, S, S) uint8 or None, layouts): each tag expanded to its image's token count
-        (model.image_layout), the tiles as the HF image processors make them (images.image_tiles)."""
+        (anyres.image_layout), the tiles as the HF image processors make them (images.image_tiles)."""
         vlm = self.vlm
         try:
             key, members = self.read(sample)
@@ -609,8 +609,8 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     def tiled_batch(self, sample_ids, encoded, dropped):
         """batch() with tile slots: pixel_values (B, max_tiles, 3, S, S) uint8 and image_index / image_weight
-        (B, T, taps) from model.place_images, each row's images in placeholder order in its slots from slot 0."""
-        from model import place_images
+        (B, T, taps) from anyres.place_images, each row's images in placeholder order in its slots from slot 0."""
+        from anyres import place_images
 
         B, T, vlm = self.batch_size, self.seq_len, self.vlm
         S, taps = vlm.vision.image_size, vlm.image_taps

@@ -91,13 +91,13 @@ def anyres_tiles(img, size, best_resolution):
 
 
 def image_tiles(data, vlm, kind="image", image_mode="pad", mean=None):
-    """(n_tiles, 3, S, S) uint8 tiles of one image for VLMConfig `vlm`, in the order model.image_layout counts them.
+    """(n_tiles, 3, S, S) uint8 tiles of one image for VLMConfig `vlm`, in the order anyres.image_layout counts them.
     kind "image": one image a sample: LLaVA-NeXT/OneVision anyres tiling (LlavaNextImageProcessor,
     LlavaOnevisionImageProcessor), or load_image's single view (`image_mode`) when vlm.anyres is "". kind "multi":
     one of several images: OneVision (anyres_max_N) pads it to a square in the mean colour and takes that one view
     (its processor's batch_num_images > 1 rule); LLaVA-NeXT tiles it as a single image. kind "video": a frame
     squashed to S x S (OneVision's video preprocessing)."""
-    from model import select_best_resolution  # images.py needs only this of model.py
+    from anyres import select_best_resolution
 
     size, mean = vlm.vision.image_size, mean or vlm.vision.image_stats[0]
     if not vlm.anyres and kind != "video":
@@ -112,7 +112,7 @@ def image_tiles(data, vlm, kind="image", image_mode="pad", mean=None):
 
 
 def image_hw(data):
-    """(height, width) of image bytes, from the header alone (what model.image_layout needs)."""
+    """(height, width) of image bytes, from the header alone (what anyres.image_layout needs)."""
     w, h = Image.open(io.BytesIO(data)).size
     return h, w
 

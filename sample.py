@@ -98,7 +98,7 @@ def main(argv=None):
 def tiled_batch(args, cfg, template, tok):
     """(ids, mask, pixel_values (B, n_slots, 3, S, S), {image_index, image_weight}) for a tiling model, or for
     --together / --video: each row as the tiled training loader would build it (data.tiled_prompt)."""
-    from model import place_images
+    from anyres import place_images
 
     blobs = []
     for f in args.image:

@@ -5,7 +5,8 @@ LlavaNextForConditionalGeneration / LlavaOnevisionForConditionalGeneration, buil
 import pytest
 import torch
 
-from model import VIT_PRESETS, VLMConfig, image_layout, place_images, vlm_preset
+from anyres import image_layout, place_images
+from model import VIT_PRESETS, VLMConfig, vlm_preset
 
 NEXT_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]  # llava-hf v1.6
 OV_PINPOINTS = [[384 * i, 384 * j] for i in range(1, 7) for j in range(1, 7)]  # llava-onevision-qwen2-*-ov-hf

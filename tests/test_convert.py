@@ -576,7 +576,7 @@ def tiny_hf_anyres(kind, seed=0):
 
 def anyres_logits(hf, ours, size, video_frames=0):
     """(HF logits, ours) for one row holding one image of `size` (h, w), or a video of that many frames."""
-    from model import image_layout, place_images
+    from anyres import image_layout, place_images
 
     cfg = ours.cfg
     video = video_frames > 0
@@ -681,7 +681,7 @@ def test_anyres_export_processor_counts_and_logits_match_ours(anyres_exports, ki
     import transformers as tf
     from PIL import Image
 
-    from model import image_layout, place_images
+    from anyres import image_layout, place_images
 
     directory, cfg = anyres_exports[kind]
     if kind == "llava_next":
@@ -764,7 +764,7 @@ def test_recipe_configs_parse_and_hold_their_largest_inputs(name):
     """Each recipe config loads through train.py's parser, names a preset train.py accepts with its max_tiles, and its
     static shapes hold the largest image (any aspect ratio) and a 32-frame video, counted by image_layout."""
     import train
-    from model import image_layout
+    from anyres import image_layout
 
     cfg = train.load_config([str(ROOT / "configs" / f"{name}.py")])
     vlm = train.model_config(cfg)

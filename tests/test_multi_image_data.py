@@ -1,6 +1,6 @@
 """Several images a sample, video frames and anyres tiles: pack.py's records and members against tarfile,
 webdataset and megatron-energon; images.py's tiles against transformers' LLaVA-NeXT / OneVision / SigLIP image
-processors (PIL backends); the loader's static tile slots against model.image_layout / place_images."""
+processors (PIL backends); the loader's static tile slots against anyres.image_layout / place_images."""
 
 import io
 import json
@@ -132,8 +132,8 @@ TILE_SIZES = [(640, 480), (500, 333), (333, 500), (1920, 1080), (3000, 200), (17
 def test_tiles_equal_the_llava_next_and_onevision_processors(w, h):
     """Base view + grid (LlavaNextImageProcessorPil, CLIP 336, v1.6 pinpoints; LlavaOnevisionImageProcessorPil,
     SigLIP 384, OneVision pinpoints) and OneVision's view of an image among several (pad to square in the mean
-    colour): within one uint8 level of the processors, and as many tiles as model.image_layout places."""
-    from model import image_layout
+    colour): within one uint8 level of the processors, and as many tiles as anyres.image_layout places."""
+    from anyres import image_layout
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
     from transformers.models.llava_onevision.image_processing_pil_llava_onevision import \
         LlavaOnevisionImageProcessorPil
@@ -168,7 +168,7 @@ def test_tiles_equal_the_llava_next_and_onevision_processors(w, h):
 def test_video_frames_are_squashed_as_llava_onevision_preprocesses_them():
     """LLaVA-NeXT's training code runs each frame through the SigLIP image processor (resize to 384 x 384);
     transformers' LlavaOnevisionVideoProcessor needs torchvision, which is not installed here."""
-    from model import image_layout
+    from anyres import image_layout
     from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
     import images
