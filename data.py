@@ -400,7 +400,7 @@ def image_layouts(vlm, kind, sizes):
     from anyres import image_layout
 
     if kind == "video":
-        return [image_layout(vlm, *sizes[0], "video", len(sizes))]
+        return [image_layout(vlm, *(sizes[0] if sizes else (0, 0)), "video", len(sizes))]  # no frames: its ValueError
     return [image_layout(vlm, h, w, kind) for h, w in sizes]
 
 
