@@ -441,6 +441,8 @@ class ShardStream(torch.utils.data.IterableDataset):
     def __init__(self, paths, tokenizer, batch_size, seq_len, image_size, image_token_id, n_image_tokens,
                  template="plain", image_mode="pad", split="train", seed=0, rank=0, world_size=1, shuffle_block=1000,
                  pack=0, fast_images=False, image_mean=CLIP_MEAN, vlm=None, max_tiles=0):
+        if not isinstance(max_tiles, int) or max_tiles < 0:
+            raise ValueError(f"ShardStream: max_tiles must be an integer >= 0 (tile slots a row), got {max_tiles!r}")
         if max_tiles and vlm is None:
             raise ValueError("ShardStream: max_tiles > 0 (tile slots) needs the model config: pass vlm=VLMConfig")
         # max_tiles > 0: each row holds max_tiles tile slots; images are tiled and placed by vlm (encode_tiled)

@@ -26,3 +26,26 @@ def test_sample_video_without_frames_is_a_one_line_error(onevision_ckpt):
     with pytest.raises(SystemExit, match="frame"):
         sample.main(["--ckpt", str(onevision_ckpt), "--video", "--prompt", "What happens?", "--template", "chatml",
                      "--max-new-tokens", "1", "--device", "cpu"])
+
+
+@pytest.mark.parametrize("max_tiles,message", [(-1, "--max-tiles must be >= 0"), (0, "max_tiles=0, but the model tiles"),
+                                               (1, "max_tiles=1 is fewer than the 2 tiles")])
+def test_audit_refuses_the_max_tiles_train_py_refuses(onevision_ckpt, tmp_path, max_tiles, message):
+    """`data.py audit --max-tiles` on an anyres model: a count train.py would refuse was audited anyway (-1 dropped
+    even text-only samples as too_many_tiles; 0 audited the one-view loader train.py never runs)."""
+    import data
+
+    config = tmp_path / "c.py"
+    config.write_text(f"init_from = {str(onevision_ckpt)!r}\ntokenizer = {str(onevision_ckpt / 'tokenizer.json')!r}\n"
+                      "template = 'chatml'\nseq_len = 400\n")
+    with pytest.raises(SystemExit, match=message):
+        data.main(["audit", str(tmp_path), "--config", str(config), f"--max-tiles={max_tiles}", "--show", "0"])
+
+
+def test_shard_stream_refuses_a_negative_max_tiles(onevision_ckpt, tmp_path):
+    import data
+    from test_multi_image_data import chat_tokenizer as tokenizer
+
+    tok = tokenizer(tmp_path / "tok")
+    with pytest.raises(ValueError, match="max_tiles must be an integer >= 0"):
+        data.ShardStream(tmp_path, tok, 2, 100, 28, 1, 4, vlm=tiny_onevision_config(tok), max_tiles=-2)
