@@ -49,3 +49,22 @@ def test_shard_stream_refuses_a_negative_max_tiles(onevision_ckpt, tmp_path):
     tok = tokenizer(tmp_path / "tok")
     with pytest.raises(ValueError, match="max_tiles must be an integer >= 0"):
         data.ShardStream(tmp_path, tok, 2, 100, 28, 1, 4, vlm=tiny_onevision_config(tok), max_tiles=-2)
+
+
+def test_from_hf_refuses_empty_pinpoints_rather_than_substituting_the_defaults():
+    """A llava_next config.json with "image_grid_pinpoints": [] (transformers keeps [] and cannot select a grid):
+    was converted silently with LLaVA-v1.6's default pinpoints; absent, the class default applies as in transformers."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaNextConfig
+
+    import hf_config
+
+    hf = LlavaNextConfig(vision_config=CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                        num_attention_heads=4, image_size=28, patch_size=14),
+                         text_config=LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                                 num_hidden_layers=2, num_attention_heads=4),
+                         image_grid_pinpoints=[[28, 56]]).to_dict()
+    assert hf_config.llava_config(hf, "d").grid_pinpoints == [[28, 56]]
+    with pytest.raises(convert.ConversionError, match=r"image_grid_pinpoints .* got \[\]"):
+        hf_config.llava_config(hf | {"image_grid_pinpoints": []}, "d")
+    hf.pop("image_grid_pinpoints")
+    assert hf_config.llava_config(hf, "d").grid_pinpoints == LlavaNextConfig().image_grid_pinpoints
