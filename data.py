@@ -414,6 +414,8 @@ def tiled_prompt(vlm, template, tok, question, blobs, kind=None, image_mode="pad
     what the tiled loader makes of such a sample. kind: "image" (one), "multi" (several, one <image> each), "video"
     (frames, one <video>); by default "image" or "multi" by count. Tags are put first unless the question has them."""
     kind = kind or ("multi" if len(blobs) > 1 else "image")
+    if kind == "video" and vlm.video_token_id is None:
+        raise ValueError("this model has no <video> token (video_token_id is None): ask about the frames as images")
     tag = VIDEO_TAG if kind == "video" else IMAGE_TAG
     n_tags = len(blobs) if kind == "multi" else 1 if blobs else 0
     if blobs and tag not in question:

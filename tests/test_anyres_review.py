@@ -68,3 +68,16 @@ def test_from_hf_refuses_empty_pinpoints_rather_than_substituting_the_defaults()
         hf_config.llava_config(hf | {"image_grid_pinpoints": []}, "d")
     hf.pop("image_grid_pinpoints")
     assert hf_config.llava_config(hf, "d").grid_pinpoints == LlavaNextConfig().image_grid_pinpoints
+
+
+def test_a_video_prompt_for_a_model_without_video_says_so(tmp_path):
+    """sample.py --video on a LLaVA-NeXT model (no <video> id): said 'the prompt has 0 image/video tags for 1 video
+    inputs' of a prompt it had just given a <video> tag."""
+    import data
+    from test_images import encode, photo
+    from test_multi_image_data import chat_tokenizer as tokenizer
+
+    tok = tokenizer(tmp_path / "tok")
+    cfg = tiny_onevision_config(tok).with_overrides({"anyres": "anyres", "video_token_id": None})
+    with pytest.raises(ValueError, match="no <video> token"):
+        data.tiled_prompt(cfg, "chatml", tok, "What happens?", [encode(photo(40, 30), "PNG")], "video")
