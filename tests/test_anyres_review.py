@@ -81,3 +81,33 @@ def test_a_video_prompt_for_a_model_without_video_says_so(tmp_path):
     cfg = tiny_onevision_config(tok).with_overrides({"anyres": "anyres", "video_token_id": None})
     with pytest.raises(ValueError, match="no <video> token"):
         data.tiled_prompt(cfg, "chatml", tok, "What happens?", [encode(photo(40, 30), "PNG")], "video")
+
+
+def test_onevision_export_with_a_clip_tower_counts_the_tokens_the_model_places(tmp_path):
+    """to-hf of an anyres_max_N model on a CLIP tower (HF "default": CLS dropped): processor_config.json held
+    num_image_tokens 576, which LlavaOnevisionProcessor reduces by one under "default", so every image, and an image
+    among several, got one <image> fewer than the 576-a-view features the model places (transformers then refuses)."""
+    import json
+
+    from test_anyres import real_next_config, tiny_tokenizer
+    from transformers import LlavaOnevisionImageProcessor, LlavaOnevisionProcessor
+
+    import processor
+    from anyres import image_layout
+
+    cfg = real_next_config().with_overrides({"anyres": "anyres_max_9", "video_token_id": 2})
+    processor.write_processor(cfg, tmp_path, "chatml", "pad")
+    settings = json.loads((tmp_path / "processor_config.json").read_text())
+    image = json.loads((tmp_path / "preprocessor_config.json").read_text())
+    theirs = LlavaOnevisionProcessor.__new__(LlavaOnevisionProcessor)  # its constructor wants torchvision
+    theirs.image_processor = LlavaOnevisionImageProcessor(image_grid_pinpoints=image["image_grid_pinpoints"],
+                                                          size=image["size"])
+    theirs.tokenizer, theirs.image_token = tiny_tokenizer(), "<image>"
+    for key in ("num_image_tokens", "vision_feature_select_strategy", "vision_aspect_ratio"):
+        setattr(theirs, key, settings[key])
+    sizes = [(768, 1024), (1024, 768), (256, 2048), (337, 336), (1, 1)]
+    counts = theirs._get_num_multimodal_tokens(image_sizes=sizes, video_sizes=[(8, 336, 336)])
+    assert counts.num_image_tokens == [len(image_layout(cfg, h, w)[1]) for h, w in sizes]
+    assert counts.num_video_tokens == [len(image_layout(cfg, 0, 0, "video", 8)[1])]
+    multi = theirs.replace_image_token({"batch_num_images": [2], "image_sizes": [(480, 640)] * 2}, 0)
+    assert multi.count("<image>") == len(image_layout(cfg, 480, 640, "multi")[1])
