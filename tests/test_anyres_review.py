@@ -111,3 +111,18 @@ def test_onevision_export_with_a_clip_tower_counts_the_tokens_the_model_places(t
     assert counts.num_video_tokens == [len(image_layout(cfg, 0, 0, "video", 8)[1])]
     multi = theirs.replace_image_token({"batch_num_images": [2], "image_sizes": [(480, 640)] * 2}, 0)
     assert multi.count("<image>") == len(image_layout(cfg, 480, 640, "multi")[1])
+
+
+@pytest.mark.parametrize("max_tiles", [0, 2])
+def test_train_refuses_max_tiles_before_building_a_7b_preset(tmp_path, monkeypatch, max_tiles):
+    """`train.py --model=llava-next-vicuna-7b --max_tiles=0` (or too few) from scratch: the refusal came after
+    building and initialising 7B parameters (minutes of CPU, or out of memory) instead of at once."""
+    import train
+    from test_multi_image_data import chat_tokenizer as tokenizer
+
+    tokenizer(tmp_path / "tok")
+    monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("built the model before checking max_tiles"))
+    with pytest.raises(SystemExit, match=f"max_tiles={max_tiles}"):
+        train.main(["--model=llava-next-vicuna-7b", "--model_overrides={}", f"--max_tiles={max_tiles}",
+                    f"--data_dir={tmp_path}", f"--tokenizer={tmp_path / 'tok/tokenizer.json'}",
+                    f"--out_dir={tmp_path / 'out'}", "--device=cpu"])
