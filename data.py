@@ -400,7 +400,7 @@ def image_layouts(vlm, kind, sizes):
     from anyres import image_layout
 
     if kind == "video":
-        return [image_layout(vlm, *sizes[0], "video", len(sizes))]
+        return [image_layout(vlm, *(sizes[0] if sizes else (0, 0)), "video", len(sizes))]  # no frames: its ValueError
     return [image_layout(vlm, h, w, kind) for h, w in sizes]
 
 
@@ -414,6 +414,8 @@ def tiled_prompt(vlm, template, tok, question, blobs, kind=None, image_mode="pad
     what the tiled loader makes of such a sample. kind: "image" (one), "multi" (several, one <image> each), "video"
     (frames, one <video>); by default "image" or "multi" by count. Tags are put first unless the question has them."""
     kind = kind or ("multi" if len(blobs) > 1 else "image")
+    if kind == "video" and vlm.video_token_id is None:
+        raise ValueError("this model has no <video> token (video_token_id is None): ask about the frames as images")
     tag = VIDEO_TAG if kind == "video" else IMAGE_TAG
     n_tags = len(blobs) if kind == "multi" else 1 if blobs else 0
     if blobs and tag not in question:
@@ -441,6 +443,8 @@ class ShardStream(torch.utils.data.IterableDataset):
     def __init__(self, paths, tokenizer, batch_size, seq_len, image_size, image_token_id, n_image_tokens,
                  template="plain", image_mode="pad", split="train", seed=0, rank=0, world_size=1, shuffle_block=1000,
                  pack=0, fast_images=False, image_mean=CLIP_MEAN, vlm=None, max_tiles=0):
+        if not isinstance(max_tiles, int) or max_tiles < 0:
+            raise ValueError(f"ShardStream: max_tiles must be an integer >= 0 (tile slots a row), got {max_tiles!r}")
         if max_tiles and vlm is None:
             raise ValueError("ShardStream: max_tiles > 0 (tile slots) needs the model config: pass vlm=VLMConfig")
         # max_tiles > 0: each row holds max_tiles tile slots; images are tiled and placed by vlm (encode_tiled)

@@ -150,7 +150,7 @@ def anyres_from_hf(hf, kind, where):
     if kind == "llava":
         return "", None, None
     default = vlm_preset("llava-next-vicuna-7b" if kind == "llava_next" else "llava-onevision-qwen2-7b")
-    pinpoints = hf.get("image_grid_pinpoints") or default.grid_pinpoints
+    pinpoints = hf.get("image_grid_pinpoints", default.grid_pinpoints)  # [] or null is refused, not replaced
     if not (isinstance(pinpoints, list) and pinpoints and all(
             isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(x, int) and x > 0 for x in p)
             for p in pinpoints)):

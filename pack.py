@@ -647,9 +647,13 @@ def audit_command(args):
     if None in (args.image_size, args.n_image_tokens, args.image_token_id):
         print(f"audit: model settings from {origin}")
     given = lambda flag, default: default if flag is None else flag  # noqa: E731
+    max_tiles = given(args.max_tiles, cfg.get("max_tiles", 0))
+    if max_tiles < 0:
+        raise SystemExit(f"audit: --max-tiles must be >= 0, got {max_tiles}")
+    train.check_tiles(mcfg, max_tiles)  # what train.py refuses (an anyres model without room for one image) is refused here
     sys.exit(audit(args.source, given(args.tokenizer, cfg["tokenizer"]), given(args.template, cfg["template"]),
                    given(args.seq_len, cfg["seq_len"]), given(args.image_size, mcfg.vision.image_size),
                    given(args.n_image_tokens, mcfg.n_image_tokens), given(args.image_token_id, mcfg.image_token_id),
                    given(args.image_mode, cfg["image_mode"]), args.images, args.split, given(args.pack, cfg["pack"]),
                    given(args.rows, cfg["micro_batch_size"]), args.show, args.limit, args.sheet, args.hf_tokenizer,
-                   args.progress, vlm=mcfg, max_tiles=given(args.max_tiles, cfg.get("max_tiles", 0))))
+                   args.progress, vlm=mcfg, max_tiles=max_tiles))

@@ -71,10 +71,12 @@ def anyres_processor_configs(cfg, image, settings):
     image |= {"image_processor_type": "LlavaOnevisionImageProcessor", "processor_class": "LlavaOnevisionProcessor",
               "size": {"height": size, "width": size}, "do_center_crop": False}
     image.pop("crop_size")
-    # the processor counts the base view as num_image_tokens and the grid as its square root per tile side
+    # the processor counts the base view as num_image_tokens and the grid as its square root per tile side; under
+    # "default" it takes one off (the CLS token a CLIP tower's features drop), so it needs the count with CLS
     settings = {k: v for k, v in settings.items() if k not in ("patch_size", "num_additional_image_tokens")}
     return image, settings | {"processor_class": "LlavaOnevisionProcessor", "video_token": VIDEO_TAG,
-                              "num_image_tokens": cfg.vision.n_patches, "vision_aspect_ratio": cfg.anyres}
+                              "num_image_tokens": cfg.n_image_tokens + (cfg.vision_select == "patch"),
+                              "vision_aspect_ratio": cfg.anyres}
 
 
 def write_processor(cfg, directory, template, image_mode):

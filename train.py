@@ -513,6 +513,7 @@ def main(argv=None):
             raise SystemExit(f"{'resume' if resume_from else 'init_from'} {str(source)!r}: cannot load the model "
                              f"({e})") from None
     else:
+        check_tiles(model_config(cfg), cfg["max_tiles"])  # before building: a 7B preset takes minutes to refuse
         raw = build_model(model_config(cfg), device=build_on, seed=cfg["seed"])
     freeze(raw, cfg["stage"])
     raw.loss_chunk, raw.recompute = cfg["loss_chunk"], checkpoint_fn(env.kind)
