@@ -339,6 +339,11 @@ def stop_token_id(template, tok):
     return ids[-1] if len(ids) and tok.decode(ids[-1:]) == marker else tok.eos_id
 
 
+def decode_answer(tok, tokens, stop):
+    """The text of generated (or supervised) token ids up to the stop token."""
+    return tok.decode(tokens[: tokens.index(stop)] if stop in tokens else tokens).strip()
+
+
 # -----------------------------------------------------------------------------
 # reading shards: an index of samples, a deterministic order, exact resume (tars and .nv-meta: shards.py)
 
@@ -500,27 +505,35 @@ class ShardStream(torch.utils.data.IterableDataset):
             self._files.pop(next(iter(self._files))).close()
         return read_members(f, start, end)
 
-    def encode(self, sample):
-        if self.max_tiles:
-            return self.encode_tiled(sample)
+    def read_conversation(self, sample):
+        """(where, conversation, kind, image bytes) of a sample both encoders share; DropSample if its tar, JSON or
+        conversation cannot be trained on."""
         try:
             key, members = self.read(sample)
-            conv, image = sample_conversation(members)
-            kind, found = sample_images(members)
+            conv, _ = sample_conversation(members)
+            kind, blobs = sample_images(members)
             problem = conversation_problem(conv)
-            pixels = None if image is None or problem else \
-                load_image(image, self.image_size, self.image_mode, self.fast_images, self.image_mean)
         except DropSample:
             raise
-        except Exception as e:  # noqa: BLE001  corrupt tar, JSON or image bytes in a foreign shard
+        except Exception as e:  # noqa: BLE001  corrupt tar or JSON in a foreign shard
             raise DropSample(f"unreadable_sample ({type(e).__name__}: {e})") from None
         if problem:
             raise DropSample(f"{problem} (in the sample's conversation)")
-        if len(found) > 1:
-            raise DropSample(f"{kind}_needs_max_tiles ({len(found)} {'frames' if kind == 'video' else 'images'}: "
+        return f"{self.files[self.index[sample][0]].name}:{key}", conv, kind, blobs
+
+    def encode(self, sample):
+        if self.max_tiles:
+            return self.encode_tiled(sample)
+        where, conv, kind, blobs = self.read_conversation(sample)
+        if len(blobs) > 1 or kind == "video":  # a one-frame video too: its tag is <video>
+            raise DropSample(f"{kind}_needs_max_tiles ({len(blobs)} {'frames' if kind == 'video' else 'images'}: "
                              "set max_tiles > 0)")
-        where = f"{self.files[self.index[sample][0]].name}:{key}"
-        ids, labels, truncated = encode_conversation(conv, image is not None, self.template, self.tok, self.seq_len,
+        try:
+            pixels = load_image(blobs[0], self.image_size, self.image_mode, self.fast_images, self.image_mean) \
+                if blobs else None
+        except Exception as e:  # noqa: BLE001  image bytes PIL cannot decode
+            raise DropSample(f"unreadable_sample ({type(e).__name__}: {e})") from None
+        ids, labels, truncated = encode_conversation(conv, bool(blobs), self.template, self.tok, self.seq_len,
                                                      self.image_token_id, self.n_image_tokens)
         if truncated:
             self.skips.add("truncated_not_dropped", where)
@@ -530,25 +543,17 @@ class ShardStream(torch.utils.data.IterableDataset):
         """(ids, labels, tiles (n, 3, S, S) uint8 or None, layouts): each tag expanded to its image's token count
         (anyres.image_layout), the tiles as the HF image processors make them (images.image_tiles)."""
         vlm = self.vlm
+        where, conv, kind, blobs = self.read_conversation(sample)
         try:
-            key, members = self.read(sample)
-            conv, _ = sample_conversation(members)
-            kind, blobs = sample_images(members)
-            problem = conversation_problem(conv)
             sizes = [image_hw(b) for b in blobs]
-        except DropSample:
-            raise
-        except Exception as e:  # noqa: BLE001  corrupt tar, JSON or image bytes in a foreign shard
+        except Exception as e:  # noqa: BLE001  image bytes with no readable header
             raise DropSample(f"unreadable_sample ({type(e).__name__}: {e})") from None
-        if problem:
-            raise DropSample(f"{problem} (in the sample's conversation)")
         if kind == "video" and vlm.video_token_id is None:
             raise DropSample(f"video_without_video_token ({len(blobs)} frames; the model has no video_token_id)")
         layouts = image_layouts(vlm, kind, sizes)
         n_tiles = sum(n for n, _, _ in layouts)
         if n_tiles > self.max_tiles:
             raise DropSample(f"too_many_tiles ({n_tiles} tiles, max_tiles {self.max_tiles})")
-        where = f"{self.files[self.index[sample][0]].name}:{key}"
         ids, labels, truncated = encode_conversation(conv, bool(blobs), self.template, self.tok, self.seq_len,
                                                      self.image_token_id, [len(index) for _, index, _ in layouts],
                                                      vlm.video_token_id)

@@ -456,3 +456,20 @@ def test_llava_next_rows_hold_the_prompts_and_tiles_llava_next_processor_gives(t
     tiles = torch.cat([torch.as_tensor(np.asarray(ref["pixel_values"][0]))[:5],
                        torch.as_tensor(np.asarray(ref["pixel_values"][1]))[:3]])
     assert (b["pixel_values"][0].float() - levels(tiles, cfg.vision.image_stats)).abs().max() <= 1
+
+
+def test_one_image_loader_drops_a_one_frame_video_with_a_reason(tmp_path):
+    """A video of one frame is still a <video> sample: the one-image loader (max_tiles 0) drops it by reason,
+    never trains on it as text with a stray <video> tag."""
+    imgs = tmp_path / "images"
+    imgs.mkdir()
+    photo(120, 90, seed=0).save(imgs / "f0.jpg")
+    records = [{"id": "clip", "video": ["f0.jpg"], "conversations": conv("<video>\nWhat happens?", "It moves.")},
+               {"id": "text", "conversations": conv("Hi?", "Hello.")}]
+    (tmp_path / "d.json").write_text(json.dumps(records))
+    pack.pack(tmp_path / "d.json", imgs, tmp_path / "out", shard_size=2)
+    tok = chat_tokenizer(tmp_path / "tok")
+    stream = data.ShardStream(tmp_path / "out", tok, batch_size=2, seq_len=64, image_size=28,
+                              image_token_id=tok.specials["<image>"], n_image_tokens=4, template="chatml")
+    assert stream.batch(0)["dropped"].sum() == 1
+    assert dict(stream.skips.counts) == {"video_needs_max_tiles": 1}
