@@ -150,7 +150,7 @@ def answer(args, model, template, tok, ids, mask, pixels, extra):
     except ValueError as e:  # e.g. prompt + max_new_tokens longer than the model's max_seq_len
         sys.exit(f"sample: {e}")
     for tokens in out:
-        print(tok.decode(tokens[: tokens.index(stop)] if stop in tokens else tokens).strip())
+        print(data.decode_answer(tok, tokens, stop))
 
 if __name__ == "__main__":
     main()

@@ -378,7 +378,7 @@ def answer_accuracy(raw, stream, env, cfg, n, show=5, batch_size=32):
             out = raw.generate(ids.to(env.device), pixels, max_new_tokens=max_new, eos_id=stop,
                                attention_mask=mask.to(env.device)).tolist()
         for tokens, (_, answer, _, question) in zip(out, batch):
-            said = tok.decode(tokens[: tokens.index(stop)] if stop in tokens else tokens).strip()
+            said = data.decode_answer(tok, tokens, stop)
             right += said.lower() == answer.strip().lower()
             total += 1
             if len(shown) < show:
@@ -406,7 +406,7 @@ def tiled_answer_accuracy(raw, stream, env, cfg, n, show=5):
                 too_long += 1
                 continue
             answer = b["input_ids"][r, start:end].tolist()
-            asked.append((r, start, tok.decode(answer[: answer.index(stop)] if stop in answer else answer).strip()))
+            asked.append((r, start, data.decode_answer(tok, answer, stop)))
         if not asked:
             continue
         ids, mask = left_pad([b["input_ids"][r, :start].tolist() for r, start, _ in asked], tok.pad_id)
@@ -422,7 +422,7 @@ def tiled_answer_accuracy(raw, stream, env, cfg, n, show=5):
                                attention_mask=mask.to(env.device), image_index=index.to(env.device),
                                image_weight=weight.to(env.device)).tolist()
         for tokens, (r, _, answer) in zip(out, asked):
-            said = tok.decode(tokens[: tokens.index(stop)] if stop in tokens else tokens).strip()
+            said = data.decode_answer(tok, tokens, stop)
             right += said.lower() == answer.lower()
             total += 1
             if len(shown) < show:
