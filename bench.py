@@ -5,6 +5,7 @@ Benchmarks. Figures go to BENCHMARKS.md with the command, date and machine.
     python bench.py train [--size bench|debug] [--stage 1|2] [--peer hf] [--pack] [--compile] [--loss-chunk N]
     python bench.py data [--shards DIR]        # decode + preprocess images/s per core, ours vs webdataset + PIL
     python bench.py xla                        # computed per-device memory of the 7B recipes on TPU pods
+    python bench.py checkpoint --ranks 4 [--gib 1.2] [--out DIR]   # sharded checkpoint: time blocked, rank 0's memory
 
 `train` times full training steps (forward, backward, AdamW) on random weights and synthetic
 batches after warm-up, and reports tokens/s, samples/s, MFU (README's formula), peak memory and
@@ -20,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -348,6 +350,80 @@ def print_xla_memory():
               + f" | {sum(sizes) / 2**30:.1f} |")
 
 
+# -----------------------------------------------------------------------------
+# checkpoints: what a save costs the training loop, by world size
+
+
+def rss_bytes():
+    return int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) * 1024
+
+
+def bench_checkpoint(args):
+    """A stage-0 model of about --gib GiB of weights and AdamW moments, FSDP2-sharded over the ranks (gloo, CPU),
+    saved --saves times through checkpoint.Checkpointer: the time the loop is blocked (host copy of this rank's
+    shards), the time until the step is committed (every rank written, hashed, manifest, rename), and rank 0's
+    resident memory above what it held before the save (sampled every 10 ms)."""
+    import os
+    import threading
+
+    import torch.distributed as dist
+
+    import checkpoint
+    from model import VLM
+
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world == 1 and args.ranks > 1:  # start the ranks: this same command under torchrun
+        import subprocess
+
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks}", "--master_addr=127.0.0.1",
+               "--master_port=29533", __file__, *sys.argv[1:]]
+        return subprocess.call(cmd, env=os.environ | {"OMP_NUM_THREADS": "1"})
+    cfg_run = dict(train.DEFAULTS) | {"parallel": "fsdp", "device": "cpu", "keep_last": 1, "tokenizer": ""}
+    env = parallel.Env(cfg_run)
+    n_layers = max(1, round(args.gib * 2**30 / 12 / 16.8e6))  # 12 bytes a parameter, ~16.8M a 1024-wide layer
+    cfg = vlm_preset("debug").with_overrides({"llm": {"dim": 1024, "n_heads": 8, "n_kv_heads": 8, "ffn_dim": 4096,
+                                                      "n_layers": n_layers}})
+    with torch.device("meta"):
+        raw = VLM(cfg)
+    model = parallel.shard(raw, env, cfg_run) if env.distributed else raw
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    optimizer = train.make_optimizer(raw, cfg_run, env)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()  # the moments exist
+    loader = SimpleNamespace(state_dict=lambda: {"position": 0})
+    out = Path(args.out) / f"ranks-{world}"
+    ckpt = checkpoint.Checkpointer(env, cfg_run)
+    state_bytes = sum(p.numel() * 12 for p in raw.parameters()) / 2**30
+    for i in range(args.saves):
+        base, peak, done = rss_bytes(), [0], threading.Event()
+
+        def sample(peak=peak, done=done):
+            while not done.is_set():
+                peak[0] = max(peak[0], rss_bytes())
+                time.sleep(0.01)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        if dist.is_initialized():
+            dist.barrier()
+        t0 = time.perf_counter()
+        ckpt.save(out / f"step-{i + 1:06d}", model, raw, optimizer, loader, i + 1)
+        blocked = time.perf_counter() - t0
+        ckpt.wait()
+        total = time.perf_counter() - t0
+        done.set()
+        sampler.join()
+        if env.master:
+            print(f"ranks {world}: state {state_bytes:.2f} GiB; save {i + 1}: blocked {blocked:.2f} s, committed "
+                  f"{total:.2f} s, rank 0 extra memory {(peak[0] - base) / 2**30:.2f} GiB", flush=True)
+    if env.distributed:
+        dist.destroy_process_group()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -374,7 +450,14 @@ def main(argv=None):
     d.add_argument("--size", type=int, default=336)
     d.add_argument("--n", type=int, default=400)
     sub.add_parser("xla", help="computed per-device memory of the LLaVA-1.5-7B TPU recipes (README table)")
+    c = sub.add_parser("checkpoint", help="a sharded checkpoint's blocked time, commit time and rank 0's extra memory")
+    c.add_argument("--ranks", type=int, default=1)
+    c.add_argument("--gib", type=float, default=1.2, help="weights + AdamW moments, GiB")
+    c.add_argument("--saves", type=int, default=3)
+    c.add_argument("--out", default="out/bench-checkpoint")
     args = p.parse_args(argv)
+    if args.cmd == "checkpoint":
+        return bench_checkpoint(args)
     if args.cmd == "xla":
         print_xla_memory()
     elif args.cmd == "data":

@@ -1,47 +1,48 @@
 """
-Training checkpoints: write (atomically, manifest last, optionally from a detached writer that outlives the
-trainer's kill), verify, find the newest good one, prune, resume. train.py calls these; convert.py reads the
-model part of a checkpoint directory.
+Training checkpoints on torch.distributed.checkpoint (DCP): every rank (torchrun) or host (torch_xla SPMD, through
+its SPMD planners) writes only its own shards, in parallel and in the background; the loop blocks only while its
+shards are copied to host memory. A step directory holds:
+
+    .metadata, __R_I.distcp     DCP: model.NAME (the weights) and optim.state.NAME.FIELD (AdamW's moments and step)
+    config.json                 the model's config (convert.py, sample.py and init_from read the directory as a model)
+    state.json                  iteration, loader position (global), run config, world size, optimizer param groups
+    rng.safetensors, tokenizer  each rank's RNG; the run's tokenizer
+    manifest.json               size and sha256 of every file above, every rank's included: written last, by rank 0,
+                                once every rank has finished; resume takes the newest directory that matches it
+
+A step is written to .step-N.tmp-dcp and renamed when complete, so a rank killed mid-write leaves no step-N. DCP
+reshards on load: a checkpoint resumes on another world size, mesh, or backend (XLA <-> torchrun), because the
+keys name parameters, not ranks.
 """
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
 import signal
+import socket
+import sys
+import threading
 import time
 import traceback
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
-import convert
-from parallel import place_like, print0
+from model import VLM, VLMConfig
+from parallel import print0
+from weight_files import write_safetensors
 
-# checkpoints: out_dir/step-XXXXXX/ holds model.safetensors + config.json (convert.py reads it),
-# optimizer.safetensors + optimizer.json, rng.safetensors and state.json; written to a temporary
-# directory and renamed, so a crash mid-write leaves the previous checkpoint as the newest. manifest.json (sizes and
-# sha256 of the other files) is written last; resume takes the newest checkpoint that matches its manifest.
 MANIFEST = "manifest.json"
-
-
-def full_state(model, raw, optimizer, env):
-    """Model and optimizer state by parameter name. Under SPMD the tensors stay sharded on the device: the
-    writer gathers one at a time, so a host never holds more than one full tensor (a 7B-13B model saves on a pod)."""
-    if env.kind == "xla":
-        names = {p: n for n, p in raw.named_parameters()}
-        groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [names[p] for p in g["params"]]}
-                  for g in optimizer.param_groups]
-        return raw.state_dict(), {"state": {names[p]: s for p, s in optimizer.state.items()}, "param_groups": groups}
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True) if env.distributed else StateDictOptions()
-    return get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, optimizer, options=opts)
+WRITER_PID = ".stop-writer.pid"  # in out_dir while a detached stop-checkpoint writer runs
 
 
 def checkpoints(out):
@@ -58,21 +59,49 @@ def file_sha256(path):
     return h.hexdigest()
 
 
-def sha256_all(files):
-    """sha256 of several files at once: hashlib releases the GIL, so shards and the optimizer file hash in parallel."""
+def describe(files):
+    """{name: {size, sha256}} of files (paths), hashed in parallel: hashlib releases the GIL."""
     with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
-        return list(pool.map(file_sha256, files))
+        return {f.name: {"size": f.stat().st_size, "sha256": d} for f, d in zip(files, pool.map(file_sha256, files))}
 
 
-def write_manifest(path):
-    """manifest.json: the size and sha256 of every file in checkpoint directory `path`, read back from disk.
-    Written last, so a checkpoint without one is incomplete; resume checks every file against it."""
-    path = Path(path)
-    names = [f for f in sorted(path.iterdir()) if f.is_file() and f.name != MANIFEST]
-    files = {f.name: {"size": f.stat().st_size, "sha256": digest} for f, digest in zip(names, sha256_all(names))}
-    tmp = path / f"{MANIFEST}.tmp"
-    tmp.write_text(json.dumps({"files": files}, indent=2))
-    tmp.rename(path / MANIFEST)
+def write_manifest(path, files):
+    tmp = Path(path) / f"{MANIFEST}.tmp"
+    tmp.write_text(json.dumps({"files": dict(sorted(files.items()))}, indent=2))
+    fsync(tmp)
+    tmp.rename(Path(path) / MANIFEST)
+
+
+def fsync(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -----------------------------------------------------------------------------
+# verification: the manifest, then DCP's own index against what the model and optimizer hold
+
+
+def expected_keys(path, state):
+    """{DCP key: shape} every complete checkpoint of this model and these param groups holds."""
+    cfg = VLMConfig.from_dict(json.loads((path / "config.json").read_text()))
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in VLM(cfg).state_dict().items()}
+    if cfg.llm.tie_embeddings:
+        shapes.pop("llm.output.weight", None)
+    keys = {f"model.{k}": s for k, s in shapes.items()}
+    for group in state["param_groups"]:
+        for name in group["params"]:
+            keys |= {f"optim.state.{name}.exp_avg": shapes[name], f"optim.state.{name}.exp_avg_sq": shapes[name],
+                     f"optim.state.{name}.step": ()}
+    return keys
+
+
+def saved_tensors(path):
+    """{DCP key: its metadata} from DCP's index (.metadata)."""
+    return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
 
 
 def verify_checkpoint(path):
@@ -85,7 +114,7 @@ def verify_checkpoint(path):
         return f"no {MANIFEST} (written last: the write did not finish, or it is not a llavax training checkpoint)"
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         return f"{MANIFEST} is unreadable ({type(e).__name__}: {e})"
-    for name in ("state.json", "config.json", "optimizer.safetensors"):
+    for name in ("state.json", "config.json", ".metadata"):
         if name not in expected:
             return f"{MANIFEST} does not list {name}"
     for name, (size, _) in expected.items():
@@ -94,9 +123,18 @@ def verify_checkpoint(path):
             return f"{name} is missing"
         if f.stat().st_size != size:
             return f"{name} is {f.stat().st_size} bytes, {size} when written (truncated or overwritten)"
-    for (name, (_, digest)), now in zip(expected.items(), sha256_all([path / n for n in expected])):
-        if now != digest:
+    for name, now in describe([path / n for n in expected]).items():
+        if now["sha256"] != expected[name][1]:
             return f"{name} differs from its sha256 when written (corrupted on disk or edited)"
+    try:  # a planner that drops tensors (torch_xla 2.9's, pytorch/xla#7919) writes a complete-looking checkpoint
+        want, have = expected_keys(path, json.loads((path / "state.json").read_text())), saved_tensors(path)
+    except Exception as e:  # noqa: BLE001  whatever a foreign or damaged index raises, named
+        return f"its index cannot be checked ({type(e).__name__}: {e})"
+    missing = sorted(set(want) - set(have))
+    wrong = [k for k in want if k in have and tuple(getattr(have[k], "size", ())) != want[k]]
+    if missing or wrong:
+        return (f"the tensors written do not cover the model: {len(missing)} missing ({', '.join(missing[:3])}), "
+                f"{len(wrong)} of another shape ({', '.join(wrong[:3])})")
     return None
 
 
@@ -132,35 +170,343 @@ def prune_checkpoints(out, newest, keep_last):
         shutil.rmtree(old)
 
 
-WRITER_PID = ".stop-writer.pid"  # in out_dir while a detached stop-checkpoint writer runs
+# -----------------------------------------------------------------------------
+# the state: each rank's (host's) own shards, by DCP key
 
 
-def write_detached(write, out):
-    """Run write() in a forked child in its own session, and wait for it while we live. torchrun SIGKILLs its
-    workers 30 s after it forwards SIGTERM (REFERENCES.md 7) and a 7B state takes longer to write; its killpg
-    does not reach another session, so the checkpoint is finished from the host snapshot the fork holds."""
-    with warnings.catch_warnings():  # Python 3.12 warns on any fork of a threaded process: the child runs no threads
-        warnings.simplefilter("ignore", DeprecationWarning)
-        pid = os.fork()
-    if pid == 0:
-        code = 1
+def train_state(model, raw, optimizer, env):
+    """({model.NAME / optim.state.NAME.FIELD: tensor}, param groups with parameter names). The tensors are the live
+    ones (FSDP2 DTensors hold this rank's shards; under SPMD, sharded XLA tensors), so DCP can load into them."""
+    if env.kind == "xla":
+        names = {p: n for n, p in raw.named_parameters()}
+        weights, state = raw.state_dict(), {names[p]: s for p, s in optimizer.state.items()}
+        groups = [g | {"params": [names[p] for p in g["params"]]} for g in optimizer.param_groups]
+    else:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        osd = get_optimizer_state_dict(model, optimizer)  # creates the moments of a fresh optimizer (for a load)
+        weights, state, groups = get_model_state_dict(model), osd["state"], osd["param_groups"]
+    tied = raw.cfg.llm.tie_embeddings
+    tensors = {f"model.{k}": v.detach() for k, v in weights.items()
+               if not (tied and k == "llm.output.weight")}
+    tensors |= {f"optim.state.{name}.{k}": v for name, s in state.items() for k, v in s.items()}
+    return tensors, [json.loads(json.dumps(g)) for g in groups]  # tuples to lists, as JSON holds them
+
+
+def local_part(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def nonfinite_keys(staged):
+    """The keys whose host copies (this rank's shards) hold a value that is not finite."""
+    def parts(t):
+        return [s.data for s in t.shards] if hasattr(t, "shards") else [local_part(t)]  # XLA's _CpuShards
+
+    return [k for k, t in staged.items()
+            if any(p.is_floating_point() and not torch.isfinite(p).all() for p in parts(t))]
+
+
+def stage(tensors, env, buffers):
+    """Host copies of this rank's shards, which the write reads while training goes on. The buffers are kept for
+    the next save (pinned on CUDA): copying into allocated, pinned memory is 30x faster than into fresh pages."""
+    if env.kind == "xla":
+        from torch_xla.experimental.distributed_checkpoint._helpers import _sharded_cpu_state_dict
+
+        device = {k: t for k, t in tensors.items() if t.device.type == "xla"}
+        return _sharded_cpu_state_dict(device) | {k: t.clone() for k, t in tensors.items() if k not in device}
+
+    def copy(key, t):
+        local = local_part(t)
+        host = buffers.get(key)
+        if host is None or host.shape != local.shape or host.dtype != local.dtype:
+            host = buffers[key] = torch.empty(local.shape, dtype=local.dtype, pin_memory=local.is_cuda)
+        host.copy_(local, non_blocking=local.is_cuda)
+        if hasattr(t, "to_local"):
+            from torch.distributed.tensor import DTensor
+
+            return DTensor.from_local(host, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+        return host
+
+    staged = {k: copy(k, t) for k, t in tensors.items()}
+    if env.kind == "cuda":
+        torch.cuda.synchronize(env.device)
+    return staged
+
+
+@contextlib.contextmanager
+def quiet():
+    """Without DCP's warnings that say nothing to a user: 'torch.distributed is disabled ... assuming ... a single
+    process' (it is one) and TypedStorage's deprecation inside its own writer."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*(torch.distributed is disabled|TypedStorage is deprecated|"
+                                                  "non-tuple sequence).*")
+        yield
+
+
+def planners(env):
+    """(save planner, load planner): torch_xla's SPMD ones on XLA, with its save planner's data loss fixed."""
+    if env.kind != "xla":
+        return None, None
+    import dataclasses
+
+    from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner, SPMDSavePlanner
+
+    class ReplicaSafeSavePlanner(SPMDSavePlanner):
+        def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):  # torch 2.9's signature
+            super().set_up_planner(state_dict, is_coordinator)
+
+        # torch_xla 2.9 deletes every copy of a shard that several local devices hold (its dedup compares only fqn
+        # and offset, then drops them all): keep the first local one of each
+        def create_local_plan(self):
+            plan, seen, items = super().create_local_plan(), set(), []
+            for item in plan.items:
+                key = (item.index.fqn, tuple(item.index.offset or ()))
+                if key not in seen:
+                    seen.add(key)
+                    items.append(item)
+            return dataclasses.replace(plan, items=items)
+
+    return ReplicaSafeSavePlanner(), SPMDLoadPlanner()
+
+
+# -----------------------------------------------------------------------------
+# saving: block while the shards are staged, write in the background, commit when every rank is done
+
+
+class Checkpointer:
+    """Writes and loads the training checkpoints of one run. At most one write is in flight; the next save waits
+    for it. Its collectives run on a gloo group of their own, so a background write never meets the training
+    loop's collectives (DCP's async writes need a CPU group)."""
+
+    def __init__(self, env, cfg):
+        self.env, self.cfg, self.thread, self.error, self.buffers = env, cfg, None, None, {}
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.save_planner, self.load_planner = planners(env)
+
+    def wait(self):
+        """Block until the write in flight (if any) is committed; a failed one stops the run, named."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        if self.error:
+            raise SystemExit(self.error)
+
+    def save(self, path, model, raw, optimizer, loader, it, stop=False):
+        env, cfg = self.env, self.cfg
+        self.wait()
+        t0 = time.perf_counter()
+        tensors, groups = train_state(model, raw, optimizer, env)
+        rng = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state(env.device)} if env.kind == "cuda" else {})
+        ranks = [None] * env.world
+        if dist.is_initialized():
+            dist.all_gather_object(ranks, rng)
+        else:
+            ranks = [rng]
+        staged = stage(tensors, env, self.buffers)
+        blocked = time.perf_counter() - t0
+        small = {"state": {"iter": it, "loader": loader.state_dict(), "config": cfg, "world": env.world,
+                           "param_groups": groups},
+                 "config": raw.cfg.to_dict(), "rng": {f"rank{r}.{k}": v for r, s in enumerate(ranks) for k, v in s.items()}}
+        args = (path, staged, small, t0, blocked)
+        if stop and env.kind != "xla":
+            self.write_detached(args)  # outlives the kill that follows the stop signal
+        elif stop:  # XLA: the hosts write their parts in parallel, now
+            self.write(*args)
+        else:
+            # not a daemon: an exit (a SystemExit in the loop included) waits for the write to commit
+            self.thread = threading.Thread(target=self.write, args=args, name=f"checkpoint {path.name}")
+            self.thread.start()
+
+    def write(self, path, staged, small, t0, blocked):
+        """DCP writes each rank's shards to the temporary directory; each rank hashes its own files; rank 0 adds the
+        small files and the manifest, renames the directory and prunes. Runs in the background thread."""
+        env, cfg, tmp = self.env, self.cfg, path.parent / f".{path.name}.tmp-dcp"
         try:
-            os.setsid()
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            torch.set_num_threads(1)  # as DataLoader workers do: a forked child must not reuse the parent's pool
-            write()
-            code = 0
-        except BaseException:
+            time.sleep(float(os.environ.get("LLAVAX_TEST_SLOW_CHECKPOINT", "0")))  # tests only: a slow disk
+            rank = dist.get_rank(self.group) if self.group is not None else 0
+            # never write (and so never prune for) a checkpoint of non-finite values: checked here, off the loop's time
+            nonfinite = [(env.rank, nonfinite_keys(staged))]
+            if self.group is not None:
+                nonfinite = [None] * dist.get_world_size(self.group)
+                dist.all_gather_object(nonfinite, (env.rank, nonfinite_keys(staged)), group=self.group)
+            bad = [(r, keys) for r, keys in nonfinite if keys]
+            if bad:
+                found = checkpoints(path.parent)
+                self.error = (f"step {small['state']['iter']}: not writing {path.name}: non-finite values in "
+                              f"{bad[0][1][:3]}{' and more' if len(bad[0][1]) > 3 else ''} (rank {bad[0][0]}). The "
+                              f"last checkpoint is {found[-1] if found else 'none'}; resume from it with a lower lr")
+                return
+            writer = dcp.FileSystemWriter(str(tmp), sync_files=True, single_file_per_rank=True)
+            with quiet():
+                dcp.save(staged, storage_writer=writer, planner=self.save_planner, process_group=self.group)
+            mine = describe(sorted(tmp.glob(f"__{rank}_*.distcp")))
+            every = [None] * (dist.get_world_size(self.group) if self.group is not None else 1)
+            if self.group is not None:
+                dist.all_gather_object(every, mine, group=self.group)
+            else:
+                every = [mine]
+            if rank == 0:
+                (tmp / "state.json").write_text(json.dumps(small["state"], indent=2))
+                (tmp / "config.json").write_text(json.dumps(small["config"], indent=2))
+                write_safetensors(small["rng"], tmp / "rng.safetensors")
+                for name in ("tokenizer.model", "tokenizer.json"):
+                    if Path(cfg["tokenizer"]).name == name and Path(cfg["tokenizer"]).exists():
+                        shutil.copy(cfg["tokenizer"], tmp / name)
+                files = {k: v for part in every for k, v in part.items()}
+                extra = [f for f in tmp.iterdir() if f.is_file() and f.name not in files and not f.name.endswith(".tmp")]
+                write_manifest(tmp, files | describe(extra))  # last: its presence means every file is complete
+                if path.exists():  # a stale step-N of an earlier attempt that was never verified good
+                    shutil.rmtree(path)
+                tmp.rename(path)
+                prune_checkpoints(path.parent, path, cfg["keep_last"])
+                size = sum(f["size"] for f in files.values())
+                print(f"checkpoint {path}: {size / 2**30:.2f} GiB from {len(every)} rank(s); training blocked "
+                      f"{blocked:.2f} s, written in {time.perf_counter() - t0:.2f} s", flush=True)
+            if self.group is not None:
+                dist.barrier(group=self.group)  # every rank knows the step is committed before the next save
+        except BaseException as e:  # noqa: BLE001  named on the next wait(), in the loop's thread
             traceback.print_exc()
-        finally:
-            os._exit(code)
-    (out / WRITER_PID).write_text(str(pid))
-    _, status = os.waitpid(pid, 0)
-    (out / WRITER_PID).unlink(missing_ok=True)
-    if status:
-        raise SystemExit(f"the stop checkpoint writer (pid {pid}) failed (exit {os.waitstatus_to_exitcode(status)}); "
-                         "see its traceback above. The previous checkpoint is the newest")
+            self.error = (f"checkpoint {path.name}: the write failed on rank {env.rank} ({type(e).__name__}: {e}); "
+                          f"the previous checkpoint is the newest")
+
+    def write_detached(self, args):
+        """Run write() in a forked child in its own session on every rank, and wait for it while we live. A signalled
+        job is killed soon after the signal (torchrun: 30 s, REFERENCES.md 7; SLURM: KillWait); a killpg does not
+        reach another session, so the checkpoint is finished from the host copy each fork holds. The children
+        cannot use their parents' process groups (the fork does not copy gloo's threads): they meet in a group of
+        their own, on a store that rank 0's child serves at a port agreed on before the fork."""
+        out, port = args[0].parent, [0]
+        if self.group is not None:
+            if self.env.master:
+                with socket.socket() as s:
+                    s.bind(("", 0))
+                    port[0] = s.getsockname()[1]
+            dist.broadcast_object_list(port, src=0, group=self.group)
+        with warnings.catch_warnings():  # Python 3.12 warns on any fork of a threaded process
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.setsid()
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                torch.set_num_threads(1)  # as DataLoader workers do: a forked child must not reuse the parent's pool
+                if self.group is not None:
+                    from torch.distributed import distributed_c10d
+
+                    distributed_c10d._world = distributed_c10d._World()  # the parent's groups, dead here: forgotten
+                    store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), port[0], self.env.world,
+                                          is_master=self.env.master, timeout=timedelta(minutes=30))
+                    dist.init_process_group("gloo", store=store, rank=self.env.rank, world_size=self.env.world)
+                    self.group = dist.group.WORLD
+                self.write(*args)
+                if self.error:
+                    print(self.error, file=sys.stderr, flush=True)
+                code = 1 if self.error else 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        if self.env.master:
+            (out / WRITER_PID).write_text(str(pid))
+        _, status = os.waitpid(pid, 0)
+        if self.env.master:
+            (out / WRITER_PID).unlink(missing_ok=True)
+        if status:
+            raise SystemExit(f"the stop checkpoint writer (pid {pid}, rank {self.env.rank}) failed (exit "
+                             f"{os.waitstatus_to_exitcode(status)}); see its traceback above. The previous checkpoint "
+                             f"is the newest")
+
+    # -------------------------------------------------------------------------
+    # loading: into this run's own (sharded) tensors, whatever world size or backend wrote the checkpoint
+
+    def load(self, path, model, raw, optimizer, loader):
+        env = self.env
+        state = json.loads((path / "state.json").read_text())
+        tensors, groups = train_state(model, raw, optimizer, env)
+        have = saved_tensors(path)
+        missing = sorted(set(tensors) - set(have))
+        extra = sorted(k for k in set(have) - set(tensors) if k.startswith(("model.", "optim.state.")))
+        wrong = [k for k in tensors if k in have and tuple(have[k].size) != tuple(tensors[k].shape)]
+        if missing or extra or wrong or len(state["param_groups"]) != len(groups):
+            raise SystemExit(f"{path}: does not fit this run (another model, stage or lora setting): "
+                             f"{len(missing)} tensors missing ({', '.join(missing[:3])}), {len(extra)} not in this run "
+                             f"({', '.join(extra[:3])}), {len(wrong)} of another shape ({', '.join(wrong[:3])}); "
+                             f"{len(state['param_groups'])} optimizer groups saved, {len(groups)} now")
+        dcp.load(tensors, storage_reader=dcp.FileSystemReader(str(path)), planner=self.load_planner,
+                 process_group=self.group)
+        weights = {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}
+        moments = {}
+        for key, v in tensors.items():
+            if key.startswith("optim.state."):
+                name, field = key[12:].rsplit(".", 1)
+                moments.setdefault(name, {})[field] = v
+        for g, saved in zip(groups, state["param_groups"]):  # hyperparameters as saved; lr follows the schedule
+            g.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()
+                      if k not in ("params", "lr", "foreach", "fused", "capturable", "differentiable")})
+        if env.kind == "xla":
+            raw.load_state_dict(weights, strict=not raw.cfg.llm.tie_embeddings)
+            params = dict(raw.named_parameters())
+            for name, s in moments.items():
+                optimizer.state[params[name]] = s
+            for g, saved in zip(optimizer.param_groups, groups):
+                g.update({k: v for k, v in saved.items() if k != "params"})
+        else:
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                                 set_optimizer_state_dict)
+
+            set_model_state_dict(model, weights, options=StateDictOptions(strict=not raw.cfg.llm.tie_embeddings))
+            set_optimizer_state_dict(model, optimizer, {"state": moments, "param_groups": groups})
+        rng = load_file(path / "rng.safetensors")
+        if f"rank{env.rank}.cpu" in rng:  # a rank the writing run did not have keeps its seeded generator
+            torch.set_rng_state(rng[f"rank{env.rank}.cpu"])
+            if env.kind == "cuda" and f"rank{env.rank}.cuda" in rng:
+                torch.cuda.set_rng_state(rng[f"rank{env.rank}.cuda"], env.device)
+        if state.get("world", env.world) != env.world:
+            print0(env, f"resume: {path} was written by {state['world']} rank(s), this run has {env.world}: the "
+                   f"weights and moments are resharded; the loader continues the same global sample order")
+        try:
+            loader.load_state_dict(state["loader"])
+        except ValueError as e:
+            raise SystemExit(f"{path}: {e}") from None
+        return state["iter"]
+
+
+# -----------------------------------------------------------------------------
+# reading a step directory as a model (convert.py, sample.py, init_from): one tensor at a time
+
+
+class SavedTensor:
+    """One weight of a step directory, read when asked: write_safetensors streams these one at a time."""
+
+    def __init__(self, path, key, meta):
+        self.path, self.key, self.shape, self.dtype = path, key, torch.Size(meta.size), meta.properties.dtype
+
+    def numel(self):
+        return self.shape.numel()
+
+    def element_size(self):
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def detach(self):
+        t = torch.empty(self.shape, dtype=self.dtype)
+        with quiet():
+            dcp.load({self.key: t}, storage_reader=dcp.FileSystemReader(str(self.path)), no_dist=True)
+        return t
+
+
+def is_sharded_checkpoint(path):
+    return (Path(path) / ".metadata").is_file()
+
+
+def saved_weights(path):
+    """{our weight name: SavedTensor} of a sharded step directory, nothing read yet."""
+    return {k[6:]: SavedTensor(path, k, meta) for k, meta in saved_tensors(path).items() if k.startswith("model.")}
+
+
+# -----------------------------------------------------------------------------
+# resuming
 
 
 def wait_for_stop_writer(out):
@@ -173,68 +519,11 @@ def wait_for_stop_writer(out):
     marker.unlink(missing_ok=True)
 
 
-def save_checkpoint(path, model, raw, optimizer, loader, it, cfg, env, detach=False):
-    """detach (the stop checkpoint): the state is snapshot to host memory and written by write_detached."""
-    msd, osd = full_state(model, raw, optimizer, env)
-    rng = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state(env.device)} if env.kind == "cuda" else {})
-    ranks = [None] * env.world
-    if env.distributed:
-        dist.all_gather_object(ranks, rng)
-    else:
-        ranks = [rng]
-    nonfinite = []
-    if env.master or env.kind == "xla":  # torchrun gathers to rank 0 only; SPMD tensors are global on every host
-        tied = raw.cfg.llm.tie_embeddings
-        weights = {k: v.detach() for k, v in msd.items() if not (tied and k == "llm.output.weight")}
-        moments = {f"{name}/{k}": v.detach().reshape(-1) if k == "step" else v.detach()
-                   for name, s in osd["state"].items() for k, v in s.items()}
-        tensors = weights | {k: v for k, v in moments.items() if not k.endswith("/step")}  # XLA keeps steps on the host
-        finite = torch.stack([torch.isfinite(t).all() for t in tensors.values()]).cpu().tolist()  # one sync
-        nonfinite = [k for k, ok in zip(tensors, finite) if not ok]
-    if env.agree(bool(nonfinite)):  # never write (and so never prune for) a checkpoint of non-finite weights
-        found = checkpoints(path.parent)
-        raise SystemExit(f"step {it}: not writing {path.name}: non-finite values in {nonfinite[:3] or 'the state'}"
-                         f"{' and more' if len(nonfinite) > 3 else ''}. The last checkpoint is "
-                         f"{found[-1] if found else 'none'}; resume from it with a lower lr")
-    detach = detach and env.kind != "xla"  # XLA: every host gathers each tensor in step with host 0's writes
-    if env.master:
-        if detach:  # on CPU this copies nothing: the fork is the snapshot
-            weights, moments = {k: v.cpu() for k, v in weights.items()}, {k: v.cpu() for k, v in moments.items()}
-
-        def fill(tmp):
-            convert.write_weights(weights, tmp)
-            (tmp / "config.json").write_text(json.dumps(raw.cfg.to_dict(), indent=2))
-            convert.write_safetensors(moments, tmp / "optimizer.safetensors")
-            (tmp / "optimizer.json").write_text(json.dumps({"param_groups": osd["param_groups"]}, indent=2))
-            convert.write_safetensors({f"rank{r}.{k}": v for r, s in enumerate(ranks) for k, v in s.items()},
-                                      tmp / "rng.safetensors")
-            for name in ("tokenizer.model", "tokenizer.json"):
-                if Path(cfg["tokenizer"]).name == name and Path(cfg["tokenizer"]).exists():
-                    shutil.copy(cfg["tokenizer"], tmp / name)
-            (tmp / "state.json").write_text(json.dumps({"iter": it, "loader": loader.state_dict(), "config": cfg,
-                                                        "world": env.world}, indent=2))
-            write_manifest(tmp)  # last: its presence means every other file is complete
-
-        def write():
-            time.sleep(float(os.environ.get("LLAVAX_TEST_SLOW_CHECKPOINT", "0")))  # tests only: a slow disk
-            convert.write_dir(path, fill)
-            prune_checkpoints(path.parent, path, cfg["keep_last"])
-
-        if detach:
-            write_detached(write, path.parent)
-        else:
-            write()
-    elif env.kind == "xla":  # every host takes part in gathering each tensor, in the same order; host 0 writes
-        for t in [*weights.values(), *moments.values()]:
-            t.cpu()
-    if dist.is_initialized():
-        dist.barrier()
-
-
 # keys whose change on resume would alter the data order, the batches or the model: refused unless listed in
-# allow_config_change (the model itself always comes from the checkpoint). Every other key may change.
-FIXED_ON_RESUME = ("seed", "batch_size", "micro_batch_size", "pack", "max_tiles", "seq_len", "data_dir", "tokenizer",
-                   "template", "image_mode", "shuffle_block", "stage", "model", "model_overrides", "world")
+# allow_config_change (the model itself always comes from the checkpoint). Every other key may change: the world
+# size and micro_batch_size among them (the global batch and the sample order are what must hold).
+FIXED_ON_RESUME = ("seed", "batch_size", "pack", "max_tiles", "seq_len", "data_dir", "tokenizer", "template",
+                   "image_mode", "shuffle_block", "stage", "model", "model_overrides")
 
 
 def check_resume_config(path, cfg, env):
@@ -254,39 +543,3 @@ def check_resume_config(path, cfg, env):
         raise SystemExit(f"resume: {path} was trained with other {', '.join(refused)} (see above); these set the "
                          f"data order, the batches or the model. Resume with the same values, list the keys in "
                          f"--allow_config_change=[...] to accept the change, or start a new out_dir")
-
-
-def load_checkpoint(path, model, raw, optimizer, loader, env):
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    state = json.loads((path / "state.json").read_text())
-    moments = load_file(path / "optimizer.safetensors")
-    groups = json.loads((path / "optimizer.json").read_text())["param_groups"]
-    osd = {"state": {}, "param_groups": groups}
-    for key, v in moments.items():
-        name, k = key.rsplit("/", 1)
-        osd["state"].setdefault(name, {})[k] = v.reshape(()) if k == "step" else v
-    if env.kind == "xla":  # each moment goes to the device sharded like its parameter
-        params = dict(raw.named_parameters())
-        unknown = sorted(set(osd["state"]) - {n for n, p in params.items() if p.requires_grad})
-        if unknown or len(groups) != len(optimizer.param_groups):
-            raise SystemExit(f"{path}: optimizer state does not fit this run (stage or model differ): "
-                             f"{len(groups)} vs {len(optimizer.param_groups)} groups, unknown {unknown[:5]}")
-        for name, s in osd["state"].items():
-            optimizer.state[params[name]] = {k: v if k == "step" else place_like(v, name, env)
-                                             for k, v in s.items()}
-        for g, saved in zip(optimizer.param_groups, groups):
-            g.update({k: v for k, v in saved.items() if k not in ("params", "lr")})
-    else:
-        opts = StateDictOptions(full_state_dict=True) if env.distributed else StateDictOptions()
-        set_optimizer_state_dict(model, optimizer, osd, options=opts)
-    rng = load_file(path / "rng.safetensors")
-    if f"rank{env.rank}.cpu" in rng:
-        torch.set_rng_state(rng[f"rank{env.rank}.cpu"])
-        if env.kind == "cuda" and f"rank{env.rank}.cuda" in rng:
-            torch.cuda.set_rng_state(rng[f"rank{env.rank}.cuda"], env.device)
-    try:
-        loader.load_state_dict(state["loader"])
-    except ValueError as e:
-        raise SystemExit(f"{path}: {e}") from None
-    return state["iter"]

@@ -6,6 +6,7 @@ and our checkpoint directory (model.safetensors + config.json).
     python convert.py from-hf --llm LLAMA_DIR --vision CLIP_DIR --out CKPT_DIR [--projector mlp2x_gelu] [--vision-layer -2]
     python convert.py from-llava --llava DIR --vision CLIP_DIR [--llm LLAMA_DIR] --out CKPT_DIR
     python convert.py to-hf --ckpt CKPT_DIR --out HF_DIR
+    python convert.py consolidate --ckpt out/run/step-001000 --out CKPT_DIR   # a sharded training step -> one model
     python convert.py anyres --ckpt CKPT_DIR --preset llava-next-vicuna-7b --out CKPT_DIR   # tile images from here on
 
 Every conversion goes through an explicit table (our name -> their name). Every source key
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from checkpoint import is_sharded_checkpoint, saved_weights
 from hf_config import HF_ARCHITECTURES, hf_model_type, llama_config, llava_config, llava_hf_config, read_json, vit_config
 from model import VLM, LlamaConfig, Projector, ViTConfig, VLMConfig, build_model, projector_depth, vlm_preset
 from processor import PROCESSOR_FILES, TEMPLATE_NAMES, ExportError, add_image_token_to_tokenizer, write_processor
@@ -180,8 +182,9 @@ def save_model(model, ckpt_dir, tokenizer_dir=None, overwrite=False, shard_bytes
     return save_checkpoint(state, model.cfg, ckpt_dir, tokenizer_dir, overwrite, shard_bytes)
 
 
-def read_checkpoint(ckpt_dir):
-    """(state dict, VLMConfig) from our directory, or from an HF LLaVA directory converted in memory."""
+def read_checkpoint(ckpt_dir, lazy=False):
+    """(state dict, VLMConfig) from our directory (a training step's shards included), or from an HF LLaVA
+    directory converted in memory. lazy: a training step's tensors are read when written (one at a time)."""
     path = Path(ckpt_dir, "config.json")
     if re.fullmatch(r"\..+\.tmp-\d+", Path(ckpt_dir).name):
         raise ConversionError(f"{ckpt_dir}: the temporary folder of a write that was killed (incomplete); use the "
@@ -200,7 +203,11 @@ def read_checkpoint(ckpt_dir):
         cfg = VLMConfig.from_dict(raw)
     except (TypeError, ValueError) as e:
         raise ConversionError(f"{path}: not a llavax config ({e})") from None
-    state = read_weights(ckpt_dir)
+    if is_sharded_checkpoint(ckpt_dir):  # a training step: DCP's shards of every rank
+        state = saved_weights(ckpt_dir)
+        state = state if lazy else {k: v.detach() for k, v in state.items()}
+    else:
+        state = read_weights(ckpt_dir)
     shapes = expected_shapes(cfg)
     return remap(state, {k: k for k in shapes}, shapes, str(ckpt_dir)), cfg
 
@@ -228,7 +235,7 @@ def llava_to_hf(ckpt_dir, out, template=None, image_mode=None):
     """The hub layout plus what AutoProcessor needs: tokenizer files with <image>, the image processor for the
     image mode and the chat template the model was trained with (from the checkpoint's state.json, else the
     arguments, else processor files carried through from-hf, else vicuna_v1 and pad)."""
-    state, cfg = read_checkpoint(ckpt_dir)
+    state, cfg = read_checkpoint(ckpt_dir, lazy=True)
     table = llava_table(cfg)
     hub = {table[k]: v for k, v in state.items()}
     trained = read_json(Path(ckpt_dir, "state.json"))["config"] if Path(ckpt_dir, "state.json").exists() else {}
@@ -434,6 +441,10 @@ def main(argv=None):
     c.add_argument("--template", choices=TEMPLATE_NAMES, help="default: the training config's")
     c.add_argument("--image-mode", choices=["pad", "crop", "resize"], help="default: the training config's")
     c.add_argument("--out", required=True)
+    e = sub.add_parser("consolidate", help="a training step directory (sharded) -> model.safetensors + config.json, "
+                                           "one tensor at a time")
+    e.add_argument("--ckpt", required=True)
+    e.add_argument("--out", required=True)
     d = sub.add_parser("anyres", help="our checkpoint -> the same, tiling images as a LLaVA-NeXT / OneVision preset")
     d.add_argument("--ckpt", required=True)
     d.add_argument("--preset", required=True, choices=["llava-next-vicuna-7b", "llava-next-mistral-7b",
@@ -445,6 +456,9 @@ def main(argv=None):
     try:
         if args.cmd == "to-hf":
             out = llava_to_hf(args.ckpt, args.out, args.template, args.image_mode)
+        elif args.cmd == "consolidate":
+            state, cfg = read_checkpoint(args.ckpt, lazy=True)
+            out = save_checkpoint(state, cfg, args.out, args.ckpt)
         else:
             if args.cmd == "anyres":
                 state, cfg = to_anyres(args.ckpt, args.preset, args.video_token_id, args.seed)

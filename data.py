@@ -439,10 +439,11 @@ class ShardStream(torch.utils.data.IterableDataset):
     """An endless stream of fixed-shape batches from shards, the same for any number of DataLoader workers.
 
     Epoch e visits every sample once in a deterministic order: the shards shuffled by (seed, e), then
-    each block of `shuffle_block` consecutive samples shuffled, so reads stay mostly sequential. Rank r
-    of W takes every W-th sample of that order (wrapping round so all ranks get the same count). Batch
-    k of a rank is samples [k*N, (k+1)*N) of its stream (N = B, or pack x B when packing) and is built by
-    worker k % n_workers; the
+    each block of `shuffle_block` consecutive samples shuffled, so reads stay mostly sequential. The epochs
+    follow each other in one global sequence; rank r of W takes its positions r, r + W, r + 2W, ... Batch k of
+    a rank is samples [k*N, (k+1)*N) of its stream (N = B, or pack x B when packing), so global batch k is the
+    global positions [k*N*W, (k+1)*N*W) whatever W is: a resume on another world size with the same global batch
+    continues the same sample order (Loader.load_state_dict). Batch k is built by worker k % n_workers; the
     DataLoader hands batches back in k order, so a resume needs only the position: no replay."""
 
     def __init__(self, paths, tokenizer, batch_size, seq_len, image_size, image_token_id, n_image_tokens,
@@ -471,7 +472,6 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.image_mean = image_mean  # the pad colour: the tower's mean
         self.seed, self.rank, self.world_size, self.shuffle_block = seed, rank, world_size, shuffle_block
         self.start = 0  # sample position in this rank's stream; set by Loader
-        self.per_rank = -(-len(self.index) // world_size)
         self._order_cache = (None, None)
         self.skips = Skips()
         self._files = {}
@@ -490,9 +490,9 @@ class ShardStream(torch.utils.data.IterableDataset):
         return self._order_cache[1]
 
     def sample_at(self, position):
-        """The sample index at `position` of this rank's stream."""
-        epoch, i = divmod(position, self.per_rank)
-        return int(self.order(epoch)[(i * self.world_size + self.rank) % len(self.index)])
+        """The sample index at `position` of this rank's stream: global position position * W + rank."""
+        epoch, i = divmod(position * self.world_size + self.rank, len(self.index))
+        return int(self.order(epoch)[i])
 
     def read(self, sample):
         """(key, {ext: bytes}) of one sample."""
@@ -744,18 +744,23 @@ class Loader:
 
     def state_dict(self):
         s = self.stream
-        # every rank is at the same position of its own stream, so one state serves all ranks
-        return {"position": self.position, "seed": s.seed, "n_samples": len(s), "world_size": s.world_size,
-                "batch_size": s.batch_size, "pack": s.pack}
+        # every rank is at the same position of its own stream, so one state serves all ranks; global_position
+        # (samples consumed by all ranks together) is what a resume on another world size continues from
+        return {"position": self.position, "global_position": self.position * s.world_size, "seed": s.seed,
+                "n_samples": len(s), "world_size": s.world_size, "batch_size": s.batch_size, "pack": s.pack}
 
     def load_state_dict(self, state):
         s, state = self.stream, {"pack": 0} | state  # states from before packing existed
-        mine = {"seed": s.seed, "n_samples": len(s), "world_size": s.world_size, "batch_size": s.batch_size,
-                "pack": s.pack}
+        mine = {"seed": s.seed, "n_samples": len(s), "pack": s.pack}
         differ = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
         if differ:
             raise ValueError(f"data loader state does not match this run (saved, now): {differ}")
-        self.position = state["position"]
+        consumed = state.get("global_position", state["position"] * state["world_size"])
+        if consumed % (s.samples_per_batch * s.world_size):  # the global batch changed with the world size
+            raise ValueError(f"the checkpoint's loader stopped after {consumed} samples, which is not a whole number "
+                             f"of this run's global batches ({s.world_size} ranks x {s.samples_per_batch} samples): "
+                             f"keep the global batch (batch_size) the same across the change")
+        self.position = consumed // s.world_size
 
 
 

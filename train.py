@@ -28,9 +28,8 @@ import torch.distributed as dist
 
 import convert
 import data
-from checkpoint import (check_resume_config, checkpoints, load_checkpoint, newest_good_checkpoint, save_checkpoint,
-                        wait_for_stop_writer)
-from model import build_model, left_pad, param_group, vlm_preset
+from checkpoint import Checkpointer, check_resume_config, checkpoints, newest_good_checkpoint, wait_for_stop_writer
+from model import VLMConfig, build_model, left_pad, param_group, vlm_preset
 from parallel import Env, autocast, checkpoint_fn, grad_sync, init_optimizer_state, print0, shard
 
 # -----------------------------------------------------------------------------
@@ -504,9 +503,12 @@ def main(argv=None):
         print0(env, f"resuming from {resume_from}" if resume_from else f"no checkpoint in {out}: starting from scratch")
         if resume_from:
             check_resume_config(resume_from, cfg, env)
-    source = resume_from or (cfg["init_from"] if cfg["init_from"] not in ("scratch", "resume") else None)
+    source = cfg["init_from"] if cfg["init_from"] not in ("scratch", "resume") else None
     build_on = "cpu" if env.kind == "xla" else env.device  # XLA: built and initialised on the host, then sharded
-    if source:
+    if resume_from:  # built empty: each rank loads its own shards of the weights once the model is sharded
+        raw = build_model(VLMConfig.from_dict(json.loads((resume_from / "config.json").read_text())), device=build_on,
+                          init=False)
+    elif source:
         try:
             raw = convert.load_model(source, device=build_on)
         except (convert.ConversionError, OSError, ValueError, KeyError, TypeError) as e:
@@ -558,7 +560,8 @@ def main(argv=None):
         val_loader = data.Loader(val_stream, 0)
     except FileNotFoundError:
         val_stream = val_loader = None
-    start = load_checkpoint(resume_from, model, raw, optimizer, loader, env) if resume_from else 0
+    checkpointer = Checkpointer(env, cfg)
+    start = checkpointer.load(resume_from, model, raw, optimizer, loader) if resume_from else 0
 
     # preemption: finish the step, checkpoint, exit 0
     stop = {"requested": False}
@@ -702,12 +705,13 @@ def main(argv=None):
             t_last = time.perf_counter()
         stopping = env.agree(stop["requested"])
         if stopping or (cfg["ckpt_interval"] and it % cfg["ckpt_interval"] == 0) or it == cfg["max_iters"]:
-            save_checkpoint(out / f"step-{it:06d}", model, raw, optimizer, loader, it, cfg, env, detach=stopping)
-            print0(env, f"step {it}: checkpoint {out / f'step-{it:06d}'}")
+            checkpointer.save(out / f"step-{it:06d}", model, raw, optimizer, loader, it, stop=stopping)
+            print0(env, f"step {it}: checkpoint {out / f'step-{it:06d}'}" + ("" if stopping else " (writing)"))
             t_last = time.perf_counter()
         if stopping:
             print0(env, f"stopped at step {it} by a signal; resume with --init_from=resume")
             break
+    checkpointer.wait()  # the last checkpoint committed before anything reads it
 
     if it >= cfg["max_iters"]:
         if cfg["final_accuracy_samples"] and val_stream is not None:

@@ -94,3 +94,18 @@ def background(request, tmp_path_factory):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def checkpoint_tensors(step_dir, prefix=""):
+    """{DCP key: tensor} of a training step directory (model.* weights, optim.state.* moments), read back whole."""
+    import checkpoint
+
+    return {k: checkpoint.SavedTensor(step_dir, k, m).detach() for k, m in checkpoint.saved_tensors(step_dir).items()
+            if k.startswith(prefix) and hasattr(m, "size")}
+
+
+def checkpoint_bytes(step_dir, prefix="model."):
+    """The bytes of every tensor under prefix, in key order: equal exactly when the tensors are bit-identical."""
+    tensors = checkpoint_tensors(step_dir, prefix)
+    return b"".join(k.encode() + tensors[k].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                    for k in sorted(tensors))

@@ -12,7 +12,7 @@ from pathlib import Path
 import forkserver
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, checkpoint_bytes, checkpoint_tensors
 from shapes import make_shapes
 from safetensors.torch import load_file
 
@@ -61,8 +61,12 @@ def losses(out):
     return {e["step"]: e["loss"] for e in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "loss" in e}
 
 
+def checkpoint_model(path):
+    return {k[len("model."):]: v for k, v in checkpoint_tensors(path, "model.").items()}
+
+
 def weights(path):
-    return (path / "model.safetensors").read_bytes()
+    return checkpoint_bytes(path, "model.")
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +80,7 @@ def test_single_process_resume_is_bit_identical(shapes, single_run, tmp_path):
     run(args(shapes, tmp_path, "--max_iters=10"))
     run(args(shapes, tmp_path, "--max_iters=20", "--init_from=resume"))
     assert weights(tmp_path / "step-000020") == weights(single_run / "step-000020")
-    assert (tmp_path / "step-000020/optimizer.safetensors").read_bytes() == \
-        (single_run / "step-000020/optimizer.safetensors").read_bytes()
+    assert checkpoint_bytes(tmp_path / "step-000020", "optim.") == checkpoint_bytes(single_run / "step-000020", "optim.")
     state = json.loads((tmp_path / "step-000020/state.json").read_text())
     assert state["iter"] == 20 and state["loader"]["position"] == 20 * 8
     assert (tmp_path / "DONE").exists()
@@ -256,7 +259,7 @@ def test_stages_change_exactly_the_intended_parameters(shapes, tmp_path, stage, 
     cfg.vision.image_size, cfg.llm.vocab_size, cfg.image_token_id = 28, 576, 512
     convert.save_model(build_model(cfg, seed=0), tmp_path / "init")
     train.main(args(shapes, tmp_path / "out", f"--stage={stage}", f"--init_from={tmp_path / 'init'}", "--max_iters=3"))
-    before, after = load_file(tmp_path / "init/model.safetensors"), load_file(tmp_path / "out/step-000003/model.safetensors")
+    before, after = load_file(tmp_path / "init/model.safetensors"), checkpoint_model(tmp_path / "out/step-000003")
     changed = {k.split(".")[0] for k in before if not torch.equal(before[k], after[k])}
     assert changed == trained
     for k in before:  # every parameter of a trained module moved, except the ones no loss reaches
@@ -437,7 +440,7 @@ def test_image_newline_trains_with_the_llm(shapes, tmp_path, stage):
     convert.save_model(build_model(cfg, seed=0), tmp_path / "init")
     train.main(args(shapes, tmp_path / "out", f"--stage={stage}", f"--init_from={tmp_path / 'init'}", "--max_iters=2",
                     "--max_tiles=5"))
-    before, after = load_file(tmp_path / "init/model.safetensors"), load_file(tmp_path / "out/step-000002/model.safetensors")
+    before, after = load_file(tmp_path / "init/model.safetensors"), checkpoint_model(tmp_path / "out/step-000002")
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert ("image_newline" in changed) == (stage == 2) and any(k.startswith("projector") for k in changed)
 

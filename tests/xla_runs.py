@@ -66,6 +66,34 @@ def shard_shapes(mesh_shape):
     return {n: {"param": local(params[n]), "exp_avg": local(optimizer.state[params[n]]["exp_avg"])} for n in names}
 
 
+def planner_keys(out):
+    """Per mesh: the model and moment tensors missing from a checkpoint written by torch_xla 2.9's stock
+    SPMDSavePlanner and by ours (checkpoint.planners)."""
+    import torch.distributed.checkpoint as dcp
+    import torch_xla
+    import torch_xla.runtime as xr
+    from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
+
+    import checkpoint
+
+    xr.use_spmd()
+    missing = {}
+    for mesh in ([4, 1, 1], [1, 4, 1], [1, 2, 2], [2, 2, 1], [2, 1, 2]):
+        env = SimpleNamespace(kind="xla", device=torch_xla.device(), mesh=parallel.make_mesh(mesh, [1, 1, 1], 4))
+        model = build_model(vlm_preset("debug"), seed=0)
+        parallel.shard_spmd(model, env)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        parallel.init_optimizer_state(model, optimizer, env)
+        tensors, _ = checkpoint.train_state(model, model, optimizer, env)
+        name = "x".join(map(str, mesh))
+        for kind, planner in (("stock", SPMDSavePlanner()), ("ours", checkpoint.planners(env)[0])):
+            with checkpoint.quiet():
+                dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(out / f"{name}-{kind}")), planner=planner)
+            saved = checkpoint.saved_tensors(out / f"{name}-{kind}")
+            missing.setdefault(name, {})[kind] = sorted(set(tensors) - set(saved))
+    return missing
+
+
 def main(shapes, out):
     results = {"losses": {}, "sharding": {}, "mesh_errors": {}}
     for stage, meshes in STAGE_MESHES.items():
@@ -105,6 +133,15 @@ def main(shapes, out):
     train.main(common(shapes, out / "xla-straight") + ["--max_iters=20", "--ckpt_interval=10", "--mesh=[1,2,2]"])
     for name in ("xla-xla", "xla-straight"):
         results[name] = {e["step"]: e["loss"] for e in log(out / name) if "loss" in e}
+
+    # resharding on load: FSDP2's (2 ranks, test_xla.py) and XLA's own step 10 on other meshes. Iteration 10 is
+    # skipped (its batch consumed, nothing trained), so step 11 holds exactly what the load produced
+    for name, mesh in (("xla-from-fsdp", "[2,1,2]"), ("xla-remesh", "[4,1,1]")):
+        if name == "xla-remesh":
+            shutil.copytree(out / "xla-save/step-000010", out / name / "step-000010")
+        train.main(common(shapes, out / name) + ["--max_iters=11", "--skip_steps=[(10, 11)]", f"--mesh={mesh}",
+                                                 "--init_from=resume", "--keep_last=5"])
+    results["planner_keys"] = planner_keys(out / "planner")
 
     # a non-finite loss at iteration 2 (test-only hook): the update is undone inside the compiled step
     os.environ["LLAVAX_TEST_NONFINITE"] = "2"
