@@ -42,7 +42,12 @@ from parallel import print0
 from weight_files import write_safetensors
 
 MANIFEST = "manifest.json"
-WRITER_PID = ".stop-writer.pid"  # in out_dir while a detached stop-checkpoint writer runs
+WRITER_PID = ".stop-writer.pid"  # in out_dir while rank 0's detached stop-checkpoint writer runs
+
+
+def writer_pid_file(out, rank):
+    """Each rank's detached writer is named in out_dir while it runs: rank 0's as WRITER_PID (what scripts wait on)."""
+    return Path(out) / (WRITER_PID if rank == 0 else f".stop-writer.rank{rank}.pid")
 
 
 def checkpoints(out):
@@ -397,7 +402,7 @@ class Checkpointer:
 
                     distributed_c10d._world = distributed_c10d._World()  # the parent's groups, dead here: forgotten
                     store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), port[0], self.env.world,
-                                          is_master=self.env.master, timeout=timedelta(minutes=30))
+                                          is_master=self.env.master, timeout=timedelta(minutes=10))
                     dist.init_process_group("gloo", store=store, rank=self.env.rank, world_size=self.env.world)
                     self.group = dist.group.WORLD
                 self.write(*args)
@@ -408,11 +413,10 @@ class Checkpointer:
                 traceback.print_exc()
             finally:
                 os._exit(code)
-        if self.env.master:
-            (out / WRITER_PID).write_text(str(pid))
+        marker = writer_pid_file(out, self.env.rank)
+        marker.write_text(str(pid))
         _, status = os.waitpid(pid, 0)
-        if self.env.master:
-            (out / WRITER_PID).unlink(missing_ok=True)
+        marker.unlink(missing_ok=True)
         if status:
             raise SystemExit(f"the stop checkpoint writer (pid {pid}, rank {self.env.rank}) failed (exit "
                              f"{os.waitstatus_to_exitcode(status)}); see its traceback above. The previous checkpoint "
@@ -510,13 +514,14 @@ def saved_weights(path):
 
 
 def wait_for_stop_writer(out):
-    """A run killed while its detached writer still worked left WRITER_PID: wait for that checkpoint to finish."""
-    marker = Path(out) / WRITER_PID
-    pid = int(marker.read_text() or 0) if marker.exists() else 0
-    while pid and Path(f"/proc/{pid}").exists() and b"train.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
-        print(f"waiting for the stop checkpoint writer of the previous run (pid {pid}) to finish", flush=True)
-        time.sleep(2)
-    marker.unlink(missing_ok=True)
+    """A run killed while its detached writers still worked left their pid files: wait for those on this host (a
+    writer elsewhere shows as a pid this host does not run) to finish the checkpoint."""
+    for marker in [Path(out) / WRITER_PID, *Path(out).glob(".stop-writer.rank*.pid")]:
+        pid = int(marker.read_text() or 0) if marker.exists() else 0
+        while pid and Path(f"/proc/{pid}").exists() and b"train.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            print(f"waiting for the stop checkpoint writer of the previous run (pid {pid}) to finish", flush=True)
+            time.sleep(2)
+        marker.unlink(missing_ok=True)
 
 
 # keys whose change on resume would alter the data order, the batches or the model: refused unless listed in

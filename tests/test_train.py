@@ -178,9 +178,10 @@ def test_torchrun_stop_checkpoint_survives_the_sigkill_after_the_grace_period(sh
             os.killpg(proc.pid, signal.SIGTERM)  # as systemd or a shell's kill -- -PGID deliver it
             break
     t0 = time.time()
-    while not (out / checkpoint.WRITER_PID).exists() and time.time() < t0 + 5:
+    markers = [checkpoint.writer_pid_file(out, rank) for rank in (0, 1)]
+    while not all(m.exists() for m in markers) and time.time() < t0 + 10:  # every rank has forked its writer
         time.sleep(0.05)
-    writer = int((out / checkpoint.WRITER_PID).read_text())
+    writer = int(markers[0].read_text())
     assert not train.checkpoints(out)  # the kill comes mid-write
     for pid in torchrun_workers(proc.pid):  # what torchrun does when its 30 s are up, brought forward
         os.kill(pid, signal.SIGKILL)
