@@ -6,14 +6,13 @@ Data for llavax: LLaVA conversations -> Energon-compatible tar shards -> fixed-s
     python data.py audit SHARDS|JSON [--config configs/x.py] [--sheet F.png]   # what training would get (pack.py)
 
 This file is the reading side: templates, tokenizer, samples -> batches (pixels: images.py; tars and .nv-meta:
-shards.py; both re-exported here). The writing side (records, shard writer, energon metadata) is pack.py; the CLI
-above dispatches to it.
+shards.py; both re-exported here). The writing side (records, shard writer, energon metadata) is pack.py; the command
+line (data_cli.py, run through the `__main__` block below) dispatches to both.
 A sample is KEY.jpg (image), KEY.txt (first answer) and KEY.json ({"question", "conversations", "id"}),
 the layout of Megatron-Energon's VQA datasets; several images are KEY.0.jpg, KEY.1.png... (tag order), a video's
 frames KEY.f0.jpg, KEY.f1.jpg...
 """
 
-import argparse
 import json
 import os
 import re
@@ -763,49 +762,7 @@ class Loader:
         self.position = consumed // s.world_size
 
 
+if __name__ == "__main__":  # the command line is a program above pack.py and train.py: data_cli.py
+    import data_cli
 
-# -----------------------------------------------------------------------------
-# command line
-
-
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    a = sub.add_parser("pack", help="LLaVA JSON/JSONL + image folder -> tar shards with .nv-meta")
-    a.add_argument("--json", required=True)
-    a.add_argument("--images", required=True)
-    a.add_argument("--out", required=True)
-    a.add_argument("--shard-size", type=int, default=1000)
-    a.add_argument("--val-ratio", type=float, default=0.0)
-    a.add_argument("--workers", type=int, default=1)
-    a.add_argument("--strict", action="store_true", help="exit non-zero if any record was skipped")
-    a.add_argument("--overwrite", action="store_true", help="replace the dataset already in --out (its shards first)")
-    b = sub.add_parser("shapes", help="generate the synthetic shapes dataset, tokenizer and shards")
-    b.add_argument("--out", required=True)
-    b.add_argument("--n", type=int, default=20000)
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--image-size", type=int, default=48)
-    b.add_argument("--turns", type=int, default=1, help="questions per image, as a multi-turn conversation")
-    b.add_argument("--images", type=int, default=1, help="2: two images a sample, 'Which image has more circles?'")
-    # function-level imports: pack.py and shapes.py import this file, never the other way round
-    from pack import audit_arguments, audit_command
-
-    audit_arguments(sub.add_parser("audit", help="what training would get from a dataset: counts, lengths, prompts, "
-                                                 "images, the chat template"))
-    args = p.parse_args(argv)
-    if args.cmd == "audit":
-        audit_command(args)
-    elif args.cmd == "pack":
-        from pack import pack
-
-        pack(args.json, args.images, args.out, args.shard_size, args.val_ratio, args.workers, args.strict,
-             overwrite=args.overwrite)
-    else:
-        import shapes  # the demo's dataset lives in its own file; it packs with pack.pack()
-
-        shapes.make_shapes(args.out, args.n, args.seed, image_size=args.image_size, turns=args.turns,
-                           images=args.images)
-
-
-if __name__ == "__main__":
-    main()
+    data_cli.main()

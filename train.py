@@ -29,7 +29,8 @@ import torch.distributed as dist
 import convert
 import data
 from checkpoint import Checkpointer, check_resume_config, checkpoints, newest_good_checkpoint, wait_for_stop_writer
-from model import VLMConfig, build_model, left_pad, param_group, vlm_preset
+from evaluation import device_batch, evaluate, final_accuracy
+from model import VLMConfig, build_model, param_group, vlm_preset
 from parallel import Env, autocast, checkpoint_fn, grad_sync, init_optimizer_state, print0, shard
 
 # -----------------------------------------------------------------------------
@@ -315,143 +316,12 @@ def stop_nonfinite(out, it, n, cfg, loader):
 
 
 # -----------------------------------------------------------------------------
-# evaluation
+# set-up: each piece checks its own configuration and says what is wrong with it
 
 
-def device_batch(batch, env, vision):
-    """The model's inputs on the device, images normalised there with the tower's statistics: they leave the
-    loader as uint8 (4x fewer bytes). With max_tiles they are (B, max_tiles, 3, S, S) and image_index/image_weight
-    say where each tile's features go."""
-    b = env.to_device(batch)
-    return b | {"pixel_values": data.normalize_images(b["pixel_values"], *vision.image_stats)}
-
-
-@torch.no_grad()
-def evaluate(model, val_loader, env, cfg, n_batches, vision):
-    model.eval()
-    total, count = torch.zeros((), device=env.device), torch.zeros((), device=env.device)
-    val_loader.position = 0  # the same held-out batches every time
-    for i, batch in enumerate(val_loader):
-        if i == n_batches:
-            break
-        b = device_batch(batch, env, vision)
-        with autocast(env, cfg):
-            _, loss = model(b["input_ids"], b["pixel_values"], b["labels"], "sum", b.get("position_ids"),
-                            image_index=b.get("image_index"), image_weight=b.get("image_weight"))
-        total += loss
-        count += (b["labels"][:, 1:] != -100).sum()
-        env.step_end()
-    model.train()
-    return (env.all_sum(total) / env.all_sum(count).clamp(min=1)).item()
-
-
-@torch.no_grad()
-def answer_accuracy(raw, stream, env, cfg, n, show=5, batch_size=32):
-    """Exact-match accuracy of greedy answers to the first n val samples, a few of them to show, the number asked
-    and the number skipped because prompt and answer exceed the model's max_seq_len. Questions go batch_size at a
-    time, left-padded (rows without an image get a blank one they never read)."""
-    raw.eval()
-    tok, stop = stream.tok, data.stop_token_id(cfg["template"], stream.tok)
-    right, shown, total, too_long, max_new = 0, [], 0, 0, 8
-    asked = []
-    for sample in range(min(n, len(stream))):
-        conv, image = data.sample_conversation(stream.read(sample)[1])
-        if data.conversation_problem(conv):  # a malformed foreign sample, which training drops too
-            continue
-        prompt, answer = data.prompt_and_answer(conv, image is not None, cfg["template"], tok, stream.image_token_id,
-                                                stream.n_image_tokens)
-        if len(prompt) + max_new > raw.cfg.llm.max_seq_len:  # the model cannot hold it: counted, not a crash
-            too_long += 1
-            continue
-        question = next(t["value"] for t in conv if t["from"] in ("human", "user"))
-        asked.append((prompt, answer, image, question))
-    for first in range(0, len(asked), batch_size):
-        batch = asked[first : first + batch_size]
-        ids, mask = left_pad([prompt for prompt, *_ in batch], tok.pad_id)
-        blank = torch.zeros(3, stream.image_size, stream.image_size, dtype=torch.uint8)
-        images = [data.load_image(image, stream.image_size, stream.image_mode, mean=stream.image_mean)
-                  if image is not None else blank for _, _, image, _ in batch]
-        pixels = data.normalize_images(torch.stack(images).to(env.device), *raw.cfg.vision.image_stats) \
-            if stream.image_token_id in ids else None
-        with autocast(env, cfg):
-            out = raw.generate(ids.to(env.device), pixels, max_new_tokens=max_new, eos_id=stop,
-                               attention_mask=mask.to(env.device)).tolist()
-        for tokens, (_, answer, _, question) in zip(out, batch):
-            said = data.decode_answer(tok, tokens, stop)
-            right += said.lower() == answer.strip().lower()
-            total += 1
-            if len(shown) < show:
-                shown.append((question.replace(data.IMAGE_TAG, "").strip(), said, answer))
-    raw.train()
-    return right / max(1, total), shown, total, too_long
-
-
-@torch.no_grad()
-def tiled_answer_accuracy(raw, stream, env, cfg, n, show=5):
-    """answer_accuracy on the tile path (max_tiles > 0), from the loader's own unpacked val batches: each row is cut
-    where its first answer starts, the prompts left-padded, and image_index/image_weight shifted with them."""
-    raw.eval()
-    tok, stop, max_new = stream.tok, data.stop_token_id(stream.template, stream.tok), 8
-    right, shown, total, too_long, n = 0, [], 0, 0, min(n, len(stream))
-    for k in range(-(-n // stream.batch_size)):
-        b, asked = stream.batch(k), []
-        for r in range(min(stream.batch_size, n - k * stream.batch_size)):
-            supervised = (b["labels"][r] != -100).nonzero().flatten()  # labels align with input_ids
-            if b["dropped"][r] or not len(supervised):
-                continue
-            start = int(supervised[0])
-            end = start + int((supervised - start == torch.arange(len(supervised))).cumprod(0).sum())  # first answer
-            if start + max_new > raw.cfg.llm.max_seq_len:
-                too_long += 1
-                continue
-            answer = b["input_ids"][r, start:end].tolist()
-            asked.append((r, start, data.decode_answer(tok, answer, stop)))
-        if not asked:
-            continue
-        ids, mask = left_pad([b["input_ids"][r, :start].tolist() for r, start, _ in asked], tok.pad_id)
-        index = torch.zeros(ids.shape + b["image_index"].shape[2:], dtype=torch.long)  # (B, T, K)
-        weight = torch.zeros(index.shape)
-        for i, (r, start, _) in enumerate(asked):
-            index[i, ids.shape[1] - start :], weight[i, ids.shape[1] - start :] = \
-                b["image_index"][r, :start], b["image_weight"][r, :start]
-        rows = torch.tensor([r for r, _, _ in asked])
-        pixels = data.normalize_images(b["pixel_values"][rows].to(env.device), *raw.cfg.vision.image_stats)
-        with autocast(env, cfg):
-            out = raw.generate(ids.to(env.device), pixels, max_new_tokens=max_new, eos_id=stop,
-                               attention_mask=mask.to(env.device), image_index=index.to(env.device),
-                               image_weight=weight.to(env.device)).tolist()
-        for tokens, (r, _, answer) in zip(out, asked):
-            said = data.decode_answer(tok, tokens, stop)
-            right += said.lower() == answer.lower()
-            total += 1
-            if len(shown) < show:
-                conv = data.sample_conversation(stream.read(int(b["sample_id"][r]))[1])[0]
-                question = next(t["value"] for t in conv if t["from"] in ("human", "user"))
-                shown.append((question.replace(data.IMAGE_TAG, "").strip(), said, answer))
-    raw.train()
-    return right / max(1, total), shown, total, too_long
-
-
-# -----------------------------------------------------------------------------
-# the loop
-
-
-def forward_backward(model, b, env, cfg, scale, poison=False):
-    """One micro-step's summed loss; backward runs outside autocast. Inside it, autocast's weight-cast cache
-    (global, cleared when a thread leaves its outermost autocast) handed torch_xla's checkpoint recompute, on the
-    autograd thread, the casts its no-grad forward had cached: the first block recomputed (the last) lost its grads."""
-    with autocast(env, cfg):
-        _, loss = model(b["input_ids"], b["pixel_values"], b["labels"], "sum", b.get("position_ids"),
-                        image_index=b.get("image_index"), image_weight=b.get("image_weight"))
-    loss = loss * float("nan") if poison else loss  # tests only (LLAVAX_TEST_NONFINITE)
-    (loss * scale).backward()
-    return loss
-
-
-def main(argv=None):
-    cfg = load_config(sys.argv[1:] if argv is None else argv)
-    env = Env(cfg)
-    out = Path(cfg["out_dir"])
+def prepare_out_dir(out, cfg, env):
+    """out_dir made, a killed checkpoint write cleaned, the config stored and logged; refused if it holds another
+    run's checkpoints and this one is not resuming it."""
     found = checkpoints(out) if out.is_dir() else []
     if found and cfg["init_from"] != "resume":  # its pruning would delete them, or they would collide with ours
         names = ", ".join(p.name for p in found[-3:]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
@@ -469,6 +339,9 @@ def main(argv=None):
         print0(env, "config:", json.dumps(cfg))
     if dist.is_initialized():  # every rank looks for checkpoints after a previous stop's writer is done
         dist.barrier()
+
+
+def check_inputs(cfg):
     if not Path(cfg["data_dir"]).exists():
         raise SystemExit(f"data_dir {cfg['data_dir']!r} does not exist. For the shapes demo run "
                          "`python data.py shapes --out data/shapes` first (make demo does it).")
@@ -476,8 +349,12 @@ def main(argv=None):
         data.Tokenizer(cfg["tokenizer"])
     except Exception as e:  # noqa: BLE001  sentencepiece and tokenizers raise many kinds for a bogus file
         raise SystemExit(f"tokenizer {cfg['tokenizer']!r}: cannot load ({type(e).__name__}: {e})") from None
-    # batch_size is global. Under torchrun micro_batch_size is per rank; under SPMD it is global (one program),
-    # split over the hosts for reading and over the (dp, fsdp) devices for computing
+
+
+def batch_layout(cfg, env):
+    """(micro-steps a step, rows each host reads a micro-step). batch_size is global. Under torchrun
+    micro_batch_size is per rank; under SPMD it is global (one program), split over the hosts for reading and over
+    the (dp, fsdp) devices for computing."""
     per_step = cfg["micro_batch_size"] * env.replicas
     if cfg["batch_size"] % per_step:
         raise SystemExit(f"config: batch_size={cfg['batch_size']} is not a multiple of micro_batch_size x ranks "
@@ -494,29 +371,39 @@ def main(argv=None):
         print0(env, f"xla: mesh {dict(env.mesh.shape())} over {env.n_devices} devices, {env.world} host(s); global batch "
                f"{cfg['batch_size']} = {grad_accum} micro-steps x {cfg['micro_batch_size']} rows "
                f"({cfg['micro_batch_size'] // data_devices} a device, {rows_per_host} read by each host)")
-    torch.manual_seed(cfg["seed"])
+    return grad_accum, rows_per_host
 
-    # model: from scratch, from a converted checkpoint, or the newest checkpoint of this run
+
+def resume_point(out, cfg, env):
+    """The checkpoint to resume from (init_from='resume'), its config checked against this one, or None."""
     resume_from = None
     if cfg["init_from"] == "resume":
         resume_from = newest_good_checkpoint(out, env)
         print0(env, f"resuming from {resume_from}" if resume_from else f"no checkpoint in {out}: starting from scratch")
         if resume_from:
             check_resume_config(resume_from, cfg, env)
+    return resume_from
+
+
+def init_model(cfg, env, resume_from):
+    """The unsharded model: from scratch, from a converted checkpoint, or the newest checkpoint of this run."""
     source = cfg["init_from"] if cfg["init_from"] not in ("scratch", "resume") else None
     build_on = "cpu" if env.kind == "xla" else env.device  # XLA: built and initialised on the host, then sharded
     if resume_from:  # built empty: each rank loads its own shards of the weights once the model is sharded
-        raw = build_model(VLMConfig.from_dict(json.loads((resume_from / "config.json").read_text())), device=build_on,
-                          init=False)
-    elif source:
+        return build_model(VLMConfig.from_dict(json.loads((resume_from / "config.json").read_text())),
+                           device=build_on, init=False)
+    if source:
         try:
-            raw = convert.load_model(source, device=build_on)
+            return convert.load_model(source, device=build_on)
         except (convert.ConversionError, OSError, ValueError, KeyError, TypeError) as e:
             raise SystemExit(f"{'resume' if resume_from else 'init_from'} {str(source)!r}: cannot load the model "
                              f"({e})") from None
-    else:
-        check_tiles(model_config(cfg), cfg["max_tiles"])  # before building: a 7B preset takes minutes to refuse
-        raw = build_model(model_config(cfg), device=build_on, seed=cfg["seed"])
+    check_tiles(model_config(cfg), cfg["max_tiles"])  # before building: a 7B preset takes minutes to refuse
+    return build_model(model_config(cfg), device=build_on, seed=cfg["seed"])
+
+
+def apply_backends(raw, cfg, env):
+    """(the model the step runs, its optimizer): freeze -> activation checkpointing -> compile -> shard."""
     freeze(raw, cfg["stage"])
     raw.loss_chunk, raw.recompute = cfg["loss_chunk"], checkpoint_fn(env.kind)
     raw.llm.flex_attention = use_flex_attention(cfg["pack"] > 0, env.kind, cfg["compile"], cfg["seq_len"])
@@ -529,10 +416,13 @@ def main(argv=None):
     n_trained = sum(p.numel() for p in raw.parameters() if p.requires_grad)
     print0(env, f"model: {sum(p.numel() for p in raw.parameters()) / 1e6:.2f}M parameters, {n_trained / 1e6:.2f}M "
            f"trained (stage {cfg['stage']}); {env.world} x {env.kind}, {cfg['parallel'] if env.distributed else 'single'}")
+    return model, optimizer
 
+
+def make_loaders(raw, cfg, env, rows_per_host):
+    """(train loader, val loader or None, val stream or None, the streams' arguments), the sequence length and the
+    image token checked against the model and the tokenizer."""
     check_tiles(raw.cfg, cfg["max_tiles"])
-
-    # data
     stream_args = {"tokenizer": cfg["tokenizer"], "batch_size": rows_per_host, "seq_len": cfg["seq_len"],
                    "image_size": raw.cfg.vision.image_size, "image_token_id": raw.cfg.image_token_id,
                    "n_image_tokens": raw.cfg.n_image_tokens, "template": cfg["template"], "image_mode": cfg["image_mode"],
@@ -560,10 +450,11 @@ def main(argv=None):
         val_loader = data.Loader(val_stream, 0)
     except FileNotFoundError:
         val_stream = val_loader = None
-    checkpointer = Checkpointer(env, cfg)
-    start = checkpointer.load(resume_from, model, raw, optimizer, loader) if resume_from else 0
+    return loader, val_loader, val_stream, stream_args
 
-    # preemption: finish the step, checkpoint, exit 0
+
+def stop_on_signal(env):
+    """Preemption: SIGTERM or SIGINT sets stop['requested']; the loop finishes the step, checkpoints, exits 0."""
     stop = {"requested": False}
 
     def on_signal(signum, frame):
@@ -572,7 +463,11 @@ def main(argv=None):
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    return stop
 
+
+def open_log(out, cfg, env):
+    """(log(event), the log file or None): events go to out_dir/log.jsonl and wandb, from the master only."""
     log_file = open(out / "log.jsonl", "a") if env.master else None  # noqa: SIM115
     if cfg["wandb_log"] and env.master:
         import wandb
@@ -586,128 +481,201 @@ def main(argv=None):
             if cfg["wandb_log"]:
                 wandb.log(event, step=event["step"])
 
-    # test-only fault injection: LLAVAX_TEST_NONFINITE="3,4@1" makes the loss NaN at iterations 3 and 4 (on rank 1
-    # only; every rank without "@"), LLAVAX_TEST_INF_WEIGHT="6" sets a weight to inf after iteration 6's update
+    return log, log_file
+
+
+def injected_faults(env):
+    """Test-only fault injection: LLAVAX_TEST_NONFINITE="3,4@1" makes the loss NaN at iterations 3 and 4 (on rank 1
+    only; every rank without "@"), LLAVAX_TEST_INF_WEIGHT="6" sets a weight to inf after iteration 6's update."""
     steps, _, rank = os.environ.get("LLAVAX_TEST_NONFINITE", "").partition("@")
     poison = {int(x) for x in steps.split(",") if x} if rank in ("", str(env.rank)) else set()
     poison_weight = {int(x) for x in os.environ.get("LLAVAX_TEST_INF_WEIGHT", "").split(",") if x}
-    nonfinite_run = nonfinite_worst = nonfinite_total = 0
+    return poison, poison_weight
+
+
+def start_meter(raw, cfg, env):
+    """What a log interval sums (loss, supervised tokens, rows, data wait, dropped samples) and the run's non-finite
+    skips (device tensors under XLA, read only at log intervals), with the FLOPs of a row for MFU."""
+    meter = SimpleNamespace(nonfinite_run=0, nonfinite_worst=0, nonfinite_total=0)
     if env.kind == "xla":
-        nonfinite_run, nonfinite_worst, nonfinite_total = (torch.zeros((), dtype=torch.long, device=env.device)
-                                                           for _ in range(3))
-    peak = cfg["peak_flops"] or known_peak_flops(env)
-    trainable = [p for p in raw.parameters() if p.requires_grad]
-    batches = iter(loader)
-    loss_sum, tokens_sum = torch.zeros((), device=env.device), torch.zeros((), device=env.device)
-    t_last, data_wait, it = time.perf_counter(), 0.0, start
-    rows_done, dropped = 0, 0
-    per_row = max(1, cfg["pack"])  # samples read per row
+        meter.nonfinite_run, meter.nonfinite_worst, meter.nonfinite_total = (
+            torch.zeros((), dtype=torch.long, device=env.device) for _ in range(3))
+    meter.peak = cfg["peak_flops"] or known_peak_flops(env)
+    meter.loss_sum, meter.tokens_sum = torch.zeros((), device=env.device), torch.zeros((), device=env.device)
+    meter.t_last, meter.data_wait = time.perf_counter(), 0.0
+    meter.rows_done, meter.dropped = 0, 0
+    meter.per_row = max(1, cfg["pack"])  # samples read per row
     # FLOPs of a row: one sample of seq_len tokens, or `pack` samples of seq_len / pack (attention within each)
     # with max_tiles the ViT runs on every slot of a row, however many images its samples hold
-    row_flops = per_row * flops_per_sample(raw, cfg["stage"], cfg["seq_len"] // per_row) if not cfg["max_tiles"] else \
-        per_row * flops_per_sample(raw, cfg["stage"], cfg["seq_len"] // per_row, 0) + \
+    per_row = meter.per_row
+    meter.row_flops = per_row * flops_per_sample(raw, cfg["stage"], cfg["seq_len"] // per_row) if not cfg["max_tiles"] \
+        else per_row * flops_per_sample(raw, cfg["stage"], cfg["seq_len"] // per_row, 0) + \
         flops_per_sample(raw, cfg["stage"], 0, cfg["max_tiles"])
+    return meter
+
+
+# -----------------------------------------------------------------------------
+# the loop
+
+
+def forward_backward(model, b, env, cfg, scale, poison=False):
+    """One micro-step's summed loss; backward runs outside autocast. Inside it, autocast's weight-cast cache
+    (global, cleared when a thread leaves its outermost autocast) handed torch_xla's checkpoint recompute, on the
+    autograd thread, the casts its no-grad forward had cached: the first block recomputed (the last) lost its grads."""
+    with autocast(env, cfg):
+        _, loss = model(b["input_ids"], b["pixel_values"], b["labels"], "sum", b.get("position_ids"),
+                        image_index=b.get("image_index"), image_weight=b.get("image_weight"))
+    loss = loss * float("nan") if poison else loss  # tests only (LLAVAX_TEST_NONFINITE)
+    (loss * scale).backward()
+    return loss
+
+
+def set_lr(optimizer, it, cfg):
+    lr_now = lr_at(it, cfg)
+    for g in optimizer.param_groups:
+        g["lr"] = lr_now * g["lr_scale"]
+    return lr_now
+
+
+def train_step(model, micro, trainable, env, cfg, poison=False):
+    """(summed loss, supervised tokens over all ranks, gradient norm) of one step's micro-batches, gradients
+    accumulated and clipped. The loss is a sum over supervised tokens divided by their count over all micro-steps
+    and ranks; DDP and FSDP average gradients over ranks, hence the factor world."""
+    count = env.all_sum(sum((b["labels"][:, 1:] != -100).sum() for b in micro).float())
+    step_loss = torch.zeros((), device=env.device)
+    for i, b in enumerate(micro):
+        with grad_sync(model, env, cfg, i == len(micro) - 1):
+            loss = forward_backward(model, b, env, cfg, env.replicas / count.clamp(min=1), poison=poison)
+        step_loss += loss.detach()
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf"))
+    return step_loss, count, grad_norm
+
+
+def update_if_finite(optimizer, step_loss, count, grad_norm, meter, env, it, log):
+    """optimizer.step() unless the loss or gradient is non-finite: then the update is skipped (the batch is consumed,
+    as with skip_steps) and counted. Under XLA the skip happens inside the compiled step (no host sync); elsewhere one
+    flag a step is agreed over the ranks."""
+    finite = torch.isfinite(step_loss) & torch.isfinite(grad_norm.to_local() if hasattr(grad_norm, "to_local")
+                                                       else grad_norm)
+    if env.kind == "xla":
+        step_if_finite(optimizer, finite)
+        meter.nonfinite_run = torch.where(finite, 0, meter.nonfinite_run + 1)
+        meter.nonfinite_worst, meter.nonfinite_total = (torch.maximum(meter.nonfinite_worst, meter.nonfinite_run),
+                                                        meter.nonfinite_total + ~finite)
+        meter.loss_sum += torch.where(finite, step_loss, 0.0)
+        meter.tokens_sum += torch.where(finite, count / env.replicas, 0.0)
+    elif not env.agree(not bool(finite)):
+        optimizer.step()
+        meter.loss_sum += step_loss
+        meter.tokens_sum += count / env.replicas
+        meter.nonfinite_worst = meter.nonfinite_run = 0
+    else:
+        meter.nonfinite_run, meter.nonfinite_total = meter.nonfinite_run + 1, meter.nonfinite_total + 1
+        meter.nonfinite_worst = max(meter.nonfinite_worst, meter.nonfinite_run)
+        print0(env, f"step {it}: non-finite loss or gradient (loss {step_loss.item()}, grad norm "
+               f"{grad_norm.full_tensor() if hasattr(grad_norm, 'full_tensor') else grad_norm:.4g}): update "
+               f"skipped, {meter.nonfinite_run} in a row, {meter.nonfinite_total} in this run")
+        log({"step": it, "nonfinite_skipped": True, "nonfinite_in_a_row": meter.nonfinite_run})
+
+
+def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader):
+    """The log interval's loss, throughput and memory, printed and logged, and the meter's interval sums reset.
+    Under XLA the compiled steps' non-finite skips are read here, and too many in a row stop the run."""
+    env.sync()
+    if env.kind == "xla":  # the skips of the compiled steps, read at log intervals only
+        worst, skipped = int(meter.nonfinite_worst.item()), int(meter.nonfinite_total.item())
+        if skipped:
+            print0(env, f"step {it}: {skipped} update(s) skipped so far for a non-finite loss or gradient")
+        if worst >= cfg["max_nonfinite_steps"]:  # the longest run so far: never reset, we stop at once
+            stop_nonfinite(out, it, worst, cfg, loader)
+    rows_done, dropped, peak = meter.rows_done, meter.dropped, meter.peak
+    dt = time.perf_counter() - meter.t_last
+    n_tokens = env.all_sum(meter.tokens_sum)
+    # no supervised token in the interval (all skipped or dropped): no loss, rather than 0.0
+    loss_val = (env.all_sum(meter.loss_sum) / n_tokens).item() if n_tokens.item() else float("nan")
+    gn = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    steps = rows_done / cfg["batch_size"]
+    tok_s = rows_done * cfg["seq_len"] / dt
+    flops = meter.row_flops * rows_done / dt
+    mem = torch.cuda.max_memory_allocated(env.device) / 2**30 if env.kind == "cuda" else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    event = {"step": it, "loss": None if math.isnan(loss_val) else loss_val, "lr": lr_now, "grad_norm": gn.item(),
+             "tokens_per_s": tok_s,
+             "samples_per_s": rows_done * meter.per_row / dt, "mfu": flops / (peak * env.n_devices) if peak else None,
+             "data_wait": meter.data_wait / dt, "peak_mem_gib": mem, "dropped_samples": dropped}
+    if env.kind == "xla":  # a count that grows after warm-up means the step recompiles: see README
+        import torch_xla.debug.metrics as met
+
+        event["xla_compiles"] = (met.metric_data("CompileTime") or [0])[0]
+    mfu = f"{100 * event['mfu']:.1f}%" if peak else "n/a"
+    print0(env, f"step {it}: loss {loss_val:.4f}, lr {lr_now:.2e}, grad norm {event['grad_norm']:.3f}, "
+           f"{tok_s:,.0f} tok/s, {event['samples_per_s']:.1f} samples/s, MFU {mfu}, data wait "
+           f"{100 * event['data_wait']:.1f}%, peak mem {mem:.2f} GiB ({steps:.0f} steps in {dt:.1f}s)"
+           + (f", {dropped} samples dropped (see data: lines)" if dropped else "")
+           + (f", {event['xla_compiles']} XLA compiles so far" if env.kind == "xla" else ""))
+    log(event)
+    meter.loss_sum.zero_()
+    meter.tokens_sum.zero_()
+    meter.t_last, meter.data_wait, meter.rows_done, meter.dropped = time.perf_counter(), 0.0, 0, 0
+
+
+def main(argv=None):
+    cfg = load_config(sys.argv[1:] if argv is None else argv)
+    env = Env(cfg)
+    out = Path(cfg["out_dir"])
+    prepare_out_dir(out, cfg, env)
+    check_inputs(cfg)
+    grad_accum, rows_per_host = batch_layout(cfg, env)
+    torch.manual_seed(cfg["seed"])
+    resume_from = resume_point(out, cfg, env)
+    raw = init_model(cfg, env, resume_from)
+    model, optimizer = apply_backends(raw, cfg, env)
+    loader, val_loader, val_stream, stream_args = make_loaders(raw, cfg, env, rows_per_host)
+    checkpointer = Checkpointer(env, cfg)
+    start = checkpointer.load(resume_from, model, raw, optimizer, loader) if resume_from else 0
+    stop = stop_on_signal(env)
+    log, log_file = open_log(out, cfg, env)
+    poison, poison_weight = injected_faults(env)
+    meter = start_meter(raw, cfg, env)
+    trainable = [p for p in raw.parameters() if p.requires_grad]
+    batches = iter(loader)
+    it = start
     while it < cfg["max_iters"]:
         t0 = time.perf_counter()
         micro = [next(batches) for _ in range(grad_accum)]
-        data_wait += time.perf_counter() - t0
-        dropped += sum(int(b["dropped"].sum()) for b in micro)  # CPU tensors: no device sync
+        meter.data_wait += time.perf_counter() - t0
+        meter.dropped += sum(int(b["dropped"].sum()) for b in micro)  # CPU tensors: no device sync
         if any(a <= it < b for a, b in cfg["skip_steps"]):
             print0(env, f"step {it}: skipped (skip_steps); its {cfg['batch_size']} samples are consumed")
             log({"step": it, "skipped": True})
             it += 1
             continue
-        lr_now = lr_at(it, cfg)
-        for g in optimizer.param_groups:
-            g["lr"] = lr_now * g["lr_scale"]
-        # the loss is a sum over supervised tokens divided by their count over all micro-steps and ranks;
-        # DDP and FSDP average gradients over ranks, hence the factor world
+        lr_now = set_lr(optimizer, it, cfg)
         micro = [device_batch(b, env, raw.cfg.vision) for b in micro]
-        count = env.all_sum(sum((b["labels"][:, 1:] != -100).sum() for b in micro).float())
-        step_loss = torch.zeros((), device=env.device)
-        for i, b in enumerate(micro):
-            with grad_sync(model, env, cfg, i == grad_accum - 1):
-                loss = forward_backward(model, b, env, cfg, env.replicas / count.clamp(min=1), poison=it in poison)
-            step_loss += loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf"))
-        # a non-finite loss or gradient skips the update (the batch is consumed, as with skip_steps). Under XLA the
-        # skip happens inside the compiled step (no host sync); elsewhere one flag a step is agreed over the ranks
-        finite = torch.isfinite(step_loss) & torch.isfinite(grad_norm.to_local() if hasattr(grad_norm, "to_local")
-                                                           else grad_norm)
-        if env.kind == "xla":
-            step_if_finite(optimizer, finite)
-            nonfinite_run = torch.where(finite, 0, nonfinite_run + 1)
-            nonfinite_worst, nonfinite_total = torch.maximum(nonfinite_worst, nonfinite_run), nonfinite_total + ~finite
-            loss_sum += torch.where(finite, step_loss, 0.0)
-            tokens_sum += torch.where(finite, count / env.replicas, 0.0)
-        elif not env.agree(not bool(finite)):
-            optimizer.step()
-            loss_sum += step_loss
-            tokens_sum += count / env.replicas
-            nonfinite_worst = nonfinite_run = 0
-        else:
-            nonfinite_run, nonfinite_total = nonfinite_run + 1, nonfinite_total + 1
-            nonfinite_worst = max(nonfinite_worst, nonfinite_run)
-            print0(env, f"step {it}: non-finite loss or gradient (loss {step_loss.item()}, grad norm "
-                   f"{grad_norm.full_tensor() if hasattr(grad_norm, 'full_tensor') else grad_norm:.4g}): update "
-                   f"skipped, {nonfinite_run} in a row, {nonfinite_total} in this run")
-            log({"step": it, "nonfinite_skipped": True, "nonfinite_in_a_row": nonfinite_run})
+        step_loss, count, grad_norm = train_step(model, micro, trainable, env, cfg, poison=it in poison)
+        update_if_finite(optimizer, step_loss, count, grad_norm, meter, env, it, log)
         optimizer.zero_grad(set_to_none=True)
         env.step_end()
         it += 1
-        rows_done += cfg["batch_size"]
+        meter.rows_done += cfg["batch_size"]
         if it in poison_weight:  # test-only: a weight goes non-finite, as after an overflowing update
             with torch.no_grad():
                 trainable[0].view(-1)[:1].fill_(float("inf"))
-        if env.kind != "xla" and nonfinite_worst >= cfg["max_nonfinite_steps"]:
-            stop_nonfinite(out, it, nonfinite_worst, cfg, loader)
+        if env.kind != "xla" and meter.nonfinite_worst >= cfg["max_nonfinite_steps"]:
+            stop_nonfinite(out, it, meter.nonfinite_worst, cfg, loader)
 
         if it % cfg["log_interval"] == 0 or it == cfg["max_iters"]:
-            env.sync()
-            if env.kind == "xla":  # the skips of the compiled steps, read at log intervals only
-                worst, skipped = int(nonfinite_worst.item()), int(nonfinite_total.item())
-                if skipped:
-                    print0(env, f"step {it}: {skipped} update(s) skipped so far for a non-finite loss or gradient")
-                if worst >= cfg["max_nonfinite_steps"]:  # the longest run so far: never reset, we stop at once
-                    stop_nonfinite(out, it, worst, cfg, loader)
-            dt = time.perf_counter() - t_last
-            n_tokens = env.all_sum(tokens_sum)
-            # no supervised token in the interval (all skipped or dropped): no loss, rather than 0.0
-            loss_val = (env.all_sum(loss_sum) / n_tokens).item() if n_tokens.item() else float("nan")
-            gn = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            steps = rows_done / cfg["batch_size"]
-            tok_s = rows_done * cfg["seq_len"] / dt
-            flops = row_flops * rows_done / dt
-            mem = torch.cuda.max_memory_allocated(env.device) / 2**30 if env.kind == "cuda" else \
-                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-            event = {"step": it, "loss": None if math.isnan(loss_val) else loss_val, "lr": lr_now, "grad_norm": gn.item(),
-                     "tokens_per_s": tok_s,
-                     "samples_per_s": rows_done * per_row / dt, "mfu": flops / (peak * env.n_devices) if peak else None,
-                     "data_wait": data_wait / dt, "peak_mem_gib": mem, "dropped_samples": dropped}
-            if env.kind == "xla":  # a count that grows after warm-up means the step recompiles: see README
-                import torch_xla.debug.metrics as met
-
-                event["xla_compiles"] = (met.metric_data("CompileTime") or [0])[0]
-            mfu = f"{100 * event['mfu']:.1f}%" if peak else "n/a"
-            print0(env, f"step {it}: loss {loss_val:.4f}, lr {lr_now:.2e}, grad norm {event['grad_norm']:.3f}, "
-                   f"{tok_s:,.0f} tok/s, {event['samples_per_s']:.1f} samples/s, MFU {mfu}, data wait "
-                   f"{100 * event['data_wait']:.1f}%, peak mem {mem:.2f} GiB ({steps:.0f} steps in {dt:.1f}s)"
-                   + (f", {dropped} samples dropped (see data: lines)" if dropped else "")
-                   + (f", {event['xla_compiles']} XLA compiles so far" if env.kind == "xla" else ""))
-            log(event)
-            loss_sum.zero_()
-            tokens_sum.zero_()
-            t_last, data_wait, rows_done, dropped = time.perf_counter(), 0.0, 0, 0
+            log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader)
         if val_loader and cfg["eval_interval"] and (it % cfg["eval_interval"] == 0 or it == cfg["max_iters"]):
             val = evaluate(model, val_loader, env, cfg, cfg["eval_iters"], raw.cfg.vision)
             print0(env, f"step {it}: val loss {val:.4f}")
             log({"step": it, "val_loss": val})
-            t_last = time.perf_counter()
+            meter.t_last = time.perf_counter()
         stopping = env.agree(stop["requested"])
         if stopping or (cfg["ckpt_interval"] and it % cfg["ckpt_interval"] == 0) or it == cfg["max_iters"]:
             checkpointer.save(out / f"step-{it:06d}", model, raw, optimizer, loader, it, stop=stopping)
             print0(env, f"step {it}: checkpoint {out / f'step-{it:06d}'}" + ("" if stopping else " (writing)"))
-            t_last = time.perf_counter()
+            meter.t_last = time.perf_counter()
         if stopping:
             print0(env, f"stopped at step {it} by a signal; resume with --init_from=resume")
             break
@@ -715,22 +683,7 @@ def main(argv=None):
 
     if it >= cfg["max_iters"]:
         if cfg["final_accuracy_samples"] and val_stream is not None:
-            asker, asker_env = raw, env
-            if env.kind == "xla":  # token-by-token generation would recompile at every length: answer on the host
-                asker = build_model(raw.cfg, device="cpu", init=False)
-                asker.load_state_dict({k: v.cpu() for k, v in raw.state_dict().items()})
-                asker_env = SimpleNamespace(kind="cpu", device=torch.device("cpu"), distributed=False)
-            if cfg["max_tiles"]:  # the questions as the loader tiles and places their images, one sample a row
-                unpacked = data.ShardStream(cfg["data_dir"], split="val", **(stream_args | {"pack": 0}))
-                result = tiled_answer_accuracy(asker, unpacked, asker_env, cfg, cfg["final_accuracy_samples"])
-            else:
-                result = answer_accuracy(asker, val_stream, asker_env, cfg, cfg["final_accuracy_samples"])
-            acc, shown, n_asked, too_long = result
-            print0(env, f"held-out exact-match accuracy: {100 * acc:.1f}% on {n_asked} questions"
-                   + (f" ({too_long} longer than the model's max_seq_len skipped)" if too_long else ""))
-            for q, said, answer in shown:
-                print0(env, f"  Q: {q:<36} model: {said:<8} truth: {answer}")
-            log({"step": it, "accuracy": acc})
+            log({"step": it, "accuracy": final_accuracy(raw, val_stream, stream_args, env, cfg)})
         if env.master:
             (out / "DONE").write_text(json.dumps({"step": it}))  # the babysitter's completion marker
     if log_file:

@@ -33,13 +33,13 @@ def test_sample_video_without_frames_is_a_one_line_error(onevision_ckpt):
 def test_audit_refuses_the_max_tiles_train_py_refuses(onevision_ckpt, tmp_path, max_tiles, message):
     """`data.py audit --max-tiles` on an anyres model: a count train.py would refuse was audited anyway (-1 dropped
     even text-only samples as too_many_tiles; 0 audited the one-view loader train.py never runs)."""
-    import data
+    import data_cli
 
     config = tmp_path / "c.py"
     config.write_text(f"init_from = {str(onevision_ckpt)!r}\ntokenizer = {str(onevision_ckpt / 'tokenizer.json')!r}\n"
                       "template = 'chatml'\nseq_len = 400\n")
     with pytest.raises(SystemExit, match=message):
-        data.main(["audit", str(tmp_path), "--config", str(config), f"--max-tiles={max_tiles}", "--show", "0"])
+        data_cli.main(["audit", str(tmp_path), "--config", str(config), f"--max-tiles={max_tiles}", "--show", "0"])
 
 
 def test_shard_stream_refuses_a_negative_max_tiles(onevision_ckpt, tmp_path):

@@ -14,6 +14,7 @@ from PIL import Image
 from shapes import make_shapes
 
 import data
+import data_cli
 
 # the non-tool part of Qwen2.5-Instruct's published template: its own default system prompt
 QWEN25_TEMPLATE = (
@@ -40,7 +41,7 @@ LLAMA3_TEMPLATE = (
 def run_audit(capsys, *args):
     """(exit status, stdout, stderr) of `data.py audit ARGS`, in this process."""
     with pytest.raises(SystemExit) as e:
-        data.main(["audit", *map(str, args)])
+        data_cli.main(["audit", *map(str, args)])
     out, err = capsys.readouterr()
     code = e.value.code
     return (code if isinstance(code, int) else 1), out + (code if isinstance(code, str) else ""), err

@@ -15,6 +15,7 @@ from conftest import ROOT, checkpoint_bytes, checkpoint_tensors
 from test_train import args, run, shapes, weights  # noqa: F401  (shapes is a fixture)
 
 import data
+import evaluation
 import checkpoint
 import train
 
@@ -183,7 +184,7 @@ def test_held_out_questions_longer_than_the_model_are_counted_and_skipped(shapes
     model_cfg.llm.max_seq_len = limit
     raw = train.build_model(model_cfg, seed=0)
     env = train.SimpleNamespace(kind="cpu", device=torch.device("cpu"), distributed=False)
-    acc, shown, asked, too_long = train.answer_accuracy(raw, stream, env, cfg, 10)
+    acc, shown, asked, too_long = evaluation.answer_accuracy(raw, stream, env, cfg, 10)
     assert too_long == sum(n + 8 > limit for n in lengths) > 0 and asked == 10 - too_long
 
 

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 import convert
 import data
+import evaluation
 import checkpoint
 import train
 from model import build_model, vlm_preset
@@ -361,8 +362,8 @@ def test_final_accuracy_pass_batches_questions_without_changing_answers(shapes, 
                          image_token_id=512, n_image_tokens=4, template="llama_3", split="val")
     env = SimpleNamespace(kind="cpu", device=torch.device("cpu"), distributed=False)
     cfg = {"template": "llama_3", "dtype": "float32"}
-    alone = train.answer_accuracy(model, s, env, cfg, 12, show=12, batch_size=1)
-    batched = train.answer_accuracy(model, s, env, cfg, 12, show=12, batch_size=5)
+    alone = evaluation.answer_accuracy(model, s, env, cfg, 12, show=12, batch_size=1)
+    batched = evaluation.answer_accuracy(model, s, env, cfg, 12, show=12, batch_size=5)
     assert len(batched[1]) == 12 and batched == alone
     assert len({len(q) for q, _, _ in batched[1]}) > 1  # questions of different lengths shared a batch
 
@@ -392,8 +393,8 @@ def test_tiled_answer_accuracy_gives_the_single_image_answers(shapes, single_run
     env = SimpleNamespace(kind="cpu", device=torch.device("cpu"), distributed=False)
     cfg = {"template": "llama_3", "dtype": "float32"}
     n = len(legacy)  # every val question: the tile pass asks them in the loader's shuffled order
-    want = train.answer_accuracy(model, legacy, env, cfg, n, show=n)
-    got = train.tiled_answer_accuracy(model, tiled, env, cfg, n, show=n)
+    want = evaluation.answer_accuracy(model, legacy, env, cfg, n, show=n)
+    got = evaluation.tiled_answer_accuracy(model, tiled, env, cfg, n, show=n)
     assert got[2] == want[2] == n and got[0] == want[0]
     assert sorted(got[1]) == sorted(want[1]) and len({said for _, said, _ in got[1]}) > 1
 

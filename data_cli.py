@@ -1,0 +1,104 @@
+"""
+data.py's command line, a program: `python data.py pack|shapes|audit` runs main() here (data.py's docstring has the
+usage). It lives above data.py, pack.py, shapes.py and train.py, whose config the audit reads, so that none of them
+imports a program (README, "the house").
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import data
+import shapes
+import train
+from model import VLMConfig
+from pack import audit, pack
+
+
+def audit_arguments(a):
+    a.add_argument("source", help="a shard folder (or tar), or a LLaVA JSON/JSONL with --images")
+    a.add_argument("--images", help="the image folder of a LLaVA JSON")
+    a.add_argument("--split", default="train", help="the split of a shard folder to read")
+    a.add_argument("--config", help="a train.py config file (e.g. configs/shapes.py): fills the settings below")
+    a.add_argument("--tokenizer")
+    a.add_argument("--template", help=f"one of {sorted(data.TEMPLATES)}")
+    a.add_argument("--seq-len", type=int)
+    a.add_argument("--pack", type=int, help="samples packed a row (train.py's pack); 0: one sample a row")
+    a.add_argument("--rows", type=int, help="rows a batch (train.py's micro_batch_size)")
+    a.add_argument("--image-size", type=int)
+    a.add_argument("--image-mode", choices=("pad", "crop", "resize"))
+    a.add_argument("--n-image-tokens", type=int)
+    a.add_argument("--image-token-id", type=int)
+    a.add_argument("--max-tiles", type=int, help="tile slots a row (train.py's max_tiles): anyres, several images")
+    a.add_argument("--show", type=int, default=4, help="print the first N samples in full")
+    a.add_argument("--limit", type=int, default=0, help="audit only the first N samples (0: all)")
+    a.add_argument("--sheet", help="write a contact sheet of the shown samples here (.png or .html)")
+    a.add_argument("--hf-tokenizer", help="a folder with tokenizer_config.json holding a chat_template: compare")
+    a.add_argument("--progress", type=int, default=1000, help="print a count to stderr every N samples")
+
+
+def audit_command(args):
+    """The settings of train.py (its defaults, then --config), overridden by the flags given; exits with audit's status."""
+    if args.config and not Path(args.config).is_file():
+        raise SystemExit(f"audit: --config {args.config}: no such file")
+    cfg = train.load_config([args.config] if args.config else [])
+    # the image settings of the model train.py would build: a llavax checkpoint's config.json, else the preset
+    ckpt = Path(cfg["init_from"], "config.json") if cfg["init_from"] not in ("scratch", "resume") else None
+    try:
+        if ckpt and ckpt.is_file() and json.loads(ckpt.read_text()).get("model_type") != "llava":
+            mcfg, origin = VLMConfig.from_dict(json.loads(ckpt.read_text())), str(ckpt)
+        else:
+            mcfg, origin = train.model_config(cfg), f"preset {cfg['model']!r} with model_overrides"
+            origin += f" ({ckpt} not read: give the image flags if that model differs)" if ckpt else ""
+    except (ValueError, TypeError) as e:
+        raise SystemExit(f"audit: the model settings of {ckpt or args.config or 'train.py'}: {e}") from None
+    if None in (args.image_size, args.n_image_tokens, args.image_token_id):
+        print(f"audit: model settings from {origin}")
+    given = lambda flag, default: default if flag is None else flag  # noqa: E731
+    max_tiles = given(args.max_tiles, cfg.get("max_tiles", 0))
+    if max_tiles < 0:
+        raise SystemExit(f"audit: --max-tiles must be >= 0, got {max_tiles}")
+    train.check_tiles(mcfg, max_tiles)  # what train.py refuses (an anyres model without room for one image) is refused here
+    sys.exit(audit(args.source, given(args.tokenizer, cfg["tokenizer"]), given(args.template, cfg["template"]),
+                   given(args.seq_len, cfg["seq_len"]), given(args.image_size, mcfg.vision.image_size),
+                   given(args.n_image_tokens, mcfg.n_image_tokens), given(args.image_token_id, mcfg.image_token_id),
+                   given(args.image_mode, cfg["image_mode"]), args.images, args.split, given(args.pack, cfg["pack"]),
+                   given(args.rows, cfg["micro_batch_size"]), args.show, args.limit, args.sheet, args.hf_tokenizer,
+                   args.progress, vlm=mcfg, max_tiles=max_tiles))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=data.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("pack", help="LLaVA JSON/JSONL + image folder -> tar shards with .nv-meta")
+    a.add_argument("--json", required=True)
+    a.add_argument("--images", required=True)
+    a.add_argument("--out", required=True)
+    a.add_argument("--shard-size", type=int, default=1000)
+    a.add_argument("--val-ratio", type=float, default=0.0)
+    a.add_argument("--workers", type=int, default=1)
+    a.add_argument("--strict", action="store_true", help="exit non-zero if any record was skipped")
+    a.add_argument("--overwrite", action="store_true", help="replace the dataset already in --out (its shards first)")
+    b = sub.add_parser("shapes", help="generate the synthetic shapes dataset, tokenizer and shards")
+    b.add_argument("--out", required=True)
+    b.add_argument("--n", type=int, default=20000)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--image-size", type=int, default=48)
+    b.add_argument("--turns", type=int, default=1, help="questions per image, as a multi-turn conversation")
+    b.add_argument("--images", type=int, default=1, help="2: two images a sample, 'Which image has more circles?'")
+    audit_arguments(sub.add_parser("audit", help="what training would get from a dataset: counts, lengths, prompts, "
+                                                 "images, the chat template"))
+    args = p.parse_args(argv)
+    if args.cmd == "audit":
+        audit_command(args)
+    elif args.cmd == "pack":
+        pack(args.json, args.images, args.out, args.shard_size, args.val_ratio, args.workers, args.strict,
+             overwrite=args.overwrite)
+    else:
+        shapes.make_shapes(args.out, args.n, args.seed, image_size=args.image_size, turns=args.turns,
+                           images=args.images)
+
+
+if __name__ == "__main__":
+    main()
