@@ -327,7 +327,6 @@ class Checkpointer:
         small files and the manifest, renames the directory and prunes. Runs in the background thread."""
         env, cfg, tmp = self.env, self.cfg, path.parent / f".{path.name}.tmp-dcp"
         try:
-            time.sleep(float(os.environ.get("LLAVAX_TEST_SLOW_CHECKPOINT", "0")))  # tests only: a slow disk
             rank = dist.get_rank(self.group) if self.group is not None else 0
             # never write (and so never prune for) a checkpoint of non-finite values: checked here, off the loop's time
             nonfinite = [(env.rank, nonfinite_keys(staged))]
@@ -344,6 +343,7 @@ class Checkpointer:
             writer = dcp.FileSystemWriter(str(tmp), sync_files=True, single_file_per_rank=True)
             with quiet():
                 dcp.save(staged, storage_writer=writer, planner=self.save_planner, process_group=self.group)
+            time.sleep(float(os.environ.get("LLAVAX_TEST_SLOW_CHECKPOINT", "0")))  # tests only: a slow disk
             mine = describe(sorted(tmp.glob(f"__{rank}_*.distcp")))
             every = [None] * (dist.get_world_size(self.group) if self.group is not None else 1)
             if self.group is not None:

@@ -645,28 +645,29 @@ def main(argv=None):
         micro = [next(batches) for _ in range(grad_accum)]
         meter.data_wait += time.perf_counter() - t0
         meter.dropped += sum(int(b["dropped"].sum()) for b in micro)  # CPU tensors: no device sync
-        if any(a <= it < b for a, b in cfg["skip_steps"]):
+        skipped = any(a <= it < b for a, b in cfg["skip_steps"])
+        if skipped:  # the batch is consumed, nothing trains; a checkpoint due here is still written
             print0(env, f"step {it}: skipped (skip_steps); its {cfg['batch_size']} samples are consumed")
             log({"step": it, "skipped": True})
-            it += 1
-            continue
-        lr_now = set_lr(optimizer, it, cfg)
-        micro = [device_batch(b, env, raw.cfg.vision) for b in micro]
-        step_loss, count, grad_norm = train_step(model, micro, trainable, env, cfg, poison=it in poison)
-        update_if_finite(optimizer, step_loss, count, grad_norm, meter, env, it, log)
-        optimizer.zero_grad(set_to_none=True)
-        env.step_end()
+        else:
+            lr_now = set_lr(optimizer, it, cfg)
+            micro = [device_batch(b, env, raw.cfg.vision) for b in micro]
+            step_loss, count, grad_norm = train_step(model, micro, trainable, env, cfg, poison=it in poison)
+            update_if_finite(optimizer, step_loss, count, grad_norm, meter, env, it, log)
+            optimizer.zero_grad(set_to_none=True)
+            env.step_end()
+            meter.rows_done += cfg["batch_size"]
         it += 1
-        meter.rows_done += cfg["batch_size"]
         if it in poison_weight:  # test-only: a weight goes non-finite, as after an overflowing update
             with torch.no_grad():
                 trainable[0].view(-1)[:1].fill_(float("inf"))
         if env.kind != "xla" and meter.nonfinite_worst >= cfg["max_nonfinite_steps"]:
             stop_nonfinite(out, it, meter.nonfinite_worst, cfg, loader)
 
-        if it % cfg["log_interval"] == 0 or it == cfg["max_iters"]:
+        if not skipped and (it % cfg["log_interval"] == 0 or it == cfg["max_iters"]):
             log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader)
-        if val_loader and cfg["eval_interval"] and (it % cfg["eval_interval"] == 0 or it == cfg["max_iters"]):
+        evaluate_now = cfg["eval_interval"] and (it % cfg["eval_interval"] == 0 or it == cfg["max_iters"])
+        if not skipped and val_loader and evaluate_now:
             val = evaluate(model, val_loader, env, cfg, cfg["eval_iters"], raw.cfg.vision)
             print0(env, f"step {it}: val loss {val:.4f}")
             log({"step": it, "val_loss": val})

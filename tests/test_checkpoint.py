@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import forkserver
 import pytest
@@ -124,7 +125,10 @@ def test_a_rank_killed_mid_write_leaves_no_checkpoint_that_is_taken(shapes, tmp_
     lines = []
     for line in proc.stdout:
         lines.append(line)
-        if line.startswith("step 10: checkpoint"):  # step 5's is committed; step 10's write has just begun
+        if line.startswith("step 10: checkpoint"):  # step 5's is committed; step 10's write has begun
+            tmp = tmp_path / ".step-000010.tmp-dcp"
+            while not list(tmp.glob("__*_0.distcp")):  # shards on disk, not yet committed (the disk is slow)
+                time.sleep(0.02)
             os.kill(max(torchrun_workers(proc.pid)), signal.SIGKILL)  # one rank, as the OOM killer does it
             break
     rest = proc.stdout.read()
