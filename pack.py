@@ -32,7 +32,7 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 from tqdm import tqdm
 
-from data import IMAGE_TAG, ROLES, VIDEO_TAG, Skips, conversation_problem, log
+from data import IMAGE_TAG, ROLES, VIDEO_TAG, Skips, conversation_problem, log, place_image_tags
 from data import (TEMPLATES, DropSample, Tokenizer, check_template, encode_conversation,  # audit
                   image_hw, image_layouts, image_tiles, load_image, pack_rows, read_members, render,
                   sample_conversation, sample_images, sample_offsets, shard_files, tokenize, turns)
@@ -121,7 +121,7 @@ def check_conversations(rec):
         return "video_tag_without_video"
     if n_tags and not names:
         return "image_tag_without_image"
-    if n_tags != len(names) and not (n_tags == 0 and len(names) == 1):  # one untagged image goes first, as LLaVA's
+    if n_tags and n_tags != len(names):  # untagged images go first (place_image_tags)
         return "image_tag_count_mismatch"
     return None
 
@@ -168,9 +168,8 @@ def prepare_record(args):
             return None, "corrupt_image"
         ext, data = stored_image(data, img)
         stored.append((ext if kind == "image" else f"{'f' * (kind == 'video')}{n}.{ext}", data))
-    tag = VIDEO_TAG if kind == "video" else IMAGE_TAG
-    if stored and not any(tag in t["value"] for t in conv):  # LLaVA puts the image before the first question
-        conv[0] = {"from": conv[0]["from"], "value": tag + "\n" + conv[0]["value"]}
+    if stored:  # untagged images go before the first question (LLaVA's rule; the chat templates' user turn)
+        conv = place_image_tags(conv, VIDEO_TAG if kind == "video" else IMAGE_TAG, len(stored) if kind == "multi" else 1)
     first_q = next((t["value"] for t in conv if ROLES[t["from"]] == "user"), "")
     answer = next(t["value"] for t in conv if ROLES[t["from"]] == "assistant")
     question = first_q.replace(IMAGE_TAG, "").replace(VIDEO_TAG, "").strip()
