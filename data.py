@@ -376,11 +376,10 @@ def place_image_tags(conv, tag, n):
     image there before issue 21), which no chat template renders. Written tags elsewhere stay. No user turn: one
     holding only the tags goes before the first answer."""
     conv = [{"from": t["from"], "value": t["value"]} for t in conv]
-    n_front = 0
+    n_front = 0 if any(tag in t["value"] for t in conv) else n
     for t in (t for t in conv if ROLES[t["from"]] == "system" and tag in t["value"]):
         n_front += t["value"].count(tag)
         t["value"] = t["value"].replace(tag + "\n", "").replace(tag, "")
-    n_front += n if n and not any(tag in t["value"] for t in conv) else 0
     if not n_front:
         return conv
     user = next((t for t in conv if ROLES[t["from"]] == "user"), None)
