@@ -29,10 +29,11 @@ from multiprocessing import Pool
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageDraw, ImageFont
+from PIL import Image, ImageDraw, ImageFont, ImageOps
 from tqdm import tqdm
 
 from data import IMAGE_TAG, ROLES, VIDEO_TAG, Skips, conversation_problem, log, place_image_tags
+from images import orientation
 from data import (TEMPLATES, DropSample, Tokenizer, check_template, encode_conversation,  # audit
                   image_hw, image_layouts, image_tiles, load_image, pack_rows, read_members, render,
                   sample_conversation, sample_images, sample_offsets, shard_files, tokenize, turns)
@@ -184,11 +185,13 @@ def prepare_record(args):
 def stored_image(data, img):
     """(extension, bytes) to store for a decoded source image, never lossy: JPEG and PNG files keep their bytes;
     other formats (WebP, GIF, TIFF, BMP...) become PNG in their own mode (RGBA, LA, P, I;16 kept: the reader
-    converts to RGB as the processors do), or in RGB when PNG cannot hold the mode (CMYK, YCbCr, I, F)."""
+    converts to RGB as the processors do), or in RGB when PNG cannot hold the mode (CMYK, YCbCr, I, F), turned
+    upright first as the reader turns a JPEG or PNG by its EXIF orientation (images.open_rgb)."""
     if img.format in ("JPEG", "MPO"):  # MPO: a phone's multi-picture JPEG, read as its first picture
         return "jpg", data
     if img.format == "PNG":
         return "png", data
+    img = ImageOps.exif_transpose(img) if orientation(img) != 1 else img  # the PNG written below keeps no EXIF
     buf = io.BytesIO()
     img = img if img.mode in ("1", "L", "LA", "P", "RGB", "RGBA", "I;16") else img.convert("RGB")
     img.save(buf, format="PNG", compress_level=1)
