@@ -124,13 +124,22 @@ def image_tiles(data, vlm, kind="image", image_mode="pad", mean=None):
     return anyres_tiles(img, size, select_best_resolution(h, w, vlm.grid_pinpoints))
 
 
+def png_chunk_types(data):
+    """The chunk types of PNG bytes, read from the chunk headers alone."""
+    types, at = [], 8  # after the signature
+    while at + 8 <= len(data) and (not types or types[-1] != b"IEND"):
+        types.append(bytes(data[at + 4 : at + 8]))
+        at += 12 + int.from_bytes(data[at : at + 4], "big")  # length, type, data, CRC
+    return types
+
+
 def image_hw(data):
     """(height, width) of image bytes as open_rgb turns them upright, from the header alone (what
     anyres.image_layout needs)."""
     img = Image.open(io.BytesIO(data))
     w, h = img.size
     # a PNG's EXIF may follow its pixels, which PIL would decode to reach it: only when the chunk is there
-    if img.format == "PNG" and "exif" not in img.info and b"eXIf" not in data:
+    if img.format == "PNG" and "exif" not in img.info and b"eXIf" not in png_chunk_types(data):
         return h, w
     return (w, h) if orientation(img) >= 5 else (h, w)
 
