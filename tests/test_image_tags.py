@@ -123,3 +123,33 @@ def test_reader_moves_a_tag_old_shards_kept_in_the_system_turn(hf_tokenizer):
         assert "".join(t for t, _ in data.render("chatml", read)) == want and image == buf.getvalue()
     several = {"0.jpg": buf.getvalue(), "1.jpg": buf.getvalue(), "txt": b"Grey.", "json": b'{"question": "Sky?"}'}
     assert data.sample_conversation(several)[0][0]["value"] == "<image>\n<image>\nSky?"
+
+
+def test_sample_puts_one_image_before_the_question_wherever_the_prompt_has_its_tag(tmp_path, packed, monkeypatch,
+                                                                                   hf_tokenizer):
+    """sample.py adds the tag only to a prompt without one; a prompt holding it (before or after the question) gets
+    the same single run of image tokens, the one transformers' generation prompt gives; two tags for one image is
+    a one-line error."""
+    import convert
+    import sample
+    from model import build_model, vlm_preset
+
+    _, tok, _ = packed
+    cfg = vlm_preset("debug").with_overrides({"image_token_id": tok.vocab_size,
+                                              "llm": {"vocab_size": -(-(tok.vocab_size + 1) // 64) * 64}})
+    convert.save_model(build_model(cfg, seed=0), tmp_path / "ckpt", tokenizer_dir=tok.path.parent)
+    Image.new("RGB", (45, 31), (200, 30, 60)).save(tmp_path / "a.jpg")
+    seen = []
+    monkeypatch.setattr(sample, "answer", lambda args, model, template, tok, ids, mask, pixels, extra:
+                        seen.append(ids[0].tolist()))
+    common = ["--ckpt", str(tmp_path / "ckpt"), "--image", str(tmp_path / "a.jpg"), "--template", "chatml",
+              "--device", "cpu"]
+    for prompt in (QUESTION, f"<image>\n{QUESTION}", f"{QUESTION} <image>"):
+        sample.main(common + ["--prompt", prompt])
+    text = hf_tokenizer.apply_chat_template(hf_messages(None, "absent", 1)[:1], tokenize=False, add_generation_prompt=True,
+                                            chat_template=processor.chat_template("chatml"))
+    before, after = text.split("<image>")
+    want = tok.encode(before) + [cfg.image_token_id] * cfg.n_image_tokens + tok.encode(after)
+    assert seen == [want] * 3
+    with pytest.raises(SystemExit, match="has 2 <image> tags for 1 image"):
+        sample.main(common + ["--prompt", "<image> <image> Which?"])
