@@ -368,20 +368,49 @@ def conversation_problem(conv):
 CAPTION_KEYS = ("caption", "answer", "text", "captions", "answers")  # where webdatasets keep a caption in KEY.json
 
 
+def place_image_tags(conv, tag, n):
+    """The conversation with its images where chat templates put them: n untagged images (LLaVA's records may omit
+    the tag) as n tags at the front of the first user turn, as transformers' llava-hf templates render
+    [{"type": "image"}, ..., {"type": "text"}]; so do tags written in a system turn (llavax's pack put an untagged
+    image there before issue 21), which no chat template renders. Written tags elsewhere stay. No user turn: one
+    holding only the tags goes before the first answer."""
+    conv = [{"from": t["from"], "value": t["value"]} for t in conv]
+    n_front = 0 if any(tag in t["value"] for t in conv) else n
+    for t in (t for t in conv if ROLES[t["from"]] == "system" and tag in t["value"]):
+        n_front += t["value"].count(tag)
+        t["value"] = t["value"].replace(tag + "\n", "").replace(tag, "")
+    if not n_front:
+        return conv
+    user = next((t for t in conv if ROLES[t["from"]] == "user"), None)
+    if user is None:
+        user = {"from": "human", "value": ""}
+        conv.insert(next(i for i, t in enumerate(conv) if ROLES[t["from"]] == "assistant"), user)
+    user["value"] = (tag + "\n") * n_front + user["value"]
+    return conv
+
+
 def sample_conversation(members):
-    """(conversation, image bytes or None) from our members, or from a plain webdataset jpg/png + json/txt."""
+    """(conversation, image bytes or None) from our members, or from a plain webdataset jpg/png + json/txt; images
+    without a tag get theirs as pack gives them (place_image_tags)."""
     image = next((members[e] for e in IMAGE_EXTS if e in members), None)
     meta = json.loads(members["json"]) if "json" in members else {}
     if "conversations" in meta:
-        return meta["conversations"], image
-    answer = members["txt"].decode() if "txt" in members else ""
-    if not answer:  # a caption kept only in KEY.json
-        found = [v[0] if isinstance(v, list) and v else v for v in map(meta.get, CAPTION_KEYS)]
-        answer = next((v for v in found if isinstance(v, str)), "")
-    question = meta.get("question") or meta.get("context") or ""
-    if image is not None:
-        question = f"{IMAGE_TAG}\n{question}" if question else IMAGE_TAG
-    return [{"from": "human", "value": question}, {"from": "gpt", "value": answer}], image
+        conv = meta["conversations"]
+    else:
+        answer = members["txt"].decode() if "txt" in members else ""
+        if not answer:  # a caption kept only in KEY.json
+            found = [v[0] if isinstance(v, list) and v else v for v in map(meta.get, CAPTION_KEYS)]
+            answer = next((v for v in found if isinstance(v, str)), "")
+        question = meta.get("question") or meta.get("context") or ""
+        conv = [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]
+    try:
+        kind, blobs = sample_images(members)
+    except DropSample:  # images and frames: the loader drops it by its own sample_images call
+        return conv, image
+    if not blobs or conversation_problem(conv):
+        return conv, image
+    return place_image_tags(conv, VIDEO_TAG if kind == "video" else IMAGE_TAG, len(blobs) if kind == "multi" else 1), \
+        image
 
 
 def sample_images(members):

@@ -16,15 +16,27 @@ import math
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image
+from PIL import Image, ImageOps
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
+ORIENTATION = 0x0112  # the EXIF tag a phone writes instead of rotating the pixels
+
+
+def orientation(img):
+    """The EXIF orientation of a PIL image: 1 upright, 2-8 mirrored and/or rotated (5-8 swap width and height)."""
+    value = img.getexif().get(ORIENTATION, 1)
+    return value if value in range(1, 9) else 1
+
+
 def open_rgb(data):
-    """LLaVA's Image.open(...).convert("RGB"): any mode PIL reads, alpha dropped."""
+    """transformers' load_image: Image.open, turned upright by its EXIF orientation (as photo viewers show a phone's
+    picture; LLaVA's loader did not), then .convert("RGB"): any mode PIL reads, alpha dropped."""
     img = Image.open(io.BytesIO(data)) if isinstance(data, (bytes, bytearray)) else data
+    if orientation(img) != 1:
+        img = ImageOps.exif_transpose(img)
     return img if img.mode == "RGB" else img.convert("RGB")
 
 
@@ -41,13 +53,14 @@ def as_tensor(img):
 
 
 def load_image(data, size, mode="pad", fast=False, mean=CLIP_MEAN):
-    """Image bytes (any mode PIL reads) -> (3, size, size) uint8, equal to what transformers' PIL-backend
-    processors compute before rescaling (tests). 'crop': CLIPImageProcessor: short side to `size`, long side
-    int(size * long / short) (truncated, as get_resize_output_image_size does), centre crop. 'pad': LLaVA's
-    expand2square in the tower's mean colour (CLIP's by default), then the same (LlavaImageProcessor(do_pad=True)).
-    'resize': squash.
+    """Image bytes (any mode PIL reads, upright by EXIF: open_rgb) -> (3, size, size) uint8, equal to what
+    transformers' PIL-backend processors compute from load_image(path) before rescaling (tests). 'crop':
+    CLIPImageProcessor: short side to `size`, long side int(size * long / short) (truncated, as
+    get_resize_output_image_size does), centre crop. 'pad': LLaVA's expand2square in the tower's mean colour (CLIP's
+    by default), then the same (LlavaImageProcessor(do_pad=True)). 'resize': squash.
     fast=True trades exactness for speed (README, BENCHMARKS.md): a big JPEG decodes at 1/2, 1/4 or 1/8 scale
-    (to at least twice the resized size), and torch's uint8 antialiased bicubic replaces PIL's."""
+    (to at least twice the resized size; the draft acts on the stored, unrotated pixels), and torch's uint8
+    antialiased bicubic replaces PIL's."""
     img = Image.open(io.BytesIO(data))
     if fast and img.format == "JPEG":
         w, h = img.size
@@ -111,10 +124,24 @@ def image_tiles(data, vlm, kind="image", image_mode="pad", mean=None):
     return anyres_tiles(img, size, select_best_resolution(h, w, vlm.grid_pinpoints))
 
 
+def png_chunk_types(data):
+    """The chunk types of PNG bytes, read from the chunk headers alone."""
+    types, at = [], 8  # after the signature
+    while at + 8 <= len(data) and (not types or types[-1] != b"IEND"):
+        types.append(bytes(data[at + 4 : at + 8]))
+        at += 12 + int.from_bytes(data[at : at + 4], "big")  # length, type, data, CRC
+    return types
+
+
 def image_hw(data):
-    """(height, width) of image bytes, from the header alone (what anyres.image_layout needs)."""
-    w, h = Image.open(io.BytesIO(data)).size
-    return h, w
+    """(height, width) of image bytes as open_rgb turns them upright, from the header alone (what
+    anyres.image_layout needs)."""
+    img = Image.open(io.BytesIO(data))
+    w, h = img.size
+    # a PNG's EXIF may follow its pixels, which PIL would decode to reach it: only when the chunk is there
+    if img.format == "PNG" and "exif" not in img.info and b"eXIf" not in png_chunk_types(data):
+        return h, w
+    return (w, h) if orientation(img) >= 5 else (h, w)
 
 
 def normalize_images(images, mean=CLIP_MEAN, std=CLIP_STD):

@@ -29,10 +29,11 @@ from multiprocessing import Pool
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageDraw, ImageFont
+from PIL import Image, ImageDraw, ImageFont, ImageOps
 from tqdm import tqdm
 
-from data import IMAGE_TAG, ROLES, VIDEO_TAG, Skips, conversation_problem, log
+from data import IMAGE_TAG, ROLES, VIDEO_TAG, Skips, conversation_problem, log, place_image_tags
+from images import orientation
 from data import (TEMPLATES, DropSample, Tokenizer, check_template, encode_conversation,  # audit
                   image_hw, image_layouts, image_tiles, load_image, pack_rows, read_members, render,
                   sample_conversation, sample_images, sample_offsets, shard_files, tokenize, turns)
@@ -121,7 +122,7 @@ def check_conversations(rec):
         return "video_tag_without_video"
     if n_tags and not names:
         return "image_tag_without_image"
-    if n_tags != len(names) and not (n_tags == 0 and len(names) == 1):  # one untagged image goes first, as LLaVA's
+    if n_tags and n_tags != len(names):  # untagged images go first (place_image_tags)
         return "image_tag_count_mismatch"
     return None
 
@@ -168,9 +169,8 @@ def prepare_record(args):
             return None, "corrupt_image"
         ext, data = stored_image(data, img)
         stored.append((ext if kind == "image" else f"{'f' * (kind == 'video')}{n}.{ext}", data))
-    tag = VIDEO_TAG if kind == "video" else IMAGE_TAG
-    if stored and not any(tag in t["value"] for t in conv):  # LLaVA puts the image before the first question
-        conv[0] = {"from": conv[0]["from"], "value": tag + "\n" + conv[0]["value"]}
+    if stored:  # untagged images go before the first question (LLaVA's rule; the chat templates' user turn)
+        conv = place_image_tags(conv, VIDEO_TAG if kind == "video" else IMAGE_TAG, len(stored) if kind == "multi" else 1)
     first_q = next((t["value"] for t in conv if ROLES[t["from"]] == "user"), "")
     answer = next(t["value"] for t in conv if ROLES[t["from"]] == "assistant")
     question = first_q.replace(IMAGE_TAG, "").replace(VIDEO_TAG, "").strip()
@@ -185,11 +185,13 @@ def prepare_record(args):
 def stored_image(data, img):
     """(extension, bytes) to store for a decoded source image, never lossy: JPEG and PNG files keep their bytes;
     other formats (WebP, GIF, TIFF, BMP...) become PNG in their own mode (RGBA, LA, P, I;16 kept: the reader
-    converts to RGB as the processors do), or in RGB when PNG cannot hold the mode (CMYK, YCbCr, I, F)."""
+    converts to RGB as the processors do), or in RGB when PNG cannot hold the mode (CMYK, YCbCr, I, F), turned
+    upright first as the reader turns a JPEG or PNG by its EXIF orientation (images.open_rgb)."""
     if img.format in ("JPEG", "MPO"):  # MPO: a phone's multi-picture JPEG, read as its first picture
         return "jpg", data
     if img.format == "PNG":
         return "png", data
+    img = ImageOps.exif_transpose(img) if orientation(img) != 1 else img  # the PNG written below keeps no EXIF
     buf = io.BytesIO()
     img = img if img.mode in ("1", "L", "LA", "P", "RGB", "RGBA", "I;16") else img.convert("RGB")
     img.save(buf, format="PNG", compress_level=1)

@@ -52,7 +52,15 @@ def chat_template(template):
     first, user_end, turn_sep, _, last = [text[a:b] for a, b in zip([0] + [c + len(m) for c, m in zip(cuts, marks)],
                                                                       cuts + [len(text)])]
     generation = data.generation_prompt(template, marks[0])
-    return ("{% for m in messages %}{% if m.role == 'user' %}{% if loop.first %}" + lit(first) + "{% else %}"
+    # a system message: its text in place of the template's default (cut from a rendering with a system marker)
+    with_system = "".join(t for t, _ in data.TEMPLATES[template]([{"from": "system", "value": "\x01S\x01"}] + conv))
+    before_system, after_system = with_system[: with_system.index(marks[0])].split("\x01S\x01")
+    system_text = ("{% for m in messages | selectattr('role', 'equalto', 'system') %}{% if loop.first %}"
+                   "{% if m.content is string %}{{ m.content }}{% else %}{% for c in m.content %}{% if c.type == 'text' %}"
+                   "{{ c.text }}{% endif %}{% endfor %}{% endif %}{% endif %}{% endfor %}")
+    return ("{% set ns = namespace(first=true) %}{% for m in messages %}{% if m.role == 'user' %}{% if ns.first %}"
+            "{% if messages | selectattr('role', 'equalto', 'system') | list %}" + lit(before_system) + system_text
+            + lit(after_system) + "{% else %}" + lit(first) + "{% endif %}{% set ns.first = false %}{% else %}"
             + lit(turn_sep) + "{% endif %}" + content + "{% elif m.role == 'assistant' %}" + lit(user_end) + content
             + "{% endif %}{% endfor %}{% if add_generation_prompt %}" + lit(generation.split(marks[0])[1])
             + "{% else %}" + lit(last) + "{% endif %}")

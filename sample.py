@@ -76,7 +76,10 @@ def main(argv=None):
     prompts = [args.prompt[i if len(args.prompt) > 1 else 0] for i in range(n)]
     rows = []
     for prompt in prompts:
-        question = f"{data.IMAGE_TAG}\n{prompt}" if images else prompt
+        if prompt.count(data.IMAGE_TAG) > (1 if images else 0):
+            sys.exit(f"sample: --prompt {prompt!r} has {prompt.count(data.IMAGE_TAG)} {data.IMAGE_TAG} tags for "
+                     f"{1 if images else 0} image; --together asks about several images at once")
+        question = f"{data.IMAGE_TAG}\n{prompt}" if images and data.IMAGE_TAG not in prompt else prompt
         ids, _ = data.tokenize([(data.generation_prompt(template, question, tok), False)], tok, cfg.image_token_id,
                                cfg.n_image_tokens)
         if len(ids) + args.max_new_tokens > cfg.llm.max_seq_len:
