@@ -1,7 +1,8 @@
 """
 The Hugging Face processor files convert.py's to-hf writes beside the weights, so that AutoProcessor
 preprocesses exactly as llavax trained: the image processor for data.py's image mode, LlavaProcessor's
-settings, a chat template rendering data.py's template, and <image> in tokenizer.json.
+settings, a chat template rendering data.py's template, and tokenizer files holding <image> and the special
+tokens data.Tokenizer reads.
 
 Split from convert.py (weights and formats) because it is a separate concern: it reads data.py, not model
 weights, and follows transformers' processor formats rather than checkpoint layouts.
@@ -33,25 +34,32 @@ def image_processor_config(size, mode, mean=data.CLIP_MEAN, std=data.CLIP_STD):
             "image_std": list(std), "do_convert_rgb": True, "processor_class": "LlavaProcessor"}
 
 
-def chat_template(template):
-    """A jinja chat template that renders what data.py's template renders. Built by rendering a two-round
-    conversation with marker texts and cutting the string at them, so it follows data.py's templates exactly.
-    Text goes in as string expressions: HF renders with trim_blocks, which would eat a newline after a tag."""
+def chat_template(template, bos="<s>", eos="</s>", after_tag=""):
+    """A jinja chat template that renders what data.py's template renders with these BOS and EOS strings (the
+    published ones by default). Built by rendering a two-round conversation with marker texts and cutting the
+    string at them, so it follows data.py's templates exactly. Text goes in as string expressions: HF renders with
+    trim_blocks, which would eat a newline after a tag. after_tag follows each <image>, <video> and written BOS
+    (see template_strings)."""
     lit = lambda text: "{{ " + json.dumps(text) + " }}"  # noqa: E731
-    content = ("{% if m.content is string %}{{ m.content }}{% else %}{% for c in m.content %}{% if c.type == 'image' %}"
-               + lit(data.IMAGE_TAG + "\n") + "{% elif c.type == 'video' %}" + lit(VIDEO_TAG + "\n")
+    tags = "" if not after_tag else "".join(f" | replace({json.dumps(t)}, {json.dumps(t + after_tag)})"
+                                            for t in (data.IMAGE_TAG, VIDEO_TAG))
+    bos = bos + after_tag if bos else bos
+    content = ("{% if m.content is string %}{{ m.content" + tags + " }}{% else %}{% for c in m.content %}"
+               "{% if c.type == 'image' %}" + lit(data.IMAGE_TAG + after_tag + "\n") + "{% elif c.type == 'video' %}"
+               + lit(VIDEO_TAG + after_tag + "\n")
                + "{% endif %}{% endfor %}{% for c in m.content %}{% if c.type == 'text' %}"
                "{{ c.text }}{% endif %}{% endfor %}{% endif %}")
     if template == "plain":  # stage 1: the image, then the caption; questions are not shown
         first_answer = "(messages | selectattr('role', 'equalto', 'assistant') | list)[:1]"
-        return lit("<s>" + data.IMAGE_TAG) + "{% for m in " + first_answer + " %}" + content + lit("\n") + "{% endfor %}"
+        return (lit(bos + data.IMAGE_TAG + after_tag) + "{% for m in " + first_answer + " %}" + content + lit("\n")
+                + "{% endfor %}")
     marks = ["\x01Q1\x01", "\x01A1\x01", "\x01Q2\x01", "\x01A2\x01"]
     conv = [{"from": r, "value": m} for r, m in zip(["human", "gpt"] * 2, marks)]
-    text = "".join(t for t, _ in data.TEMPLATES[template](conv))
+    text = "".join(t for t, _ in data.TEMPLATES[template](conv, bos=bos, eos=eos))
     cuts = [text.index(m) for m in marks]
     first, user_end, turn_sep, _, last = [text[a:b] for a, b in zip([0] + [c + len(m) for c, m in zip(cuts, marks)],
                                                                       cuts + [len(text)])]
-    generation = data.generation_prompt(template, marks[0])
+    generation = text[: text.index(marks[1])].rstrip(" ")  # data.generation_prompt's cut
     return ("{% for m in messages %}{% if m.role == 'user' %}{% if loop.first %}" + lit(first) + "{% else %}"
             + lit(turn_sep) + "{% endif %}" + content + "{% elif m.role == 'assistant' %}" + lit(user_end) + content
             + "{% endif %}{% endfor %}{% if add_generation_prompt %}" + lit(generation.split(marks[0])[1])
@@ -79,7 +87,31 @@ def anyres_processor_configs(cfg, image, settings):
                               "vision_aspect_ratio": cfg.anyres}
 
 
-def write_processor(cfg, directory, template, image_mode):
+def template_strings(tokenizer):
+    """chat_template's keywords for an exported tokenizer (data.Tokenizer, whether HF's prepends the BOS): its own
+    BOS and EOS, no BOS where the tokenizer adds one (llava-hf's convention: the processor tokenizes the rendered
+    prompt with special tokens on, and a written BOS would be a second one). A sentencepiece model with legacy=False
+    puts no dummy-prefix space after a special token, where training starts a new chunk after <image> (and after
+    the BOS) as LLaVA does: the template writes that space, U+2581, so the ids stay training's."""
+    if tokenizer is None:
+        return {}
+    tok, adds_bos = tokenizer
+    return {"bos": "" if adds_bos else tok.bos or "", "eos": tok.eos or "",
+            "after_tag": "\u2581" if tok.sp is not None and not tok.legacy else ""}
+
+
+def has_processor(directory):
+    """Whether `directory` holds a whole HF processor (from-hf carries one through): processor_config.json, a chat
+    template, and the image processor in preprocessor_config.json or, as transformers 5's save_pretrained writes
+    it, nested in processor_config.json."""
+    directory = Path(directory)
+    settings = directory / "processor_config.json"
+    if not settings.exists() or not any((directory / n).exists() for n in ("chat_template.jinja", "chat_template.json")):
+        return False
+    return (directory / "preprocessor_config.json").exists() or "image_processor" in json.loads(settings.read_text())
+
+
+def write_processor(cfg, directory, template, image_mode, tokenizer=None):
     if template not in data.TEMPLATES or image_mode not in ("pad", "crop", "resize"):
         raise ExportError(f"cannot write a processor for template {template!r} and image mode {image_mode!r}")
     extra = 1 if cfg.vision.kind == "clip" else 0  # LlavaProcessor: patches + this, - 1 for "default"
@@ -91,35 +123,97 @@ def write_processor(cfg, directory, template, image_mode):
         image, settings = anyres_processor_configs(cfg, image, settings)
     Path(directory, "preprocessor_config.json").write_text(json.dumps(image, indent=2))
     Path(directory, "processor_config.json").write_text(json.dumps(settings, indent=2))
-    Path(directory, "chat_template.jinja").write_text(chat_template(template))
+    Path(directory, "chat_template.jinja").write_text(chat_template(template, **template_strings(tokenizer)))
     Path(directory, "chat_template.json").unlink(missing_ok=True)  # one template only: the .jinja wins
 
 
-def add_image_token_to_tokenizer(directory, image_id, video_id=None):
-    """Register <image> (and OneVision's <video>) at the model's ids in tokenizer.json (the added-token list HF
-    loads), if not there yet."""
-    tags = {data.IMAGE_TAG: image_id} | ({VIDEO_TAG: video_id} if video_id is not None else {})
-    path = Path(directory, "tokenizer.json")
-    if not path.exists():
-        if Path(directory, "tokenizer.model").exists():
-            print(f"convert: {directory}: only a sentencepiece tokenizer.model; AutoProcessor needs "
-                  + ", ".join(f"{t} (id {i})" for t, i in tags.items()) + " added to it by hand", file=sys.stderr)
-        return
-    tok = json.loads(path.read_text())
-    vocab = tok.get("model", {}).get("vocab") or {}
-    vocab = vocab if isinstance(vocab, dict) else {piece: i for i, (piece, _) in enumerate(vocab)}  # Unigram: a list
-    known = vocab | {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
-    missing = [tag for tag in tags if tag not in known]
+def token_text(tok, token_id):
+    """The string of a token id, or None (no such token)."""
+    if token_id is None or token_id < 0:
+        return None
+    return tok.sp.id_to_piece(token_id) if tok.sp is not None else tok.hf.id_to_token(token_id)
+
+
+def tokenizer_adds_bos(tok, config):
+    """Whether transformers' tokenizer from these files prepends the BOS itself: a sentencepiece model as
+    LlamaTokenizer does unless add_bos_token is false; a tokenizer.json as its post-processor says (transformers 5
+    follows the post-processor, whatever add_bos_token says)."""
+    if tok.bos_id < 0:
+        return False
+    if tok.sp is not None:
+        return bool(config.get("add_bos_token", True))
+    return tok.hf.encode("a", add_special_tokens=True).ids[:1] == [tok.bos_id] != tok.hf.encode("a").ids[:1]
+
+
+def added_token(content):
+    return {"content": content, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+            "special": True}
+
+
+def register_tags(where, known, tags, vocab_size):
+    """{id: token} to add so that each tag sits at the model's id. tokenizers numbers added tokens from the end of
+    the vocabulary up, ignoring the ids written, so ids between the end and a tag are filled with placeholders."""
+    new = {}
     for tag, tag_id in tags.items():
         if known.get(tag, tag_id) != tag_id:
-            raise ExportError(f"{path}: {tag} has id {known[tag]} but the model uses {tag_id}")
+            raise ExportError(f"{where}: {tag} has id {known[tag]} but the model uses {tag_id}")
         holder = next((t for t, i in known.items() if i == tag_id and t != tag), None)
         if holder is not None:
-            raise ExportError(f"{path}: the model's {tag} id {tag_id} is the tokenizer's {holder!r}; cannot add {tag}")
+            raise ExportError(f"{where}: the model's {tag} id {tag_id} is the tokenizer's {holder!r}; cannot add {tag}")
         if tag not in known:
-            tok.setdefault("added_tokens", []).append({"id": tag_id, "content": tag, "single_word": False,
-                                                       "lstrip": False, "rstrip": False, "normalized": False,
-                                                       "special": True})
-            known[tag] = tag_id
-    if missing:
-        path.write_text(json.dumps(tok, ensure_ascii=False))
+            new[tag_id] = tag
+    if new:
+        taken = set(known.values())
+        new |= {i: f"<llavax_unused_{i}>" for i in range(vocab_size, max(new)) if i not in taken and i not in new}
+    return dict(sorted(new.items()))
+
+
+def export_tokenizer(directory, image_id, video_id=None, template=None):
+    """Make the tokenizer files in `directory` what transformers loads as the tokenizer llavax trained with:
+    <image> (and <video>) at the model's ids, in tokenizer.json or, for a sentencepiece-only tokenizer.model, in
+    tokenizer_config.json's added_tokens_decoder (transformers converts the model to a fast tokenizer on load);
+    bos/eos/pad and sentencepiece's legacy flag as data.Tokenizer reads them, written out even where the source had
+    no tokenizer_config.json; generation_config.json stopping on the template's end of turn and the EOS.
+    Returns (data.Tokenizer, whether the HF tokenizer prepends the BOS itself), or None without a tokenizer."""
+    directory = Path(directory)
+    if not any((directory / n).exists() for n in ("tokenizer.json", "tokenizer.model")):
+        print(f"convert: {directory}: no tokenizer.json or tokenizer.model beside the weights; the export has no "
+              "tokenizer", file=sys.stderr)
+        return None
+    tok = data.Tokenizer(directory)
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    tags = {data.IMAGE_TAG: image_id} | ({VIDEO_TAG: video_id} if video_id is not None else {})
+    decoder = config.get("added_tokens_decoder", {})
+    if tok.sp is None:
+        path = directory / "tokenizer.json"
+        file = json.loads(path.read_text())
+        vocab = file.get("model", {}).get("vocab") or {}
+        vocab = vocab if isinstance(vocab, dict) else {piece: i for i, (piece, _) in enumerate(vocab)}  # Unigram
+        known = vocab | {t["content"]: t["id"] for t in file.get("added_tokens", [])}
+        new = register_tags(path, known, tags, len(vocab))
+        if new:
+            file.setdefault("added_tokens", []).extend({"id": i} | added_token(t) for i, t in new.items())
+            path.write_text(json.dumps(file, ensure_ascii=False))
+        config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")  # not the model's class: it rewrites BOS rules
+    else:
+        known = {tok.sp.id_to_piece(i): i for i in range(tok.vocab_size)}
+        new = register_tags(directory / "tokenizer.model", known | {t["content"]: int(i) for i, t in decoder.items()},
+                            tags, tok.vocab_size)
+        config.setdefault("tokenizer_class", "LlamaTokenizer")
+        config |= {"legacy": tok.legacy, "unk_token": token_text(tok, tok.sp.unk_id()),
+                   "add_bos_token": config.get("add_bos_token", True), "add_eos_token": False}
+    if new and (tok.sp is not None or decoder):  # a tokenizer.json's own list is enough where the config has none
+        config["added_tokens_decoder"] = decoder | {str(i): added_token(t) for i, t in new.items()}
+    config |= {"bos_token": tok.bos, "eos_token": tok.eos, "pad_token": token_text(tok, tok.pad_id)}
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    stops = [data.stop_token_id(template, tok)] if template else []
+    generation_path = directory / "generation_config.json"
+    generation = json.loads(generation_path.read_text()) if generation_path.exists() else {}
+    before = generation.get("eos_token_id")
+    stops += [tok.eos_id] + (before if isinstance(before, list) else [before] if before is not None else [])
+    stops = list(dict.fromkeys(i for i in stops if i is not None and i >= 0))
+    generation |= {"bos_token_id": tok.bos_id if tok.bos_id >= 0 else None, "pad_token_id": tok.pad_id,
+                   "eos_token_id": stops[0] if len(stops) == 1 else stops}
+    generation_path.write_text(json.dumps(generation, indent=2))
+    return tok, tokenizer_adds_bos(tok, config)
