@@ -34,25 +34,30 @@ def image_processor_config(size, mode, mean=data.CLIP_MEAN, std=data.CLIP_STD):
             "image_std": list(std), "do_convert_rgb": True, "processor_class": "LlavaProcessor"}
 
 
-def chat_template(template, bos="<s>", eos="</s>", after_tag=""):
+def chat_template(template, bos="<s>", eos="</s>", bos_added=False, after_tag=""):
     """A jinja chat template that renders what data.py's template renders with these BOS and EOS strings (the
-    published ones by default). Built by rendering a two-round conversation with marker texts and cutting the
-    string at them, so it follows data.py's templates exactly. Text goes in as string expressions: HF renders with
-    trim_blocks, which would eat a newline after a tag. after_tag follows each <image>, <video> and written BOS
-    (see template_strings)."""
+    published ones by default), less the leading BOS where the tokenizer adds it (bos_added). Built by rendering a
+    two-round conversation with marker texts and cutting the string at them, so it follows data.py's templates
+    exactly. Text goes in as string expressions: HF renders with trim_blocks, which would eat a newline after a
+    tag. after_tag follows each <image>, <video> and a leading BOS that text follows (see template_strings)."""
     lit = lambda text: "{{ " + json.dumps(text) + " }}"  # noqa: E731
     tags = "" if not after_tag else "".join(f" | replace({json.dumps(t)}, {json.dumps(t + after_tag)})"
                                             for t in (data.IMAGE_TAG, VIDEO_TAG))
-    bos = bos + after_tag if bos else bos
-    content = ("{% if m.content is string %}{{ m.content" + tags + " }}{% else %}{% for c in m.content %}"
+    lead = lambda rest: "" if bos_added or not bos else bos + (after_tag if rest else "")  # noqa: E731
+    # llama_2 and llama_3 trim every message; LLaVA's preprocessing trims a message around its one image
+    probe = "".join(t for t, _ in data.TEMPLATES[template]([{"from": "human", "value": "\n\x02\n"},
+                                                             {"from": "gpt", "value": "\n\x03\n"}]))
+    trim = " | trim" if "\n\x03\n" not in probe else ""
+    one_tag = "(m.content | selectattr('type', 'in', ['image', 'video']) | list | length) == 1"
+    content = ("{% if m.content is string %}{{ m.content" + trim + tags + " }}{% else %}{% for c in m.content %}"
                "{% if c.type == 'image' %}" + lit(data.IMAGE_TAG + after_tag + "\n") + "{% elif c.type == 'video' %}"
-               + lit(VIDEO_TAG + after_tag + "\n")
-               + "{% endif %}{% endfor %}{% for c in m.content %}{% if c.type == 'text' %}"
-               "{{ c.text }}{% endif %}{% endfor %}{% endif %}")
+               + lit(VIDEO_TAG + after_tag + "\n") + "{% endif %}{% endfor %}{% for c in m.content %}"
+               "{% if c.type == 'text' %}{% if " + one_tag + " %}{{ c.text | trim }}{% else %}{{ c.text" + trim
+               + " }}{% endif %}{% endif %}{% endfor %}{% endif %}")
     if template == "plain":  # stage 1: the image, then the caption; questions are not shown
         first_answer = "(messages | selectattr('role', 'equalto', 'assistant') | list)[:1]"
-        return (lit(bos + data.IMAGE_TAG + after_tag) + "{% for m in " + first_answer + " %}" + content + lit("\n")
-                + "{% endfor %}")
+        return (lit(lead("") + data.IMAGE_TAG) + "{% for m in " + first_answer + " %}" + lit(after_tag) + content
+                + lit("\n") + "{% endfor %}")
     marks = ["\x01Q1\x01", "\x01A1\x01", "\x01Q2\x01", "\x01A2\x01"]
     conv = [{"from": r, "value": m} for r, m in zip(["human", "gpt"] * 2, marks)]
     text = "".join(t for t, _ in data.TEMPLATES[template](conv, bos=bos, eos=eos))
@@ -60,6 +65,8 @@ def chat_template(template, bos="<s>", eos="</s>", after_tag=""):
     first, user_end, turn_sep, _, last = [text[a:b] for a, b in zip([0] + [c + len(m) for c, m in zip(cuts, marks)],
                                                                       cuts + [len(text)])]
     generation = text[: text.index(marks[1])].rstrip(" ")  # data.generation_prompt's cut
+    if bos and first.startswith(bos):
+        first = lead(first[len(bos):]) + first[len(bos):]
     return ("{% for m in messages %}{% if m.role == 'user' %}{% if loop.first %}" + lit(first) + "{% else %}"
             + lit(turn_sep) + "{% endif %}" + content + "{% elif m.role == 'assistant' %}" + lit(user_end) + content
             + "{% endif %}{% endfor %}{% if add_generation_prompt %}" + lit(generation.split(marks[0])[1])
@@ -96,7 +103,7 @@ def template_strings(tokenizer):
     if tokenizer is None:
         return {}
     tok, adds_bos = tokenizer
-    return {"bos": "" if adds_bos else tok.bos or "", "eos": tok.eos or "",
+    return {"bos": tok.bos or "", "eos": tok.eos or "", "bos_added": adds_bos,
             "after_tag": "\u2581" if tok.sp is not None and not tok.legacy else ""}
 
 
@@ -142,7 +149,7 @@ def tokenizer_adds_bos(tok, config):
         return False
     if tok.sp is not None:
         return bool(config.get("add_bos_token", True))
-    return tok.hf.encode("a", add_special_tokens=True).ids[:1] == [tok.bos_id] != tok.hf.encode("a").ids[:1]
+    return tok.hf.encode("a").ids[:1] == [tok.bos_id] != tok.hf.encode("a", add_special_tokens=False).ids[:1]
 
 
 def added_token(content):
