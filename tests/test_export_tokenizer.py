@@ -124,10 +124,6 @@ def test_processor_on_the_chat_template_gives_the_ids_training_uses(llava_checkp
         convert.main(["to-hf", "--ckpt", str(ckpt), "--out", str(out), "--template", template, "--image-mode", "pad"])
         processor = AutoProcessor.from_pretrained(out)
         assert processor.tokenizer.convert_tokens_to_ids(data.IMAGE_TAG) == cfg.image_token_id
-        assert (processor.tokenizer.bos_token, processor.tokenizer.eos_token) == (tok.bos, tok.eos)
-        assert processor.tokenizer.eos_token_id == tok.eos_id
-        stops = GenerationConfig.from_pretrained(out).eos_token_id
-        assert data.stop_token_id(template, tok) in (stops if isinstance(stops, list) else [stops])
         for conv in CONVERSATIONS[:1] if template == "plain" else CONVERSATIONS:
             messages = messages_of(conv)
             theirs = processor(text=processor.apply_chat_template(messages), images=image(), return_tensors="pt")
@@ -141,6 +137,10 @@ def test_processor_on_the_chat_template_gives_the_ids_training_uses(llava_checkp
             prompt = data.generation_prompt(template, conv[0]["value"], tok)  # sample.py's
             asked, _ = data.tokenize([(prompt, False)], tok, cfg.image_token_id, cfg.n_image_tokens)
             assert theirs.input_ids[0].tolist() == asked == trained[:len(asked)], (template, "generation prompt")
+        assert (processor.tokenizer.bos_token, processor.tokenizer.eos_token) == (tok.bos, tok.eos)
+        assert processor.tokenizer.eos_token_id == tok.eos_id
+        stops = GenerationConfig.from_pretrained(out).eos_token_id
+        assert data.stop_token_id(template, tok) in (stops if isinstance(stops, list) else [stops])
 
 
 class StopAt:
