@@ -220,3 +220,21 @@ def test_from_hf_carries_a_transformers5_save_pretrained_processor(llava_checkpo
                                          cfg.n_image_tokens)
     assert theirs.input_ids[0].tolist() == ids
     shutil.rmtree(saved)
+
+
+@pytest.mark.parametrize("name", ["sp", "qwen2"])
+def test_tags_past_a_gap_in_the_ids_land_at_the_models_ids(llava_checkpoints, tmp_path, name):
+    """An <image> (and <video>) id a few past the tokenizer's vocabulary: the tokenizers library numbers added
+    tokens from the end of the vocabulary up, whatever ids the files write, so transformers had them at the wrong
+    ids unless the ids in between are taken."""
+    from transformers import AutoTokenizer
+
+    import processor
+
+    root, _ = llava_checkpoints
+    shutil.copytree(root / name, tmp_path / "tok")
+    tok = data.Tokenizer(tmp_path / "tok")
+    processor.export_tokenizer(tmp_path / "tok", tok.vocab_size + 5, tok.vocab_size + 7, "vicuna_v1")
+    theirs = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    assert theirs.convert_tokens_to_ids([data.IMAGE_TAG, processor.VIDEO_TAG]) == [tok.vocab_size + 5, tok.vocab_size + 7]
+    assert theirs("a <image> b<video>").input_ids.count(tok.vocab_size + 5) == 1
