@@ -207,20 +207,55 @@ def export_tokenizer(directory, image_id, video_id=None, template=None):
         known = {tok.sp.id_to_piece(i): i for i in range(tok.vocab_size)}
         new = register_tags(directory / "tokenizer.model", known | {t["content"]: int(i) for i, t in decoder.items()},
                             tags, tok.vocab_size)
+        # the template markers a sentencepiece model holds as user-defined pieces (shapes.py's <|eot_id|>...) are
+        # special tokens to data.Tokenizer; transformers splits the text at them only if they are added tokens
+        decoder = {str(i): added_token(piece) for piece, i in tok.specials.items()} | decoder
         config.setdefault("tokenizer_class", "LlamaTokenizer")
         config |= {"legacy": tok.legacy, "unk_token": token_text(tok, tok.sp.unk_id()),
                    "add_bos_token": config.get("add_bos_token", True), "add_eos_token": False}
-    if new and (tok.sp is not None or decoder):  # a tokenizer.json's own list is enough where the config has none
+    if decoder or new:  # (a tokenizer.json's own list is enough where the config has none)
         config["added_tokens_decoder"] = decoder | {str(i): added_token(t) for i, t in new.items()}
     config |= {"bos_token": tok.bos, "eos_token": tok.eos, "pad_token": token_text(tok, tok.pad_id)}
+    adds_bos = tokenizer_adds_bos(tok, config)
+    if adds_bos and template and not writes_bos(template):  # chatml trains with no BOS: the tokenizer adds none
+        if tok.sp is not None:
+            config["add_bos_token"] = False
+        else:
+            path = directory / "tokenizer.json"
+            file = json.loads(path.read_text())
+            path.write_text(json.dumps(file | {"post_processor": without_bos(file["post_processor"], tok.bos)},
+                                       ensure_ascii=False))
+        adds_bos = False
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False))
-    stops = [data.stop_token_id(template, tok)] if template else []
-    generation_path = directory / "generation_config.json"
-    generation = json.loads(generation_path.read_text()) if generation_path.exists() else {}
+    write_generation_config(directory, tok, template)
+    return tok, adds_bos
+
+
+def writes_bos(template):
+    conv = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]
+    return "\x04" in "".join(t for t, _ in data.TEMPLATES[template](conv, bos="\x04"))
+
+
+def without_bos(post, bos):
+    """A tokenizer.json post-processor less the BOS its TemplateProcessing prepends."""
+    if post.get("type") == "Sequence":
+        return post | {"processors": [without_bos(p, bos) for p in post["processors"]]}
+    if post.get("type") != "TemplateProcessing":
+        return post
+    keep = lambda items: [x for x in items if x.get("SpecialToken", {}).get("id") != bos]  # noqa: E731
+    return post | {"single": keep(post["single"]), "pair": keep(post["pair"]),
+                   "special_tokens": {k: v for k, v in post["special_tokens"].items() if k != bos}}
+
+
+def write_generation_config(directory, tok, template):
+    """generation_config.json (merged into one carried along) that stops where our sampler stops: the template's
+    end of turn, and the EOS."""
+    path = Path(directory, "generation_config.json")
+    generation = json.loads(path.read_text()) if path.exists() else {}
     before = generation.get("eos_token_id")
-    stops += [tok.eos_id] + (before if isinstance(before, list) else [before] if before is not None else [])
+    stops = ([data.stop_token_id(template, tok)] if template else []) + [tok.eos_id]
+    stops += before if isinstance(before, list) else [before]
     stops = list(dict.fromkeys(i for i in stops if i is not None and i >= 0))
     generation |= {"bos_token_id": tok.bos_id if tok.bos_id >= 0 else None, "pad_token_id": tok.pad_id,
                    "eos_token_id": stops[0] if len(stops) == 1 else stops}
-    generation_path.write_text(json.dumps(generation, indent=2))
-    return tok, tokenizer_adds_bos(tok, config)
+    path.write_text(json.dumps(generation, indent=2))

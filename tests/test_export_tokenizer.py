@@ -15,6 +15,7 @@ from test_templates import CORPUS, LLAMA3_SPECIALS, QWEN2_SPECIALS, bpe_dir
 import convert
 import data
 from model import build_model, vlm_preset
+from shapes import train_tokenizer
 
 SP_CONFIG = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
              "pad_token": None, "add_bos_token": True, "add_eos_token": False}
@@ -24,15 +25,19 @@ TOKENIZERS = {
     "sp-vicuna-config": ("sp", SP_CONFIG | {"legacy": False}, None),  # lmsys/vicuna-7b-v1.5's settings
     "sp-no-bos-added": ("sp", SP_CONFIG | {"legacy": False, "add_bos_token": False}, None),
     "sp-legacy-config": ("sp", SP_CONFIG | {"legacy": True, "pad_token": "<unk>"}, None),
+    "sp-shapes": ("sp-markers", None, None),  # the demo's: unigram, chat markers as user-defined pieces
     "llama3": ("llama3", None, "<|begin_of_text|>"),
     "llama3-config": ("llama3", {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
                                  "eos_token": "<|eot_id|>"}, "<|begin_of_text|>"),
     "llama3-no-bos-added": ("llama3", {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}, None),
+    # Llama-3 with ChatML's markers added (Hermes- and Dolphin-style fine-tunes): chatml writes no BOS, yet it prepends one
+    "llama3-chatml": ("llama3-chatml", None, "<|begin_of_text|>"),
     "qwen2": ("qwen2", None, None),
     "qwen2-config": ("qwen2", {"tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
                                "pad_token": "<|endoftext|>"}, None),
 }
-TEMPLATES = {"sp": ["vicuna_v1", "llama_2", "plain"], "llama3": ["llama_3", "vicuna_v1", "llama_2", "plain"],
+TEMPLATES = {"sp": ["vicuna_v1", "llama_2", "plain"], "sp-markers": ["llama_3", "vicuna_v1", "plain"],
+             "llama3": ["llama_3", "vicuna_v1", "llama_2", "plain"], "llama3-chatml": ["chatml", "llama_3"],
              "qwen2": ["chatml", "vicuna_v1", "plain"]}
 IMAGE_SIZE = (333, 500)  # (width, height) of the photo: not a multiple of anything
 
@@ -50,8 +55,12 @@ def tokenizer_dir(root, name):
                                        character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=1,
                                        minloglevel=2)
         (d / "tokenizer.vocab").unlink()
+    elif family == "sp-markers":
+        d.mkdir()
+        train_tokenizer(CORPUS, d / "tokenizer", 400)
     else:
-        bpe_dir(d, LLAMA3_SPECIALS if family == "llama3" else QWEN2_SPECIALS, bos=bos)
+        specials = {"llama3": LLAMA3_SPECIALS, "llama3-chatml": LLAMA3_SPECIALS + QWEN2_SPECIALS}
+        bpe_dir(d, specials.get(family, QWEN2_SPECIALS), bos=bos)
     if config is not None:
         (d / "tokenizer_config.json").write_text(json.dumps(config))
     return d
