@@ -191,30 +191,13 @@ def export_tokenizer(directory, image_id, video_id=None, template=None):
     config_path = directory / "tokenizer_config.json"
     config = json.loads(config_path.read_text()) if config_path.exists() else {}
     tags = {data.IMAGE_TAG: image_id} | ({VIDEO_TAG: video_id} if video_id is not None else {})
-    decoder = config.get("added_tokens_decoder", {})
     if tok.sp is None:
-        path = directory / "tokenizer.json"
-        file = json.loads(path.read_text())
-        vocab = file.get("model", {}).get("vocab") or {}
-        vocab = vocab if isinstance(vocab, dict) else {piece: i for i, (piece, _) in enumerate(vocab)}  # Unigram
-        known = vocab | {t["content"]: t["id"] for t in file.get("added_tokens", [])}
-        new = register_tags(path, known, tags, len(vocab))
-        if new:
-            file.setdefault("added_tokens", []).extend({"id": i} | added_token(t) for i, t in new.items())
-            path.write_text(json.dumps(file, ensure_ascii=False))
+        new = add_to_tokenizer_json(directory / "tokenizer.json", tags)
+        if "added_tokens_decoder" in config:  # transformers reads this list too: keep the two alike
+            config["added_tokens_decoder"] |= {str(i): added_token(t) for i, t in new.items()}
         config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")  # not the model's class: it rewrites BOS rules
     else:
-        known = {tok.sp.id_to_piece(i): i for i in range(tok.vocab_size)}
-        new = register_tags(directory / "tokenizer.model", known | {t["content"]: int(i) for i, t in decoder.items()},
-                            tags, tok.vocab_size)
-        # the template markers a sentencepiece model holds as user-defined pieces (shapes.py's <|eot_id|>...) are
-        # special tokens to data.Tokenizer; transformers splits the text at them only if they are added tokens
-        decoder = {str(i): added_token(piece) for piece, i in tok.specials.items()} | decoder
-        config.setdefault("tokenizer_class", "LlamaTokenizer")
-        config |= {"legacy": tok.legacy, "unk_token": token_text(tok, tok.sp.unk_id()),
-                   "add_bos_token": config.get("add_bos_token", True), "add_eos_token": False}
-    if decoder or new:  # (a tokenizer.json's own list is enough where the config has none)
-        config["added_tokens_decoder"] = decoder | {str(i): added_token(t) for i, t in new.items()}
+        config = sentencepiece_config(tok, config, tags, directory / "tokenizer.model")
     config |= {"bos_token": tok.bos, "eos_token": tok.eos, "pad_token": token_text(tok, tok.pad_id)}
     adds_bos = tokenizer_adds_bos(tok, config)
     if adds_bos and template and not writes_bos(template):  # chatml trains with no BOS: the tokenizer adds none
@@ -231,6 +214,31 @@ def export_tokenizer(directory, image_id, video_id=None, template=None):
     return tok, adds_bos
 
 
+def add_to_tokenizer_json(path, tags):
+    file = json.loads(path.read_text())
+    vocab = file.get("model", {}).get("vocab") or {}
+    vocab = vocab if isinstance(vocab, dict) else {piece: i for i, (piece, _) in enumerate(vocab)}  # Unigram: a list
+    new = register_tags(path, vocab | {t["content"]: t["id"] for t in file.get("added_tokens", [])}, tags, len(vocab))
+    if new:
+        file.setdefault("added_tokens", []).extend({"id": i} | added_token(t) for i, t in new.items())
+        path.write_text(json.dumps(file, ensure_ascii=False))
+    return new
+
+
+def sentencepiece_config(tok, config, tags, where):
+    """tokenizer_config.json for transformers' LlamaTokenizer over a sentencepiece model: the tags, and the template
+    markers the model holds as user-defined pieces (shapes.py's <|eot_id|>...), which are special tokens to
+    data.Tokenizer and which transformers splits the text at only as added tokens; data.Tokenizer's legacy flag."""
+    decoder = config.get("added_tokens_decoder", {})
+    known = {tok.sp.id_to_piece(i): i for i in range(tok.vocab_size)} | {t["content"]: int(i) for i, t in decoder.items()}
+    new = register_tags(where, known, tags, tok.vocab_size)
+    decoder = {str(i): added_token(piece) for piece, i in tok.specials.items()} | decoder
+    decoder |= {str(i): added_token(t) for i, t in new.items()}
+    return {"tokenizer_class": "LlamaTokenizer"} | config | {
+        "legacy": tok.legacy, "unk_token": token_text(tok, tok.sp.unk_id()), "added_tokens_decoder": decoder,
+        "add_bos_token": config.get("add_bos_token", True) and tok.bos is not None, "add_eos_token": False}
+
+
 def writes_bos(template):
     conv = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]
     return "\x04" in "".join(t for t, _ in data.TEMPLATES[template](conv, bos="\x04"))
@@ -243,8 +251,8 @@ def without_bos(post, bos):
     if post.get("type") != "TemplateProcessing":
         return post
     keep = lambda items: [x for x in items if x.get("SpecialToken", {}).get("id") != bos]  # noqa: E731
-    return post | {"single": keep(post["single"]), "pair": keep(post["pair"]),
-                   "special_tokens": {k: v for k, v in post["special_tokens"].items() if k != bos}}
+    return post | {"single": keep(post.get("single", [])), "pair": keep(post.get("pair", [])),
+                   "special_tokens": {k: v for k, v in post.get("special_tokens", {}).items() if k != bos}}
 
 
 def write_generation_config(directory, tok, template):

@@ -34,7 +34,8 @@ TOKENIZERS = {
     "llama3-chatml": ("llama3-chatml", None, "<|begin_of_text|>"),
     "qwen2": ("qwen2", None, None),
     "qwen2-config": ("qwen2", {"tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
-                               "pad_token": "<|endoftext|>"}, None),
+                               "pad_token": "<|endoftext|>", "added_tokens_decoder": {
+                                   str(i): {"content": t, "special": True} for i, t in enumerate(QWEN2_SPECIALS)}}, None),
 }
 TEMPLATES = {"sp": ["vicuna_v1", "llama_2", "plain"], "sp-markers": ["llama_3", "vicuna_v1", "plain"],
              "llama3": ["llama_3", "vicuna_v1", "llama_2", "plain"], "llama3-chatml": ["chatml", "llama_3"],
