@@ -25,7 +25,8 @@ import torch
 from checkpoint import is_sharded_checkpoint, saved_weights
 from hf_config import HF_ARCHITECTURES, hf_model_type, llama_config, llava_config, llava_hf_config, read_json, vit_config
 from model import VLM, LlamaConfig, Projector, ViTConfig, VLMConfig, build_model, projector_depth, vlm_preset
-from processor import PROCESSOR_FILES, TEMPLATE_NAMES, ExportError, add_image_token_to_tokenizer, write_processor
+from processor import (PROCESSOR_FILES, TEMPLATE_NAMES, ExportError, export_tokenizer, has_processor,  # noqa: F401
+                       write_processor)  # PROCESSOR_FILES: tests read it as convert.PROCESSOR_FILES
 from weight_files import (SHARD_BYTES, ConversionError, read_weights, say, write_dir, write_safetensors,  # noqa: F401
                           write_weights)  # write_safetensors: checkpoint.py and tests call it as convert.write_safetensors
 
@@ -240,7 +241,7 @@ def llava_to_hf(ckpt_dir, out, template=None, image_mode=None):
     hub = {table[k]: v for k, v in state.items()}
     trained = read_json(Path(ckpt_dir, "state.json"))["config"] if Path(ckpt_dir, "state.json").exists() else {}
     template, image_mode = template or trained.get("template"), image_mode or trained.get("image_mode")
-    carried = template is None and image_mode is None and all(Path(ckpt_dir, f).exists() for f in PROCESSOR_FILES)
+    carried = template is None and image_mode is None and has_processor(ckpt_dir)
     if not carried and not (template and image_mode):
         template, image_mode = template or "vicuna_v1", image_mode or "pad"
         say(f"{ckpt_dir}: no training config; the processor assumes template {template!r} and image mode "
@@ -250,9 +251,9 @@ def llava_to_hf(ckpt_dir, out, template=None, image_mode=None):
         write_weights(hub, tmp)
         Path(tmp, "config.json").write_text(json.dumps(llava_hf_config(cfg), indent=2))
         copy_tokenizer(ckpt_dir, tmp)
+        tokenizer = export_tokenizer(tmp, cfg.image_token_id, cfg.video_token_id, template)
         if not carried:
-            write_processor(cfg, tmp, template, image_mode)
-        add_image_token_to_tokenizer(tmp, cfg.image_token_id, cfg.video_token_id)
+            write_processor(cfg, tmp, template, image_mode, tokenizer)
     return write_dir(out, fill)
 
 

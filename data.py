@@ -286,7 +286,10 @@ def tokenize(pieces, tok, image_token_id, n_image_tokens, video_token_id=None):
                 labels += [-100] * n
                 prefix = True  # LLaVA tokenizes the text after an image as a new call
             elif chunk:
-                t = tok.encode(chunk, prefix)
+                # a prompt written whole (generation_prompt) starts with the BOS the templates give their own piece:
+                # the text after it starts afresh, as after the BOS LLaVA's tokenizer adds (sentencepiece legacy=False)
+                lead = tok.bos if prefix and tok.bos and chunk.startswith(tok.bos) else ""
+                t = ([tok.specials[lead]] if lead else []) + tok.encode(chunk[len(lead):], prefix)
                 ids += t
                 labels += t if target else [-100] * len(t)
                 if t and not (prefix and chunk == tok.bos):  # a BOS the tokenizer adds leaves the text at its start

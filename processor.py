@@ -1,7 +1,8 @@
 """
 The Hugging Face processor files convert.py's to-hf writes beside the weights, so that AutoProcessor
 preprocesses exactly as llavax trained: the image processor for data.py's image mode, LlavaProcessor's
-settings, a chat template rendering data.py's template, and <image> in tokenizer.json.
+settings, a chat template rendering data.py's template, and tokenizer files holding <image> and the special
+tokens data.Tokenizer reads.
 
 Split from convert.py (weights and formats) because it is a separate concern: it reads data.py, not model
 weights, and follows transformers' processor formats rather than checkpoint layouts.
@@ -33,28 +34,45 @@ def image_processor_config(size, mode, mean=data.CLIP_MEAN, std=data.CLIP_STD):
             "image_std": list(std), "do_convert_rgb": True, "processor_class": "LlavaProcessor"}
 
 
-def chat_template(template):
-    """A jinja chat template that renders what data.py's template renders. Built by rendering a two-round
-    conversation with marker texts and cutting the string at them, so it follows data.py's templates exactly.
-    Text goes in as string expressions: HF renders with trim_blocks, which would eat a newline after a tag."""
+def chat_template(template, bos="<s>", eos="</s>", bos_added=False, after_tag=""):
+    """A jinja chat template that renders what data.py's template renders with these BOS and EOS strings (the
+    published ones by default), less the leading BOS where the tokenizer adds it (bos_added). Built by rendering a
+    two-round conversation with marker texts and cutting the string at them, so it follows data.py's templates
+    exactly. Text goes in as string expressions: HF renders with trim_blocks, which would eat a newline after a
+    tag. after_tag follows each <image>, <video> and a leading BOS that text follows (see template_strings)."""
     lit = lambda text: "{{ " + json.dumps(text) + " }}"  # noqa: E731
-    content = ("{% if m.content is string %}{{ m.content }}{% else %}{% for c in m.content %}{% if c.type == 'image' %}"
-               + lit(data.IMAGE_TAG + "\n") + "{% elif c.type == 'video' %}" + lit(VIDEO_TAG + "\n")
-               + "{% endif %}{% endfor %}{% for c in m.content %}{% if c.type == 'text' %}"
-               "{{ c.text }}{% endif %}{% endfor %}{% endif %}")
+    tags = "" if not after_tag else "".join(f" | replace({json.dumps(t)}, {json.dumps(t + after_tag)})"
+                                            for t in (data.IMAGE_TAG, VIDEO_TAG))
+    lead = lambda rest: "" if bos_added or not bos else bos + (after_tag if rest else "")  # noqa: E731
+    # llama_2 and llama_3 trim every message; LLaVA's preprocessing trims a message around its one image
+    probe = "".join(t for t, _ in data.TEMPLATES[template]([{"from": "human", "value": "\n\x02\n"},
+                                                             {"from": "gpt", "value": "\n\x03\n"}]))
+    trim = " | trim" if "\n\x03\n" not in probe else ""
+    one_tag = "(m.content | selectattr('type', 'in', ['image', 'video']) | list | length) == 1"
+    content = ("{% if m.content is string %}{{ m.content" + trim + tags + " }}{% else %}{% for c in m.content %}"
+               "{% if c.type == 'image' %}" + lit(data.IMAGE_TAG + after_tag + "\n") + "{% elif c.type == 'video' %}"
+               + lit(VIDEO_TAG + after_tag + "\n") + "{% endif %}{% endfor %}{% for c in m.content %}"
+               "{% if c.type == 'text' %}{% if " + one_tag + " %}{{ c.text | trim }}{% else %}{{ c.text" + trim
+               + " }}{% endif %}{% endif %}{% endfor %}{% endif %}")
     if template == "plain":  # stage 1: the image, then the caption; questions are not shown
         first_answer = "(messages | selectattr('role', 'equalto', 'assistant') | list)[:1]"
-        return lit("<s>" + data.IMAGE_TAG) + "{% for m in " + first_answer + " %}" + content + lit("\n") + "{% endfor %}"
+        return (lit(lead("") + data.IMAGE_TAG) + "{% for m in " + first_answer + " %}" + lit(after_tag) + content
+                + lit("\n") + "{% endfor %}")
     marks = ["\x01Q1\x01", "\x01A1\x01", "\x01Q2\x01", "\x01A2\x01"]
     conv = [{"from": r, "value": m} for r, m in zip(["human", "gpt"] * 2, marks)]
-    text = "".join(t for t, _ in data.TEMPLATES[template](conv))
+    text = "".join(t for t, _ in data.TEMPLATES[template](conv, bos=bos, eos=eos))
     cuts = [text.index(m) for m in marks]
     first, user_end, turn_sep, _, last = [text[a:b] for a, b in zip([0] + [c + len(m) for c, m in zip(cuts, marks)],
                                                                       cuts + [len(text)])]
-    generation = data.generation_prompt(template, marks[0])
+    generation = text[: text.index(marks[1])].rstrip(" ")  # data.generation_prompt's cut
     # a system message: its text in place of the template's default (cut from a rendering with a system marker)
-    with_system = "".join(t for t, _ in data.TEMPLATES[template]([{"from": "system", "value": "\x01S\x01"}] + conv))
+    with_system = "".join(t for t, _ in data.TEMPLATES[template]([{"from": "system", "value": "\x01S\x01"}] + conv,
+                                                                 bos=bos, eos=eos))
     before_system, after_system = with_system[: with_system.index(marks[0])].split("\x01S\x01")
+    if bos and first.startswith(bos):
+        first = lead(first[len(bos):]) + first[len(bos):]
+    if bos and before_system.startswith(bos):
+        before_system = lead(before_system[len(bos):]) + before_system[len(bos):]
     system_text = ("{% for m in messages | selectattr('role', 'equalto', 'system') %}{% if loop.first %}"
                    "{% if m.content is string %}{{ m.content }}{% else %}{% for c in m.content %}{% if c.type == 'text' %}"
                    "{{ c.text }}{% endif %}{% endfor %}{% endif %}{% endif %}{% endfor %}")
@@ -87,7 +105,31 @@ def anyres_processor_configs(cfg, image, settings):
                               "vision_aspect_ratio": cfg.anyres}
 
 
-def write_processor(cfg, directory, template, image_mode):
+def template_strings(tokenizer):
+    """chat_template's keywords for an exported tokenizer (data.Tokenizer, whether HF's prepends the BOS): its own
+    BOS and EOS, no BOS where the tokenizer adds one (llava-hf's convention: the processor tokenizes the rendered
+    prompt with special tokens on, and a written BOS would be a second one). A sentencepiece model with legacy=False
+    puts no dummy-prefix space after a special token, where training starts a new chunk after <image> (and after
+    the BOS) as LLaVA does: the template writes that space, U+2581, so the ids stay training's."""
+    if tokenizer is None:
+        return {}
+    tok, adds_bos = tokenizer
+    return {"bos": tok.bos or "", "eos": tok.eos or "", "bos_added": adds_bos,
+            "after_tag": "\u2581" if tok.sp is not None and not tok.legacy else ""}
+
+
+def has_processor(directory):
+    """Whether `directory` holds a whole HF processor (from-hf carries one through): processor_config.json, a chat
+    template, and the image processor in preprocessor_config.json or, as transformers 5's save_pretrained writes
+    it, nested in processor_config.json."""
+    directory = Path(directory)
+    settings = directory / "processor_config.json"
+    if not settings.exists() or not any((directory / n).exists() for n in ("chat_template.jinja", "chat_template.json")):
+        return False
+    return (directory / "preprocessor_config.json").exists() or "image_processor" in json.loads(settings.read_text())
+
+
+def write_processor(cfg, directory, template, image_mode, tokenizer=None):
     if template not in data.TEMPLATES or image_mode not in ("pad", "crop", "resize"):
         raise ExportError(f"cannot write a processor for template {template!r} and image mode {image_mode!r}")
     extra = 1 if cfg.vision.kind == "clip" else 0  # LlavaProcessor: patches + this, - 1 for "default"
@@ -99,35 +141,140 @@ def write_processor(cfg, directory, template, image_mode):
         image, settings = anyres_processor_configs(cfg, image, settings)
     Path(directory, "preprocessor_config.json").write_text(json.dumps(image, indent=2))
     Path(directory, "processor_config.json").write_text(json.dumps(settings, indent=2))
-    Path(directory, "chat_template.jinja").write_text(chat_template(template))
+    Path(directory, "chat_template.jinja").write_text(chat_template(template, **template_strings(tokenizer)))
     Path(directory, "chat_template.json").unlink(missing_ok=True)  # one template only: the .jinja wins
 
 
-def add_image_token_to_tokenizer(directory, image_id, video_id=None):
-    """Register <image> (and OneVision's <video>) at the model's ids in tokenizer.json (the added-token list HF
-    loads), if not there yet."""
-    tags = {data.IMAGE_TAG: image_id} | ({VIDEO_TAG: video_id} if video_id is not None else {})
-    path = Path(directory, "tokenizer.json")
-    if not path.exists():
-        if Path(directory, "tokenizer.model").exists():
-            print(f"convert: {directory}: only a sentencepiece tokenizer.model; AutoProcessor needs "
-                  + ", ".join(f"{t} (id {i})" for t, i in tags.items()) + " added to it by hand", file=sys.stderr)
-        return
-    tok = json.loads(path.read_text())
-    vocab = tok.get("model", {}).get("vocab") or {}
-    vocab = vocab if isinstance(vocab, dict) else {piece: i for i, (piece, _) in enumerate(vocab)}  # Unigram: a list
-    known = vocab | {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
-    missing = [tag for tag in tags if tag not in known]
+def token_text(tok, token_id):
+    """The string of a token id, or None (no such token)."""
+    if token_id is None or token_id < 0:
+        return None
+    return tok.sp.id_to_piece(token_id) if tok.sp is not None else tok.hf.id_to_token(token_id)
+
+
+def tokenizer_adds_bos(tok, config):
+    """Whether transformers' tokenizer from these files prepends the BOS itself: a sentencepiece model as
+    LlamaTokenizer does unless add_bos_token is false; a tokenizer.json as its post-processor says (transformers 5
+    follows the post-processor, whatever add_bos_token says)."""
+    if tok.bos_id < 0:
+        return False
+    if tok.sp is not None:
+        return bool(config.get("add_bos_token", True))
+    return tok.hf.encode("a").ids[:1] == [tok.bos_id] != tok.hf.encode("a", add_special_tokens=False).ids[:1]
+
+
+def added_token(content):
+    return {"content": content, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+            "special": True}
+
+
+def register_tags(where, known, tags, vocab_size):
+    """{id: token} to add so that each tag sits at the model's id. tokenizers numbers added tokens from the end of
+    the vocabulary up, ignoring the ids written, so ids between the end and a tag are filled with placeholders."""
+    new = {}
     for tag, tag_id in tags.items():
         if known.get(tag, tag_id) != tag_id:
-            raise ExportError(f"{path}: {tag} has id {known[tag]} but the model uses {tag_id}")
+            raise ExportError(f"{where}: {tag} has id {known[tag]} but the model uses {tag_id}")
         holder = next((t for t, i in known.items() if i == tag_id and t != tag), None)
         if holder is not None:
-            raise ExportError(f"{path}: the model's {tag} id {tag_id} is the tokenizer's {holder!r}; cannot add {tag}")
+            raise ExportError(f"{where}: the model's {tag} id {tag_id} is the tokenizer's {holder!r}; cannot add {tag}")
         if tag not in known:
-            tok.setdefault("added_tokens", []).append({"id": tag_id, "content": tag, "single_word": False,
-                                                       "lstrip": False, "rstrip": False, "normalized": False,
-                                                       "special": True})
-            known[tag] = tag_id
-    if missing:
-        path.write_text(json.dumps(tok, ensure_ascii=False))
+            new[tag_id] = tag
+    if new:
+        taken = set(known.values())
+        new |= {i: f"<llavax_unused_{i}>" for i in range(vocab_size, max(new)) if i not in taken and i not in new}
+    return dict(sorted(new.items()))
+
+
+def export_tokenizer(directory, image_id, video_id=None, template=None):
+    """Make the tokenizer files in `directory` what transformers loads as the tokenizer llavax trained with:
+    <image> (and <video>) at the model's ids, in tokenizer.json or, for a sentencepiece-only tokenizer.model, in
+    tokenizer_config.json's added_tokens_decoder (transformers converts the model to a fast tokenizer on load);
+    bos/eos/pad and sentencepiece's legacy flag as data.Tokenizer reads them, written out even where the source had
+    no tokenizer_config.json; generation_config.json stopping on the template's end of turn and the EOS.
+    Returns (data.Tokenizer, whether the HF tokenizer prepends the BOS itself), or None without a tokenizer."""
+    directory = Path(directory)
+    if not any((directory / n).exists() for n in ("tokenizer.json", "tokenizer.model")):
+        print(f"convert: {directory}: no tokenizer.json or tokenizer.model beside the weights; the export has no "
+              "tokenizer", file=sys.stderr)
+        return None
+    tok = data.Tokenizer(directory)
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    tags = {data.IMAGE_TAG: image_id} | ({VIDEO_TAG: video_id} if video_id is not None else {})
+    if tok.sp is None:
+        new = add_to_tokenizer_json(directory / "tokenizer.json", tags)
+        if "added_tokens_decoder" in config:  # transformers reads this list too: keep the two alike
+            config["added_tokens_decoder"] |= {str(i): added_token(t) for i, t in new.items()}
+        config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")  # not the model's class: it rewrites BOS rules
+    else:
+        config = sentencepiece_config(tok, config, tags, directory / "tokenizer.model")
+    config |= {"bos_token": tok.bos, "eos_token": tok.eos, "pad_token": token_text(tok, tok.pad_id)}
+    adds_bos = tokenizer_adds_bos(tok, config)
+    if adds_bos and template and not writes_bos(template):  # chatml trains with no BOS: the tokenizer adds none
+        if tok.sp is not None:
+            config["add_bos_token"] = False
+        else:
+            path = directory / "tokenizer.json"
+            file = json.loads(path.read_text())
+            path.write_text(json.dumps(file | {"post_processor": without_bos(file["post_processor"], tok.bos)},
+                                       ensure_ascii=False))
+        adds_bos = False
+    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    write_generation_config(directory, tok, template)
+    return tok, adds_bos
+
+
+def add_to_tokenizer_json(path, tags):
+    file = json.loads(path.read_text())
+    vocab = file.get("model", {}).get("vocab") or {}
+    vocab = vocab if isinstance(vocab, dict) else {piece: i for i, (piece, _) in enumerate(vocab)}  # Unigram: a list
+    new = register_tags(path, vocab | {t["content"]: t["id"] for t in file.get("added_tokens", [])}, tags, len(vocab))
+    if new:
+        file.setdefault("added_tokens", []).extend({"id": i} | added_token(t) for i, t in new.items())
+        path.write_text(json.dumps(file, ensure_ascii=False))
+    return new
+
+
+def sentencepiece_config(tok, config, tags, where):
+    """tokenizer_config.json for transformers' LlamaTokenizer over a sentencepiece model: the tags, and the template
+    markers the model holds as user-defined pieces (shapes.py's <|eot_id|>...), which are special tokens to
+    data.Tokenizer and which transformers splits the text at only as added tokens; data.Tokenizer's legacy flag."""
+    decoder = config.get("added_tokens_decoder", {})
+    known = {tok.sp.id_to_piece(i): i for i in range(tok.vocab_size)} | {t["content"]: int(i) for i, t in decoder.items()}
+    new = register_tags(where, known, tags, tok.vocab_size)
+    decoder = {str(i): added_token(piece) for piece, i in tok.specials.items()} | decoder
+    decoder |= {str(i): added_token(t) for i, t in new.items()}
+    return {"tokenizer_class": "LlamaTokenizer"} | config | {
+        "legacy": tok.legacy, "unk_token": token_text(tok, tok.sp.unk_id()), "added_tokens_decoder": decoder,
+        "add_bos_token": config.get("add_bos_token", True) and tok.bos is not None, "add_eos_token": False}
+
+
+def writes_bos(template):
+    conv = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]
+    return "\x04" in "".join(t for t, _ in data.TEMPLATES[template](conv, bos="\x04"))
+
+
+def without_bos(post, bos):
+    """A tokenizer.json post-processor less the BOS its TemplateProcessing prepends."""
+    if post.get("type") == "Sequence":
+        return post | {"processors": [without_bos(p, bos) for p in post["processors"]]}
+    if post.get("type") != "TemplateProcessing":
+        return post
+    keep = lambda items: [x for x in items if x.get("SpecialToken", {}).get("id") != bos]  # noqa: E731
+    return post | {"single": keep(post.get("single", [])), "pair": keep(post.get("pair", [])),
+                   "special_tokens": {k: v for k, v in post.get("special_tokens", {}).items() if k != bos}}
+
+
+def write_generation_config(directory, tok, template):
+    """generation_config.json (merged into one carried along) that stops where our sampler stops: the template's
+    end of turn, and the EOS."""
+    path = Path(directory, "generation_config.json")
+    generation = json.loads(path.read_text()) if path.exists() else {}
+    before = generation.get("eos_token_id")
+    stops = ([data.stop_token_id(template, tok)] if template else []) + [tok.eos_id]
+    stops += before if isinstance(before, list) else [before]
+    stops = list(dict.fromkeys(i for i in stops if i is not None and i >= 0))
+    generation |= {"bos_token_id": tok.bos_id if tok.bos_id >= 0 else None, "pad_token_id": tok.pad_id,
+                   "eos_token_id": stops[0] if len(stops) == 1 else stops}
+    path.write_text(json.dumps(generation, indent=2))

@@ -445,17 +445,17 @@ def exported(tmp_path_factory):
 def test_exported_chat_template_renders_llavax_prompts(exported, tmp_path, template):
     from transformers import AutoProcessor
 
-    root, _, _ = exported
+    root, tok, _ = exported  # a tokenizer with no BOS (none prepended): the template is data.py's with its strings
     convert.llava_to_hf(root / "ckpt", tmp_path / "hf", template=template, image_mode="crop")
     processor = AutoProcessor.from_pretrained(tmp_path / "hf")
     question = [{"type": "image"}, {"type": "text", "text": "What is it?"}]
     messages = [{"role": "user", "content": question}, {"role": "assistant", "content": "A cat."},
                 {"role": "user", "content": "Color?"}, {"role": "assistant", "content": "Black."}]
     asked = processor.apply_chat_template(messages[:1], add_generation_prompt=True)
-    assert asked == data.generation_prompt(template, f"{data.IMAGE_TAG}\nWhat is it?")
+    assert asked == data.generation_prompt(template, f"{data.IMAGE_TAG}\nWhat is it?", tok)
     conv = [{"from": m["role"], "value": data.IMAGE_TAG + "\nWhat is it?" if i == 0 else m["content"]}
             for i, m in enumerate(messages)]
-    assert processor.apply_chat_template(messages) == "".join(t for t, _ in data.TEMPLATES[template](conv))
+    assert processor.apply_chat_template(messages) == "".join(t for t, _ in data.render(template, conv, tok))
 
 
 @pytest.mark.parametrize("mode,size", [("crop", (640, 480)), ("crop", (500, 375)), ("resize", (640, 480)),
@@ -498,7 +498,7 @@ def test_exported_processor_matches_llavax_preprocessing(exported, tmp_path, cap
 def test_from_hf_carries_processor_files_through(exported, tmp_path):
     from transformers import AutoProcessor
 
-    root, _, _ = exported
+    root, tok, _ = exported
     convert.llava_to_hf(root / "ckpt", tmp_path / "hf", template="llama_3", image_mode="pad")
     convert.main(["from-hf", "--llava", str(tmp_path / "hf"), "--out", str(tmp_path / "ours")])
     convert.main(["to-hf", "--ckpt", str(tmp_path / "ours"), "--out", str(tmp_path / "back")])
@@ -508,7 +508,7 @@ def test_from_hf_carries_processor_files_through(exported, tmp_path):
     processor = AutoProcessor.from_pretrained(tmp_path / "back")
     assert processor.image_processor.do_pad
     assert processor.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True) == \
-        data.generation_prompt("llama_3", "Hi")
+        data.generation_prompt("llama_3", "Hi", tok)
 
 
 def test_sample_answers_several_images_in_one_batch(exported, tmp_path, capsys):

@@ -286,6 +286,18 @@ def test_trained_checkpoint_converts_to_hf_and_transformers_agrees(shapes, singl
         mine, _ = ours(b["input_ids"], pixels)
     assert (theirs - mine).abs().max() < 1e-4
     assert (tmp_path / "hf/tokenizer.model").exists()
+    # issue 21: the demo's sentencepiece-only tokenizer through AutoProcessor gave no image tokens ("tokens: 0")
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tmp_path / "hf")
+    image = Image.new("RGB", (333, 500), (200, 40, 40))
+    assert hf(**processor(images=image, text="<image>\nWhat is at the top?", return_tensors="pt")).logits.shape[1] > 4
+    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is at the top?"}]}]
+    inputs = processor(text=processor.apply_chat_template(chat, add_generation_prompt=True), images=image)
+    tok = data.Tokenizer(shapes / "tokenizer.model")
+    assert inputs.input_ids[0] == data.tokenize([(data.generation_prompt("llama_3", "<image>\nWhat is at the top?", tok),
+                                                  False)], tok, 512, 4)[0]
 
 
 @pytest.mark.parametrize("name", ["debug", "shapes", "pretrain", "finetune", "tpu_pretrain", "bench"])
