@@ -8,6 +8,7 @@ Split from convert.py (weights and formats) because it is a separate concern: it
 weights, and follows transformers' processor formats rather than checkpoint layouts.
 """
 
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -34,13 +35,16 @@ def image_processor_config(size, mode, mean=data.CLIP_MEAN, std=data.CLIP_STD):
             "image_std": list(std), "do_convert_rgb": True, "processor_class": "LlavaProcessor"}
 
 
-def chat_template(template, bos="<s>", eos="</s>", bos_added=False, after_tag=""):
-    """A jinja chat template that renders what data.py's template renders with these BOS and EOS strings (the
-    published ones by default), less the leading BOS where the tokenizer adds it (bos_added). Built by rendering a
+def chat_template(template, bos=None, eos=None, bos_added=False, after_tag=""):
+    """A jinja chat template that renders what data.py's template renders with these BOS and EOS strings (None:
+    the template's published ones), less the leading BOS where the tokenizer adds it (bos_added). Built by rendering a
     two-round conversation with marker texts and cutting the string at them, so it follows data.py's templates
     exactly. Text goes in as string expressions: HF renders with trim_blocks, which would eat a newline after a
     tag. after_tag follows each <image>, <video> and a leading BOS that text follows (see template_strings)."""
     lit = lambda text: "{{ " + json.dumps(text) + " }}"  # noqa: E731
+    published = inspect.signature(data.TEMPLATES[template]).parameters
+    bos = published["bos"].default if bos is None else bos
+    eos = published["eos"].default if eos is None else eos
     tags = "" if not after_tag else "".join(f" | replace({json.dumps(t)}, {json.dumps(t + after_tag)})"
                                             for t in (data.IMAGE_TAG, VIDEO_TAG))
     lead = lambda rest: "" if bos_added or not bos else bos + (after_tag if rest else "")  # noqa: E731
