@@ -358,6 +358,41 @@ def rss_bytes():
     return int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) * 1024
 
 
+# (recipe, preset, stage, ranks or hosts, GPU node or TPU host)
+CHECKPOINT_RECIPES = [("7B stage 1, 8 GPUs", "llava-1.5-7b", 1, 8, "gpu"),
+                      ("7B stage 2, 8 GPUs", "llava-1.5-7b", 2, 8, "gpu"),
+                      ("13B stage 2, 8 GPUs", "llava-1.5-13b", 2, 8, "gpu"),
+                      ("7B stage 1, v4-64 (8 hosts)", "llava-1.5-7b", 1, 8, "tpu"),
+                      ("7B stage 2, v4-64 (8 hosts)", "llava-1.5-7b", 2, 8, "tpu"),
+                      ("7B stage 2, v5p-128 (16 hosts)", "llava-1.5-7b", 2, 16, "tpu")]
+HOST_COPY = {"first": 1.5e9, "again": 16e9}  # B/s a GPU into fresh pageable pages / into the kept buffers (H100 host)
+WRITE = {"gpu": 2e9, "tpu": 0.15e9}  # B/s a node (local NVMe) / a TPU host (gcsfuse, one stream): assumed
+
+
+def print_checkpoint_recipes():
+    """Computed from the presets' real shapes (meta device) and the stated rates: what each rank (host) holds of a
+    stage's checkpoint, the time the loop is blocked copying it to host memory, and the background write."""
+    from model import VLM
+
+    print("| recipe | state | per rank / host | blocked: first save, later saves | background write | "
+          "stop checkpoint within 30 s? |")
+    print("|---|---|---|---|---|---|")
+    for name, preset, stage, ranks, kind in CHECKPOINT_RECIPES:
+        with torch.device("meta"):
+            model = VLM(vlm_preset(preset))
+        train.freeze(model, stage)
+        state = sum(p.numel() * (4 + 8 * p.requires_grad) for p in model.parameters())  # fp32 weights, AdamW moments
+        mine = state / ranks
+        first, again = mine / HOST_COPY["first"], mine / HOST_COPY["again"]
+        write = (state / (ranks // 8 if kind == "gpu" else ranks)) / WRITE[kind]  # a GPU node's 8 ranks share its disk
+        if kind == "gpu":  # torchrun SIGKILLs after 30 s; the detached writers then finish
+            fits = f"yes: the copy ({first:.1f} s) fits; the writers outlive the kill" if first < 30 else "no"
+        else:  # a spot TPU VM stops 30 s after the notice: copy and write must both fit
+            fits = "yes" if again + write < 30 else f"no: {again + write:.0f} s (keep ckpt_interval short)"
+        print(f"| {name} | {state / 1e9:.1f} GB | {mine / 1e9:.2f} GB | {first:.1f} s, {again:.2f} s | {write:.0f} s | "
+              f"{fits} |")
+
+
 def bench_checkpoint(args):
     """A stage-0 model of about --gib GiB of weights and AdamW moments, FSDP2-sharded over the ranks (gloo, CPU),
     saved --saves times through checkpoint.Checkpointer: the time the loop is blocked (host copy of this rank's
@@ -455,9 +490,10 @@ def main(argv=None):
     c.add_argument("--gib", type=float, default=1.2, help="weights + AdamW moments, GiB")
     c.add_argument("--saves", type=int, default=3)
     c.add_argument("--out", default="out/bench-checkpoint")
+    c.add_argument("--recipes", action="store_true", help="print the computed table for the README recipes instead")
     args = p.parse_args(argv)
     if args.cmd == "checkpoint":
-        return bench_checkpoint(args)
+        return print_checkpoint_recipes() if args.recipes else bench_checkpoint(args)
     if args.cmd == "xla":
         print_xla_memory()
     elif args.cmd == "data":

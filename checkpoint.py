@@ -297,8 +297,14 @@ class Checkpointer:
             raise SystemExit(self.error)
 
     def save(self, path, model, raw, optimizer, loader, it, stop=False):
-        env, cfg = self.env, self.cfg
-        self.wait()
+        env, cfg, buffers = self.env, self.cfg, self.buffers
+        if stop and env.kind != "xla" and self.thread is not None and self.thread.is_alive():
+            # a stop must not wait for a periodic write (it may take longer than the grace period): that write goes
+            # on in its thread, or dies with this process, while the stop's own writers, in their own sessions and
+            # group, write from fresh host copies (the kept ones are still being read)
+            buffers = {}
+        else:
+            self.wait()
         t0 = time.perf_counter()
         tensors, groups = train_state(model, raw, optimizer, env)
         rng = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state(env.device)} if env.kind == "cuda" else {})
@@ -307,7 +313,7 @@ class Checkpointer:
             dist.all_gather_object(ranks, rng)
         else:
             ranks = [rng]
-        staged = stage(tensors, env, self.buffers)
+        staged = stage(tensors, env, buffers)
         blocked = time.perf_counter() - t0
         small = {"state": {"iter": it, "loader": loader.state_dict(), "config": cfg, "world": env.world,
                            "param_groups": groups},
@@ -386,7 +392,7 @@ class Checkpointer:
                 with socket.socket() as s:
                     s.bind(("", 0))
                     port[0] = s.getsockname()[1]
-            dist.broadcast_object_list(port, src=0, group=self.group)
+            dist.broadcast_object_list(port, src=0, group=self.env.cpu_group)  # not self.group: a write may use it
         with warnings.catch_warnings():  # Python 3.12 warns on any fork of a threaded process
             warnings.simplefilter("ignore", DeprecationWarning)
             pid = os.fork()

@@ -200,12 +200,12 @@ def test_torchrun_stop_checkpoint_survives_the_sigkill_after_the_grace_period(sh
 
 def test_kill_during_checkpoint_write_keeps_the_previous_one(shapes, tmp_path):
     # fault injection: SIGKILL ourselves halfway through writing the step-10 checkpoint
-    script = (f"import sys, os, signal; sys.path.insert(0, {str(ROOT)!r}); import convert, train\n"
-              "real = convert.write_weights\n"
-              "def dying(state, d, **kw):\n"
-              "    real(state, d, **kw)\n"
+    script = (f"import sys, os, signal; sys.path.insert(0, {str(ROOT)!r}); import checkpoint, train\n"
+              "real = checkpoint.write_manifest\n"
+              "def dying(d, files):\n"  # every shard is on disk; the manifest, the commit, is next
               "    if 'step-000010' in str(d): os.kill(os.getpid(), signal.SIGKILL)\n"
-              "convert.write_weights = dying\n"
+              "    real(d, files)\n"
+              "checkpoint.write_manifest = dying\n"
               f"train.main({args(shapes, tmp_path, '--max_iters=20', '--ckpt_interval=5')!r})\n")
     r = forkserver.run([sys.executable, "-c", script], os.environ | {"OMP_NUM_THREADS": "1"})
     assert r.returncode == -signal.SIGKILL
