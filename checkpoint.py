@@ -296,6 +296,19 @@ class Checkpointer:
         if self.error:
             raise SystemExit(self.error)
 
+    def poll(self):
+        """wait() if the write in flight has ended (the loop calls this every step: a failed write stops the run
+        soon, not at the next save)."""
+        if self.thread is None or not self.thread.is_alive():
+            self.wait()
+
+    def finish(self):
+        """On the way out of a run that stops for another reason: let the write in flight commit, or name why not."""
+        try:
+            self.wait()
+        except SystemExit as e:
+            print(e, file=sys.stderr, flush=True)
+
     def save(self, path, model, raw, optimizer, loader, it, stop=False):
         env, cfg, buffers = self.env, self.cfg, self.buffers
         if stop and env.kind != "xla" and self.thread is not None and self.thread.is_alive():

@@ -640,46 +640,51 @@ def main(argv=None):
     trainable = [p for p in raw.parameters() if p.requires_grad]
     batches = iter(loader)
     it = start
-    while it < cfg["max_iters"]:
-        t0 = time.perf_counter()
-        micro = [next(batches) for _ in range(grad_accum)]
-        meter.data_wait += time.perf_counter() - t0
-        meter.dropped += sum(int(b["dropped"].sum()) for b in micro)  # CPU tensors: no device sync
-        skipped = any(a <= it < b for a, b in cfg["skip_steps"])
-        if skipped:  # the batch is consumed, nothing trains; a checkpoint due here is still written
-            print0(env, f"step {it}: skipped (skip_steps); its {cfg['batch_size']} samples are consumed")
-            log({"step": it, "skipped": True})
-        else:
-            lr_now = set_lr(optimizer, it, cfg)
-            micro = [device_batch(b, env, raw.cfg.vision) for b in micro]
-            step_loss, count, grad_norm = train_step(model, micro, trainable, env, cfg, poison=it in poison)
-            update_if_finite(optimizer, step_loss, count, grad_norm, meter, env, it, log)
-            optimizer.zero_grad(set_to_none=True)
-            env.step_end()
-            meter.rows_done += cfg["batch_size"]
-        it += 1
-        if it in poison_weight:  # test-only: a weight goes non-finite, as after an overflowing update
-            with torch.no_grad():
-                trainable[0].view(-1)[:1].fill_(float("inf"))
-        if env.kind != "xla" and meter.nonfinite_worst >= cfg["max_nonfinite_steps"]:
-            stop_nonfinite(out, it, meter.nonfinite_worst, cfg, loader)
+    try:
+        while it < cfg["max_iters"]:
+            t0 = time.perf_counter()
+            micro = [next(batches) for _ in range(grad_accum)]
+            meter.data_wait += time.perf_counter() - t0
+            meter.dropped += sum(int(b["dropped"].sum()) for b in micro)  # CPU tensors: no device sync
+            skipped = any(a <= it < b for a, b in cfg["skip_steps"])
+            if skipped:  # the batch is consumed, nothing trains; a checkpoint due here is still written
+                print0(env, f"step {it}: skipped (skip_steps); its {cfg['batch_size']} samples are consumed")
+                log({"step": it, "skipped": True})
+            else:
+                lr_now = set_lr(optimizer, it, cfg)
+                micro = [device_batch(b, env, raw.cfg.vision) for b in micro]
+                step_loss, count, grad_norm = train_step(model, micro, trainable, env, cfg, poison=it in poison)
+                update_if_finite(optimizer, step_loss, count, grad_norm, meter, env, it, log)
+                optimizer.zero_grad(set_to_none=True)
+                env.step_end()
+                meter.rows_done += cfg["batch_size"]
+            it += 1
+            if it in poison_weight:  # test-only: a weight goes non-finite, as after an overflowing update
+                with torch.no_grad():
+                    trainable[0].view(-1)[:1].fill_(float("inf"))
+            if env.kind != "xla" and meter.nonfinite_worst >= cfg["max_nonfinite_steps"]:
+                stop_nonfinite(out, it, meter.nonfinite_worst, cfg, loader)
 
-        if not skipped and (it % cfg["log_interval"] == 0 or it == cfg["max_iters"]):
-            log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader)
-        evaluate_now = cfg["eval_interval"] and (it % cfg["eval_interval"] == 0 or it == cfg["max_iters"])
-        if not skipped and val_loader and evaluate_now:
-            val = evaluate(model, val_loader, env, cfg, cfg["eval_iters"], raw.cfg.vision)
-            print0(env, f"step {it}: val loss {val:.4f}")
-            log({"step": it, "val_loss": val})
-            meter.t_last = time.perf_counter()
-        stopping = env.agree(stop["requested"])
-        if stopping or (cfg["ckpt_interval"] and it % cfg["ckpt_interval"] == 0) or it == cfg["max_iters"]:
-            checkpointer.save(out / f"step-{it:06d}", model, raw, optimizer, loader, it, stop=stopping)
-            print0(env, f"step {it}: checkpoint {out / f'step-{it:06d}'}" + ("" if stopping else " (writing)"))
-            meter.t_last = time.perf_counter()
-        if stopping:
-            print0(env, f"stopped at step {it} by a signal; resume with --init_from=resume")
-            break
+            if not skipped and (it % cfg["log_interval"] == 0 or it == cfg["max_iters"]):
+                log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader)
+            evaluate_now = cfg["eval_interval"] and (it % cfg["eval_interval"] == 0 or it == cfg["max_iters"])
+            if not skipped and val_loader and evaluate_now:
+                val = evaluate(model, val_loader, env, cfg, cfg["eval_iters"], raw.cfg.vision)
+                print0(env, f"step {it}: val loss {val:.4f}")
+                log({"step": it, "val_loss": val})
+                meter.t_last = time.perf_counter()
+            checkpointer.poll()
+            stopping = env.agree(stop["requested"])
+            if stopping or (cfg["ckpt_interval"] and it % cfg["ckpt_interval"] == 0) or it == cfg["max_iters"]:
+                checkpointer.save(out / f"step-{it:06d}", model, raw, optimizer, loader, it, stop=stopping)
+                print0(env, f"step {it}: checkpoint {out / f'step-{it:06d}'}" + ("" if stopping else " (writing)"))
+                meter.t_last = time.perf_counter()
+            if stopping:
+                print0(env, f"stopped at step {it} by a signal; resume with --init_from=resume")
+                break
+    except BaseException:  # a run stopped by an error lets the checkpoint in flight commit first
+        checkpointer.finish()
+        raise
     checkpointer.wait()  # the last checkpoint committed before anything reads it
 
     if it >= cfg["max_iters"]:
