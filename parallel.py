@@ -218,6 +218,10 @@ SHARDING_RULES = [
     (r"vision\.conv1\.weight", ("fsdp", None, None, None)),
     (r"vision\.positional_embedding", (None, "fsdp")),
     (r"projector\.fc\.\d+\.weight", ("fsdp", None)),  # small: FSDP only
+    # LoRA adapters: FSDP on the dimension they share with their layer, r whole and not over tp (small: the
+    # compiler gathers them). r 128 on all of a 7B's LLM layers is 320M parameters: replicated, 5 GB of fp32 + Adam
+    (r".*\.lora_A\.weight", (None, "fsdp")),
+    (r".*\.lora_B\.weight", ("fsdp", None)),
     (r".*", None),  # replicated
 ]
 

@@ -30,7 +30,7 @@ import convert
 import data
 from checkpoint import (check_resume_config, checkpoints, load_checkpoint, newest_good_checkpoint, save_checkpoint,
                         wait_for_stop_writer)
-from model import build_model, left_pad, param_group, vlm_preset
+from model import LoRAConfig, apply_lora, build_model, is_lora_parameter, left_pad, merge_lora, param_group, vlm_preset
 from parallel import Env, autocast, checkpoint_fn, grad_sync, init_optimizer_state, print0, shard
 
 # -----------------------------------------------------------------------------
@@ -66,6 +66,7 @@ min_lr = 5e-5
 warmup_iters = 100
 lr_decay_iters = 0  # 0: max_iters
 lr_scale = {"vision": 1.0, "projector": 1.0, "llm": 1.0}  # per-module multipliers
+lora = {}  # {} off; else LoRA adapters {"r", "alpha", "dropout", "targets", "rslora"} (README "LoRA")
 weight_decay = 0.01
 beta1 = 0.9
 beta2 = 0.95
@@ -181,6 +182,7 @@ def load_config(argv):
     unknown = set(cfg["lr_scale"]) - {"vision", "projector", "llm"}
     if unknown:
         raise SystemExit(f"config: lr_scale has unknown modules {sorted(unknown)}")
+    lora_config(cfg)
     return cfg
 
 
@@ -190,6 +192,13 @@ def model_config(cfg):
         return vlm_preset(cfg["model"]).with_overrides(cfg["model_overrides"])
     except (ValueError, TypeError) as e:
         raise SystemExit(f"config: model_overrides {cfg['model_overrides']!r} do not make a model: {e}") from None
+
+
+def lora_config(cfg):
+    try:
+        return LoRAConfig(**cfg["lora"]) if cfg["lora"] else None
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"config: lora={cfg['lora']!r}: {str(e).replace('__init__() got an ', '')}") from None
 
 
 def check_tiles(vlm, max_tiles):
@@ -213,13 +222,40 @@ def check_tiles(vlm, max_tiles):
 
 
 def freeze(model, stage):
-    """requires_grad by stage. ViT blocks above the selected layer and ln_post never reach the loss: frozen too."""
+    """requires_grad by stage. ViT blocks above the selected layer and ln_post never reach the loss: frozen too.
+    A part with LoRA adapters trains them alone."""
     trained = {0: ("vision", "projector", "llm"), 1: ("projector",), 2: ("projector", "llm")}[stage]
     n = model.cfg.vision.n_layers
     top = max(i if i >= 0 else n + 1 + i for i in model.cfg.vision_layers)
+    adapted = {param_group(name) for name, _ in model.named_parameters() if is_lora_parameter(name)}
     for name, p in model.named_parameters():
         unused = name.startswith("vision.ln_post") or (name.startswith("vision.blocks.") and int(name.split(".")[2]) >= top)
-        p.requires_grad_(param_group(name) in trained and not unused)
+        in_full = param_group(name) not in adapted or is_lora_parameter(name)
+        p.requires_grad_(param_group(name) in trained and not unused and in_full)
+
+
+def add_lora(raw, cfg, env, resuming):
+    """The config's LoRA on the loaded model: fresh adapters (B = 0: the outputs do not change), or the model's own
+    when it holds the same ones (resume, or init_from a LoRA run); other adapters it holds are merged in first."""
+    lora = lora_config(cfg)
+    if raw.cfg.lora == lora:
+        return raw
+    if resuming:
+        raise SystemExit(f"resume: the checkpoint has lora={raw.cfg.lora}, the config lora={lora}; resume with the "
+                         f"same, or start a new out_dir with init_from the checkpoint")
+    if raw.cfg.lora:
+        print0(env, f"init_from: merging its LoRA adapters ({raw.cfg.lora}) into the weights")
+        merge_lora(raw)
+    if lora:
+        untrained = {t.split(".")[0] for t in lora.targets} - {0: {"vision", "llm"}, 1: set(), 2: {"llm"}}[cfg["stage"]]
+        if untrained:
+            raise SystemExit(f"config: lora targets {lora.targets} adapt {sorted(untrained)}, which stage {cfg['stage']} "
+                             f"does not train (stage 2 trains the projector and the LLM)")
+        apply_lora(raw, lora, seed=cfg["seed"])
+        n = sum(p.numel() for name, p in raw.named_parameters() if is_lora_parameter(name))
+        print0(env, f"lora: r {lora.r}, alpha {lora.alpha:g}, on {len(lora.sites())} kinds of layer "
+               f"({', '.join(lora.sites())}): {n / 1e6:.2f}M adapter parameters")
+    return raw
 
 
 def set_checkpointing(model, fn):
@@ -515,6 +551,7 @@ def main(argv=None):
     else:
         check_tiles(model_config(cfg), cfg["max_tiles"])  # before building: a 7B preset takes minutes to refuse
         raw = build_model(model_config(cfg), device=build_on, seed=cfg["seed"])
+    add_lora(raw, cfg, env, resume_from is not None)
     freeze(raw, cfg["stage"])
     raw.loss_chunk, raw.recompute = cfg["loss_chunk"], checkpoint_fn(env.kind)
     raw.llm.flex_attention = use_flex_attention(cfg["pack"] > 0, env.kind, cfg["compile"], cfg["seq_len"])
