@@ -253,8 +253,8 @@ def add_lora(raw, cfg, env, resuming):
                              f"does not train (stage 2 trains the projector and the LLM)")
         apply_lora(raw, lora, seed=cfg["seed"])
         n = sum(p.numel() for name, p in raw.named_parameters() if is_lora_parameter(name))
-        print0(env, f"lora: r {lora.r}, alpha {lora.alpha:g}, on {len(lora.sites())} kinds of layer "
-               f"({', '.join(lora.sites())}): {n / 1e6:.2f}M adapter parameters")
+        print0(env, f"lora: r {lora.r}, alpha {lora.alpha:g} (scaling {lora.scaling:g}) on {', '.join(lora.sites())}: "
+               f"{n / 1e6:.2f}M adapter parameters")
     return raw
 
 

@@ -4,14 +4,18 @@ vision tower is adapted only when named; and training with lora on changes the a
 
 import json
 import re
+import shutil
 
 import pytest
 import torch
 from conftest import image_batch, tiny_hf_llava
 from safetensors.torch import load_file
 from test_convert import anyres_logits, tiny_hf_anyres
+from shapes import make_shapes
+from test_train import args, losses, run, weights
 
 import convert
+import train
 from model import LoRAConfig, LoRALinear, apply_lora, build_model, merge_lora, vlm_preset
 
 # our layer -> transformers-5's module, written out here (not taken from convert.py)
@@ -317,3 +321,87 @@ def test_memory_names_are_transformers_own():
     for model in hf:
         for key in model.state_dict():
             assert convert.memory_name(convert.hub_name(key)) == key
+
+
+# -----------------------------------------------------------------------------
+# training with lora on: python train.py, torchrun
+
+
+LORA = "--lora={'r': 4, 'alpha': 8, 'dropout': %s, 'targets': ['llm']}"
+LR_SCALE = "--lr_scale={'vision': 1.0, 'projector': 0.1, 'llm': 1.0}"  # LLaVA's: the projector at a tenth of lr
+
+
+@pytest.fixture(scope="module")
+def shapes(tmp_path_factory):
+    out = tmp_path_factory.mktemp("shapes")
+    make_shapes(out, n=400, seed=0, val_fraction=0.1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A random debug model as a convert.py checkpoint: the base that LoRA runs start from (init_from)."""
+    cfg = vlm_preset("debug")
+    cfg.vision.image_size, cfg.llm.vocab_size, cfg.image_token_id = 28, 576, 512
+    out = tmp_path_factory.mktemp("lora-base")
+    convert.save_model(build_model(cfg, seed=0), out / "init")
+    return out / "init"
+
+
+def lora_args(shapes, out, base, dropout, *extra):
+    return args(shapes, out, f"--init_from={base}", "--stage=2", LORA % dropout, LR_SCALE, *extra)
+
+
+def test_lora_run_trains_adapters_and_projector_only_and_resumes_exactly(shapes, base, tmp_path):
+    run(lora_args(shapes, tmp_path / "a", base, 0.1, "--max_iters=6", "--ckpt_interval=3", "--keep_last=5"))
+    before, after = load_file(base / "model.safetensors"), load_file(tmp_path / "a/step-000006/model.safetensors")
+    assert {k for k in before if not torch.equal(before[k], after[k])} == {k for k in before if k.startswith("projector.")}
+    new = sorted(set(after) - set(before))
+    assert len(new) == 2 * 7 * 2 and all(re.fullmatch(r"llm\.layers\.\d\.(attention|feed_forward)\.w\d?[qkvo]?\."
+                                                       r"lora_[AB]\.weight", k) for k in new), new
+    assert all(after[k].abs().max() > 0 for k in new)  # B moved off zero
+    assert json.loads((tmp_path / "a/step-000006/config.json").read_text())["lora"]["r"] == 4
+    # the stream, the dropout masks (the RNG state) and the optimizer state all come back
+    (tmp_path / "b").mkdir()
+    shutil.copytree(tmp_path / "a/step-000003", tmp_path / "b/step-000003")
+    run(lora_args(shapes, tmp_path / "b", base, 0.1, "--max_iters=6", "--init_from=resume"))
+    assert weights(tmp_path / "b/step-000006") == weights(tmp_path / "a/step-000006")
+    # resume with other adapters is refused; init_from a LoRA run with lora={} merges its adapters
+    with pytest.raises(SystemExit, match="resume: the checkpoint has lora=.*r=4.*the config lora=.*r=8"):
+        train.main(args(shapes, tmp_path / "b", "--init_from=resume", "--stage=2", "--max_iters=7",
+                        "--lora={'r': 8, 'targets': ['llm']}"))
+    r = run(args(shapes, tmp_path / "c", f"--init_from={tmp_path / 'a/step-000006'}", "--stage=1", "--max_iters=1"))
+    assert "merging its LoRA adapters" in r.stdout
+    assert not any("lora" in k for k in load_file(tmp_path / "c/step-000001/model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def lora_run(shapes, base, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora-run")
+    run(lora_args(shapes, out, base, 0.0, "--max_iters=4"))
+    return out
+
+
+def test_lora_with_packing_and_activation_checkpointing_gives_the_same_losses(shapes, base, lora_run, tmp_path):
+    packed = ["--pack=2", "--batch_size=4", "--micro_batch_size=4", "--seq_len=96", "--loss_chunk=40"]
+    run(lora_args(shapes, tmp_path, base, 0.0, "--max_iters=4", "--activation_checkpointing=True", *packed))
+    a, b = losses(lora_run), losses(tmp_path)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4] and all(abs(a[s] - b[s]) <= 1e-5 * a[s] for s in a), (a, b)
+
+
+def test_lora_under_torchrun_fsdp_matches_the_single_process_run(shapes, base, lora_run, tmp_path):
+    run(lora_args(shapes, tmp_path, base, 0.0, "--max_iters=4", "--parallel=fsdp", "--micro_batch_size=4"), nproc=2)
+    a, b = losses(lora_run), losses(tmp_path)
+    assert all(abs(a[s] - b[s]) <= 1e-5 * a[s] for s in a), (a, b)
+    before, after = load_file(base / "model.safetensors"), load_file(tmp_path / "step-000004/model.safetensors")
+    assert all(torch.equal(before[k], after[k]) for k in before if not k.startswith("projector."))
+
+
+def test_lora_config_errors_name_the_field(shapes, base, tmp_path):
+    for bad, message in [("{'rank': 4}", "lora=.*unexpected keyword argument 'rank'"),
+                         ("{'r': 4, 'targets': ['q_proj']}", "lora=.*unknown targets \\['q_proj'\\]"),
+                         ("{'r': 0}", "lora=.*r must be a positive integer")]:
+        with pytest.raises(SystemExit, match=message):
+            train.load_config([f"--lora={bad}"])
+    with pytest.raises(SystemExit, match="adapt \\['llm'\\], which stage 1 does not train"):
+        train.main(lora_args(shapes, tmp_path, base, 0.0, "--stage=1"))
