@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import image_batch, tiny_hf_llava
+from conftest import ROOT, image_batch, tiny_hf_llava
 from safetensors.torch import load_file
 from test_convert import anyres_logits, tiny_hf_anyres
 from shapes import make_shapes
@@ -405,3 +405,12 @@ def test_lora_config_errors_name_the_field(shapes, base, tmp_path):
             train.load_config([f"--lora={bad}"])
     with pytest.raises(SystemExit, match="adapt \\['llm'\\], which stage 1 does not train"):
         train.main(lora_args(shapes, tmp_path, base, 0.0, "--stage=1"))
+
+
+def test_llava_lora_recipe_config():
+    cfg = train.load_config([str(ROOT / "configs/finetune_lora.py")])
+    lora = train.lora_config(cfg)
+    assert (lora.r, lora.alpha, lora.dropout, lora.scaling, cfg["stage"]) == (128, 256, 0.05, 2.0, 2)
+    assert cfg["lr"] == 2e-4 and cfg["lr"] * cfg["lr_scale"]["projector"] == pytest.approx(2e-5)
+    assert lora.sites() == ["llm.attention.wq", "llm.attention.wk", "llm.attention.wv", "llm.attention.wo",
+                            "llm.feed_forward.w1", "llm.feed_forward.w2", "llm.feed_forward.w3"]
