@@ -549,6 +549,8 @@ def main(argv=None):
     d.add_argument("--seed", type=int, default=0, help="seed of the fresh image_newline")
     d.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    if args.cmd == "from-hf" and args.lora and not args.llava:
+        p.error("from-hf --lora needs --llava, the HF model the adapter was trained on")
     try:
         if args.cmd == "to-hf" and args.lora_only:
             out = lora_to_peft(args.ckpt, args.out)
@@ -572,8 +574,6 @@ def main(argv=None):
                 tokenizer_dir = args.llm
             else:
                 p.error("from-hf needs --llava, or both --llm and --vision")
-            if args.cmd == "from-hf" and args.lora and not args.llava:
-                p.error("from-hf --lora needs --llava, the HF model the adapter was trained on")
             out = save_checkpoint(state, cfg, args.out, tokenizer_dir)
     except (ConversionError, ExportError) as e:
         sys.exit(f"convert: error: {e}")

@@ -191,6 +191,12 @@ def test_vit_is_untouched_unless_asked(tmp_path):
     asked = apply_lora(build_model(vlm_preset("debug"), seed=0), LoRAConfig(targets=["vision.attn.wq", "llm.attention"]))
     assert {n for n, m in asked.named_modules() if isinstance(m, LoRALinear) and n.startswith("vision")} == \
         {f"vision.blocks.{i}.attn.wq" for i in range(asked.cfg.vision.n_layers)}
+    # a config with lora builds the adapters itself (a checkpoint of a LoRA run loads into it), initialised as peft's
+    cfg = vlm_preset("debug").with_overrides({"lora": {"r": 2, "targets": ["llm.feed_forward"]}})
+    built = build_model(cfg, seed=0)
+    layers = [m for m in built.modules() if isinstance(m, LoRALinear)]
+    assert len(layers) == 3 * cfg.llm.n_layers and all(not m.lora_B.weight.any() for m in layers)
+    assert all(m.lora_A.weight.abs().max() <= m.in_features**-0.5 for m in layers)
     for bad in (["q_proj"], ["llm.attn"], ["projector"], []):
         with pytest.raises(ValueError, match="lora: unknown targets"):
             LoRAConfig(targets=bad)
@@ -237,6 +243,10 @@ def test_llava_exports_load_in_transformers_and_peft_with_equal_logits(tmp_path)
         mine = ours(ids, pixels)[0]
         for hf in (merged.eval(), peft):
             assert (hf(input_ids=ids, pixel_values=pixels).logits - mine).abs().max() <= 1e-5
+    # a stage-0 run trained the ViT in full beside the LLM's adapters: a peft directory here cannot hold it
+    (tmp_path / "ours/state.json").write_text(json.dumps({"config": {"stage": 0}}))
+    with pytest.raises(SystemExit, match="stage 0 trained the vision tower in full.*--merge-lora"):
+        convert.main(["to-hf", "--ckpt", str(tmp_path / "ours"), "--lora-only", "--out", str(tmp_path / "adapter0")])
 
 
 @pytest.mark.parametrize("kind", ["llava_next", "llava_onevision"])
