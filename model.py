@@ -102,8 +102,8 @@ class LlamaConfig:
 class LoRAConfig:
     """peft's LoRA on the linear layers `targets` names: a site ("llm.attention.wq") or a prefix of sites ("llm" is
     every linear layer of the LLM's blocks, LLaVA's recipe); the vision tower only when a target names it."""
-    r: int = 8
-    alpha: float = 16.0
+    r: int = 8  # r and alpha: peft's defaults (LLaVA's recipe: 128 and 256)
+    alpha: float = 8.0
     dropout: float = 0.0  # on the adapter's input, in training only
     targets: list = field(default_factory=lambda: ["llm"])
     rslora: bool = False  # scaling alpha / sqrt(r) instead of alpha / r

@@ -392,11 +392,13 @@ def lora_run(shapes, base, tmp_path_factory):
     return out
 
 
-def test_lora_with_packing_and_activation_checkpointing_gives_the_same_losses(shapes, base, lora_run, tmp_path):
+def test_lora_packed_with_activation_checkpointing_or_tiled_gives_the_same_losses(shapes, base, lora_run, tmp_path):
     packed = ["--pack=2", "--batch_size=4", "--micro_batch_size=4", "--seq_len=96", "--loss_chunk=40"]
-    run(lora_args(shapes, tmp_path, base, 0.0, "--max_iters=4", "--activation_checkpointing=True", *packed))
-    a, b = losses(lora_run), losses(tmp_path)
-    assert sorted(a) == sorted(b) == [1, 2, 3, 4] and all(abs(a[s] - b[s]) <= 1e-5 * a[s] for s in a), (a, b)
+    run(lora_args(shapes, tmp_path / "packed", base, 0.0, "--max_iters=4", "--activation_checkpointing=True", *packed))
+    run(lora_args(shapes, tmp_path / "tiled", base, 0.0, "--max_iters=4", "--max_tiles=1"))  # the tile path
+    a = losses(lora_run)
+    for b in (losses(tmp_path / "packed"), losses(tmp_path / "tiled")):
+        assert sorted(a) == sorted(b) == [1, 2, 3, 4] and all(abs(a[s] - b[s]) <= 1e-5 * a[s] for s in a), (a, b)
 
 
 def test_lora_under_torchrun_fsdp_matches_the_single_process_run(shapes, base, lora_run, tmp_path):
