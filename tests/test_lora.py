@@ -130,6 +130,28 @@ def test_logits_and_adapter_gradients_match_peft(tmp_path, case):
     assert n >= 2 * len([t for t in adapted(twin) if "encoder.layers.1." not in t]) and n >= 8
 
 
+@pytest.mark.parametrize("mode", ["bf16-weights", "autocast"])
+def test_bf16_logits_agree_with_peft_to_bf16_rounding(tmp_path, mode):
+    """In bf16 (weights cast, or fp32 weights under autocast as train.py runs) ours and peft round differently;
+    they must stay as close to each other as peft's bf16 logits are to the fp32 ones."""
+    hf = tiny_hf_llava()
+    ours = ours_from_hf(hf, tmp_path / "hf")
+    apply_lora(ours, LoRAConfig(r=4, alpha=8, targets=["llm", "vision.attn"]), seed=0)
+    randomize_adapters(ours, std=0.1)
+    twin = peft_twin(hf, ours, LLM_REGEX + r"|model\.vision_tower\.encoder\.layers\.\d+\.self_attn\.(q|k|v|out)_proj")
+    ids, pixels, _ = image_batch(ours.cfg.n_image_tokens, 511, 512, seq=20)
+    ours.eval(), twin.eval()
+    with torch.no_grad():
+        exact = ours(ids, pixels)[0]
+        if mode == "bf16-weights":
+            ours.to(torch.bfloat16), twin.to(torch.bfloat16)
+            pixels = pixels.bfloat16()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+            mine, theirs = ours(ids, pixels)[0].float(), twin(input_ids=ids, pixel_values=pixels).logits.float()
+    rounding = (theirs - exact).abs().max()
+    assert 1e-4 < rounding < 0.05 and (mine - theirs).abs().max() <= 2 * rounding, (mine - theirs).abs().max()
+
+
 def test_dropout_acts_in_training_only_and_draws_as_peft(tmp_path):
     hf = tiny_hf_llava()
     ours = ours_from_hf(hf, tmp_path / "hf")
