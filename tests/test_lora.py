@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 from conftest import ROOT, image_batch, tiny_hf_llava
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from test_convert import anyres_logits, tiny_hf_anyres
 from shapes import make_shapes
 from test_train import args, losses, run, weights
@@ -318,6 +318,18 @@ def test_from_hf_reads_a_peft_adapter_back(tmp_path):
                                        tmp_path / "adapter").eval()
     with torch.no_grad():
         assert (ours(ids, pixels)[0] - loaded(input_ids=ids, pixel_values=pixels).logits).abs().max() <= 1e-5
+    # the same adapter as peft saves it from a transformers-4 model (language_model.model.*, no leading model.)
+    (tmp_path / "tf4").mkdir()
+    shutil.copy(tmp_path / "adapter/adapter_config.json", tmp_path / "tf4")
+    tf4 = {re.sub(r"^base_model\.model\.model\.language_model\.", "base_model.model.language_model.model.",
+                  k).replace("base_model.model.model.multi_modal_projector.", "base_model.model.multi_modal_projector."): v
+           for k, v in load_file(tmp_path / "adapter/adapter_model.safetensors").items()}
+    assert not any(k.startswith("base_model.model.model.") for k in tf4)
+    save_file(tf4, tmp_path / "tf4/adapter_model.safetensors")
+    convert.main(["from-hf", "--llava", str(tmp_path / "base"), "--lora", str(tmp_path / "tf4"),
+                  "--out", str(tmp_path / "o4")])
+    assert all(torch.equal(a, b) for a, b in zip(convert.load_model(tmp_path / "o4").state_dict().values(),
+                                                 ours.state_dict().values()))
     convert.main(["to-hf", "--ckpt", str(tmp_path / "ours"), "--lora-only", "--out", str(tmp_path / "again")])
     theirs, again = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("adapter", "again"))
     assert theirs.keys() == again.keys() and all(torch.equal(theirs[k], again[k]) for k in theirs)
