@@ -435,12 +435,17 @@ def test_lora_packed_with_activation_checkpointing_or_tiled_gives_the_same_losse
         assert sorted(a) == sorted(b) == [1, 2, 3, 4] and all(abs(a[s] - b[s]) <= 1e-5 * a[s] for s in a), (a, b)
 
 
-def test_lora_under_torchrun_fsdp_matches_the_single_process_run(shapes, base, lora_run, tmp_path):
-    run(lora_args(shapes, tmp_path, base, 0.0, "--max_iters=4", "--parallel=fsdp", "--micro_batch_size=4"), nproc=2)
-    a, b = losses(lora_run), losses(tmp_path)
+def test_lora_under_torchrun_fsdp_matches_the_single_process_run_and_resumes_exactly(shapes, base, lora_run, tmp_path):
+    fsdp = ["--parallel=fsdp", "--micro_batch_size=4", "--ckpt_interval=2", "--keep_last=5"]
+    run(lora_args(shapes, tmp_path / "a", base, 0.0, "--max_iters=4", *fsdp), nproc=2)
+    a, b = losses(lora_run), losses(tmp_path / "a")
     assert all(abs(a[s] - b[s]) <= 1e-5 * a[s] for s in a), (a, b)
-    before, after = load_file(base / "model.safetensors"), load_file(tmp_path / "step-000004/model.safetensors")
+    before, after = load_file(base / "model.safetensors"), load_file(tmp_path / "a/step-000004/model.safetensors")
     assert all(torch.equal(before[k], after[k]) for k in before if not k.startswith("projector."))
+    (tmp_path / "b").mkdir()
+    shutil.copytree(tmp_path / "a/step-000002", tmp_path / "b/step-000002")
+    run(lora_args(shapes, tmp_path / "b", base, 0.0, "--max_iters=4", "--init_from=resume", *fsdp), nproc=2)
+    assert weights(tmp_path / "b/step-000004") == weights(tmp_path / "a/step-000004")
 
 
 def test_lora_config_errors_name_the_field(shapes, base, tmp_path):
