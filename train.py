@@ -305,14 +305,17 @@ def flops_per_sample(raw, stage, seq_tokens, n_tiles=1):
     causal."""
     cfg = raw.cfg
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    adapters = lambda m: sum(p.numel() for n, p in m.named_parameters() if is_lora_parameter(n))  # noqa: E731
+    vit_lora, llm_lora = adapters(raw.vision.blocks), adapters(raw.llm)  # LoRA: 6N, its frozen base 4N
     vit_tokens = cfg.vision.n_patches + 1
-    vit_mult = 6 if stage == 0 else 2
+    vit_mult = 4 if vit_lora else 6 if stage == 0 else 2
     vit_attention = (vit_mult * 2) * cfg.vision.n_layers * cfg.vision.dim * vit_tokens**2
-    vit = (vit_mult * count(raw.vision.blocks) * vit_tokens + vit_attention) * n_tiles
+    vit = ((vit_mult * (count(raw.vision.blocks) - vit_lora) + 6 * vit_lora) * vit_tokens + vit_attention) * n_tiles
     proj = 6 * count(raw.projector) * cfg.n_image_tokens * n_tiles
     llm_params = count(raw.llm) - raw.llm.tok_embeddings.weight.numel() * (not cfg.llm.tie_embeddings)
-    llm_mult = 6 if stage in (0, 2) else 4
-    llm = llm_mult * llm_params * seq_tokens + 6 * cfg.llm.n_layers * cfg.llm.n_heads * cfg.llm.head_dim * seq_tokens**2
+    llm_mult = 4 if llm_lora else 6 if stage in (0, 2) else 4
+    llm = (llm_mult * (llm_params - llm_lora) + 6 * llm_lora) * seq_tokens + \
+        6 * cfg.llm.n_layers * cfg.llm.n_heads * cfg.llm.head_dim * seq_tokens**2
     return vit + proj + llm
 
 
