@@ -547,7 +547,7 @@ def wait_for_stop_writer(out):
 # allow_config_change (the model itself always comes from the checkpoint). Every other key may change: the world
 # size and micro_batch_size among them (the global batch and the sample order are what must hold).
 FIXED_ON_RESUME = ("seed", "batch_size", "pack", "max_tiles", "seq_len", "data_dir", "tokenizer", "template",
-                   "image_mode", "shuffle_block", "stage", "model", "model_overrides")
+                   "image_mode", "shuffle_block", "stage", "model", "model_overrides", "lora")
 
 
 def check_resume_config(path, cfg, env):

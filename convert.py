@@ -5,8 +5,9 @@ and our checkpoint directory (model.safetensors + config.json).
     python convert.py from-hf --llava HF_DIR --out CKPT_DIR    # model_type llava, llava_next or llava_onevision
     python convert.py from-hf --llm LLAMA_DIR --vision CLIP_DIR --out CKPT_DIR [--projector mlp2x_gelu] [--vision-layer -2]
     python convert.py from-llava --llava DIR --vision CLIP_DIR [--llm LLAMA_DIR] --out CKPT_DIR
-    python convert.py to-hf --ckpt CKPT_DIR --out HF_DIR
+    python convert.py to-hf --ckpt CKPT_DIR --out HF_DIR [--merge-lora | --lora-only]   # --lora-only: a peft adapter
     python convert.py consolidate --ckpt out/run/step-001000 --out CKPT_DIR   # a sharded training step -> one model
+    python convert.py from-hf --llava HF_DIR --lora PEFT_ADAPTER_DIR --out CKPT_DIR           # peft's LoRA read back
     python convert.py anyres --ckpt CKPT_DIR --preset llava-next-vicuna-7b --out CKPT_DIR   # tile images from here on
 
 Every conversion goes through an explicit table (our name -> their name). Every source key
@@ -18,13 +19,15 @@ import json
 import re
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from checkpoint import is_sharded_checkpoint, saved_weights
 from hf_config import HF_ARCHITECTURES, hf_model_type, llama_config, llava_config, llava_hf_config, read_json, vit_config
-from model import VLM, LlamaConfig, Projector, ViTConfig, VLMConfig, build_model, projector_depth, vlm_preset
+from model import (LORA_SITES, VLM, LlamaConfig, LoRAConfig, Projector, ViTConfig, VLMConfig, build_model,
+                   is_lora_parameter, merge_lora_state, projector_depth, vlm_preset)
 from processor import (PROCESSOR_FILES, TEMPLATE_NAMES, ExportError, export_tokenizer, has_processor,  # noqa: F401
                        write_processor)  # PROCESSOR_FILES: tests read it as convert.PROCESSOR_FILES
 from weight_files import (SHARD_BYTES, ConversionError, read_weights, say, write_dir, write_safetensors,  # noqa: F401
@@ -95,6 +98,15 @@ def hub_name(key):
     key = re.sub(r"^model\.language_model\.(?!model\.|lm_head)", "language_model.model.", key)
     key = re.sub(r"^model\.", "", key)
     return re.sub(r"^vision_tower\.(?!vision_model\.)", "vision_tower.vision_model.", key)
+
+
+def memory_name(key):
+    """hub_name's inverse: the transformers-5 in-memory name (model.language_model.*, model.vision_tower.*, lm_head),
+    under which peft saves adapters."""
+    if key == "language_model.lm_head.weight":
+        return "lm_head.weight"
+    key = re.sub(r"^language_model\.model\.", "language_model.", key)
+    return "model." + re.sub(r"^vision_tower\.vision_model\.", "vision_tower.", key)
 
 
 def projector_table(cfg: VLMConfig, prefix):
@@ -232,11 +244,19 @@ def llava_from_hf(hf_dir):
     return check_complete(remap(state, llava_table(cfg), expected_shapes(cfg), str(hf_dir)), cfg, hf_dir), cfg
 
 
-def llava_to_hf(ckpt_dir, out, template=None, image_mode=None):
+def llava_to_hf(ckpt_dir, out, template=None, image_mode=None, merge_lora=False):
     """The hub layout plus what AutoProcessor needs: tokenizer files with <image>, the image processor for the
     image mode and the chat template the model was trained with (from the checkpoint's state.json, else the
-    arguments, else processor files carried through from-hf, else vicuna_v1 and pad)."""
+    arguments, else processor files carried through from-hf, else vicuna_v1 and pad). LoRA adapters are merged
+    into the weights with merge_lora, else refused. A training step's shards are read one tensor at a time."""
     state, cfg = read_checkpoint(ckpt_dir, lazy=True)
+    if cfg.lora and not merge_lora:
+        raise ConversionError(f"{ckpt_dir}: holds LoRA adapters ({cfg.lora}); export with --merge-lora (plain "
+                              f"weights) or --lora-only (a peft adapter directory for the base model)")
+    if cfg.lora:
+        state = {k: v.detach() for k, v in state.items()}  # merging needs the tensors themselves
+        state, cfg = merge_lora_state(state, cfg.lora), replace(cfg, lora=None)
+        say(f"{ckpt_dir}: merged the LoRA adapters into the weights")
     table = llava_table(cfg)
     hub = {table[k]: v for k, v in state.items()}
     trained = read_json(Path(ckpt_dir, "state.json"))["config"] if Path(ckpt_dir, "state.json").exists() else {}
@@ -255,6 +275,90 @@ def llava_to_hf(ckpt_dir, out, template=None, image_mode=None):
         if not carried:
             write_processor(cfg, tmp, template, image_mode, tokenizer)
     return write_dir(out, fill)
+
+
+PEFT_PREFIX = "base_model.model."  # peft's name of the wrapped model in an adapter file
+
+
+def lora_to_peft(ckpt_dir, out):
+    """A peft adapter directory (adapter_config.json, adapter_model.safetensors) of a LoRA checkpoint, under
+    transformers-5 names, the projector (trained in full beside the adapters) under modules_to_save: what
+    PeftModel.from_pretrained(the HF export of the base model, out) loads. target_modules is a regex of exactly
+    the adapted layers: peft's leaf names (q_proj) would hit the vision tower too."""
+    state, cfg = read_checkpoint(ckpt_dir)
+    if not cfg.lora:
+        raise ConversionError(f"{ckpt_dir}: no LoRA adapters (its config.json has no lora); use to-hf without "
+                              f"--lora-only")
+    trained = read_json(Path(ckpt_dir, "state.json"))["config"] if Path(ckpt_dir, "state.json").exists() else {}
+    if trained.get("stage") == 0 and not any(t.startswith("vision") for t in cfg.lora.targets):
+        raise ConversionError(f"{ckpt_dir}: stage 0 trained the vision tower in full beside the adapters; a peft "
+                              f"directory here holds adapters and the projector only: use --merge-lora")
+    table = llava_table(cfg)
+    tensors = {}
+    for key, value in state.items():
+        if is_lora_parameter(key):
+            layer, _, which = key.rpartition(".lora_")  # llm.layers.0.attention.wq, A.weight
+            tensors[f"{PEFT_PREFIX}{memory_name(table[layer + '.weight']).removesuffix('.weight')}.lora_{which}"] = value
+        elif key.startswith("projector."):
+            tensors[PEFT_PREFIX + memory_name(table[key])] = value
+    layers = {k.removeprefix(PEFT_PREFIX).rpartition(".lora_")[0] for k in tensors if ".lora_" in k}
+    targets = "|".join(sorted({re.escape(re.sub(r"\.\d+\.", ".0.", m)).replace(r"\.0\.", r"\.\d+\.") for m in layers}))
+    alpha = int(cfg.lora.alpha) if cfg.lora.alpha == int(cfg.lora.alpha) else cfg.lora.alpha
+    config = {"peft_type": "LORA", "task_type": None, "base_model_name_or_path": None, "r": cfg.lora.r,
+              "lora_alpha": alpha, "lora_dropout": cfg.lora.dropout, "use_rslora": cfg.lora.rslora,
+              "target_modules": targets, "modules_to_save": ["multi_modal_projector"], "bias": "none",
+              "fan_in_fan_out": False, "init_lora_weights": True, "inference_mode": True}
+
+    def fill(tmp):
+        write_safetensors(tensors, Path(tmp, "adapter_model.safetensors"))
+        Path(tmp, "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return write_dir(out, fill)
+
+
+# adapter_config.json fields whose other values change what the adapter computes, and the value we read
+PEFT_DEFAULTS = {"peft_type": "LORA", "bias": "none", "use_dora": False, "fan_in_fan_out": False, "lora_bias": False,
+                 "rank_pattern": {}, "alpha_pattern": {}, "layers_to_transform": None, "target_parameters": None,
+                 "use_bdlora": None, "alora_invocation_tokens": None, "layer_replication": None}
+
+
+def lora_from_peft(adapter_dir, state, cfg: VLMConfig):
+    """state and cfg of the base model plus a peft LoRA adapter directory trained on its HF export: the adapters
+    (every block of a kind adapted alike, as ours are) and the modules_to_save it trained in full."""
+    peft = read_json(Path(adapter_dir, "adapter_config.json"))
+    odd = {k: peft[k] for k, v in PEFT_DEFAULTS.items() if k in peft and peft[k] != v and (v or peft[k])}
+    if odd:
+        raise ConversionError(f"{adapter_dir}: adapter_config.json has settings llavax's LoRA does not compute: {odd}")
+    if not Path(adapter_dir, "adapter_model.safetensors").exists():
+        raise ConversionError(f"{adapter_dir}: no adapter_model.safetensors (a pickled adapter_model.bin is not read: "
+                              f"resave it with safe_serialization)")
+    inverse = {theirs: ours for ours, theirs in llava_table(cfg).items()}
+    adapters, trained, unknown = {}, {}, []
+    for key, value in read_weights(adapter_dir).items():
+        name = key.removeprefix(PEFT_PREFIX)
+        layer, lora, which = name.partition(".lora_")
+        ours = inverse.get(hub_name(layer + ".weight" if lora else name))
+        if ours is None or (lora and which not in ("A.weight", "B.weight")):
+            unknown.append(key)
+        elif lora:
+            adapters[f"{ours.removesuffix('.weight')}.lora_{which}"] = value
+        else:
+            trained[ours] = value
+    sites = {re.sub(r"^(llm|vision)\.(layers|blocks)\.\d+\.", r"\1.", k.rpartition(".lora_")[0]) for k in adapters}
+    outside = sorted(sites - set(LORA_SITES))
+    if unknown or outside or not adapters:
+        raise ConversionError(f"{adapter_dir}: no place in the {hf_model_type(cfg)} model for {len(unknown)} tensors "
+                              f"{unknown[:10]}, adapters on layers llavax does not adapt {outside}, or no adapters")
+    try:
+        lora = LoRAConfig(r=peft["r"], alpha=peft["lora_alpha"], dropout=peft.get("lora_dropout", 0.0),
+                          targets=[s for s in LORA_SITES if s in sites], rslora=peft.get("use_rslora", False))
+    except (KeyError, ValueError) as e:
+        raise ConversionError(f"{adapter_dir}/adapter_config.json: {e}") from None
+    say(f"{adapter_dir}: LoRA r {lora.r}, alpha {lora.alpha:g} on {', '.join(lora.targets)}; trained in full: "
+        f"{sorted({k.split('.')[0] for k in trained}) or 'nothing'}")
+    cfg = replace(cfg, lora=lora)
+    shapes = expected_shapes(cfg)
+    state = state | trained | adapters
+    return check_complete(remap(state, {k: k for k in shapes}, shapes, str(adapter_dir)), cfg, adapter_dir), cfg
 
 
 def image_token(tokenizer_dir):
@@ -430,6 +534,7 @@ def main(argv=None):
     a.add_argument("--vision-select", default="patch", choices=["patch", "cls_patch"])
     a.add_argument("--pad-vocab", type=int, default=64, help="pad a grown vocab to a multiple of this")
     a.add_argument("--seed", type=int, default=0, help="seed of the fresh projector")
+    a.add_argument("--lora", help="a peft LoRA adapter directory trained on --llava: its adapters come along")
     a.add_argument("--out", required=True)
     b = sub.add_parser("from-llava", help="original haotian-liu/LLaVA checkpoint or stage-1 mm_projector.bin")
     b.add_argument("--llava", required=True)
@@ -441,6 +546,9 @@ def main(argv=None):
     c.add_argument("--ckpt", required=True)
     c.add_argument("--template", choices=TEMPLATE_NAMES, help="default: the training config's")
     c.add_argument("--image-mode", choices=["pad", "crop", "resize"], help="default: the training config's")
+    lora = c.add_mutually_exclusive_group()
+    lora.add_argument("--merge-lora", action="store_true", help="LoRA adapters merged into plain weights")
+    lora.add_argument("--lora-only", action="store_true", help="the LoRA adapters alone, as a peft adapter directory")
     c.add_argument("--out", required=True)
     e = sub.add_parser("consolidate", help="a training step directory (sharded) -> model.safetensors + config.json, "
                                            "one tensor at a time")
@@ -454,9 +562,13 @@ def main(argv=None):
     d.add_argument("--seed", type=int, default=0, help="seed of the fresh image_newline")
     d.add_argument("--out", required=True)
     args = p.parse_args(argv)
+    if args.cmd == "from-hf" and args.lora and not args.llava:
+        p.error("from-hf --lora needs --llava, the HF model the adapter was trained on")
     try:
-        if args.cmd == "to-hf":
-            out = llava_to_hf(args.ckpt, args.out, args.template, args.image_mode)
+        if args.cmd == "to-hf" and args.lora_only:
+            out = lora_to_peft(args.ckpt, args.out)
+        elif args.cmd == "to-hf":
+            out = llava_to_hf(args.ckpt, args.out, args.template, args.image_mode, args.merge_lora)
         elif args.cmd == "consolidate":
             state, cfg = read_checkpoint(args.ckpt, lazy=True)
             out = save_checkpoint(state, cfg, args.out, args.ckpt)
@@ -469,6 +581,8 @@ def main(argv=None):
                 tokenizer_dir = args.llava if Path(args.llava, "tokenizer.model").exists() else args.llm
             elif args.llava:
                 state, cfg = llava_from_hf(args.llava)
+                if args.lora:
+                    state, cfg = lora_from_peft(args.lora, state, cfg)
                 tokenizer_dir = args.llava
             elif args.llm and args.vision:
                 state, cfg = from_hf_parts(args.llm, args.vision, args.projector, args.vision_layer,

@@ -769,7 +769,10 @@ class Loader:
         self.stream.start = self.position
         kw = {"prefetch_factor": self.prefetch_factor, "persistent_workers": False,
               "worker_init_fn": _survive_group_signals} if self.num_workers else {}
-        for batch in torch.utils.data.DataLoader(self.stream, batch_size=None, num_workers=self.num_workers, **kw):
+        # its base seed from a generator of its own: a DataLoader draws it from the global RNG when it starts, which
+        # shifted the dropout masks (LoRA's) of a resumed run, whose loader starts after the RNG state is restored
+        for batch in torch.utils.data.DataLoader(self.stream, batch_size=None, num_workers=self.num_workers,
+                                                 generator=torch.Generator(), **kw):
             self.position += self.stream.samples_per_batch
             yield batch
 

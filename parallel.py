@@ -130,7 +130,13 @@ def _xla_checkpoint(fn, *args):
     # barrier before the recompute (as FSDPv2 does), so the compiler cannot reuse the forward's gathered copies
     import torch_xla.utils.checkpoint
 
-    return torch_xla.utils.checkpoint.checkpoint(fn.__call__ if isinstance(fn, torch.nn.Module) else fn, *args)
+    # and it is reentrant: a block whose input needs no gradient (a frozen embedding or patch layer below LoRA
+    # adapters) gets none for its parameters either; such an input becomes a leaf that needs one (what HF's
+    # enable_input_require_grads does for peft)
+    block = isinstance(fn, torch.nn.Module)
+    if block and torch.is_grad_enabled() and not args[0].requires_grad and any(p.requires_grad for p in fn.parameters()):
+        args = (args[0].detach().requires_grad_(), *args[1:])
+    return torch_xla.utils.checkpoint.checkpoint(fn.__call__ if block else fn, *args)
 
 
 def shard(model, env, cfg):
@@ -218,6 +224,10 @@ SHARDING_RULES = [
     (r"vision\.conv1\.weight", ("fsdp", None, None, None)),
     (r"vision\.positional_embedding", (None, "fsdp")),
     (r"projector\.fc\.\d+\.weight", ("fsdp", None)),  # small: FSDP only
+    # LoRA adapters: FSDP on the dimension they share with their layer, r whole and not over tp (small: the
+    # compiler gathers them). r 128 on all of a 7B's LLM layers is 320M parameters: replicated, 5 GB of fp32 + Adam
+    (r".*\.lora_A\.weight", (None, "fsdp")),
+    (r".*\.lora_B\.weight", ("fsdp", None)),
     (r".*", None),  # replicated
 ]
 

@@ -30,7 +30,7 @@ import convert
 import data
 from checkpoint import Checkpointer, check_resume_config, checkpoints, newest_good_checkpoint, wait_for_stop_writer
 from evaluation import device_batch, evaluate, final_accuracy
-from model import VLMConfig, build_model, param_group, vlm_preset
+from model import LoRAConfig, VLMConfig, apply_lora, build_model, is_lora_parameter, merge_lora, param_group, vlm_preset
 from parallel import Env, autocast, checkpoint_fn, grad_sync, init_optimizer_state, print0, shard
 
 # -----------------------------------------------------------------------------
@@ -66,6 +66,7 @@ min_lr = 5e-5
 warmup_iters = 100
 lr_decay_iters = 0  # 0: max_iters
 lr_scale = {"vision": 1.0, "projector": 1.0, "llm": 1.0}  # per-module multipliers
+lora = {}  # {} off; else LoRA adapters {"r", "alpha", "dropout", "targets", "rslora"} (README "LoRA")
 weight_decay = 0.01
 beta1 = 0.9
 beta2 = 0.95
@@ -181,6 +182,7 @@ def load_config(argv):
     unknown = set(cfg["lr_scale"]) - {"vision", "projector", "llm"}
     if unknown:
         raise SystemExit(f"config: lr_scale has unknown modules {sorted(unknown)}")
+    lora_config(cfg)
     return cfg
 
 
@@ -190,6 +192,13 @@ def model_config(cfg):
         return vlm_preset(cfg["model"]).with_overrides(cfg["model_overrides"])
     except (ValueError, TypeError) as e:
         raise SystemExit(f"config: model_overrides {cfg['model_overrides']!r} do not make a model: {e}") from None
+
+
+def lora_config(cfg):
+    try:
+        return LoRAConfig(**cfg["lora"]) if cfg["lora"] else None
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"config: lora={cfg['lora']!r}: {str(e).replace('__init__() got an ', '')}") from None
 
 
 def check_tiles(vlm, max_tiles):
@@ -213,13 +222,40 @@ def check_tiles(vlm, max_tiles):
 
 
 def freeze(model, stage):
-    """requires_grad by stage. ViT blocks above the selected layer and ln_post never reach the loss: frozen too."""
+    """requires_grad by stage. ViT blocks above the selected layer and ln_post never reach the loss: frozen too.
+    A part with LoRA adapters trains them alone."""
     trained = {0: ("vision", "projector", "llm"), 1: ("projector",), 2: ("projector", "llm")}[stage]
     n = model.cfg.vision.n_layers
     top = max(i if i >= 0 else n + 1 + i for i in model.cfg.vision_layers)
+    adapted = {param_group(name) for name, _ in model.named_parameters() if is_lora_parameter(name)}
     for name, p in model.named_parameters():
         unused = name.startswith("vision.ln_post") or (name.startswith("vision.blocks.") and int(name.split(".")[2]) >= top)
-        p.requires_grad_(param_group(name) in trained and not unused)
+        in_full = param_group(name) not in adapted or is_lora_parameter(name)
+        p.requires_grad_(param_group(name) in trained and not unused and in_full)
+
+
+def add_lora(raw, cfg, env, resuming):
+    """The config's LoRA on the loaded model: fresh adapters (B = 0: the outputs do not change), or the model's own
+    when it holds the same ones (resume, or init_from a LoRA run); other adapters it holds are merged in first."""
+    lora = lora_config(cfg)
+    if raw.cfg.lora == lora:
+        return raw
+    if resuming:
+        raise SystemExit(f"resume: the checkpoint has lora={raw.cfg.lora}, the config lora={lora}; resume with the "
+                         f"same, or start a new out_dir with init_from the checkpoint")
+    if raw.cfg.lora:
+        print0(env, f"init_from: merging its LoRA adapters ({raw.cfg.lora}) into the weights")
+        merge_lora(raw)
+    if lora:
+        untrained = {t.split(".")[0] for t in lora.targets} - {0: {"vision", "llm"}, 1: set(), 2: {"llm"}}[cfg["stage"]]
+        if untrained:
+            raise SystemExit(f"config: lora targets {lora.targets} adapt {sorted(untrained)}, which stage {cfg['stage']} "
+                             f"does not train (stage 2 trains the projector and the LLM)")
+        apply_lora(raw, lora, seed=cfg["seed"])
+        n = sum(p.numel() for name, p in raw.named_parameters() if is_lora_parameter(name))
+        print0(env, f"lora: r {lora.r}, alpha {lora.alpha:g} (scaling {lora.scaling:g}) on {', '.join(lora.sites())}: "
+               f"{n / 1e6:.2f}M adapter parameters")
+    return raw
 
 
 def set_checkpointing(model, fn):
@@ -269,14 +305,17 @@ def flops_per_sample(raw, stage, seq_tokens, n_tiles=1):
     causal."""
     cfg = raw.cfg
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    adapters = lambda m: sum(p.numel() for n, p in m.named_parameters() if is_lora_parameter(n))  # noqa: E731
+    vit_lora, llm_lora = adapters(raw.vision.blocks), adapters(raw.llm)  # LoRA: 6N, its frozen base 4N
     vit_tokens = cfg.vision.n_patches + 1
-    vit_mult = 6 if stage == 0 else 2
+    vit_mult = 4 if vit_lora else 6 if stage == 0 else 2
     vit_attention = (vit_mult * 2) * cfg.vision.n_layers * cfg.vision.dim * vit_tokens**2
-    vit = (vit_mult * count(raw.vision.blocks) * vit_tokens + vit_attention) * n_tiles
+    vit = ((vit_mult * (count(raw.vision.blocks) - vit_lora) + 6 * vit_lora) * vit_tokens + vit_attention) * n_tiles
     proj = 6 * count(raw.projector) * cfg.n_image_tokens * n_tiles
     llm_params = count(raw.llm) - raw.llm.tok_embeddings.weight.numel() * (not cfg.llm.tie_embeddings)
-    llm_mult = 6 if stage in (0, 2) else 4
-    llm = llm_mult * llm_params * seq_tokens + 6 * cfg.llm.n_layers * cfg.llm.n_heads * cfg.llm.head_dim * seq_tokens**2
+    llm_mult = 4 if llm_lora else 6 if stage in (0, 2) else 4
+    llm = (llm_mult * (llm_params - llm_lora) + 6 * llm_lora) * seq_tokens + \
+        6 * cfg.llm.n_layers * cfg.llm.n_heads * cfg.llm.head_dim * seq_tokens**2
     return vit + proj + llm
 
 
@@ -628,7 +667,7 @@ def main(argv=None):
     grad_accum, rows_per_host = batch_layout(cfg, env)
     torch.manual_seed(cfg["seed"])
     resume_from = resume_point(out, cfg, env)
-    raw = init_model(cfg, env, resume_from)
+    raw = add_lora(init_model(cfg, env, resume_from), cfg, env, resuming=resume_from is not None)
     model, optimizer = apply_backends(raw, cfg, env)
     loader, val_loader, val_stream, stream_args = make_loaders(raw, cfg, env, rows_per_host)
     checkpointer = Checkpointer(env, cfg)

@@ -11,7 +11,7 @@ import sys
 import pytest
 from conftest import ROOT, checkpoint_bytes
 from test_train import args, losses, run
-from xla_runs import PACKED, tiled
+from xla_runs import LORA, PACKED, tiled
 
 pytestmark = pytest.mark.slow
 REL = 1e-4
@@ -29,6 +29,7 @@ def xla(tmp_path_factory):
         cpu[stage] = out / f"cpu-stage{stage}"
         run(args(shapes, cpu[stage], f"--stage={stage}", "--max_iters=5", "--ckpt_interval=0"))
     run(args(shapes, out / "cpu-packed", "--max_iters=5", "--ckpt_interval=0", *PACKED))
+    run(args(shapes, out / "cpu-lora", *LORA))
     run(args(shapes, out / "cpu-straight", "--max_iters=20", "--ckpt_interval=10", "--keep_last=5"))
     make_mixed(out / "mixed")
     run(args(shapes, out / "cpu-tiled", *tiled(out / "mixed")))
@@ -104,6 +105,12 @@ def test_xla_packed_rows_match_cpu_eager(xla):
     assert len(expected) == 5 and all(close(g, e) for g, e in zip(results["losses"]["packed"], expected))
 
 
+def test_xla_lora_with_activation_checkpointing_matches_cpu_eager(xla):
+    out, _, _, results = xla
+    expected = list(losses(out / "cpu-lora").values())
+    assert len(expected) == 5 and all(close(g, e) for g, e in zip(results["losses"]["lora"], expected))
+
+
 def test_compile_count_is_flat_after_warmup(xla):
     _, _, _, results = xla
     compiles = results["compiles"]
@@ -121,6 +128,10 @@ def test_parameters_and_moments_are_sharded_by_the_rules(xla):
     assert fsdp["llm.layers.0.attention.wo.weight"]["param"] == [16, 64]
     assert fsdp["llm.tok_embeddings.weight"]["param"] == [512, 16]
     assert fsdp["llm.norm.weight"]["param"] == [64]  # replicated
+    # LoRA adapters (r 4): the dimension shared with their layer over fsdp, r whole
+    assert fsdp["llm.layers.0.attention.wq.lora_A.weight"]["param"] == [4, 16]
+    assert fsdp["llm.layers.1.feed_forward.w2.lora_B.weight"]["param"] == [16, 4]
+    assert mixed["llm.layers.0.attention.wq.lora_A.weight"]["param"] == [4, 32]
     # fsdp 2 x tp 2: heads / the MLP hidden dimension over tp, the other dimension over fsdp
     assert mixed["llm.layers.1.feed_forward.w2.weight"]["param"] == [32, 96]
     assert mixed["vision.blocks.0.mlp.c_fc.bias"]["param"] == [128]

@@ -15,11 +15,14 @@ sys.path.insert(0, str(ROOT))
 
 import parallel  # noqa: E402
 import train  # noqa: E402
-from model import build_model, vlm_preset  # noqa: E402
+from model import LoRAConfig, apply_lora, build_model, vlm_preset  # noqa: E402
 
 # each mesh once, each stage on two of them (the gradient matrix in xla_grads.py covers stages x dtypes x
 # checkpointing x packing on one mesh; these runs check five-step losses across meshes)
 STAGE_MESHES = {1: ([4, 1, 1], [1, 2, 2]), 2: ([1, 4, 1], [2, 2, 1])}
+# LoRA on the LLM and the ViT's attention (stage 0: the rest of the ViT and the projector in full), under torch_xla's
+# (reentrant) activation checkpointing, which gave the ViT's adapters no gradient while its input needed none
+LORA = ["--stage=0", "--lora={'r': 4, 'alpha': 8, 'targets': ['llm', 'vision.attn']}", "--max_iters=5", "--ckpt_interval=0"]
 PACKED = ["--pack=2", "--batch_size=4", "--micro_batch_size=4", "--seq_len=96", "--loss_chunk=40"]
 # the tile path: OneVision's anyres_max (with its bilinear reduction at this size: N=2), up to a base view and a 2x2
 # grid a row, on test_xla.py's mixed data (single images of many aspect ratios, two-image and text-only samples)
@@ -49,13 +52,14 @@ def shard_shapes(mesh_shape):
 
     xr.use_spmd()
     env = SimpleNamespace(kind="xla", device=torch_xla.device(), mesh=parallel.make_mesh(mesh_shape, [1, 1, 1], 4))
-    model = build_model(vlm_preset("debug"), seed=0)
+    model = apply_lora(build_model(vlm_preset("debug"), seed=0), LoRAConfig(r=4, targets=["llm"]))
     parallel.shard_spmd(model, env)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     parallel.init_optimizer_state(model, optimizer, env)
     params = dict(model.named_parameters())
     names = ["llm.layers.0.attention.wq.weight", "llm.layers.0.attention.wo.weight", "llm.layers.1.feed_forward.w2.weight",
-             "llm.tok_embeddings.weight", "vision.blocks.0.mlp.c_fc.bias", "llm.norm.weight"]
+             "llm.tok_embeddings.weight", "vision.blocks.0.mlp.c_fc.bias", "llm.norm.weight",
+             "llm.layers.0.attention.wq.lora_A.weight", "llm.layers.1.feed_forward.w2.lora_B.weight"]
 
     torch_xla.sync()
     torch_xla.core.xla_model.wait_device_ops()
@@ -107,6 +111,9 @@ def main(shapes, out):
     # packed rows: the dense document mask is the static-shape form XLA compiles
     train.main(common(shapes, out / "xla-packed") + ["--max_iters=5", "--ckpt_interval=0", "--mesh=[2,2,1]", *PACKED])
     results["losses"]["packed"] = [e["loss"] for e in log(out / "xla-packed") if "loss" in e]
+
+    train.main(common(shapes, out / "xla-lora") + LORA + ["--mesh=[1,2,2]", "--activation_checkpointing=True"])
+    results["losses"]["lora"] = [e["loss"] for e in log(out / "xla-lora") if "loss" in e]
 
     # compiles: 10 steps of varying data (stage 0, with a dropped sample or two from a short seq_len)
     d = out / "compiles"
