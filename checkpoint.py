@@ -249,7 +249,8 @@ def quiet():
 
 
 def planners(env):
-    """(save planner, load planner): torch_xla's SPMD ones on XLA, with its save planner's data loss fixed."""
+    """(save planner, load planner): torch_xla's SPMD ones on XLA, with its save planner's data loss fixed. New ones
+    for every save and load: torch_xla's save planner remembers the shards it has written."""
     if env.kind != "xla":
         return None, None
     import dataclasses
@@ -286,7 +287,6 @@ class Checkpointer:
     def __init__(self, env, cfg):
         self.env, self.cfg, self.thread, self.error, self.buffers = env, cfg, None, None, {}
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        self.save_planner, self.load_planner = planners(env)
 
     def wait(self):
         """Block until the write in flight (if any) is committed; a failed one stops the run, named."""
@@ -361,7 +361,7 @@ class Checkpointer:
                 return
             writer = dcp.FileSystemWriter(str(tmp), sync_files=True, single_file_per_rank=True)
             with quiet():
-                dcp.save(staged, storage_writer=writer, planner=self.save_planner, process_group=self.group)
+                dcp.save(staged, storage_writer=writer, planner=planners(env)[0], process_group=self.group)
             time.sleep(float(os.environ.get("LLAVAX_TEST_SLOW_CHECKPOINT", "0")))  # tests only: a slow disk
             mine = describe(sorted(tmp.glob(f"__{rank}_*.distcp")))
             every = [None] * (dist.get_world_size(self.group) if self.group is not None else 1)
@@ -457,7 +457,7 @@ class Checkpointer:
                              f"{len(missing)} tensors missing ({', '.join(missing[:3])}), {len(extra)} not in this run "
                              f"({', '.join(extra[:3])}), {len(wrong)} of another shape ({', '.join(wrong[:3])}); "
                              f"{len(state['param_groups'])} optimizer groups saved, {len(groups)} now")
-        dcp.load(tensors, storage_reader=dcp.FileSystemReader(str(path)), planner=self.load_planner,
+        dcp.load(tensors, storage_reader=dcp.FileSystemReader(str(path)), planner=planners(env)[1],
                  process_group=self.group)
         weights = {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}
         moments = {}
@@ -547,7 +547,7 @@ def wait_for_stop_writer(out):
 # allow_config_change (the model itself always comes from the checkpoint). Every other key may change: the world
 # size and micro_batch_size among them (the global batch and the sample order are what must hold).
 FIXED_ON_RESUME = ("seed", "batch_size", "pack", "max_tiles", "seq_len", "data_dir", "tokenizer", "template",
-                   "image_mode", "shuffle_block", "stage", "model", "model_overrides", "lora")
+                   "image_mode", "shuffle_block", "stage", "model", "model_overrides")  # lora: add_lora refuses a change
 
 
 def check_resume_config(path, cfg, env):

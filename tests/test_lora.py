@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import ROOT, image_batch, tiny_hf_llava
+from conftest import ROOT, checkpoint_tensors, image_batch, tiny_hf_llava
 from safetensors.torch import load_file, save_file
 from test_convert import anyres_logits, tiny_hf_anyres
 from shapes import make_shapes
@@ -392,13 +392,18 @@ def base(tmp_path_factory):
     return out / "init"
 
 
+def step_weights(step):
+    """A training step's weights by our names (its DCP shards, read whole)."""
+    return {k[len("model."):]: v for k, v in checkpoint_tensors(step, "model.").items()}
+
+
 def lora_args(shapes, out, base, dropout, *extra):
     return args(shapes, out, f"--init_from={base}", "--stage=2", LORA % dropout, LR_SCALE, *extra)
 
 
 def test_lora_run_trains_adapters_and_projector_only_and_resumes_exactly(shapes, base, tmp_path):
     run(lora_args(shapes, tmp_path / "a", base, 0.1, "--max_iters=6", "--ckpt_interval=3", "--keep_last=5"))
-    before, after = load_file(base / "model.safetensors"), load_file(tmp_path / "a/step-000006/model.safetensors")
+    before, after = load_file(base / "model.safetensors"), step_weights(tmp_path / "a/step-000006")
     assert {k for k in before if not torch.equal(before[k], after[k])} == {k for k in before if k.startswith("projector.")}
     new = sorted(set(after) - set(before))
     assert len(new) == 2 * 7 * 2 and all(re.fullmatch(r"llm\.layers\.\d\.(attention|feed_forward)\.w\d?[qkvo]?\."
@@ -416,7 +421,7 @@ def test_lora_run_trains_adapters_and_projector_only_and_resumes_exactly(shapes,
                         "--lora={'r': 8, 'targets': ['llm']}"))
     r = run(args(shapes, tmp_path / "c", f"--init_from={tmp_path / 'a/step-000006'}", "--stage=1", "--max_iters=1"))
     assert "merging its LoRA adapters" in r.stdout
-    assert not any("lora" in k for k in load_file(tmp_path / "c/step-000001/model.safetensors"))
+    assert not any("lora" in k for k in step_weights(tmp_path / "c/step-000001"))
 
 
 @pytest.fixture(scope="module")
@@ -440,7 +445,7 @@ def test_lora_under_torchrun_fsdp_matches_the_single_process_run_and_resumes_exa
     run(lora_args(shapes, tmp_path / "a", base, 0.0, "--max_iters=4", *fsdp), nproc=2)
     a, b = losses(lora_run), losses(tmp_path / "a")
     assert all(abs(a[s] - b[s]) <= 1e-5 * a[s] for s in a), (a, b)
-    before, after = load_file(base / "model.safetensors"), load_file(tmp_path / "a/step-000004/model.safetensors")
+    before, after = load_file(base / "model.safetensors"), step_weights(tmp_path / "a/step-000004")
     assert all(torch.equal(before[k], after[k]) for k in before if not k.startswith("projector."))
     (tmp_path / "b").mkdir()
     shutil.copytree(tmp_path / "a/step-000002", tmp_path / "b/step-000002")
