@@ -60,7 +60,7 @@ class Env:
                 # addresses included (torch 2.9: the restart then fails to connect): one key prefix per attempt
                 store, _, _ = next(dist.rendezvous("env://"))
                 store = dist.PrefixStore(f"llavax/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-                # an hour, not NCCL's 10 minutes: the other ranks wait while rank 0 writes a 7B checkpoint
+                # an hour, not NCCL's 10 minutes: a save waits for the checkpoint write still in flight
                 dist.init_process_group("nccl" if kind == "cuda" else "gloo", store=store, rank=self.rank,
                                         world_size=self.world, timeout=timedelta(minutes=60),
                                         device_id=self.device if kind == "cuda" else None)

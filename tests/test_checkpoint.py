@@ -180,3 +180,20 @@ def test_a_step_directory_reads_as_a_model_and_consolidates(single_run_10, tmp_p
     convert.llava_to_hf(step, tmp_path / "hf1")
     convert.llava_to_hf(tmp_path / "model", tmp_path / "hf2")
     assert (tmp_path / "hf1/model.safetensors").read_bytes() == (tmp_path / "hf2/model.safetensors").read_bytes()
+
+
+def test_consolidate_holds_one_tensor_at_a_time(single_run_10, tmp_path, monkeypatch):
+    import weakref
+
+    alive, most, read = weakref.WeakSet(), [0], checkpoint.SavedTensor.detach
+
+    def tracked(self):
+        t = read(self)
+        alive.add(t)
+        most[0] = max(most[0], len(alive))
+        return t
+
+    monkeypatch.setattr(checkpoint.SavedTensor, "detach", tracked)
+    convert.main(["consolidate", "--ckpt", str(single_run_10 / "step-000010"), "--out", str(tmp_path / "model")])
+    assert most[0] == 1  # each tensor is read, written and dropped before the next
+    assert (tmp_path / "model/model.safetensors").exists()
