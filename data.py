@@ -789,7 +789,7 @@ class Loader:
         differ = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
         if differ:
             raise ValueError(f"data loader state does not match this run (saved, now): {differ}")
-        consumed = state.get("global_position", state["position"] * state["world_size"])
+        consumed = state["position"] * state.get("world_size", 1)  # global: every rank is at the same position
         if consumed % (s.samples_per_batch * s.world_size):  # the global batch changed with the world size
             raise ValueError(f"the checkpoint's loader stopped after {consumed} samples, which is not a whole number "
                              f"of this run's global batches ({s.world_size} ranks x {s.samples_per_batch} samples): "
