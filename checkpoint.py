@@ -70,7 +70,10 @@ def describe(files):
         return {f.name: {"size": f.stat().st_size, "sha256": d} for f, d in zip(files, pool.map(file_sha256, files))}
 
 
-def write_manifest(path, files):
+def write_manifest(path, files=None):
+    """manifest.json: {name: {size, sha256}} of `files` (default: every file in `path`, read back from disk)."""
+    if files is None:
+        files = describe([f for f in sorted(Path(path).iterdir()) if f.is_file() and f.name != MANIFEST])
     tmp = Path(path) / f"{MANIFEST}.tmp"
     tmp.write_text(json.dumps({"files": dict(sorted(files.items()))}, indent=2))
     fsync(tmp)
