@@ -581,6 +581,37 @@ def _chunk_loss(h, weight, targets):
     return F.cross_entropy(logits, targets.flatten(), ignore_index=-100, reduction="sum")
 
 
+DPO_LOSSES = ("sigmoid", "ipo", "hinge")
+
+
+def dpo_loss(logps, ref_logps, n_tokens, beta, kind="sigmoid", sft_weight=0.0):
+    """Preference loss over rows [chosen..., rejected...] (2B,): logps and ref_logps are each row's summed completion
+    log-probs under the policy and the frozen reference, n_tokens its completion length. TRL 1.16's DPOTrainer
+    formulas: the mean over the B pairs (ipo length-normalised as TRL does), plus sft_weight x the mean NLL of the
+    chosen tokens (TRL's "sft" loss; LLaVA-NeXT's gamma). Returns (loss, metrics: means over the pairs, detached)."""
+    chosen, rejected = logps.chunk(2)
+    chosen_ratio, rejected_ratio = (chosen - ref_logps.chunk(2)[0]), (rejected - ref_logps.chunk(2)[1])
+    n_chosen, n_rejected = n_tokens.to(logps.dtype).clamp(min=1).chunk(2)
+    delta = chosen_ratio - rejected_ratio
+    if kind == "sigmoid":
+        losses = -F.logsigmoid(beta * delta)
+    elif kind == "hinge":
+        losses = torch.relu(1 - beta * delta)
+    elif kind == "ipo":  # per-token log ratios, so beta means the same whatever the lengths
+        losses = (chosen_ratio / n_chosen - rejected_ratio / n_rejected - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"dpo_loss {kind!r}: expected one of {DPO_LOSSES}")
+    loss = losses.mean()
+    if sft_weight:
+        loss = loss + sft_weight * -chosen.sum() / n_tokens.chunk(2)[0].sum().clamp(min=1)
+    chosen_reward, rejected_reward = beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+    metrics = {"rewards/chosen": chosen_reward.mean(), "rewards/rejected": rejected_reward.mean(),
+               "rewards/margins": (chosen_reward - rejected_reward).mean(),
+               "rewards/accuracies": (chosen_reward > rejected_reward).float().mean(),  # strict, as TRL
+               "logps/chosen": chosen.detach().mean(), "logps/rejected": rejected.detach().mean()}
+    return loss, metrics
+
+
 # -----------------------------------------------------------------------------
 # the VLM
 
@@ -651,6 +682,8 @@ class VLM(nn.Module):
             return h
         B, T, D = h.shape
         features = self.encode_images(pixel_values).to(h.dtype)  # (B, S, D)
+        if not packed:
+            features = pair_rows(features, B)
         if packed:
             features, is_image, h = features.reshape(1, -1, D), is_image.reshape(1, -1), h.reshape(1, -1, D)  # one row
         slot = (is_image.long().cumsum(dim=1) - 1).clamp(0, features.shape[1] - 1)  # (B, T)
@@ -668,6 +701,7 @@ class VLM(nn.Module):
         h = self.llm.tok_embeddings(torch.where(is_image, 0, input_ids))  # (B, T, D)
         B, T, D = h.shape
         features = h.new_zeros(B, 0, D) if pixel_values is None else self.encode_images(pixel_values).to(h.dtype)
+        features = pair_rows(features, B)
         newline = features.new_zeros(D) if self.image_newline is None else self.image_newline.to(h.dtype)
         table = torch.cat([newline.expand(B, 1, D), features], dim=1)  # (B, 1 + n_slots * P, D)
         placed = torch.zeros_like(h)
@@ -730,6 +764,12 @@ class VLM(nn.Module):
             h = self.llm.tok_embeddings(token[:, None])  # (B, 1, D)
             logits = self.llm.output(self.llm(h, cache, T + i, pad=None if pad is None else pad[:, : T + i + 1])[:, -1])
         return torch.stack(out, dim=1)
+
+
+def pair_rows(features, n_rows):
+    """Image features (B, S, D) for 2B rows [chosen..., rejected...] (DPO): both rows of a pair read the pair's
+    features, so the ViT runs once a pair."""
+    return features.repeat(2, 1, 1) if n_rows == 2 * features.shape[0] else features
 
 
 def param_group(name):

@@ -30,7 +30,7 @@ import convert
 import data
 from checkpoint import (check_resume_config, checkpoints, load_checkpoint, newest_good_checkpoint, save_checkpoint,
                         wait_for_stop_writer)
-from model import build_model, left_pad, param_group, vlm_preset
+from model import build_model, dpo_loss, left_pad, param_group, vlm_preset
 from parallel import Env, autocast, checkpoint_fn, grad_sync, init_optimizer_state, print0, shard
 
 # -----------------------------------------------------------------------------
@@ -447,6 +447,21 @@ def forward_backward(model, b, env, cfg, scale, poison=False):
     loss = loss * float("nan") if poison else loss  # tests only (LLAVAX_TEST_NONFINITE)
     (loss * scale).backward()
     return loss
+
+
+def sequence_logps(model, b):
+    """Each row's summed log-prob of its supervised (completion) tokens, and their count: (rows,), (rows,)."""
+    _, token_loss = model(b["input_ids"], b["pixel_values"], b["labels"], "none",
+                          image_index=b.get("image_index"), image_weight=b.get("image_weight"))
+    return -token_loss.sum(dim=1), (b["labels"][:, 1:] != -100).sum(dim=1)
+
+
+def preference_loss(model, ref_model, b, cfg):
+    """objective='dpo': rows [chosen..., rejected...] with one image a pair; the reference is frozen."""
+    logps, n_tokens = sequence_logps(model, b)
+    with torch.no_grad():
+        ref_logps, _ = sequence_logps(ref_model, b)
+    return dpo_loss(logps, ref_logps, n_tokens, cfg["dpo_beta"], cfg["dpo_loss"], cfg["dpo_sft_weight"])
 
 
 def main(argv=None):

@@ -1,0 +1,127 @@
+"""DPO against TRL 1.16's DPOTrainer: the same tiny random LLaVA, the same preference pairs with images, the same
+reference model; our loss, metrics and gradients must equal TRL's compute_loss."""
+
+import os
+
+import pytest
+import torch
+from conftest import tiny_hf_llava
+
+import convert
+import train
+from model import build_model
+
+os.environ["USE_TORCH_XLA"] = "0"  # TRL would otherwise import torch_xla and move to an XLA device
+
+IMAGE, EOS, PAD = 511, 2, 0
+N_IMAGE_TOKENS = 4  # 28 px, 14 px patches
+
+
+def our_model(hf, tmp_path, name):
+    hf.save_pretrained(tmp_path / name)
+    state, cfg = convert.llava_from_hf(tmp_path / name)
+    model = build_model(cfg, init=False)
+    model.load_state_dict(state)
+    return model, cfg
+
+
+def preference_pairs(n_pairs=3, seed=0):
+    """Prompts (image placeholders inside), chosen and rejected completions ending in EOS: every length differs."""
+    g = torch.Generator().manual_seed(seed)
+    words = lambda n: torch.randint(3, IMAGE, (n,), generator=g)
+    pairs = []
+    for i in range(n_pairs):
+        prompt = torch.cat([words(1 + i), torch.full((N_IMAGE_TOKENS,), IMAGE), words(3 + 2 * i)])
+        chosen = torch.cat([words(2 + 3 * i), torch.tensor([EOS])])
+        rejected = torch.cat([words(5 - i), torch.tensor([EOS])])
+        pairs.append((prompt, chosen, rejected))
+    return pairs, torch.randn(n_pairs, 3, 28, 28, generator=g)
+
+
+def trl_batch(pairs, pixels):
+    """DataCollatorForVisionPreference's layout: [chosen..., rejected...], prompts left-padded and completions
+    right-padded, then flushed left; pixel_values repeated for the two halves."""
+    from trl.trainer.utils import flush_left, pad
+
+    prompts = [p for p, _, _ in pairs] * 2
+    completions = [c for _, c, _ in pairs] + [r for _, _, r in pairs]
+    prompt_ids = pad(prompts, PAD, "left")
+    prompt_mask = pad([torch.ones_like(p) for p in prompts], 0, "left")
+    completion_ids = pad(completions, PAD, "right")
+    completion_mask = pad([torch.ones_like(c) for c in completions], 0, "right")
+    input_ids = torch.cat([prompt_ids, completion_ids], 1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], 1)
+    completion_mask = torch.cat([torch.zeros_like(prompt_mask), completion_mask], 1)
+    attention_mask, input_ids, completion_mask = flush_left(attention_mask, input_ids, completion_mask)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "completion_mask": completion_mask,
+            "pixel_values": pixels.repeat(2, 1, 1, 1)}
+
+
+def our_batch(pairs, pixels, seq_len):
+    """Ours: [chosen..., rejected...] rows right-padded to a fixed seq_len, completions labelled, one image a pair."""
+    rows = [(p, c) for p, c, _ in pairs] + [(p, r) for p, _, r in pairs]
+    ids = torch.full((len(rows), seq_len), PAD)
+    labels = torch.full((len(rows), seq_len), -100)
+    for i, (prompt, completion) in enumerate(rows):
+        n = len(prompt) + len(completion)
+        ids[i, :n] = torch.cat([prompt, completion])
+        labels[i, len(prompt):n] = completion
+    return {"input_ids": ids, "labels": labels, "pixel_values": pixels}
+
+
+def trl_trainer(policy, ref, loss_type, beta, tmp_path, loss_weights=None):
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models
+    from transformers import CLIPImageProcessor, LlavaProcessor, PreTrainedTokenizerFast
+    from trl import DPOConfig, DPOTrainer
+
+    vocab = {f"t{i}": i for i in range(IMAGE)} | {"<image>": IMAGE}
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t1")),
+                                  pad_token="t0", eos_token="t2", unk_token="t1")
+    processor = LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 28},
+                                                                 crop_size={"height": 28, "width": 28}),
+                               tokenizer=tok, patch_size=14, vision_feature_select_strategy="default")
+    args = DPOConfig(str(tmp_path / "trl"), beta=beta, loss_type=[loss_type] + (["sft"] if loss_weights else []),
+                     loss_weights=loss_weights, report_to=[], use_cpu=True, bf16=False, max_length=None)
+    data = Dataset.from_list([{"image": [[0]], "prompt": "x", "chosen": "y", "rejected": "z"}])
+    return DPOTrainer(policy, ref_model=ref, args=args, train_dataset=data, processing_class=processor,
+                      data_collator=lambda examples: examples)
+
+
+@pytest.mark.parametrize("loss_type,sft_weight", [("sigmoid", 0.0), ("hinge", 0.0), ("ipo", 0.0), ("sigmoid", 0.5)])
+def test_dpo_loss_metrics_and_gradients_match_trl(tmp_path, loss_type, sft_weight):
+    beta = 0.5 if loss_type == "ipo" else 0.1
+    hf_policy, hf_ref = tiny_hf_llava(seed=0), tiny_hf_llava(seed=1)  # a reference unlike the policy: nonzero rewards
+    policy, cfg = our_model(hf_policy, tmp_path, "policy")
+    ref, _ = our_model(hf_ref, tmp_path, "ref")
+    pairs, pixels = preference_pairs()
+
+    trainer = trl_trainer(hf_policy.train(), hf_ref.eval(), loss_type, beta, tmp_path,
+                          [1.0, sft_weight] if sft_weight else None)
+    trl_loss = trainer.compute_loss(trainer.model, trl_batch(pairs, pixels))
+    trl_loss.backward()
+    trl_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items() if k.startswith(("rewards/", "logps/"))}
+
+    vit_images = []
+    policy.vision.register_forward_hook(lambda module, args, out: vit_images.append(args[0].shape[0]))
+    run = {"dpo_beta": beta, "dpo_loss": loss_type, "dpo_sft_weight": sft_weight}
+    loss, metrics = train.preference_loss(policy.train(), ref.eval(), our_batch(pairs, pixels, seq_len=37), run)
+    loss.backward()
+    assert vit_images == [len(pairs)]  # the ViT ran once a pair; TRL runs it on 2 x pairs images
+
+    assert abs(loss.item() - trl_loss.item()) <= 1e-5, (loss.item(), trl_loss.item())
+    assert set(metrics) == set(trl_metrics)
+    for k, v in metrics.items():
+        assert abs(v.item() - trl_metrics[k]) <= 1e-5 * max(1.0, abs(trl_metrics[k])), (k, v.item(), trl_metrics[k])
+    assert abs(trl_metrics["rewards/chosen"]) > 1e-3 and abs(trl_metrics["rewards/rejected"]) > 1e-3  # not trivial
+
+    hf_grads = {convert.hub_name(k): p.grad if p.grad is not None else torch.zeros_like(p)
+                for k, p in hf_policy.named_parameters()}
+    hf_grads = convert.remap(hf_grads, convert.llava_table(cfg), convert.expected_shapes(cfg), "TRL grads")
+    compared = 0
+    for name, p in policy.named_parameters():
+        ours_grad = p.grad if p.grad is not None else torch.zeros_like(p)
+        scale = hf_grads[name].abs().max().item()
+        assert (ours_grad - hf_grads[name]).abs().max().item() <= 1e-4 * max(scale, 1e-3), name
+        compared += scale > 0
+    assert compared > 20  # the LLM, the projector and the ViT below the selected layer all got gradients
