@@ -325,6 +325,25 @@ class DropSample(Exception):
     pass
 
 
+def encode_preference(conv, has_image, template, tok, seq_len, image_token_id, n_image_tokens):
+    """((chosen ids, labels), (rejected ids, labels), truncated) of a preference sample: its last turn is the chosen
+    answer and holds the rejected one under "rejected" (as pack.py writes them). Only that final answer is
+    supervised (earlier answers are prompt, as in TRL); a pair whose answer would start past seq_len is dropped."""
+    last = conv[-1]
+    pair, truncated = [], False
+    for answer in (last["value"], last["rejected"]):
+        answered = conv[:-1] + [{"from": last["from"], "value": answer}]
+        ids, labels, _ = encode_conversation(answered, has_image, template, tok, 1 << 30, image_token_id, n_image_tokens)
+        start = len(labels)
+        while start > 0 and labels[start - 1] != -100:  # back to the first token of the last supervised run
+            start -= 1
+        if start >= seq_len:
+            raise DropSample(f"answer_beyond_seq_len ({start} prompt tokens, seq_len {seq_len})")
+        truncated |= len(ids) > seq_len
+        pair.append((ids[:seq_len], [-100] * start + labels[start:seq_len]))
+    return pair[0], pair[1], truncated
+
+
 def prompt_and_answer(conv, has_image, template, tok, image_token_id, n_image_tokens):
     """The ids the model sees before the first answer (exactly as in training) and that answer's text."""
     ids, labels = tokenize(render(template, conv, tok), tok, image_token_id, n_image_tokens)
@@ -447,13 +466,16 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     def __init__(self, paths, tokenizer, batch_size, seq_len, image_size, image_token_id, n_image_tokens,
                  template="plain", image_mode="pad", split="train", seed=0, rank=0, world_size=1, shuffle_block=1000,
-                 pack=0, fast_images=False, image_mean=CLIP_MEAN, vlm=None, max_tiles=0):
+                 pack=0, fast_images=False, image_mean=CLIP_MEAN, vlm=None, max_tiles=0, preference=False):
         if not isinstance(max_tiles, int) or max_tiles < 0:
             raise ValueError(f"ShardStream: max_tiles must be an integer >= 0 (tile slots a row), got {max_tiles!r}")
         if max_tiles and vlm is None:
             raise ValueError("ShardStream: max_tiles > 0 (tile slots) needs the model config: pass vlm=VLMConfig")
         # max_tiles > 0: each row holds max_tiles tile slots; images are tiled and placed by vlm (encode_tiled)
         self.vlm, self.max_tiles = vlm, max_tiles
+        if preference and (pack or max_tiles):
+            raise ValueError("ShardStream: preference pairs (DPO) read one image a pair: pack and max_tiles must be 0")
+        self.preference = preference  # batches of 2B rows [chosen..., rejected...], one image a pair (pair_batch)
         expected = shard_files(paths, split)
         self.files = list(expected)
         self.index = [(i, s, e) for i, f in enumerate(self.files) for s, e in sample_offsets(f, expected[f])]
@@ -533,6 +555,14 @@ class ShardStream(torch.utils.data.IterableDataset):
                 if blobs else None
         except Exception as e:  # noqa: BLE001  image bytes PIL cannot decode
             raise DropSample(f"unreadable_sample ({type(e).__name__}: {e})") from None
+        if self.preference:
+            if "rejected" not in conv[-1]:
+                raise DropSample("not_a_preference_pair (no rejected answer in its last turn)")
+            chosen, rejected, truncated = encode_preference(conv, bool(blobs), self.template, self.tok, self.seq_len,
+                                                            self.image_token_id, self.n_image_tokens)
+            if truncated:
+                self.skips.add("truncated_not_dropped", where)
+            return chosen, rejected, pixels
         ids, labels, truncated = encode_conversation(conv, bool(blobs), self.template, self.tok, self.seq_len,
                                                      self.image_token_id, self.n_image_tokens)
         if truncated:
@@ -588,6 +618,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         dropped = torch.tensor([e is None for e in encoded])
         if self.max_tiles:
             return self.tiled_batch(sample_ids, encoded, dropped)
+        if self.preference:
+            return self.pair_batch(sample_ids, encoded, dropped)
         images = torch.zeros((N, 3, S, S), dtype=torch.uint8)
         has_image = torch.zeros(N, dtype=torch.bool)
         if self.pack:
@@ -615,6 +647,23 @@ class ShardStream(torch.utils.data.IterableDataset):
             extra = {}
         return {"input_ids": input_ids, "labels": labels, "pixel_values": images,  # uint8: normalize_images on device
                 "has_image": has_image, "dropped": dropped, "sample_id": sample_ids} | extra
+
+    def pair_batch(self, sample_ids, encoded, dropped):
+        """Preference pairs: input_ids and labels (2B, T), rows [chosen..., rejected...] (pair i in rows i and B + i),
+        pixel_values (B, 3, S, S) once a pair. A dropped pair's rows have no labels: dpo_loss leaves them out."""
+        B, T, S = self.batch_size, self.seq_len, self.image_size
+        input_ids = torch.full((2 * B, T), self.tok.pad_id, dtype=torch.long)
+        labels = torch.full((2 * B, T), -100, dtype=torch.long)
+        images = torch.zeros((B, 3, S, S), dtype=torch.uint8)
+        has_image = torch.zeros(B, dtype=torch.bool)
+        for i, e in enumerate(encoded):
+            if e is not None:
+                for row, (ids, lab) in ((i, e[0]), (B + i, e[1])):
+                    input_ids[row, : len(ids)], labels[row, : len(lab)] = torch.tensor(ids), torch.tensor(lab)
+                if e[2] is not None:
+                    images[i], has_image[i] = e[2], True
+        return {"input_ids": input_ids, "labels": labels, "pixel_values": images, "has_image": has_image,
+                "dropped": dropped, "sample_id": sample_ids}
 
     def tiled_batch(self, sample_ids, encoded, dropped):
         """batch() with tile slots: pixel_values (B, max_tiles, 3, S, S) uint8 and image_index / image_weight

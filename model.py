@@ -591,24 +591,27 @@ def dpo_loss(logps, ref_logps, n_tokens, beta, kind="sigmoid", sft_weight=0.0):
     chosen tokens (TRL's "sft" loss; LLaVA-NeXT's gamma). Returns (loss, metrics: means over the pairs, detached)."""
     chosen, rejected = logps.chunk(2)
     chosen_ratio, rejected_ratio = (chosen - ref_logps.chunk(2)[0]), (rejected - ref_logps.chunk(2)[1])
-    n_chosen, n_rejected = n_tokens.to(logps.dtype).clamp(min=1).chunk(2)
+    n_chosen, n_rejected = n_tokens.chunk(2)
+    # a pair the loader dropped has rows with no completion: it is left out of every mean (static shapes)
+    real = ((n_chosen > 0) & (n_rejected > 0)).to(logps.dtype)
+    mean = lambda x: (x * real).sum() / real.sum().clamp(min=1)  # noqa: E731
     delta = chosen_ratio - rejected_ratio
     if kind == "sigmoid":
         losses = -F.logsigmoid(beta * delta)
     elif kind == "hinge":
         losses = torch.relu(1 - beta * delta)
     elif kind == "ipo":  # per-token log ratios, so beta means the same whatever the lengths
-        losses = (chosen_ratio / n_chosen - rejected_ratio / n_rejected - 1 / (2 * beta)) ** 2
+        losses = (chosen_ratio / n_chosen.clamp(min=1) - rejected_ratio / n_rejected.clamp(min=1) - 1 / (2 * beta)) ** 2
     else:
         raise ValueError(f"dpo_loss {kind!r}: expected one of {DPO_LOSSES}")
-    loss = losses.mean()
+    loss = mean(losses)
     if sft_weight:
-        loss = loss + sft_weight * -chosen.sum() / n_tokens.chunk(2)[0].sum().clamp(min=1)
+        loss = loss + sft_weight * -chosen.sum() / n_chosen.sum().clamp(min=1)
     chosen_reward, rejected_reward = beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
-    metrics = {"rewards/chosen": chosen_reward.mean(), "rewards/rejected": rejected_reward.mean(),
-               "rewards/margins": (chosen_reward - rejected_reward).mean(),
-               "rewards/accuracies": (chosen_reward > rejected_reward).float().mean(),  # strict, as TRL
-               "logps/chosen": chosen.detach().mean(), "logps/rejected": rejected.detach().mean()}
+    metrics = {"rewards/chosen": mean(chosen_reward), "rewards/rejected": mean(rejected_reward),
+               "rewards/margins": mean(chosen_reward - rejected_reward),
+               "rewards/accuracies": mean((chosen_reward > rejected_reward).to(logps.dtype)),  # strict, as TRL
+               "logps/chosen": mean(chosen.detach()), "logps/rejected": mean(rejected.detach())}
     return loss, metrics
 
 

@@ -1,11 +1,13 @@
 """DPO against TRL 1.16's DPOTrainer: the same tiny random LLaVA, the same preference pairs with images, the same
 reference model; our loss, metrics and gradients must equal TRL's compute_loss."""
 
+import json
 import os
 
 import pytest
 import torch
 from conftest import tiny_hf_llava
+from test_pack import tok  # noqa: F401  the byte-level tokenizer fixture
 
 import convert
 import train
@@ -76,11 +78,11 @@ def trl_trainer(policy, ref, loss_type, beta, tmp_path, loss_weights=None):
     from trl import DPOConfig, DPOTrainer
 
     vocab = {f"t{i}": i for i in range(IMAGE)} | {"<image>": IMAGE}
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t1")),
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t1")),
                                   pad_token="t0", eos_token="t2", unk_token="t1")
     processor = LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 28},
                                                                  crop_size={"height": 28, "width": 28}),
-                               tokenizer=tok, patch_size=14, vision_feature_select_strategy="default")
+                               tokenizer=hf_tok, patch_size=14, vision_feature_select_strategy="default")
     args = DPOConfig(str(tmp_path / "trl"), beta=beta, loss_type=[loss_type] + (["sft"] if loss_weights else []),
                      loss_weights=loss_weights, report_to=[], use_cpu=True, bf16=False, max_length=None)
     data = Dataset.from_list([{"image": [[0]], "prompt": "x", "chosen": "y", "rejected": "z"}])
@@ -125,3 +127,63 @@ def test_dpo_loss_metrics_and_gradients_match_trl(tmp_path, loss_type, sft_weigh
         assert (ours_grad - hf_grads[name]).abs().max().item() <= 1e-4 * max(scale, 1e-3), name
         compared += scale > 0
     assert compared > 20  # the LLM, the projector and the ViT below the selected layer all got gradients
+
+
+# -----------------------------------------------------------------------------
+# preference records: packed once (both answers, one image), read as chosen and rejected rows
+
+
+def preference(i, prompt, chosen, rejected, **kw):
+    return {"id": f"pair{i}", "image": f"{i}.jpg", "conversations": prompt, "chosen": chosen, "rejected": rejected} | kw
+
+
+def test_preference_records_pack_audit_and_load_as_pair_rows(tmp_path, tok, capsys):  # noqa: F811
+    import pack
+    from test_pack import images_dir, open_stream
+
+    imgs = images_dir(tmp_path)
+    ask = lambda q: [{"from": "human", "value": "<image>\n" + q}]  # noqa: E731
+    multi_turn = ask("What is it?") + [{"from": "gpt", "value": "A dog."}, {"from": "human", "value": "Its colour?"}]
+    good = [preference(0, ask("What is in the image?"), "A dog on a beach.", "A cat on a sofa, sleeping."),
+            preference(1, multi_turn, "Brown.", "It is a blue dog with wings.", image=["1.jpg"])]
+    bad = [preference(2, ask("Q?"), "Yes.", None), preference(3, ask("Q?"), "Same.", " Same. "),
+           {k: v for k, v in preference(4, ask("Q?"), "Yes.", "No.").items() if k != "image"},
+           preference(5, ask("Q?") + [{"from": "gpt", "value": "A."}], "Yes.", "No."),
+           {k: v for k, v in preference(6, ask("Q?"), "Yes.", "No.").items() if k != "chosen"}]
+    (tmp_path / "d.json").write_text(json.dumps(good + bad))
+    skips = pack.pack(tmp_path / "d.json", imgs, tmp_path / "out")
+    assert dict(skips.counts) == {"preference_missing_side": 2, "preference_identical_sides": 1,
+                                  "preference_without_image": 1, "preference_prompt_not_ending_in_question": 1}
+
+    stream = open_stream(tmp_path / "out", tok, preference=True, seq_len=200)
+    b = stream.batch(0)
+    B = 2
+    assert b["input_ids"].shape == b["labels"].shape == (2 * B, 200) and b["pixel_values"].shape == (B, 3, 28, 28)
+    assert b["has_image"].all() and not b["dropped"].any()
+    by_id = {json.loads(stream.read(s)[1]["json"])["id"]: i for i, s in enumerate(b["sample_id"].tolist())}
+    supervised = lambda row: tok.decode([t for t in b["labels"][row].tolist() if t != -100]).strip()  # noqa: E731
+    for rec in good:
+        i = by_id[rec["id"]]
+        assert supervised(i) == rec["chosen"] + "</s>" and supervised(B + i) == rec["rejected"] + "</s>"
+        start = int((b["labels"][i] != -100).nonzero()[0])  # the shared prompt, earlier answers unsupervised
+        assert torch.equal(b["input_ids"][i, :start], b["input_ids"][B + i, :start])
+        assert (b["input_ids"][i, :start] == 999).sum() == 4
+
+    # an SFT stream over the same shards trains on the chosen answer
+    sft = open_stream(tmp_path / "out", tok).batch(0)
+    assert tok.decode([t for t in sft["labels"][by_id["pair0"]].tolist() if t != -100]).strip() == "A dog on a beach.</s>"
+
+    # a pair whose prompt fills seq_len is dropped with a reason, and its rows stay without labels
+    short = open_stream(tmp_path / "out", tok, preference=True, seq_len=140)
+    b = short.batch(0)
+    assert short.skips.counts["answer_beyond_seq_len"] == 1
+    assert b["dropped"].tolist() == [by_id["pair1"] == i for i in (0, 1)]
+    assert short.skips.counts["truncated_not_dropped"] == 1  # pair0: its prompt fits, its answers are cut
+    assert (b["labels"][b["dropped"].repeat(2)] == -100).all()
+
+    from pack import audit
+    assert audit(tmp_path / "out", tok, "vicuna_v1", 200, 28, 4, 999, show=2) == 0
+    out = capsys.readouterr().out
+    assert "rejected: 'A cat on a sofa, sleeping.'" in out and "preference pairs (chosen and rejected" in out
+    with pytest.raises(ValueError, match="pack and max_tiles must be 0"):
+        open_stream(tmp_path / "out", tok, preference=True, pack=2)
