@@ -831,6 +831,7 @@ def main(argv=None):
     b.add_argument("--image-size", type=int, default=48)
     b.add_argument("--turns", type=int, default=1, help="questions per image, as a multi-turn conversation")
     b.add_argument("--images", type=int, default=1, help="2: two images a sample, 'Which image has more circles?'")
+    b.add_argument("--preference", action="store_true", help="also right/wrong answer pairs in OUT/preference (DPO)")
     # function-level imports: pack.py and shapes.py import this file, never the other way round
     from pack import audit_arguments, audit_command
 
@@ -848,7 +849,7 @@ def main(argv=None):
         import shapes  # the demo's dataset lives in its own file; it packs with pack.pack()
 
         shapes.make_shapes(args.out, args.n, args.seed, image_size=args.image_size, turns=args.turns,
-                           images=args.images)
+                           images=args.images, preference=args.preference)
 
 
 if __name__ == "__main__":

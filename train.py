@@ -30,7 +30,8 @@ import convert
 import data
 from checkpoint import (check_resume_config, checkpoints, load_checkpoint, newest_good_checkpoint, save_checkpoint,
                         wait_for_stop_writer)
-from model import build_model, dpo_loss, left_pad, param_group, vlm_preset
+from model import DPO_LOSSES, build_model, left_pad, param_group, vlm_preset
+from model import dpo_loss as pair_loss  # the config key dpo_loss names its kind
 from parallel import Env, autocast, checkpoint_fn, grad_sync, init_optimizer_state, print0, shard
 
 # -----------------------------------------------------------------------------
@@ -94,6 +95,12 @@ activation_checkpointing = False
 loss_chunk = 0  # > 0: cross-entropy over this many positions at a time, never the full fp32 logits
 peak_flops = 0.0  # per device, for MFU; 0 uses the bf16 dense peak of a known GPU
 seed = 0
+# preference training (README "Preference training (DPO)"): rows of chosen and rejected answers from preference shards
+objective = "sft"  # 'sft' (next-token loss) or 'dpo' (against a frozen reference: the init_from checkpoint)
+dpo_beta = 0.1
+dpo_loss = "sigmoid"  # 'sigmoid' (DPO), 'ipo' (length-normalised, as TRL), 'hinge'
+dpo_sft_weight = 0.0  # + this x the chosen answers' token NLL (LLaVA-NeXT's gamma; TRL's "sft" loss)
+dpo_reference = ""  # the reference checkpoint; '' is init_from (name it when resuming: init_from is then 'resume')
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, list, dict))}
 
 # -----------------------------------------------------------------------------
@@ -178,10 +185,26 @@ def load_config(argv):
         raise SystemExit(f"config: parallel must be 'ddp' or 'fsdp', got {cfg['parallel']!r}")
     if cfg["dtype"] not in ("float32", "bfloat16"):
         raise SystemExit(f"config: dtype must be 'float32' or 'bfloat16', got {cfg['dtype']!r}")
+    check_objective(cfg)
     unknown = set(cfg["lr_scale"]) - {"vision", "projector", "llm"}
     if unknown:
         raise SystemExit(f"config: lr_scale has unknown modules {sorted(unknown)}")
     return cfg
+
+
+def check_objective(cfg):
+    if cfg["objective"] not in ("sft", "dpo"):
+        raise SystemExit(f"config: objective must be 'sft' or 'dpo', got {cfg['objective']!r}")
+    if cfg["dpo_loss"] not in DPO_LOSSES:
+        raise SystemExit(f"config: dpo_loss must be one of {DPO_LOSSES}, got {cfg['dpo_loss']!r}")
+    if cfg["dpo_beta"] <= 0 or cfg["dpo_sft_weight"] < 0:
+        raise SystemExit(f"config: dpo_beta must be > 0 and dpo_sft_weight >= 0, got {cfg['dpo_beta']}, "
+                         f"{cfg['dpo_sft_weight']}")
+    if cfg["objective"] == "dpo" and (cfg["pack"] or cfg["max_tiles"]):
+        raise SystemExit("config: objective='dpo' reads one image a pair into fixed rows: pack and max_tiles must be 0")
+    if cfg["objective"] == "dpo" and (cfg["dpo_reference"] or cfg["init_from"]) in ("scratch", "resume"):
+        raise SystemExit("config: objective='dpo' needs a reference checkpoint: init_from (the SFT checkpoint the run "
+                         "starts from), or dpo_reference=DIR when init_from is 'resume' or 'scratch'")
 
 
 def model_config(cfg):
@@ -437,16 +460,59 @@ def tiled_answer_accuracy(raw, stream, env, cfg, n, show=5):
 # the loop
 
 
-def forward_backward(model, b, env, cfg, scale, poison=False):
+def forward_backward(model, b, env, cfg, scale, poison=False, ref_model=None, metrics=None):
     """One micro-step's summed loss; backward runs outside autocast. Inside it, autocast's weight-cast cache
     (global, cleared when a thread leaves its outermost autocast) handed torch_xla's checkpoint recompute, on the
     autograd thread, the casts its no-grad forward had cached: the first block recomputed (the last) lost its grads."""
     with autocast(env, cfg):
-        _, loss = model(b["input_ids"], b["pixel_values"], b["labels"], "sum", b.get("position_ids"),
-                        image_index=b.get("image_index"), image_weight=b.get("image_weight"))
+        if ref_model is not None:  # objective='dpo': the mean over the micro-batch's pairs
+            loss, pair_metrics = preference_loss(model, ref_model, b, cfg)
+            for k, v in pair_metrics.items():
+                metrics[k] = metrics.get(k, 0.0) + v
+        else:
+            _, loss = model(b["input_ids"], b["pixel_values"], b["labels"], "sum", b.get("position_ids"),
+                            image_index=b.get("image_index"), image_weight=b.get("image_weight"))
     loss = loss * float("nan") if poison else loss  # tests only (LLAVAX_TEST_NONFINITE)
     (loss * scale).backward()
     return loss
+
+
+def loss_units(b, cfg):
+    """What a step's loss is divided by, summed over micro-steps and ranks: supervised tokens (sft, whose loss is a
+    sum over them), or micro-batches (dpo, whose loss is already a mean over the micro-batch's pairs)."""
+    return (b["labels"][:, 1:] != -100).sum() if cfg["objective"] == "sft" else torch.ones((), device=b["labels"].device)
+
+
+def reference_model(cfg, env, build_on):
+    """objective='dpo': the frozen reference, placed as the policy is (FSDP/SPMD-sharded, or whole under DDP)."""
+    source = cfg["dpo_reference"] or cfg["init_from"]
+    try:
+        ref = convert.load_model(source, device=build_on).requires_grad_(False).eval()
+    except (convert.ConversionError, OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"dpo reference {str(source)!r}: cannot load the model ({e})") from None
+    print0(env, f"dpo: reference model {source} (frozen), loss {cfg['dpo_loss']}, beta {cfg['dpo_beta']}")
+    return ref if env.distributed and env.kind != "xla" and cfg["parallel"] == "ddp" else shard(ref, env, cfg)
+
+
+@torch.no_grad()
+def evaluate_preference(model, ref_model, val_loader, env, cfg, n_batches, vision):
+    """Validation loss and metrics of objective='dpo' on the same held-out pairs every time."""
+    model.eval()
+    sums, n = {}, 0
+    val_loader.position = 0
+    for i, batch in enumerate(val_loader):
+        if i == n_batches:
+            break
+        b = device_batch(batch, env, vision)
+        with autocast(env, cfg):
+            loss, metrics = preference_loss(model, ref_model, b, cfg)
+        for k, v in ({"loss": loss} | metrics).items():
+            sums[k] = sums.get(k, 0.0) + v
+        n += 1
+        env.step_end()
+    model.train()
+    total = env.all_sum(torch.tensor(float(n), device=env.device))
+    return {f"val_{k}": (env.all_sum(v) / total).item() for k, v in sums.items()}
 
 
 def sequence_logps(model, b):
@@ -461,7 +527,7 @@ def preference_loss(model, ref_model, b, cfg):
     logps, n_tokens = sequence_logps(model, b)
     with torch.no_grad():
         ref_logps, _ = sequence_logps(ref_model, b)
-    return dpo_loss(logps, ref_logps, n_tokens, cfg["dpo_beta"], cfg["dpo_loss"], cfg["dpo_sft_weight"])
+    return pair_loss(logps, ref_logps, n_tokens, cfg["dpo_beta"], cfg["dpo_loss"], cfg["dpo_sft_weight"])
 
 
 def main(argv=None):
@@ -537,6 +603,7 @@ def main(argv=None):
     if cfg["compile"]:
         compile_blocks(raw)
     model = shard(raw, env, cfg)
+    ref_model = reference_model(cfg, env, build_on) if cfg["objective"] == "dpo" else None
     optimizer = make_optimizer(raw, cfg, env)
     init_optimizer_state(raw, optimizer, env)
     n_trained = sum(p.numel() for p in raw.parameters() if p.requires_grad)
@@ -554,6 +621,7 @@ def main(argv=None):
                    "image_mean": raw.cfg.vision.image_stats[0]}
     if cfg["max_tiles"]:  # tiles and placement by the model's config (anyres, grid_pinpoints, image_layout)
         stream_args |= {"vlm": raw.cfg, "max_tiles": cfg["max_tiles"]}
+    stream_args["preference"] = cfg["objective"] == "dpo"  # rows [chosen..., rejected...], one image a pair
     try:
         loader = data.Loader(data.ShardStream(cfg["data_dir"], split="train", **stream_args), cfg["num_workers"])
     except (OSError, ValueError) as e:
@@ -613,6 +681,7 @@ def main(argv=None):
     loss_sum, tokens_sum = torch.zeros((), device=env.device), torch.zeros((), device=env.device)
     t_last, data_wait, it = time.perf_counter(), 0.0, start
     rows_done, dropped = 0, 0
+    dpo_metrics = {}  # objective='dpo': rewards/* and logps/* summed over micro-steps until the next log line
     per_row = max(1, cfg["pack"])  # samples read per row
     # FLOPs of a row: one sample of seq_len tokens, or `pack` samples of seq_len / pack (attention within each)
     # with max_tiles the ViT runs on every slot of a row, however many images its samples hold
@@ -635,11 +704,12 @@ def main(argv=None):
         # the loss is a sum over supervised tokens divided by their count over all micro-steps and ranks;
         # DDP and FSDP average gradients over ranks, hence the factor world
         micro = [device_batch(b, env, raw.cfg.vision) for b in micro]
-        count = env.all_sum(sum((b["labels"][:, 1:] != -100).sum() for b in micro).float())
+        count = env.all_sum(sum(loss_units(b, cfg) for b in micro).float())
         step_loss = torch.zeros((), device=env.device)
         for i, b in enumerate(micro):
             with grad_sync(model, env, cfg, i == grad_accum - 1):
-                loss = forward_backward(model, b, env, cfg, env.replicas / count.clamp(min=1), poison=it in poison)
+                loss = forward_backward(model, b, env, cfg, env.replicas / count.clamp(min=1), poison=it in poison,
+                                        ref_model=ref_model, metrics=dpo_metrics)
             step_loss += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf"))
         # a non-finite loss or gradient skips the update (the batch is consumed, as with skip_steps). Under XLA the
@@ -700,6 +770,11 @@ def main(argv=None):
                 import torch_xla.debug.metrics as met
 
                 event["xla_compiles"] = (met.metric_data("CompileTime") or [0])[0]
+            if dpo_metrics:  # means over the interval's micro-steps and ranks, as the loss
+                n_micro = env.all_sum(torch.tensor(float(len(micro) * rows_done / cfg["batch_size"]), device=env.device))
+                event |= {k: (env.all_sum(v) / n_micro).item() for k, v in dpo_metrics.items()}
+                print0(env, f"step {it}: " + ", ".join(f"{k} {event[k]:.4f}" for k in dpo_metrics))
+                dpo_metrics.clear()
             mfu = f"{100 * event['mfu']:.1f}%" if peak else "n/a"
             print0(env, f"step {it}: loss {loss_val:.4f}, lr {lr_now:.2e}, grad norm {event['grad_norm']:.3f}, "
                    f"{tok_s:,.0f} tok/s, {event['samples_per_s']:.1f} samples/s, MFU {mfu}, data wait "
@@ -711,9 +786,14 @@ def main(argv=None):
             tokens_sum.zero_()
             t_last, data_wait, rows_done, dropped = time.perf_counter(), 0.0, 0, 0
         if val_loader and cfg["eval_interval"] and (it % cfg["eval_interval"] == 0 or it == cfg["max_iters"]):
-            val = evaluate(model, val_loader, env, cfg, cfg["eval_iters"], raw.cfg.vision)
-            print0(env, f"step {it}: val loss {val:.4f}")
-            log({"step": it, "val_loss": val})
+            if ref_model is not None:
+                val = evaluate_preference(model, ref_model, val_loader, env, cfg, cfg["eval_iters"], raw.cfg.vision)
+                print0(env, f"step {it}: " + ", ".join(f"{k} {v:.4f}" for k, v in val.items()))
+                log({"step": it} | val)
+            else:
+                val = evaluate(model, val_loader, env, cfg, cfg["eval_iters"], raw.cfg.vision)
+                print0(env, f"step {it}: val loss {val:.4f}")
+                log({"step": it, "val_loss": val})
             t_last = time.perf_counter()
         stopping = env.agree(stop["requested"])
         if stopping or (cfg["ckpt_interval"] and it % cfg["ckpt_interval"] == 0) or it == cfg["max_iters"]:

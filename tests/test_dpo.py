@@ -2,6 +2,7 @@
 reference model; our loss, metrics and gradients must equal TRL's compute_loss."""
 
 import json
+import math
 import os
 
 import pytest
@@ -187,3 +188,65 @@ def test_preference_records_pack_audit_and_load_as_pair_rows(tmp_path, tok, caps
     assert "rejected: 'A cat on a sofa, sleeping.'" in out and "preference pairs (chosen and rejected" in out
     with pytest.raises(ValueError, match="pack and max_tiles must be 0"):
         open_stream(tmp_path / "out", tok, preference=True, pack=2)
+
+
+# -----------------------------------------------------------------------------
+# train.py objective='dpo': the one loop, a frozen reference, the metrics logged
+
+
+@pytest.fixture(scope="module")
+def shapes_pairs(tmp_path_factory):
+    from shapes import make_shapes
+
+    out = tmp_path_factory.mktemp("shapes_pairs")
+    make_shapes(out, n=240, seed=0, val_fraction=0.1, preference=True)
+    return out
+
+
+def dpo_args(shapes, out, *extra):
+    from conftest import ROOT
+
+    return [str(ROOT / "configs/debug.py"), f"--data_dir={shapes / 'preference'}",
+            f"--tokenizer={shapes / 'tokenizer.model'}", f"--out_dir={out}", "--objective=dpo", "--log_interval=1",
+            "--lr_decay_iters=20", *extra]
+
+
+def debug_init(path):
+    from model import vlm_preset
+
+    cfg = vlm_preset("debug")
+    cfg.vision.image_size, cfg.vision.patch_size, cfg.llm.vocab_size, cfg.image_token_id = 28, 14, 576, 512
+    convert.save_model(build_model(cfg, seed=0), path)
+    return path
+
+
+def test_dpo_training_starts_at_log2_with_zero_rewards_and_separates_the_pairs(shapes_pairs, tmp_path):
+    from safetensors.torch import load_file
+
+    init = debug_init(tmp_path / "init")
+    before = load_file(init / "model.safetensors")
+    train.main(dpo_args(shapes_pairs, tmp_path / "out", f"--init_from={init}", "--max_iters=8", "--eval_interval=8",
+                        "--eval_iters=2", "--lr=2e-3"))
+    events = [json.loads(line) for line in (tmp_path / "out/log.jsonl").read_text().splitlines()]
+    steps = [e for e in events if "rewards/accuracies" in e]
+    assert [e["step"] for e in steps] == list(range(1, 9))
+    # step 1's forward ran before any update: the policy is the reference, so every log ratio is 0
+    assert abs(steps[0]["loss"] - math.log(2)) < 1e-6 and steps[0]["rewards/margins"] == 0.0
+    assert steps[0]["rewards/accuracies"] == 0.0  # strict >: ties are not right
+    assert steps[-1]["rewards/margins"] > 0 and steps[-1]["loss"] < math.log(2)
+    assert steps[-1]["logps/chosen"] > steps[-1]["logps/rejected"]
+    val = next(e for e in events if "val_loss" in e)
+    assert {"val_rewards/accuracies", "val_rewards/margins", "val_logps/chosen"} <= set(val)
+    assert all(torch.equal(v, load_file(init / "model.safetensors")[k]) for k, v in before.items())  # untouched
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--init_from=scratch"], "objective='dpo' needs a reference checkpoint"),
+    (["--dpo_loss=kto"], "dpo_loss must be one of"),
+    (["--objective=ppo"], "objective must be 'sft' or 'dpo'"),
+    (["--pack=2", "--init_from=x"], "pack and max_tiles must be 0"),
+    (["--dpo_beta=0"], "dpo_beta must be > 0"),
+])
+def test_dpo_config_errors_are_one_sentence(tmp_path, extra, message):
+    with pytest.raises(SystemExit, match=message):
+        train.main(dpo_args(tmp_path, tmp_path / "out", "--init_from=ckpt", *extra))
