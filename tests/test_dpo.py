@@ -250,3 +250,23 @@ def test_dpo_training_starts_at_log2_with_zero_rewards_and_separates_the_pairs(s
 def test_dpo_config_errors_are_one_sentence(tmp_path, extra, message):
     with pytest.raises(SystemExit, match=message):
         train.main(dpo_args(tmp_path, tmp_path / "out", "--init_from=ckpt", *extra))
+
+
+@pytest.mark.slow
+def test_dpo_under_torchrun_ddp_and_fsdp_matches_one_process(shapes_pairs, tmp_path):
+    from test_train import run
+
+    init = debug_init(tmp_path / "init")
+    common = [f"--init_from={init}", "--max_iters=4", "--eval_interval=0", "--ckpt_interval=0", "--lr=2e-3"]
+    run(dpo_args(shapes_pairs, tmp_path / "single", *common))
+    for parallel in ("ddp", "fsdp"):  # 2 ranks x 4 pairs = the single run's 8
+        run(dpo_args(shapes_pairs, tmp_path / parallel, *common, f"--parallel={parallel}", "--micro_batch_size=4"),
+            nproc=2)
+    logged = {name: [json.loads(line) for line in (tmp_path / name / "log.jsonl").read_text().splitlines()]
+              for name in ("single", "ddp", "fsdp")}
+    keys = ("loss", "rewards/chosen", "rewards/margins", "rewards/accuracies", "logps/rejected")
+    for name in ("ddp", "fsdp"):
+        for want, got in zip(logged["single"], logged[name], strict=True):
+            for k in keys:
+                assert abs(got[k] - want[k]) <= 1e-5 * max(1.0, abs(want[k])), (name, want["step"], k, got[k], want[k])
+    assert logged["single"][-1]["rewards/margins"] > 0
