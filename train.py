@@ -200,8 +200,8 @@ def check_objective(cfg):
     if cfg["dpo_beta"] <= 0 or cfg["dpo_sft_weight"] < 0:
         raise SystemExit(f"config: dpo_beta must be > 0 and dpo_sft_weight >= 0, got {cfg['dpo_beta']}, "
                          f"{cfg['dpo_sft_weight']}")
-    if cfg["objective"] == "dpo" and (cfg["pack"] or cfg["max_tiles"]):
-        raise SystemExit("config: objective='dpo' reads one image a pair into fixed rows: pack and max_tiles must be 0")
+    if cfg["objective"] == "dpo" and cfg["pack"]:
+        raise SystemExit("config: objective='dpo' reads a pair into two fixed rows: pack must be 0")
     if cfg["objective"] == "dpo" and (cfg["dpo_reference"] or cfg["init_from"]) in ("scratch", "resume"):
         raise SystemExit("config: objective='dpo' needs a reference checkpoint: init_from (the SFT checkpoint the run "
                          "starts from), or dpo_reference=DIR when init_from is 'resume' or 'scratch'")

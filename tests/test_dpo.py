@@ -186,7 +186,7 @@ def test_preference_records_pack_audit_and_load_as_pair_rows(tmp_path, tok, caps
     assert audit(tmp_path / "out", tok, "vicuna_v1", 200, 28, 4, 999, show=2) == 0
     out = capsys.readouterr().out
     assert "rejected: 'A cat on a sofa, sleeping.'" in out and "preference pairs (chosen and rejected" in out
-    with pytest.raises(ValueError, match="pack and max_tiles must be 0"):
+    with pytest.raises(ValueError, match="pack must be 0"):
         open_stream(tmp_path / "out", tok, preference=True, pack=2)
 
 
@@ -244,7 +244,7 @@ def test_dpo_training_starts_at_log2_with_zero_rewards_and_separates_the_pairs(s
     (["--init_from=scratch"], "objective='dpo' needs a reference checkpoint"),
     (["--dpo_loss=kto"], "dpo_loss must be one of"),
     (["--objective=ppo"], "objective must be 'sft' or 'dpo'"),
-    (["--pack=2", "--init_from=x"], "pack and max_tiles must be 0"),
+    (["--pack=2", "--init_from=x"], "pack must be 0"),
     (["--dpo_beta=0"], "dpo_beta must be > 0"),
 ])
 def test_dpo_config_errors_are_one_sentence(tmp_path, extra, message):
@@ -270,3 +270,43 @@ def test_dpo_under_torchrun_ddp_and_fsdp_matches_one_process(shapes_pairs, tmp_p
             for k in keys:
                 assert abs(got[k] - want[k]) <= 1e-5 * max(1.0, abs(want[k])), (name, want["step"], k, got[k], want[k])
     assert logged["single"][-1]["rewards/margins"] > 0
+
+
+def test_tiled_pairs_share_their_tiles_and_match_rows_run_apart(shapes_pairs, tmp_path):
+    """The tile path (anyres_max, max_tiles): a pair's tiles are read once and placed in both its rows; the log-probs
+    equal those of the rows run with their own copy of the tiles (TRL's layout), and the chosen row is the SFT row."""
+    import numpy as np
+
+    import data
+    import pack
+    from model import vlm_preset
+    from shapes import NUMBERS, draw_scene, wrong_answer
+    from test_xla import SIZES
+    from xla_runs import TILED_MODEL
+
+    rng, records = np.random.default_rng(0), []
+    (tmp_path / "images").mkdir()
+    for i in range(6):
+        img, objects = draw_scene(rng, 48)
+        img.resize(SIZES[i]).save(tmp_path / "images" / f"{i}.png")
+        right = NUMBERS[sum(s == "circle" for s, *_ in objects)]
+        records.append({"id": f"p{i}", "image": f"{i}.png", "chosen": right, "rejected": wrong_answer(right, rng),
+                        "conversations": [{"from": "human", "value": "<image>\nHow many circles are there?"}]})
+    (tmp_path / "pairs.json").write_text(json.dumps(records))
+    pack.pack(tmp_path / "pairs.json", tmp_path / "images", tmp_path / "shards")
+    cfg = vlm_preset("debug").with_overrides(TILED_MODEL)
+    stream_args = {"batch_size": 3, "seq_len": 160, "image_size": 28, "image_token_id": 512, "n_image_tokens": 4,
+                   "template": "llama_3", "vlm": cfg, "max_tiles": 5, "shuffle_block": 1}
+    pairs = data.ShardStream(tmp_path / "shards", shapes_pairs / "tokenizer.model", preference=True, **stream_args)
+    sft = data.ShardStream(tmp_path / "shards", shapes_pairs / "tokenizer.model", **stream_args)
+    model = build_model(cfg, seed=0).eval()
+    for k in range(2):
+        b, s = pairs.batch(k), sft.batch(k)
+        assert not b["dropped"].any() and b["pixel_values"].shape == (3, 5, 3, 28, 28)
+        assert torch.equal(b["input_ids"][:3], s["input_ids"]) and torch.equal(b["labels"][:3], s["labels"])
+        assert torch.equal(b["image_index"][:3], s["image_index"]) and torch.equal(b["pixel_values"], s["pixel_values"])
+        pixels = data.normalize_images(b["pixel_values"], *cfg.vision.image_stats)
+        with torch.no_grad():
+            logps, n = train.sequence_logps(model, b | {"pixel_values": pixels})
+            apart, _ = train.sequence_logps(model, b | {"pixel_values": pixels.repeat(2, 1, 1, 1, 1)})
+        assert (n > 0).all() and torch.allclose(logps, apart, rtol=1e-6, atol=1e-5)
