@@ -310,3 +310,11 @@ def test_tiled_pairs_share_their_tiles_and_match_rows_run_apart(shapes_pairs, tm
             logps, n = train.sequence_logps(model, b | {"pixel_values": pixels})
             apart, _ = train.sequence_logps(model, b | {"pixel_values": pixels.repeat(2, 1, 1, 1, 1)})
         assert (n > 0).all() and torch.allclose(logps, apart, rtol=1e-6, atol=1e-5)
+
+
+def test_dpo_onevision_config_parses_as_the_recipe():
+    from conftest import ROOT
+
+    cfg = train.load_config([str(ROOT / "configs/dpo_onevision.py")])
+    assert (cfg["objective"], cfg["dpo_beta"], cfg["lr"], cfg["dpo_sft_weight"]) == ("dpo", 0.1, 5e-7, 0.0)
+    assert cfg["warmup_iters"] == round(0.1 * cfg["max_iters"]) and cfg["min_lr"] == 0.0
