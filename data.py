@@ -335,8 +335,8 @@ def encode_preference(conv, has_image, template, tok, seq_len, image_token_id, n
         answered = conv[:-1] + [{"from": last["from"], "value": answer}]
         ids, labels, _ = encode_conversation(answered, has_image, template, tok, 1 << 30, image_token_id, n_image_tokens,
                                              video_token_id)
-        start = len(labels)
-        while start > 0 and labels[start - 1] != -100:  # back to the first token of the last supervised run
+        start = max(i for i, label in enumerate(labels) if label != -100)  # the answer's last supervised token,
+        while start > 0 and labels[start - 1] != -100:  # then back to the first of its run (ChatML leaves a "\n")
             start -= 1
         if start >= seq_len:
             raise DropSample(f"answer_beyond_seq_len ({start} prompt tokens, seq_len {seq_len})")

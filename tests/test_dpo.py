@@ -318,3 +318,96 @@ def test_dpo_onevision_config_parses_as_the_recipe():
     cfg = train.load_config([str(ROOT / "configs/dpo_onevision.py")])
     assert (cfg["objective"], cfg["dpo_beta"], cfg["lr"], cfg["dpo_sft_weight"]) == ("dpo", 0.1, 5e-7, 0.0)
     assert cfg["warmup_iters"] == round(0.1 * cfg["max_iters"]) and cfg["min_lr"] == 0.0
+
+
+@pytest.mark.slow
+def test_dpo_on_xla_spmd_compiles_once_and_matches_cpu_eager(shapes_pairs, tmp_path):
+    """torch_xla SPMD on 4 CPU devices (fsdp 4): the pair rows and the reference shard like any batch and model;
+    after the first two steps (the second sees AdamW's step count) every step reuses the compiled graphs."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from test_train import run
+
+    init = debug_init(tmp_path / "init")
+    common = [f"--init_from={init}", "--max_iters=6", "--eval_interval=0", "--ckpt_interval=0", "--lr=2e-3",
+              "--seq_len=40"]  # a few pairs drop (answer_beyond_seq_len): still one graph
+    run(dpo_args(shapes_pairs, tmp_path / "cpu", *common))
+    env = os.environ | {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "OMP_NUM_THREADS": "1",
+                        "XLA_FLAGS": "--xla_backend_optimization_level=0"}
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *dpo_args(shapes_pairs, tmp_path / "xla", *common,
+                                                                          "--device=xla")],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cpu, xla = ([json.loads(line) for line in (tmp_path / name / "log.jsonl").read_text().splitlines()]
+                for name in ("cpu", "xla"))
+    assert len(cpu) == len(xla) == 6
+    for want, got in zip(cpu, xla):
+        for k in ("loss", "rewards/margins", "logps/chosen"):
+            assert abs(got[k] - want[k]) <= 1e-4 * max(1.0, abs(want[k])), (want["step"], k, got[k], want[k])
+    compiles = [e["xla_compiles"] for e in xla]
+    assert compiles[1] == compiles[-1], compiles
+
+
+@pytest.mark.parametrize("template", ["llama_3", "chatml"])
+def test_pair_rows_are_trl_vision_collator_rows(tmp_path, template):
+    """TRL's DataCollatorForVisionPreference on our exported processor (its chat template, image expansion):
+    the same token rows and the same supervised positions as our loader, up to padding. ChatML differs in one
+    token: TRL's completion is the rest of the rendered text, so it also supervises the "\\n" after <|im_end|>,
+    which our template (and our SFT) leaves unsupervised: the model stops at <|im_end|>."""
+    from PIL import Image
+    from test_data import bpe_tokenizer
+    from transformers import AutoProcessor
+    from trl.trainer.dpo_trainer import DataCollatorForVisionPreference
+
+    import data
+    import pack
+    from model import vlm_preset
+
+    bpe_tokenizer(tmp_path)
+    bos = {"llama_3": "<|begin_of_text|>", "chatml": None}[template]  # Llama-3's and Qwen2's tokenizer_config
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": bos, "eos_token": None}))
+    tok = data.Tokenizer(tmp_path / "tokenizer.json")  # noqa: F811  not the byte-level fixture
+    cfg = vlm_preset("debug").to_dict()
+    cfg["vision"]["image_size"], cfg["vision"]["patch_size"], cfg["image_token_id"] = 28, 14, tok.vocab_size
+    cfg["llm"]["vocab_size"] = -(-(tok.vocab_size + 1) // 64) * 64
+    cfg = convert.VLMConfig.from_dict(cfg)
+    convert.save_model(build_model(cfg, seed=0), tmp_path / "ckpt", tokenizer_dir=tmp_path)
+    convert.llava_to_hf(tmp_path / "ckpt", tmp_path / "hf", template=template, image_mode="pad")
+    processor = AutoProcessor.from_pretrained(tmp_path / "hf")
+    processor.tokenizer.pad_token = "<|endoftext|>"  # DPOTrainer needs one (its pad_token or eos; this has neither)
+
+    (tmp_path / "images").mkdir()
+    pairs = [("What is it?", "A cat.", "Black."), ("Color? What is it?", "Black cat.", "A."),
+             ("What?", "It is a cat. A black cat.", "What is it? A cat?")]
+    records = []
+    for i, (question, chosen, rejected) in enumerate(pairs):
+        Image.new("RGB", (28 + 9 * i, 28), (40 * i, 90, 200)).save(tmp_path / "images" / f"{i}.png")
+        records.append({"id": f"p{i}", "image": f"{i}.png", "chosen": chosen, "rejected": rejected,
+                        "conversations": [{"from": "human", "value": "<image>\n" + question}]})
+    (tmp_path / "pairs.json").write_text(json.dumps(records))
+    pack.pack(tmp_path / "pairs.json", tmp_path / "images", tmp_path / "shards")
+    stream = data.ShardStream(tmp_path / "shards", tok, batch_size=3, seq_len=96, image_size=28,
+                              image_token_id=cfg.image_token_id, n_image_tokens=cfg.n_image_tokens, template=template,
+                              shuffle_block=1, preference=True)
+    ours = stream.batch(0)
+    order = [json.loads(stream.read(s)[1]["json"])["id"] for s in ours["sample_id"].tolist()]
+
+    theirs = DataCollatorForVisionPreference(processor)([
+        {"images": [Image.open(tmp_path / "images" / f"{rec['id'][1:]}.png")],
+         "prompt": [{"role": "user", "content": rec["conversations"][0]["value"].removeprefix("<image>\n")}],
+         "chosen": [{"role": "assistant", "content": rec["chosen"]}],
+         "rejected": [{"role": "assistant", "content": rec["rejected"]}]} for rec in map(dict(zip(
+             [r["id"] for r in records], records)).get, order)])
+    newline = tok.encode("\n", False)
+    for row in range(6):
+        n = int(theirs["attention_mask"][row].sum())
+        assert theirs["input_ids"][row, :n].tolist() == ours["input_ids"][row, :n].tolist()
+        mask = theirs["completion_mask"][row, :n].bool()
+        supervised = ours["labels"][row, :n] != -100
+        if template == "chatml":  # the one difference: TRL's trailing "\n", never ours
+            assert theirs["input_ids"][row, n - len(newline):n].tolist() == newline and mask[-1]
+            mask[n - len(newline):] = False
+        assert torch.equal(mask, supervised), (row, mask.int().tolist(), supervised.int().tolist())
+        assert (ours["labels"][row, n:] == -100).all()
