@@ -312,12 +312,25 @@ def test_tiled_pairs_share_their_tiles_and_match_rows_run_apart(shapes_pairs, tm
         assert (n > 0).all() and torch.allclose(logps, apart, rtol=1e-6, atol=1e-5)
 
 
-def test_dpo_onevision_config_parses_as_the_recipe():
+def test_dpo_configs_parse_and_onevision_is_the_recipe():
     from conftest import ROOT
 
     cfg = train.load_config([str(ROOT / "configs/dpo_onevision.py")])
     assert (cfg["objective"], cfg["dpo_beta"], cfg["lr"], cfg["dpo_sft_weight"]) == ("dpo", 0.1, 5e-7, 0.0)
     assert cfg["warmup_iters"] == round(0.1 * cfg["max_iters"]) and cfg["min_lr"] == 0.0
+    assert train.load_config([str(ROOT / "configs/dpo_shapes.py")])["objective"] == "dpo"
+
+
+def test_shapes_pairs_reject_a_wrong_answer_of_the_same_kind(shapes_pairs):
+    from shapes import ANSWER_SETS
+
+    pairs = json.loads((shapes_pairs / "preference.json").read_text())
+    sft = {r["id"]: r for r in json.loads((shapes_pairs / "shapes.json").read_text())}
+    assert len(pairs) == len(sft) == 240
+    for p in pairs:
+        assert p["chosen"] == sft[p["id"]]["conversations"][-1]["value"] != p["rejected"]
+        assert any(p["chosen"] in kind and p["rejected"] in kind for kind in ANSWER_SETS)
+    assert len({p["rejected"] for p in pairs}) > 10  # colours, numbers, shapes, yes/no, nothing
 
 
 @pytest.mark.slow
