@@ -565,20 +565,23 @@ class Llama(nn.Module):
         return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]  # (B, 1, T, T): static, XLA compiles it
 
 
-def chunked_cross_entropy(h, weight, targets, chunk, recompute):
+def chunked_cross_entropy(h, weight, targets, chunk, recompute, per_row=False):
     """Summed token losses of logits = h @ weight.T, about `chunk` positions at a time: the same span of every row,
     so a batch-sharded h stays sharded (XLA all-gathered a slice of the flattened batch). Each chunk's logits are
-    recomputed in backward, so the full fp32 (B*T, vocab) logits never exist (2.1 GB at 8 x 2048 x 32k)."""
+    recomputed in backward, so the full fp32 (B*T, vocab) logits never exist (2.1 GB at 8 x 2048 x 32k).
+    per_row: each row's sum (B,), as DPO's sequence log-probs want."""
     span = max(1, chunk // h.shape[0])
-    total = h.new_zeros((), dtype=torch.float32)
+    total = h.new_zeros(h.shape[0] if per_row else (), dtype=torch.float32)
     for i in range(0, h.shape[1], span):
-        total = total + recompute(_chunk_loss, h[:, i : i + span], weight, targets[:, i : i + span])
+        total = total + recompute(partial(_chunk_loss, per_row=per_row), h[:, i : i + span], weight,
+                                  targets[:, i : i + span])
     return total
 
 
-def _chunk_loss(h, weight, targets):
+def _chunk_loss(h, weight, targets, per_row=False):
     logits = F.linear(h, weight).float().flatten(0, 1)  # (B * span, vocab)
-    return F.cross_entropy(logits, targets.flatten(), ignore_index=-100, reduction="sum")
+    loss = F.cross_entropy(logits, targets.flatten(), ignore_index=-100, reduction="none" if per_row else "sum")
+    return loss.view(targets.shape).sum(dim=1) if per_row else loss
 
 
 DPO_LOSSES = ("sigmoid", "ipo", "hinge")
@@ -716,8 +719,9 @@ class VLM(nn.Module):
     def forward(self, input_ids, pixel_values=None, labels=None, loss_reduction="mean", position_ids=None,
                 image_index=None, image_weight=None):
         """Logits (B, T, vocab) and, with labels aligned to input_ids (-100 = ignore), the next-token loss: the mean
-        over supervised tokens, their sum with loss_reduction="sum" (train.py divides by a global count), or
-        per position (B, T) with "none". position_ids (B, T) packs several samples into a row (see Llama.forward).
+        over supervised tokens, their sum with loss_reduction="sum" (train.py divides by a global count), each
+        row's sum (B,) with "row" (DPO), or per position (B, T) with "none". position_ids (B, T) packs several
+        samples into a row (see Llama.forward).
         image_index, image_weight (B, T, taps): tiled images, several a row (see place_features)."""
         packed = position_ids is not None
         if image_index is None:
@@ -730,10 +734,14 @@ class VLM(nn.Module):
         targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # (B, T): position t predicts token t + 1
         if packed:  # the last token of a sample does not predict the first of the next
             targets = targets.masked_fill(F.pad(position_ids[:, 1:], (0, 1), value=0) == 0, -100)
-        if self.loss_chunk and loss_reduction == "sum":
-            return None, chunked_cross_entropy(h, self.llm.output.weight, targets, self.loss_chunk, self.recompute)
+        if self.loss_chunk and loss_reduction in ("sum", "row"):
+            return None, chunked_cross_entropy(h, self.llm.output.weight, targets, self.loss_chunk, self.recompute,
+                                               per_row=loss_reduction == "row")
         logits = self.llm.output(h)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction=loss_reduction)
+        reduction = "none" if loss_reduction == "row" else loss_reduction
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction=reduction)
+        if loss_reduction == "row":
+            return logits, loss.view(targets.shape).sum(dim=1)
         return logits, loss.view(targets.shape) if loss_reduction == "none" else loss
 
     @torch.no_grad()

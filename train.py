@@ -517,9 +517,9 @@ def evaluate_preference(model, ref_model, val_loader, env, cfg, n_batches, visio
 
 def sequence_logps(model, b):
     """Each row's summed log-prob of its supervised (completion) tokens, and their count: (rows,), (rows,)."""
-    _, token_loss = model(b["input_ids"], b["pixel_values"], b["labels"], "none",
-                          image_index=b.get("image_index"), image_weight=b.get("image_weight"))
-    return -token_loss.sum(dim=1), (b["labels"][:, 1:] != -100).sum(dim=1)
+    _, row_loss = model(b["input_ids"], b["pixel_values"], b["labels"], "row",
+                        image_index=b.get("image_index"), image_weight=b.get("image_weight"))
+    return -row_loss, (b["labels"][:, 1:] != -100).sum(dim=1)
 
 
 def preference_loss(model, ref_model, b, cfg):

@@ -110,7 +110,10 @@ def test_dpo_loss_metrics_and_gradients_match_trl(tmp_path, loss_type, sft_weigh
     run = {"dpo_beta": beta, "dpo_loss": loss_type, "dpo_sft_weight": sft_weight}
     loss, metrics = train.preference_loss(policy.train(), ref.eval(), our_batch(pairs, pixels, seq_len=37), run)
     loss.backward()
-    assert vit_images == [len(pairs)]  # the ViT ran once a pair; TRL runs it on 2 x pairs images
+    policy.loss_chunk = ref.loss_chunk = 24  # the chunked head, as loss_chunk > 0 trains: the same loss
+    chunked, _ = train.preference_loss(policy, ref, our_batch(pairs, pixels, seq_len=37), run)
+    assert abs(chunked.item() - loss.item()) <= 1e-6
+    assert vit_images[0] == len(pairs)  # the ViT ran once a pair; TRL runs it on 2 x pairs images
 
     assert abs(loss.item() - trl_loss.item()) <= 1e-5, (loss.item(), trl_loss.item())
     assert set(metrics) == set(trl_metrics)
