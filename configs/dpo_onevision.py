@@ -32,6 +32,7 @@ grad_clip = 1.0
 dtype = "bfloat16"
 parallel = "fsdp"
 activation_checkpointing = True
+loss_chunk = 4096  # the log-probs through the chunked head: no full fp32 logits
 num_workers = 8
 log_interval = 10
 eval_interval = 200
