@@ -490,6 +490,7 @@ def reference_model(cfg, env, build_on):
         ref = convert.load_model(source, device=build_on).requires_grad_(False).eval()
     except (convert.ConversionError, OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"dpo reference {str(source)!r}: cannot load the model ({e})") from None
+    ref.loss_chunk, ref.recompute = cfg["loss_chunk"], checkpoint_fn(env.kind)  # its log-probs as the policy's
     print0(env, f"dpo: reference model {source} (frozen), loss {cfg['dpo_loss']}, beta {cfg['dpo_beta']}")
     return ref if env.distributed and env.kind != "xla" and cfg["parallel"] == "ddp" else shard(ref, env, cfg)
 
