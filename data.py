@@ -327,6 +327,26 @@ class DropSample(Exception):
     pass
 
 
+def encode_preference(conv, has_image, template, tok, seq_len, image_token_id, n_image_tokens, video_token_id=None):
+    """((chosen ids, labels), (rejected ids, labels), truncated) of a preference sample: its last turn is the chosen
+    answer and holds the rejected one under "rejected" (as pack.py writes them). Only that final answer is
+    supervised (earlier answers are prompt, as in TRL); a pair whose answer would start past seq_len is dropped."""
+    last = conv[-1]
+    pair, truncated = [], False
+    for answer in (last["value"], last["rejected"]):
+        answered = conv[:-1] + [{"from": last["from"], "value": answer}]
+        ids, labels, _ = encode_conversation(answered, has_image, template, tok, 1 << 30, image_token_id, n_image_tokens,
+                                             video_token_id)
+        start = max(i for i, label in enumerate(labels) if label != -100)  # the answer's last supervised token,
+        while start > 0 and labels[start - 1] != -100:  # then back to the first of its run (ChatML leaves a "\n")
+            start -= 1
+        if start >= seq_len:
+            raise DropSample(f"answer_beyond_seq_len ({start} prompt tokens, seq_len {seq_len})")
+        truncated |= len(ids) > seq_len
+        pair.append((ids[:seq_len], [-100] * start + labels[start:seq_len]))
+    return pair[0], pair[1], truncated
+
+
 def prompt_and_answer(conv, has_image, template, tok, image_token_id, n_image_tokens):
     """The ids the model sees before the first answer (exactly as in training) and that answer's text."""
     ids, labels = tokenize(render(template, conv, tok), tok, image_token_id, n_image_tokens)
@@ -479,13 +499,16 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     def __init__(self, paths, tokenizer, batch_size, seq_len, image_size, image_token_id, n_image_tokens,
                  template="plain", image_mode="pad", split="train", seed=0, rank=0, world_size=1, shuffle_block=1000,
-                 pack=0, fast_images=False, image_mean=CLIP_MEAN, vlm=None, max_tiles=0):
+                 pack=0, fast_images=False, image_mean=CLIP_MEAN, vlm=None, max_tiles=0, preference=False):
         if not isinstance(max_tiles, int) or max_tiles < 0:
             raise ValueError(f"ShardStream: max_tiles must be an integer >= 0 (tile slots a row), got {max_tiles!r}")
         if max_tiles and vlm is None:
             raise ValueError("ShardStream: max_tiles > 0 (tile slots) needs the model config: pass vlm=VLMConfig")
         # max_tiles > 0: each row holds max_tiles tile slots; images are tiled and placed by vlm (encode_tiled)
         self.vlm, self.max_tiles = vlm, max_tiles
+        if preference and pack:
+            raise ValueError("ShardStream: preference pairs (DPO) are read one pair a row pair: pack must be 0")
+        self.preference = preference  # batches of 2B rows [chosen..., rejected...], one image a pair (pair_batch)
         expected = shard_files(paths, split)
         self.files = list(expected)
         self.index = [(i, s, e) for i, f in enumerate(self.files) for s, e in sample_offsets(f, expected[f])]
@@ -564,11 +587,24 @@ class ShardStream(torch.utils.data.IterableDataset):
                 if blobs else None
         except Exception as e:  # noqa: BLE001  image bytes PIL cannot decode
             raise DropSample(f"unreadable_sample ({type(e).__name__}: {e})") from None
+        if self.preference:
+            return (*self.encode_pair(where, conv, bool(blobs), self.n_image_tokens), pixels)
         ids, labels, truncated = encode_conversation(conv, bool(blobs), self.template, self.tok, self.seq_len,
                                                      self.image_token_id, self.n_image_tokens)
         if truncated:
             self.skips.add("truncated_not_dropped", where)
         return ids, labels, pixels
+
+    def encode_pair(self, where, conv, has_image, n_image_tokens):
+        """(chosen (ids, labels), rejected (ids, labels)) of a preference sample (see encode_preference)."""
+        if "rejected" not in conv[-1]:
+            raise DropSample("not_a_preference_pair (no rejected answer in its last turn)")
+        chosen, rejected, truncated = encode_preference(conv, has_image, self.template, self.tok, self.seq_len,
+                                                        self.image_token_id, n_image_tokens,
+                                                        self.vlm.video_token_id if self.vlm else None)
+        if truncated:
+            self.skips.add("truncated_not_dropped", where)
+        return chosen, rejected
 
     def encode_tiled(self, sample):
         """(ids, labels, tiles (n, 3, S, S) uint8 or None, layouts): each tag expanded to its image's token count
@@ -585,16 +621,20 @@ class ShardStream(torch.utils.data.IterableDataset):
         n_tiles = sum(n for n, _, _ in layouts)
         if n_tiles > self.max_tiles:
             raise DropSample(f"too_many_tiles ({n_tiles} tiles, max_tiles {self.max_tiles})")
-        ids, labels, truncated = encode_conversation(conv, bool(blobs), self.template, self.tok, self.seq_len,
-                                                     self.image_token_id, [len(index) for _, index, _ in layouts],
-                                                     vlm.video_token_id)
-        if truncated:
-            self.skips.add("truncated_not_dropped", where)
+        if self.preference:
+            encoded = self.encode_pair(where, conv, bool(blobs), [len(index) for _, index, _ in layouts])
+        else:
+            ids, labels, truncated = encode_conversation(conv, bool(blobs), self.template, self.tok, self.seq_len,
+                                                         self.image_token_id, [len(index) for _, index, _ in layouts],
+                                                         vlm.video_token_id)
+            encoded = ids, labels
+            if truncated:
+                self.skips.add("truncated_not_dropped", where)
         try:
             tiles = sample_tiles(vlm, kind, blobs, self.image_mode, self.image_mean)
         except Exception as e:  # noqa: BLE001  bytes PIL cannot decode past the header
             raise DropSample(f"unreadable_sample ({type(e).__name__}: {e})") from None
-        return ids, labels, tiles, layouts
+        return *encoded, tiles, layouts
 
     def encode_or_drop(self, sample):
         """encode(sample), or None for a sample that cannot be trained on: counted, and the first few printed."""
@@ -617,6 +657,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         encoded = [self.encode_or_drop(sample) for sample in sample_ids.tolist()]
         # a dropped sample keeps its place as padding with no labels: shapes are static, the position arithmetic holds
         dropped = torch.tensor([e is None for e in encoded])
+        if self.preference:
+            return self.pair_batch(sample_ids, encoded, dropped)
         if self.max_tiles:
             return self.tiled_batch(sample_ids, encoded, dropped)
         images = torch.zeros((N, 3, S, S), dtype=torch.uint8)
@@ -646,6 +688,41 @@ class ShardStream(torch.utils.data.IterableDataset):
             extra = {}
         return {"input_ids": input_ids, "labels": labels, "pixel_values": images,  # uint8: normalize_images on device
                 "has_image": has_image, "dropped": dropped, "sample_id": sample_ids} | extra
+
+    def pair_batch(self, sample_ids, encoded, dropped):
+        """Preference pairs: input_ids and labels (2B, T), rows [chosen..., rejected...] (pair i in rows i and B + i),
+        pixel_values once a pair: (B, 3, S, S), or (B, max_tiles, 3, S, S) with image_index / image_weight (2B, T,
+        taps) placing the pair's tiles in both its rows. A dropped pair's rows have no labels: dpo_loss leaves them
+        out."""
+        from anyres import place_images
+
+        B, T, vlm = self.batch_size, self.seq_len, self.vlm
+        input_ids = torch.full((2 * B, T), self.tok.pad_id, dtype=torch.long)
+        labels = torch.full((2 * B, T), -100, dtype=torch.long)
+        if self.max_tiles:
+            S, taps = vlm.vision.image_size, vlm.image_taps
+            images = torch.zeros((B, self.max_tiles, 3, S, S), dtype=torch.uint8)
+            image_index = torch.zeros((2 * B, T, taps), dtype=torch.long)
+            image_weight = torch.zeros((2 * B, T, taps), dtype=torch.float32)
+        else:
+            images = torch.zeros((B, 3, self.image_size, self.image_size), dtype=torch.uint8)
+        has_image = torch.zeros(B, dtype=torch.bool)
+        for i, e in enumerate(encoded):
+            if e is None:
+                continue
+            for row, (ids, lab) in ((i, e[0]), (B + i, e[1])):
+                input_ids[row, : len(ids)], labels[row, : len(lab)] = torch.tensor(ids), torch.tensor(lab)
+                if self.max_tiles and e[2] is not None:
+                    image_index[row], image_weight[row] = place_images(input_ids[row], e[3], vlm)
+            if e[2] is not None:
+                if self.max_tiles:
+                    images[i, : len(e[2])] = e[2]
+                else:
+                    images[i] = e[2]
+                has_image[i] = True
+        tiled = {"image_index": image_index, "image_weight": image_weight} if self.max_tiles else {}
+        return {"input_ids": input_ids, "labels": labels, "pixel_values": images, "has_image": has_image,
+                "dropped": dropped, "sample_id": sample_ids} | tiled
 
     def tiled_batch(self, sample_ids, encoded, dropped):
         """batch() with tile slots: pixel_values (B, max_tiles, 3, S, S) uint8 and image_index / image_weight

@@ -87,6 +87,7 @@ def main(argv=None):
     b.add_argument("--image-size", type=int, default=48)
     b.add_argument("--turns", type=int, default=1, help="questions per image, as a multi-turn conversation")
     b.add_argument("--images", type=int, default=1, help="2: two images a sample, 'Which image has more circles?'")
+    b.add_argument("--preference", action="store_true", help="also right/wrong answer pairs in OUT/preference (DPO)")
     audit_arguments(sub.add_parser("audit", help="what training would get from a dataset: counts, lengths, prompts, "
                                                  "images, the chat template"))
     args = p.parse_args(argv)
@@ -97,7 +98,7 @@ def main(argv=None):
              overwrite=args.overwrite)
     else:
         shapes.make_shapes(args.out, args.n, args.seed, image_size=args.image_size, turns=args.turns,
-                           images=args.images)
+                           images=args.images, preference=args.preference)
 
 
 if __name__ == "__main__":

@@ -604,20 +604,57 @@ class Llama(nn.Module):
         return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]  # (B, 1, T, T): static, XLA compiles it
 
 
-def chunked_cross_entropy(h, weight, targets, chunk, recompute):
+def chunked_cross_entropy(h, weight, targets, chunk, recompute, per_row=False):
     """Summed token losses of logits = h @ weight.T, about `chunk` positions at a time: the same span of every row,
     so a batch-sharded h stays sharded (XLA all-gathered a slice of the flattened batch). Each chunk's logits are
-    recomputed in backward, so the full fp32 (B*T, vocab) logits never exist (2.1 GB at 8 x 2048 x 32k)."""
+    recomputed in backward, so the full fp32 (B*T, vocab) logits never exist (2.1 GB at 8 x 2048 x 32k).
+    per_row: each row's sum (B,), as DPO's sequence log-probs want."""
     span = max(1, chunk // h.shape[0])
-    total = h.new_zeros((), dtype=torch.float32)
+    total = h.new_zeros(h.shape[0] if per_row else (), dtype=torch.float32)
     for i in range(0, h.shape[1], span):
-        total = total + recompute(_chunk_loss, h[:, i : i + span], weight, targets[:, i : i + span])
+        total = total + recompute(partial(_chunk_loss, per_row=per_row), h[:, i : i + span], weight,
+                                  targets[:, i : i + span])
     return total
 
 
-def _chunk_loss(h, weight, targets):
+def _chunk_loss(h, weight, targets, per_row=False):
     logits = F.linear(h, weight).float().flatten(0, 1)  # (B * span, vocab)
-    return F.cross_entropy(logits, targets.flatten(), ignore_index=-100, reduction="sum")
+    loss = F.cross_entropy(logits, targets.flatten(), ignore_index=-100, reduction="none" if per_row else "sum")
+    return loss.view(targets.shape).sum(dim=1) if per_row else loss
+
+
+DPO_LOSSES = ("sigmoid", "ipo", "hinge")
+
+
+def dpo_loss(logps, ref_logps, n_tokens, beta, kind="sigmoid", sft_weight=0.0):
+    """Preference loss over rows [chosen..., rejected...] (2B,): logps and ref_logps are each row's summed completion
+    log-probs under the policy and the frozen reference, n_tokens its completion length. TRL 1.16's DPOTrainer
+    formulas: the mean over the B pairs (ipo length-normalised as TRL does), plus sft_weight x the mean NLL of the
+    chosen tokens (TRL's "sft" loss; LLaVA-NeXT's gamma). Returns (loss, metrics: means over the pairs, detached)."""
+    chosen, rejected = logps.chunk(2)
+    chosen_ratio, rejected_ratio = (chosen - ref_logps.chunk(2)[0]), (rejected - ref_logps.chunk(2)[1])
+    n_chosen, n_rejected = n_tokens.chunk(2)
+    # a pair the loader dropped has rows with no completion: it is left out of every mean (static shapes)
+    real = ((n_chosen > 0) & (n_rejected > 0)).to(logps.dtype)
+    mean = lambda x: (x * real).sum() / real.sum().clamp(min=1)  # noqa: E731
+    delta = chosen_ratio - rejected_ratio
+    if kind == "sigmoid":
+        losses = -F.logsigmoid(beta * delta)
+    elif kind == "hinge":
+        losses = torch.relu(1 - beta * delta)
+    elif kind == "ipo":  # per-token log ratios, so beta means the same whatever the lengths
+        losses = (chosen_ratio / n_chosen.clamp(min=1) - rejected_ratio / n_rejected.clamp(min=1) - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"dpo_loss {kind!r}: expected one of {DPO_LOSSES}")
+    loss = mean(losses)
+    if sft_weight:
+        loss = loss + sft_weight * -chosen.sum() / n_chosen.sum().clamp(min=1)
+    chosen_reward, rejected_reward = beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+    metrics = {"rewards/chosen": mean(chosen_reward), "rewards/rejected": mean(rejected_reward),
+               "rewards/margins": mean(chosen_reward - rejected_reward),
+               "rewards/accuracies": mean((chosen_reward > rejected_reward).to(logps.dtype)),  # strict, as TRL
+               "logps/chosen": mean(chosen.detach()), "logps/rejected": mean(rejected.detach())}
+    return loss, metrics
 
 
 # -----------------------------------------------------------------------------
@@ -786,6 +823,8 @@ class VLM(nn.Module):
             return h
         B, T, D = h.shape
         features = self.encode_images(pixel_values).to(h.dtype)  # (B, S, D)
+        if not packed:
+            features = pair_rows(features, B)
         if packed:
             features, is_image, h = features.reshape(1, -1, D), is_image.reshape(1, -1), h.reshape(1, -1, D)  # one row
         slot = (is_image.long().cumsum(dim=1) - 1).clamp(0, features.shape[1] - 1)  # (B, T)
@@ -803,6 +842,7 @@ class VLM(nn.Module):
         h = self.llm.tok_embeddings(torch.where(is_image, 0, input_ids))  # (B, T, D)
         B, T, D = h.shape
         features = h.new_zeros(B, 0, D) if pixel_values is None else self.encode_images(pixel_values).to(h.dtype)
+        features = pair_rows(features, B)
         newline = features.new_zeros(D) if self.image_newline is None else self.image_newline.to(h.dtype)
         table = torch.cat([newline.expand(B, 1, D), features], dim=1)  # (B, 1 + n_slots * P, D)
         placed = torch.zeros_like(h)
@@ -814,8 +854,9 @@ class VLM(nn.Module):
     def forward(self, input_ids, pixel_values=None, labels=None, loss_reduction="mean", position_ids=None,
                 image_index=None, image_weight=None):
         """Logits (B, T, vocab) and, with labels aligned to input_ids (-100 = ignore), the next-token loss: the mean
-        over supervised tokens, their sum with loss_reduction="sum" (train.py divides by a global count), or
-        per position (B, T) with "none". position_ids (B, T) packs several samples into a row (see Llama.forward).
+        over supervised tokens, their sum with loss_reduction="sum" (train.py divides by a global count), each
+        row's sum (B,) with "row" (DPO), or per position (B, T) with "none". position_ids (B, T) packs several
+        samples into a row (see Llama.forward).
         image_index, image_weight (B, T, taps): tiled images, several a row (see place_features)."""
         packed = position_ids is not None
         if image_index is None:
@@ -828,10 +869,14 @@ class VLM(nn.Module):
         targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # (B, T): position t predicts token t + 1
         if packed:  # the last token of a sample does not predict the first of the next
             targets = targets.masked_fill(F.pad(position_ids[:, 1:], (0, 1), value=0) == 0, -100)
-        if self.loss_chunk and loss_reduction == "sum":
-            return None, chunked_cross_entropy(h, self.llm.output.weight, targets, self.loss_chunk, self.recompute)
+        if self.loss_chunk and loss_reduction in ("sum", "row"):
+            return None, chunked_cross_entropy(h, self.llm.output.weight, targets, self.loss_chunk, self.recompute,
+                                               per_row=loss_reduction == "row")
         logits = self.llm.output(h)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction=loss_reduction)
+        reduction = "none" if loss_reduction == "row" else loss_reduction
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction=reduction)
+        if loss_reduction == "row":
+            return logits, loss.view(targets.shape).sum(dim=1)
         return logits, loss.view(targets.shape) if loss_reduction == "none" else loss
 
     @torch.no_grad()
@@ -865,6 +910,12 @@ class VLM(nn.Module):
             h = self.llm.tok_embeddings(token[:, None])  # (B, 1, D)
             logits = self.llm.output(self.llm(h, cache, T + i, pad=None if pad is None else pad[:, : T + i + 1])[:, -1])
         return torch.stack(out, dim=1)
+
+
+def pair_rows(features, n_rows):
+    """Image features (B, S, D) for 2B rows [chosen..., rejected...] (DPO): both rows of a pair read the pair's
+    features, so the ViT runs once a pair."""
+    return features.repeat(2, 1, 1) if n_rows == 2 * features.shape[0] else features
 
 
 def param_group(name):

@@ -127,6 +127,22 @@ def check_conversations(rec):
     return None
 
 
+def preference_record(rec):
+    """A preference record ({"image", "conversations": [prompt turns], "chosen", "rejected"}) as the record pack
+    stores: its conversation ends in the chosen answer, which holds the rejected one. Or (None, reason)."""
+    chosen, rejected, conv = rec.get("chosen"), rec.get("rejected"), rec.get("conversations")
+    if not all(isinstance(side, str) and side.strip() for side in (chosen, rejected)):
+        return None, "preference_missing_side"
+    if chosen.strip() == rejected.strip():
+        return None, "preference_identical_sides"  # no preference to learn; DPO's loss would be a constant
+    if not rec.get("image"):
+        return None, "preference_without_image"
+    if not isinstance(conv, list) or not conv or not isinstance(conv[-1], dict) or conv[-1].get("from") not in \
+            ("human", "user"):
+        return None, "preference_prompt_not_ending_in_question"
+    return rec | {"conversations": conv + [{"from": "gpt", "value": chosen, "rejected": rejected}]}, None
+
+
 def image_path(images_dir, name):
     """(path, None), or (None, reason) for a name that is not a plain relative path inside images_dir."""
     name = name[0] if isinstance(name, list) and len(name) == 1 else name
@@ -149,10 +165,17 @@ def prepare_record(args):
     index, rec, images_dir = args
     if not isinstance(rec, dict):
         return None, "malformed_record"
+    preference = "chosen" in rec or "rejected" in rec
+    if preference:
+        rec, reason = preference_record(rec)
+        if reason:
+            return None, reason
     reason = check_conversations(rec)
     if reason:
         return None, reason
     conv = [{"from": t["from"], "value": t["value"]} for t in rec["conversations"]]
+    if preference:
+        conv[-1]["rejected"] = rec["conversations"][-1]["rejected"]
     kind, names = record_images(rec)
     stored = []  # (member extension, bytes): KEY.jpg alone; KEY.0.jpg, KEY.1.png... for several; KEY.f0.jpg... frames
     for n, name in enumerate(names):
@@ -504,7 +527,7 @@ def audit(source, tokenizer, template, seq_len, image_size, n_image_tokens, imag
     p = lambda *a: print(*a, file=out)  # noqa: E731
     p(f"audit: {source} ({split}), template {template}, seq_len {seq_len}, pack {pack} x {rows} rows, "
       f"images {image_size} px {image_mode}, {n_image_tokens} image tokens (id {image_token_id})")
-    outcomes, skips, lengths, supervised, tiles = Counter(), Skips(), [], 0, []
+    outcomes, skips, lengths, supervised, tiles, pairs = Counter(), Skips(), [], 0, [], 0
     mismatched, n_compared = [], 0
     for n, (where, members) in enumerate(audit_sources(source, images_dir, split)):
         if limit and n >= limit:
@@ -568,11 +591,16 @@ def audit(source, tokenizer, template, seq_len, image_size, n_image_tokens, imag
                     lost = tokenize(pieces, tok, image_token_id, n_image_tokens)[0][seq_len:]
                     text += f"\n(cut at seq_len {seq_len}: {len(lost)} tokens lost: {tok.decode(lost)!r})"
                 p(f"\n--- {n}: {where}: {tail}\n{text}")
+                if "rejected" in conv[-1]:
+                    p(f"(preference pair: the answer above is chosen; rejected: {conv[-1]['rejected']!r})")
+            pairs += "rejected" in conv[-1]
         if shown:
             tiles.append((f"{where}: {outcome}", pixels, qa))
     kept = [x for x in lengths if x]
     total = sum(outcomes.values()) - outcomes["truncated"]
     p(f"\nsamples: {total}\n  kept: {outcomes['kept']} (truncated to seq_len: {outcomes['truncated']})")
+    if pairs:
+        p(f"  preference pairs (chosen and rejected answers, objective='dpo'): {pairs} of the kept")
     for reason in sorted(set(outcomes) - {"kept", "truncated"}):
         p(f"  dropped, {reason}: {outcomes[reason]} (first: {', '.join(skips.examples[reason])})")
     if kept:

@@ -89,6 +89,24 @@ def two_scenes(rng, size):
     return first, second, MORE_CIRCLES[answer]
 
 
+ANSWER_SETS = (SHAPES + ("nothing",), tuple(COLORS), ("yes", "no"), NUMBERS, MORE_CIRCLES)
+
+
+def wrong_answer(answer, rng):
+    """A plausible wrong answer: another answer of the same kind (a colour for a colour, a number for a number)."""
+    choices = next(c for c in ANSWER_SETS if answer in c)
+    return str(rng.choice([c for c in choices if c != answer]))
+
+
+def preference_records(records, seed):
+    """The samples as preference pairs for DPO: the prompt is every turn but the last answer, chosen is the right
+    answer and rejected a plausible wrong one."""
+    rng = np.random.default_rng([seed, 1])
+    return [{k: v for k, v in r.items() if k != "conversations"} | {
+        "conversations": r["conversations"][:-1], "chosen": r["conversations"][-1]["value"],
+        "rejected": wrong_answer(r["conversations"][-1]["value"], rng)} for r in records]
+
+
 def train_tokenizer(texts, out_prefix, vocab_size):
     import sentencepiece as spm
 
@@ -100,9 +118,11 @@ def train_tokenizer(texts, out_prefix, vocab_size):
         hard_vocab_limit=False, num_threads=1, minloglevel=2)
 
 
-def make_shapes(out, n=20000, seed=0, val_fraction=0.1, image_size=48, vocab_size=512, turns=1, images=1):
+def make_shapes(out, n=20000, seed=0, val_fraction=0.1, image_size=48, vocab_size=512, turns=1, images=1,
+                preference=False):
     """n samples of one image and `turns` questions, or (images=2) of two images and "Which image has more
-    circles?", in the OneVision format: "image": [first, second] and one <image> tag for each, in order."""
+    circles?", in the OneVision format: "image": [first, second] and one <image> tag for each, in order.
+    preference: the same samples as right/wrong answer pairs too, in out/preference (objective='dpo')."""
     if images not in (1, 2):
         raise SystemExit(f"shapes: --images must be 1 or 2, got {images}")
     out = Path(out)
@@ -137,6 +157,10 @@ def make_shapes(out, n=20000, seed=0, val_fraction=0.1, image_size=48, vocab_siz
     train_tokenizer(texts, out / "tokenizer", vocab_size)
     pack(out / "shapes.json", out / "images", out / "shards", shard_size=2000, val_ids=lambda i: str(i).startswith("val"),
          overwrite=True)
+    if preference:
+        (out / "preference.json").write_text(json.dumps(preference_records(records, seed)))
+        pack(out / "preference.json", out / "images", out / "preference", shard_size=2000,
+             val_ids=lambda i: str(i).startswith("val"), overwrite=True)
     log(f"shapes: {n} samples of {images} image(s), tokenizer {out / 'tokenizer.model'}, shards in {out / 'shards'}")
     return out
 

@@ -29,8 +29,10 @@ import torch.distributed as dist
 import convert
 import data
 from checkpoint import Checkpointer, check_resume_config, checkpoints, newest_good_checkpoint, wait_for_stop_writer
+from dpo import evaluate_preference, preference_loss, reference_model, sequence_logps  # noqa: F401  (tests: train.*)
 from evaluation import device_batch, evaluate, final_accuracy
-from model import LoRAConfig, VLMConfig, apply_lora, build_model, is_lora_parameter, merge_lora, param_group, vlm_preset
+from model import (DPO_LOSSES, LoRAConfig, VLMConfig, apply_lora, build_model, is_lora_parameter, merge_lora,
+                   param_group, vlm_preset)
 from parallel import Env, autocast, checkpoint_fn, grad_sync, init_optimizer_state, print0, shard
 
 # -----------------------------------------------------------------------------
@@ -95,6 +97,12 @@ activation_checkpointing = False
 loss_chunk = 0  # > 0: cross-entropy over this many positions at a time, never the full fp32 logits
 peak_flops = 0.0  # per device, for MFU; 0 uses the bf16 dense peak of a known GPU
 seed = 0
+# preference training (README "Preference training (DPO)"): rows of chosen and rejected answers from preference shards
+objective = "sft"  # 'sft' (next-token loss) or 'dpo' (against a frozen reference: the init_from checkpoint)
+dpo_beta = 0.1
+dpo_loss = "sigmoid"  # 'sigmoid' (DPO), 'ipo' (length-normalised, as TRL), 'hinge'
+dpo_sft_weight = 0.0  # + this x the chosen answers' token NLL (LLaVA-NeXT's gamma; TRL's "sft" loss)
+dpo_reference = ""  # the reference checkpoint; '' is init_from (name it when resuming: init_from is then 'resume')
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, list, dict))}
 
 # -----------------------------------------------------------------------------
@@ -179,11 +187,27 @@ def load_config(argv):
         raise SystemExit(f"config: parallel must be 'ddp' or 'fsdp', got {cfg['parallel']!r}")
     if cfg["dtype"] not in ("float32", "bfloat16"):
         raise SystemExit(f"config: dtype must be 'float32' or 'bfloat16', got {cfg['dtype']!r}")
+    check_objective(cfg)
     unknown = set(cfg["lr_scale"]) - {"vision", "projector", "llm"}
     if unknown:
         raise SystemExit(f"config: lr_scale has unknown modules {sorted(unknown)}")
     lora_config(cfg)
     return cfg
+
+
+def check_objective(cfg):
+    if cfg["objective"] not in ("sft", "dpo"):
+        raise SystemExit(f"config: objective must be 'sft' or 'dpo', got {cfg['objective']!r}")
+    if cfg["dpo_loss"] not in DPO_LOSSES:
+        raise SystemExit(f"config: dpo_loss must be one of {DPO_LOSSES}, got {cfg['dpo_loss']!r}")
+    if cfg["dpo_beta"] <= 0 or cfg["dpo_sft_weight"] < 0:
+        raise SystemExit(f"config: dpo_beta must be > 0 and dpo_sft_weight >= 0, got {cfg['dpo_beta']}, "
+                         f"{cfg['dpo_sft_weight']}")
+    if cfg["objective"] == "dpo" and cfg["pack"]:
+        raise SystemExit("config: objective='dpo' reads a pair into two fixed rows: pack must be 0")
+    if cfg["objective"] == "dpo" and (cfg["dpo_reference"] or cfg["init_from"]) in ("scratch", "resume"):
+        raise SystemExit("config: objective='dpo' needs a reference checkpoint: init_from (the SFT checkpoint the run "
+                         "starts from), or dpo_reference=DIR when init_from is 'resume' or 'scratch'")
 
 
 def model_config(cfg):
@@ -470,6 +494,7 @@ def make_loaders(raw, cfg, env, rows_per_host):
                    "image_mean": raw.cfg.vision.image_stats[0]}
     if cfg["max_tiles"]:  # tiles and placement by the model's config (anyres, grid_pinpoints, image_layout)
         stream_args |= {"vlm": raw.cfg, "max_tiles": cfg["max_tiles"]}
+    stream_args["preference"] = cfg["objective"] == "dpo"  # rows [chosen..., rejected...], one image a pair
     try:
         loader = data.Loader(data.ShardStream(cfg["data_dir"], split="train", **stream_args), cfg["num_workers"])
     except (OSError, ValueError) as e:
@@ -543,6 +568,7 @@ def start_meter(raw, cfg, env):
     meter.loss_sum, meter.tokens_sum = torch.zeros((), device=env.device), torch.zeros((), device=env.device)
     meter.t_last, meter.data_wait = time.perf_counter(), 0.0
     meter.rows_done, meter.dropped = 0, 0
+    meter.dpo, meter.dpo_micro = {}, 0  # objective='dpo': rewards/* and logps/* summed over micro-steps, and their count
     meter.per_row = max(1, cfg["pack"])  # samples read per row
     # FLOPs of a row: one sample of seq_len tokens, or `pack` samples of seq_len / pack (attention within each)
     # with max_tiles the ViT runs on every slot of a row, however many images its samples hold
@@ -557,13 +583,18 @@ def start_meter(raw, cfg, env):
 # the loop
 
 
-def forward_backward(model, b, env, cfg, scale, poison=False):
+def forward_backward(model, b, env, cfg, scale, poison=False, ref_model=None, metrics=None):
     """One micro-step's summed loss; backward runs outside autocast. Inside it, autocast's weight-cast cache
     (global, cleared when a thread leaves its outermost autocast) handed torch_xla's checkpoint recompute, on the
     autograd thread, the casts its no-grad forward had cached: the first block recomputed (the last) lost its grads."""
     with autocast(env, cfg):
-        _, loss = model(b["input_ids"], b["pixel_values"], b["labels"], "sum", b.get("position_ids"),
-                        image_index=b.get("image_index"), image_weight=b.get("image_weight"))
+        if ref_model is not None:  # objective='dpo': the mean over the micro-batch's pairs
+            loss, pair_metrics = preference_loss(model, ref_model, b, cfg)
+            for k, v in pair_metrics.items():
+                metrics[k] = metrics.get(k, 0.0) + v
+        else:
+            _, loss = model(b["input_ids"], b["pixel_values"], b["labels"], "sum", b.get("position_ids"),
+                            image_index=b.get("image_index"), image_weight=b.get("image_weight"))
     loss = loss * float("nan") if poison else loss  # tests only (LLAVAX_TEST_NONFINITE)
     (loss * scale).backward()
     return loss
@@ -576,16 +607,25 @@ def set_lr(optimizer, it, cfg):
     return lr_now
 
 
-def train_step(model, micro, trainable, env, cfg, poison=False):
-    """(summed loss, supervised tokens over all ranks, gradient norm) of one step's micro-batches, gradients
-    accumulated and clipped. The loss is a sum over supervised tokens divided by their count over all micro-steps
-    and ranks; DDP and FSDP average gradients over ranks, hence the factor world."""
-    count = env.all_sum(sum((b["labels"][:, 1:] != -100).sum() for b in micro).float())
+def loss_units(b, cfg):
+    """What a step's loss is divided by, summed over micro-steps and ranks: supervised tokens (sft, whose loss is a
+    sum over them), or micro-batches (dpo, whose loss is already a mean over the micro-batch's pairs)."""
+    return (b["labels"][:, 1:] != -100).sum() if cfg["objective"] == "sft" else torch.ones((), device=b["labels"].device)
+
+
+def train_step(model, micro, trainable, env, cfg, poison=False, ref_model=None, meter=None):
+    """(summed loss, loss units over all ranks, gradient norm) of one step's micro-batches, gradients accumulated
+    and clipped. The loss is a sum over supervised tokens (dpo: pair means) divided by their count over all
+    micro-steps and ranks; DDP and FSDP average gradients over ranks, hence the factor world."""
+    count = env.all_sum(sum(loss_units(b, cfg) for b in micro).float())
     step_loss = torch.zeros((), device=env.device)
     for i, b in enumerate(micro):
         with grad_sync(model, env, cfg, i == len(micro) - 1):
-            loss = forward_backward(model, b, env, cfg, env.replicas / count.clamp(min=1), poison=poison)
+            loss = forward_backward(model, b, env, cfg, env.replicas / count.clamp(min=1), poison=poison,
+                                    ref_model=ref_model, metrics=meter.dpo if meter else None)
         step_loss += loss.detach()
+    if ref_model is not None:
+        meter.dpo_micro += len(micro)
     grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf"))
     return step_loss, count, grad_norm
 
@@ -646,6 +686,11 @@ def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader):
         import torch_xla.debug.metrics as met
 
         event["xla_compiles"] = (met.metric_data("CompileTime") or [0])[0]
+    if meter.dpo:  # means over the interval's micro-steps and ranks, as the loss
+        n_micro = env.all_sum(torch.tensor(float(meter.dpo_micro), device=env.device))
+        event |= {k: (env.all_sum(v) / n_micro).item() for k, v in meter.dpo.items()}
+        print0(env, f"step {it}: " + ", ".join(f"{k} {event[k]:.4f}" for k in meter.dpo))
+        meter.dpo, meter.dpo_micro = {}, 0
     mfu = f"{100 * event['mfu']:.1f}%" if peak else "n/a"
     print0(env, f"step {it}: loss {loss_val:.4f}, lr {lr_now:.2e}, grad norm {event['grad_norm']:.3f}, "
            f"{tok_s:,.0f} tok/s, {event['samples_per_s']:.1f} samples/s, MFU {mfu}, data wait "
@@ -656,6 +701,17 @@ def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader):
     meter.loss_sum.zero_()
     meter.tokens_sum.zero_()
     meter.t_last, meter.data_wait, meter.rows_done, meter.dropped = time.perf_counter(), 0.0, 0, 0
+
+
+def evaluate_and_log(model, ref_model, val_loader, env, cfg, vision, it, log):
+    if ref_model is not None:
+        val = evaluate_preference(model, ref_model, val_loader, env, cfg, cfg["eval_iters"], vision)
+        print0(env, f"step {it}: " + ", ".join(f"{k} {v:.4f}" for k, v in val.items()))
+        log({"step": it} | val)
+    else:
+        val = evaluate(model, val_loader, env, cfg, cfg["eval_iters"], vision)
+        print0(env, f"step {it}: val loss {val:.4f}")
+        log({"step": it, "val_loss": val})
 
 
 def main(argv=None):
@@ -669,6 +725,7 @@ def main(argv=None):
     resume_from = resume_point(out, cfg, env)
     raw = add_lora(init_model(cfg, env, resume_from), cfg, env, resuming=resume_from is not None)
     model, optimizer = apply_backends(raw, cfg, env)
+    ref_model = reference_model(cfg, env) if cfg["objective"] == "dpo" else None
     loader, val_loader, val_stream, stream_args = make_loaders(raw, cfg, env, rows_per_host)
     checkpointer = Checkpointer(env, cfg)
     start = checkpointer.load(resume_from, model, raw, optimizer, loader) if resume_from else 0
@@ -692,7 +749,8 @@ def main(argv=None):
             else:
                 lr_now = set_lr(optimizer, it, cfg)
                 micro = [device_batch(b, env, raw.cfg.vision) for b in micro]
-                step_loss, count, grad_norm = train_step(model, micro, trainable, env, cfg, poison=it in poison)
+                step_loss, count, grad_norm = train_step(model, micro, trainable, env, cfg, poison=it in poison,
+                                                         ref_model=ref_model, meter=meter)
                 update_if_finite(optimizer, step_loss, count, grad_norm, meter, env, it, log)
                 optimizer.zero_grad(set_to_none=True)
                 env.step_end()
@@ -708,9 +766,7 @@ def main(argv=None):
                 log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader)
             evaluate_now = cfg["eval_interval"] and (it % cfg["eval_interval"] == 0 or it == cfg["max_iters"])
             if not skipped and val_loader and evaluate_now:
-                val = evaluate(model, val_loader, env, cfg, cfg["eval_iters"], raw.cfg.vision)
-                print0(env, f"step {it}: val loss {val:.4f}")
-                log({"step": it, "val_loss": val})
+                evaluate_and_log(model, ref_model, val_loader, env, cfg, raw.cfg.vision, it, log)
                 meter.t_last = time.perf_counter()
             checkpointer.poll()
             stopping = env.agree(stop["requested"])
