@@ -397,7 +397,7 @@ def place_image_tags(conv, tag, n):
     [{"type": "image"}, ..., {"type": "text"}]; so do tags written in a system turn (llavax's pack put an untagged
     image there before issue 21), which no chat template renders. Written tags elsewhere stay. No user turn: one
     holding only the tags goes before the first answer."""
-    conv = [{"from": t["from"], "value": t["value"]} for t in conv]
+    conv = [dict(t) for t in conv]  # other keys a turn carries (a preference pair's "rejected") stay
     n_front = 0 if any(tag in t["value"] for t in conv) else n
     for t in (t for t in conv if ROLES[t["from"]] == "system" and tag in t["value"]):
         n_front += t["value"].count(tag)
