@@ -30,7 +30,7 @@ import convert
 import data
 from checkpoint import (check_resume_config, checkpoints, load_checkpoint, newest_good_checkpoint, save_checkpoint,
                         wait_for_stop_writer)
-from model import DPO_LOSSES, build_model, left_pad, param_group, vlm_preset
+from model import DPO_LOSSES, build_model, left_pad, param_group, reward_loss, vlm_preset
 from model import dpo_loss as pair_loss  # the config key dpo_loss names its kind
 from parallel import Env, autocast, checkpoint_fn, grad_sync, init_optimizer_state, print0, shard
 
@@ -101,6 +101,9 @@ dpo_beta = 0.1
 dpo_loss = "sigmoid"  # 'sigmoid' (DPO), 'ipo' (length-normalised, as TRL), 'hinge'
 dpo_sft_weight = 0.0  # + this x the chosen answers' token NLL (LLaVA-NeXT's gamma; TRL's "sft" loss)
 dpo_reference = ""  # the reference checkpoint; '' is init_from (name it when resuming: init_from is then 'resume')
+# objective='reward' (README "Reward models and RL"): a scalar head on the same preference shards, Bradley-Terry loss
+reward_margin = 0.0  # -log sigmoid(r_chosen - r_rejected - margin)
+reward_center_weight = 0.0  # + this x (r_chosen + r_rejected)^2: rewards stay near 0 (TRL's center_rewards_coefficient)
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, list, dict))}
 
 # -----------------------------------------------------------------------------
@@ -192,16 +195,21 @@ def load_config(argv):
     return cfg
 
 
+OBJECTIVES = ("sft", "dpo", "reward")
+
+
 def check_objective(cfg):
-    if cfg["objective"] not in ("sft", "dpo"):
-        raise SystemExit(f"config: objective must be 'sft' or 'dpo', got {cfg['objective']!r}")
+    if cfg["objective"] not in OBJECTIVES:
+        raise SystemExit(f"config: objective must be one of {OBJECTIVES}, got {cfg['objective']!r}")
     if cfg["dpo_loss"] not in DPO_LOSSES:
         raise SystemExit(f"config: dpo_loss must be one of {DPO_LOSSES}, got {cfg['dpo_loss']!r}")
     if cfg["dpo_beta"] <= 0 or cfg["dpo_sft_weight"] < 0:
         raise SystemExit(f"config: dpo_beta must be > 0 and dpo_sft_weight >= 0, got {cfg['dpo_beta']}, "
                          f"{cfg['dpo_sft_weight']}")
-    if cfg["objective"] == "dpo" and cfg["pack"]:
-        raise SystemExit("config: objective='dpo' reads a pair into two fixed rows: pack must be 0")
+    if cfg["objective"] in ("dpo", "reward") and cfg["pack"]:
+        raise SystemExit(f"config: objective={cfg['objective']!r} reads a pair into two fixed rows: pack must be 0")
+    if cfg["reward_center_weight"] < 0:
+        raise SystemExit(f"config: reward_center_weight must be >= 0, got {cfg['reward_center_weight']}")
     if cfg["objective"] == "dpo" and (cfg["dpo_reference"] or cfg["init_from"]) in ("scratch", "resume"):
         raise SystemExit("config: objective='dpo' needs a reference checkpoint: init_from (the SFT checkpoint the run "
                          "starts from), or dpo_reference=DIR when init_from is 'resume' or 'scratch'")
@@ -243,6 +251,22 @@ def freeze(model, stage):
     for name, p in model.named_parameters():
         unused = name.startswith("vision.ln_post") or (name.startswith("vision.blocks.") and int(name.split(".")[2]) >= top)
         p.requires_grad_(param_group(name) in trained and not unused)
+
+
+def add_reward_head(model, seed):
+    """objective='reward' from a checkpoint without one: a scalar head nn.Linear(dim, 1), std 1/sqrt(dim) as
+    init_weights draws it, bias 0. The LM head plays no part in the reward: frozen (DDP needs every trained
+    parameter to reach the loss)."""
+    if model.reward_head is None:
+        model.cfg.reward_head = True
+        dim, weight = model.cfg.llm.dim, model.llm.output.weight
+        model.reward_head = torch.nn.Linear(dim, 1, device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            model.reward_head.weight.normal_(std=dim**-0.5, generator=torch.Generator(weight.device).manual_seed(seed))
+            model.reward_head.bias.zero_()
+    model.reward_head.requires_grad_(True)  # whatever the stage
+    if not model.cfg.llm.tie_embeddings:
+        model.llm.output.weight.requires_grad_(False)
 
 
 def set_checkpointing(model, fn):
@@ -465,8 +489,8 @@ def forward_backward(model, b, env, cfg, scale, poison=False, ref_model=None, me
     (global, cleared when a thread leaves its outermost autocast) handed torch_xla's checkpoint recompute, on the
     autograd thread, the casts its no-grad forward had cached: the first block recomputed (the last) lost its grads."""
     with autocast(env, cfg):
-        if ref_model is not None:  # objective='dpo': the mean over the micro-batch's pairs
-            loss, pair_metrics = preference_loss(model, ref_model, b, cfg)
+        if cfg["objective"] in ("dpo", "reward"):  # the mean over the micro-batch's pairs
+            loss, pair_metrics = pair_objective(model, ref_model, b, cfg)
             for k, v in pair_metrics.items():
                 metrics[k] = metrics.get(k, 0.0) + v
         else:
@@ -496,7 +520,7 @@ def reference_model(cfg, env, build_on):
 
 @torch.no_grad()
 def evaluate_preference(model, ref_model, val_loader, env, cfg, n_batches, vision):
-    """Validation loss and metrics of objective='dpo' on the same held-out pairs every time."""
+    """Validation loss and metrics of objective='dpo' or 'reward' on the same held-out pairs every time."""
     model.eval()
     sums, n = {}, 0
     val_loader.position = 0
@@ -505,7 +529,7 @@ def evaluate_preference(model, ref_model, val_loader, env, cfg, n_batches, visio
             break
         b = device_batch(batch, env, vision)
         with autocast(env, cfg):
-            loss, metrics = preference_loss(model, ref_model, b, cfg)
+            loss, metrics = pair_objective(model, ref_model, b, cfg)
         for k, v in ({"loss": loss} | metrics).items():
             sums[k] = sums.get(k, 0.0) + v
         n += 1
@@ -528,6 +552,31 @@ def preference_loss(model, ref_model, b, cfg):
     with torch.no_grad():
         ref_logps, _ = sequence_logps(ref_model, b)
     return pair_loss(logps, ref_logps, n_tokens, cfg["dpo_beta"], cfg["dpo_loss"], cfg["dpo_sft_weight"])
+
+
+def reward_pairs(model, b, cfg):
+    """objective='reward': rows [chosen..., rejected...] right-padded; the head reads each answer's last token (the
+    last supervised one: the end of turn), attention_mask 1 up to it."""
+    supervised = b["labels"] != -100
+    at = torch.arange(supervised.shape[1], device=supervised.device)
+    last = (at * supervised).amax(dim=1)  # (rows,)
+    _, rewards = model(b["input_ids"], b["pixel_values"], attention_mask=(at <= last[:, None]).long(), reward=True,
+                       image_index=b.get("image_index"), image_weight=b.get("image_weight"))
+    return reward_loss(rewards, supervised[:, 1:].sum(dim=1), cfg["reward_margin"], cfg["reward_center_weight"])
+
+
+def completion_logps(model, ids, attention_mask, pixel_values, n_completion, temperature=1.0):
+    """Per-token log-probs (B, C) of the last C = n_completion tokens of ids (prompts left-padded, completions
+    right-padded, attention_mask 0 at both), from logits / temperature as generate sampled them; and the entropies
+    (B, C) of those distributions (GRPO)."""
+    logits, _ = model(ids, pixel_values, attention_mask=attention_mask)
+    logprobs = (logits[:, -n_completion - 1 : -1].float() / temperature).log_softmax(-1)  # position t predicts t + 1
+    token_logps = logprobs.gather(-1, ids[:, -n_completion:, None]).squeeze(-1)
+    return token_logps, -(logprobs.exp() * logprobs).sum(-1)
+
+
+def pair_objective(model, ref_model, b, cfg):
+    return reward_pairs(model, b, cfg) if cfg["objective"] == "reward" else preference_loss(model, ref_model, b, cfg)
 
 
 def main(argv=None):
@@ -597,6 +646,8 @@ def main(argv=None):
         check_tiles(model_config(cfg), cfg["max_tiles"])  # before building: a 7B preset takes minutes to refuse
         raw = build_model(model_config(cfg), device=build_on, seed=cfg["seed"])
     freeze(raw, cfg["stage"])
+    if cfg["objective"] == "reward":
+        add_reward_head(raw, cfg["seed"])
     raw.loss_chunk, raw.recompute = cfg["loss_chunk"], checkpoint_fn(env.kind)
     raw.llm.flex_attention = use_flex_attention(cfg["pack"] > 0, env.kind, cfg["compile"], cfg["seq_len"])
     set_checkpointing(raw, checkpoint_fn(env.kind) if cfg["activation_checkpointing"] else None)
@@ -621,7 +672,7 @@ def main(argv=None):
                    "image_mean": raw.cfg.vision.image_stats[0]}
     if cfg["max_tiles"]:  # tiles and placement by the model's config (anyres, grid_pinpoints, image_layout)
         stream_args |= {"vlm": raw.cfg, "max_tiles": cfg["max_tiles"]}
-    stream_args["preference"] = cfg["objective"] == "dpo"  # rows [chosen..., rejected...], one image a pair
+    stream_args["preference"] = cfg["objective"] in ("dpo", "reward")  # rows [chosen..., rejected...], one image a pair
     try:
         loader = data.Loader(data.ShardStream(cfg["data_dir"], split="train", **stream_args), cfg["num_workers"])
     except (OSError, ValueError) as e:
@@ -786,7 +837,7 @@ def main(argv=None):
             tokens_sum.zero_()
             t_last, data_wait, rows_done, dropped = time.perf_counter(), 0.0, 0, 0
         if val_loader and cfg["eval_interval"] and (it % cfg["eval_interval"] == 0 or it == cfg["max_iters"]):
-            if ref_model is not None:
+            if cfg["objective"] in ("dpo", "reward"):
                 val = evaluate_preference(model, ref_model, val_loader, env, cfg, cfg["eval_iters"], raw.cfg.vision)
                 print0(env, f"step {it}: " + ", ".join(f"{k} {v:.4f}" for k, v in val.items()))
                 log({"step": it} | val)
@@ -805,7 +856,7 @@ def main(argv=None):
             break
 
     if it >= cfg["max_iters"]:
-        if cfg["final_accuracy_samples"] and val_stream is not None:
+        if cfg["final_accuracy_samples"] and val_stream is not None and cfg["objective"] != "reward":
             asker, asker_env = raw, env
             if env.kind == "xla":  # token-by-token generation would recompile at every length: answer on the host
                 asker = build_model(raw.cfg, device="cpu", init=False)
