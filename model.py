@@ -652,9 +652,9 @@ def grpo_loss(logps, old_logps, advantages, mask, kind="dapo", epsilon=0.2, epsi
     """The clipped policy loss of GRPO over completion tokens (B, C): logps under the policy being trained, old_logps
     under the policy that sampled them (the importance ratio), advantages (B,), mask (B, C) 1 at real completion
     tokens; beta > 0 adds the k3 KL estimate to ref_logps, times the ratio with kl_correction (TRL 1.16's default
-    use_bias_correction_kl: the unbiased reverse-KL gradient off-policy). TRL 1.16's GRPOTrainer formulas: "grpo" the mean of each
-    completion's token mean, "dapo" token sum / n_tokens (the generation batch's completion tokens; default this
-    batch's), "dr_grpo" token sum / (B x max_completion_length). Returns (loss, metrics, detached)."""
+    use_bias_correction_kl: the unbiased reverse-KL gradient off-policy). TRL 1.16's GRPOTrainer formulas: "grpo"
+    the mean of each completion's token mean, "dapo" token sum / n_tokens (the generation batch's completion tokens;
+    default this batch's), "dr_grpo" token sum / (B x max_completion_length). Returns (loss, metrics, detached)."""
     if kind not in GRPO_LOSSES:
         raise ValueError(f"grpo_loss {kind!r}: expected one of {GRPO_LOSSES}")
     mask = mask.to(logps.dtype)

@@ -43,8 +43,10 @@ def rollout(seed=0):
     """Two prompts with an image, G completions each of different lengths (EOS-terminated, right-padded), rewards
     with a tie inside a group, and sampling and reference log-probs near the policy's."""
     g = torch.Generator().manual_seed(seed)
-    prompts = torch.stack([torch.cat([torch.randint(3, IMAGE, (2,), generator=g), torch.full((N_IMAGE_TOKENS,), IMAGE),
-                                      torch.randint(3, IMAGE, (3,), generator=g)]) for _ in range(2)]).repeat_interleave(G, 0)
+    words = lambda n: torch.randint(3, IMAGE, (n,), generator=g)  # noqa: E731
+    prompts = torch.stack([torch.cat([words(2), torch.full((N_IMAGE_TOKENS,), IMAGE), words(3)]) for _ in range(2)])
+    prompts = prompts.repeat_interleave(G, 0)  # (2 * G, 9): one length, as TRL's training forward counts positions
+
     completions = torch.full((2 * G, C), PAD)
     completion_mask = torch.zeros(2 * G, C, dtype=torch.long)
     for i, n in enumerate([6, 2, 4, 5, 1, 3]):
@@ -84,13 +86,14 @@ def test_grpo_loss_matches_trl_compute_loss(tmp_path, loss_type, beta):
     trl_loss = trainer._compute_loss(trainer.model, inputs)
 
     policy.train()
-    new, _ = train.completion_logps(policy, ids, mask, pixels, C)
+    new, entropy = train.completion_logps(policy, ids, mask, pixels, C)
     loss, metrics = grpo_loss(new, old, advantages, completion_mask, loss_type, epsilon=0.2, beta=beta, ref_logps=ref,
                               max_completion_length=C)
     assert abs(loss.item() - trl_loss.item()) <= 1e-5 * max(1.0, abs(trl_loss.item())), (loss.item(), trl_loss.item())
     logged = {k: v[-1] for k, v in trainer._metrics["train"].items()}
     assert abs(metrics["clip_ratio"].item() - logged["clip_ratio/region_mean"]) < 1e-6, logged
     assert metrics["clip_ratio"] > 0
+    assert abs((entropy * completion_mask).sum().item() / completion_mask.sum().item() - logged["entropy"]) < 1e-4
     if beta:
         assert abs(metrics["kl"].item() - logged["kl"]) < 1e-5
 

@@ -80,9 +80,9 @@ def test_reward_model_ranks_right_above_wrong_on_held_out_shapes_pairs(tmp_path)
     make_shapes(shapes_pairs, n=480, seed=1, val_fraction=0.25, preference=True)
 
     init = debug_init(tmp_path / "init")
-    train.main(dpo_args(shapes_pairs, tmp_path / "out", f"--init_from={init}", "--objective=reward", "--max_iters=40", "--lr_decay_iters=40",
-                        "--eval_interval=40", "--eval_iters=8", "--lr=2e-3", "--warmup_iters=3", "--log_interval=10",
-                        "--batch_size=16", "--micro_batch_size=16"))
+    train.main(dpo_args(shapes_pairs, tmp_path / "out", f"--init_from={init}", "--objective=reward", "--max_iters=40",
+                        "--lr_decay_iters=40", "--eval_interval=40", "--eval_iters=8", "--lr=2e-3", "--warmup_iters=3",
+                        "--log_interval=10", "--batch_size=16", "--micro_batch_size=16"))
     events = [json.loads(line) for line in (tmp_path / "out/log.jsonl").read_text().splitlines()]
     logged = [e for e in events if "reward/accuracy" in e]
     assert [e["step"] for e in logged] == [10, 20, 30, 40]
