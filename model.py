@@ -821,10 +821,11 @@ class VLM(nn.Module):
 
     @torch.no_grad()
     def generate(self, input_ids, pixel_values=None, max_new_tokens=32, temperature=0.0, top_p=1.0,
-                 eos_id=None, generator=None, attention_mask=None, image_index=None, image_weight=None):
+                 eos_id=None, generator=None, attention_mask=None, image_index=None, image_weight=None, suppress=None):
         """New tokens (B, <= max_new_tokens) after the prompts; greedy when temperature == 0. Prompts of
         different lengths come left-padded with attention_mask (B, T) 0 at the padding (see left_pad), as
-        HF's generate takes them. Rows that reached eos_id keep emitting eos_id until every row has."""
+        HF's generate takes them. Rows that reached eos_id keep emitting eos_id until every row has.
+        suppress (vocab,) bool: tokens never sampled (RL: the image placeholder, as TRL's GRPOTrainer does)."""
         B, T = input_ids.shape
         if image_index is None:
             h = self.embed(input_ids, pixel_values)
@@ -840,6 +841,8 @@ class VLM(nn.Module):
         done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
         out = []
         for i in range(max_new_tokens):
+            if suppress is not None:
+                logits = logits.masked_fill(suppress, float("-inf"))
             token = sample_token(logits, temperature, top_p, generator)  # (B,)
             if eos_id is not None:
                 token = torch.where(done, eos_id, token)

@@ -28,9 +28,10 @@ import torch.distributed as dist
 
 import convert
 import data
+import rl
 from checkpoint import (check_resume_config, checkpoints, load_checkpoint, newest_good_checkpoint, save_checkpoint,
                         wait_for_stop_writer)
-from model import DPO_LOSSES, build_model, left_pad, param_group, reward_loss, vlm_preset
+from model import DPO_LOSSES, GRPO_LOSSES, build_model, left_pad, param_group, reward_loss, vlm_preset
 from model import dpo_loss as pair_loss  # the config key dpo_loss names its kind
 from parallel import Env, autocast, checkpoint_fn, grad_sync, init_optimizer_state, print0, shard
 
@@ -104,6 +105,17 @@ dpo_reference = ""  # the reference checkpoint; '' is init_from (name it when re
 # objective='reward' (README "Reward models and RL"): a scalar head on the same preference shards, Bradley-Terry loss
 reward_margin = 0.0  # -log sigmoid(r_chosen - r_rejected - margin)
 reward_center_weight = 0.0  # + this x (r_chosen + r_rejected)^2: rewards stay near 0 (TRL's center_rewards_coefficient)
+# objective='grpo': prompts from SFT shards, grpo_group samples each; batch_size and micro_batch_size count prompts
+grpo_group = 4  # completions a prompt (TRL's num_generations)
+grpo_loss = "dapo"  # 'dapo' (token sum / the step's completion tokens: TRL's default), 'grpo', 'dr_grpo'
+grpo_beta = 0.0  # k3 KL to the reference (grpo_reference, else init_from); 0: no reference (TRL's default)
+grpo_epsilon = 0.2  # the ratio is clipped to [1 - epsilon, 1 + epsilon]
+grpo_iterations = 1  # optimisation steps on each generation batch (TRL's num_iterations); > 1 uses the importance ratio
+grpo_max_new_tokens = 8
+grpo_temperature = 1.0
+grpo_top_p = 1.0
+grpo_reward = "exact_match"  # 'exact_match', 'module:function' (completions, answers) -> floats, or a reward-model dir
+grpo_reference = ""
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, list, dict))}
 
 # -----------------------------------------------------------------------------
@@ -195,7 +207,7 @@ def load_config(argv):
     return cfg
 
 
-OBJECTIVES = ("sft", "dpo", "reward")
+OBJECTIVES = ("sft", "dpo", "reward", "grpo")
 
 
 def check_objective(cfg):
@@ -208,11 +220,35 @@ def check_objective(cfg):
                          f"{cfg['dpo_sft_weight']}")
     if cfg["objective"] in ("dpo", "reward") and cfg["pack"]:
         raise SystemExit(f"config: objective={cfg['objective']!r} reads a pair into two fixed rows: pack must be 0")
+    if cfg["objective"] == "grpo":
+        check_grpo(cfg)
     if cfg["reward_center_weight"] < 0:
         raise SystemExit(f"config: reward_center_weight must be >= 0, got {cfg['reward_center_weight']}")
     if cfg["objective"] == "dpo" and (cfg["dpo_reference"] or cfg["init_from"]) in ("scratch", "resume"):
         raise SystemExit("config: objective='dpo' needs a reference checkpoint: init_from (the SFT checkpoint the run "
                          "starts from), or dpo_reference=DIR when init_from is 'resume' or 'scratch'")
+
+
+def check_grpo(cfg):
+    if cfg["grpo_loss"] not in GRPO_LOSSES:
+        raise SystemExit(f"config: grpo_loss must be one of {GRPO_LOSSES}, got {cfg['grpo_loss']!r}")
+    if cfg["grpo_group"] < 2 or cfg["grpo_iterations"] < 1 or cfg["grpo_max_new_tokens"] < 1:
+        raise SystemExit(f"config: grpo_group must be >= 2, grpo_iterations and grpo_max_new_tokens >= 1; got "
+                         f"{cfg['grpo_group']}, {cfg['grpo_iterations']}, {cfg['grpo_max_new_tokens']}")
+    if cfg["grpo_beta"] < 0 or cfg["grpo_epsilon"] <= 0 or cfg["grpo_temperature"] <= 0 or not 0 < cfg["grpo_top_p"] <= 1:
+        raise SystemExit("config: grpo_beta must be >= 0, grpo_epsilon and grpo_temperature > 0, grpo_top_p in (0, 1]")
+    if cfg["pack"] or cfg["max_tiles"]:
+        raise SystemExit("config: objective='grpo' samples one prompt a row with one image: pack and max_tiles must be 0")
+    if cfg["parallel"] == "fsdp" or cfg["device"] == "xla":
+        raise SystemExit("config: objective='grpo' runs on one device or under torchrun DDP (FSDP and XLA generation "
+                         "are not built: README 'Reward models and RL')")
+    if cfg["grpo_beta"] and (cfg["grpo_reference"] or cfg["init_from"]) in ("scratch", "resume"):
+        raise SystemExit("config: grpo_beta > 0 needs a reference checkpoint: init_from, or grpo_reference=DIR")
+    if not Path(cfg["grpo_reward"]).is_dir():
+        try:
+            rl.reward_rule(cfg["grpo_reward"])
+        except ValueError as e:
+            raise SystemExit(f"config: {e}") from None
 
 
 def model_config(cfg):
@@ -489,8 +525,9 @@ def forward_backward(model, b, env, cfg, scale, poison=False, ref_model=None, me
     (global, cleared when a thread leaves its outermost autocast) handed torch_xla's checkpoint recompute, on the
     autograd thread, the casts its no-grad forward had cached: the first block recomputed (the last) lost its grads."""
     with autocast(env, cfg):
-        if cfg["objective"] in ("dpo", "reward"):  # the mean over the micro-batch's pairs
-            loss, pair_metrics = pair_objective(model, ref_model, b, cfg)
+        if cfg["objective"] in ("dpo", "reward", "grpo"):  # dpo, reward: the mean over the micro-batch's pairs
+            loss, pair_metrics = rl.rl_loss(model, b, cfg) if cfg["objective"] == "grpo" else \
+                pair_objective(model, ref_model, b, cfg)
             for k, v in pair_metrics.items():
                 metrics[k] = metrics.get(k, 0.0) + v
         else:
@@ -504,17 +541,19 @@ def forward_backward(model, b, env, cfg, scale, poison=False, ref_model=None, me
 def loss_units(b, cfg):
     """What a step's loss is divided by, summed over micro-steps and ranks: supervised tokens (sft, whose loss is a
     sum over them), or micro-batches (dpo, whose loss is already a mean over the micro-batch's pairs)."""
+    if cfg["objective"] == "grpo":  # completion tokens (dapo), completions (grpo) or completion slots (dr_grpo)
+        return b["units"]
     return (b["labels"][:, 1:] != -100).sum() if cfg["objective"] == "sft" else torch.ones((), device=b["labels"].device)
 
 
 def reference_model(cfg, env, build_on):
     """objective='dpo': the frozen reference, placed as the policy is (FSDP/SPMD-sharded, or whole under DDP)."""
-    source = cfg["dpo_reference"] or cfg["init_from"]
+    source = cfg["grpo_reference" if cfg["objective"] == "grpo" else "dpo_reference"] or cfg["init_from"]
     try:
         ref = convert.load_model(source, device=build_on).requires_grad_(False).eval()
     except (convert.ConversionError, OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"dpo reference {str(source)!r}: cannot load the model ({e})") from None
-    print0(env, f"dpo: reference model {source} (frozen), loss {cfg['dpo_loss']}, beta {cfg['dpo_beta']}")
+    print0(env, f"{cfg['objective']}: reference model {source} (frozen)")
     return ref if env.distributed and env.kind != "xla" and cfg["parallel"] == "ddp" else shard(ref, env, cfg)
 
 
@@ -565,14 +604,21 @@ def reward_pairs(model, b, cfg):
     return reward_loss(rewards, supervised[:, 1:].sum(dim=1), cfg["reward_margin"], cfg["reward_center_weight"])
 
 
-def completion_logps(model, ids, attention_mask, pixel_values, n_completion, temperature=1.0):
-    """Per-token log-probs (B, C) of the last C = n_completion tokens of ids (prompts left-padded, completions
-    right-padded, attention_mask 0 at both), from logits / temperature as generate sampled them; and the entropies
-    (B, C) of those distributions (GRPO)."""
-    logits, _ = model(ids, pixel_values, attention_mask=attention_mask)
-    logprobs = (logits[:, -n_completion - 1 : -1].float() / temperature).log_softmax(-1)  # position t predicts t + 1
-    token_logps = logprobs.gather(-1, ids[:, -n_completion:, None]).squeeze(-1)
-    return token_logps, -(logprobs.exp() * logprobs).sum(-1)
+def reward_scorer(cfg, env):
+    """objective='grpo': score(completions, answers, ids, attention_mask, pixels) -> rewards (rows,), from a rule
+    (rl.reward_rule) or a reward-model checkpoint (objective='reward') reading prompt and completion."""
+    spec = cfg["grpo_reward"]
+    if not Path(spec).is_dir():
+        rule = rl.reward_rule(spec)
+        return lambda texts, answers, *_: torch.tensor(rule(texts, answers), dtype=torch.float32)
+    try:
+        judge = convert.load_model(spec, device=env.device).requires_grad_(False).eval()
+    except (convert.ConversionError, OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"grpo_reward {spec!r}: cannot load the reward model ({e})") from None
+    if judge.reward_head is None:
+        raise SystemExit(f"grpo_reward {spec!r}: the checkpoint has no reward head (train one with objective='reward')")
+    print0(env, f"grpo: rewards from the reward model {spec}")
+    return lambda texts, answers, ids, mask, pixels: judge(ids, pixels, attention_mask=mask, reward=True)[1]
 
 
 def pair_objective(model, ref_model, b, cfg):
@@ -654,7 +700,8 @@ def main(argv=None):
     if cfg["compile"]:
         compile_blocks(raw)
     model = shard(raw, env, cfg)
-    ref_model = reference_model(cfg, env, build_on) if cfg["objective"] == "dpo" else None
+    ref_model = reference_model(cfg, env, build_on) if cfg["objective"] == "dpo" or cfg["grpo_beta"] and \
+        cfg["objective"] == "grpo" else None
     optimizer = make_optimizer(raw, cfg, env)
     init_optimizer_state(raw, optimizer, env)
     n_trained = sum(p.numel() for p in raw.parameters() if p.requires_grad)
@@ -733,6 +780,11 @@ def main(argv=None):
     t_last, data_wait, it = time.perf_counter(), 0.0, start
     rows_done, dropped = 0, 0
     dpo_metrics = {}  # objective='dpo': rewards/* and logps/* summed over micro-steps until the next log line
+    if cfg["objective"] == "grpo":
+        tok, stop_id, score = loader.stream.tok, data.stop_token_id(cfg["template"], loader.stream.tok), \
+            reward_scorer(cfg, env)
+        sampler = torch.Generator(env.device).manual_seed(cfg["seed"] + 7919 * env.rank + 104729 * start)
+    gen_seconds, gen_rows = 0.0, 0  # objective='grpo': time in rollouts, and completions sampled
     per_row = max(1, cfg["pack"])  # samples read per row
     # FLOPs of a row: one sample of seq_len tokens, or `pack` samples of seq_len / pack (attention within each)
     # with max_tiles the ViT runs on every slot of a row, however many images its samples hold
@@ -741,7 +793,8 @@ def main(argv=None):
         flops_per_sample(raw, cfg["stage"], 0, cfg["max_tiles"])
     while it < cfg["max_iters"]:
         t0 = time.perf_counter()
-        micro = [next(batches) for _ in range(grad_accum)]
+        fresh = cfg["objective"] != "grpo" or it % cfg["grpo_iterations"] == 0 or it == start  # grpo: new rollouts
+        micro = [next(batches) for _ in range(grad_accum)] if fresh else []
         data_wait += time.perf_counter() - t0
         dropped += sum(int(b["dropped"].sum()) for b in micro)  # CPU tensors: no device sync
         if any(a <= it < b for a, b in cfg["skip_steps"]):
@@ -755,6 +808,14 @@ def main(argv=None):
         # the loss is a sum over supervised tokens divided by their count over all micro-steps and ranks;
         # DDP and FSDP average gradients over ranks, hence the factor world
         micro = [device_batch(b, env, raw.cfg.vision) for b in micro]
+        if cfg["objective"] == "grpo":
+            if fresh:
+                with autocast(env, cfg):
+                    rollouts = [rl.rollout(raw, b, tok, stop_id, cfg, score, sampler, ref_model) for b in micro]
+                gen_seconds += sum(seconds for _, seconds, _ in rollouts)
+                gen_rows += sum(len(r["ids"]) for r, _, _ in rollouts)
+                rollouts = [r for r, _, _ in rollouts]
+            micro = rollouts
         count = env.all_sum(sum(loss_units(b, cfg) for b in micro).float())
         step_loss = torch.zeros((), device=env.device)
         for i, b in enumerate(micro):
@@ -821,6 +882,12 @@ def main(argv=None):
                 import torch_xla.debug.metrics as met
 
                 event["xla_compiles"] = (met.metric_data("CompileTime") or [0])[0]
+            if gen_rows:  # grpo: generation and training throughput apart
+                event |= {"gen_samples_per_s": gen_rows / gen_seconds,
+                          "train_samples_per_s": rows_done * cfg["grpo_group"] / max(dt - gen_seconds, 1e-9)}
+                print0(env, f"step {it}: generation {event['gen_samples_per_s']:.1f} samples/s, training "
+                       f"{event['train_samples_per_s']:.1f} samples/s ({100 * gen_seconds / dt:.0f}% generating)")
+                gen_seconds, gen_rows = 0.0, 0
             if dpo_metrics:  # means over the interval's micro-steps and ranks, as the loss
                 n_micro = env.all_sum(torch.tensor(float(len(micro) * rows_done / cfg["batch_size"]), device=env.device))
                 event |= {k: (env.all_sum(v) / n_micro).item() for k, v in dpo_metrics.items()}

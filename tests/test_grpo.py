@@ -8,7 +8,7 @@ import torch
 from conftest import tiny_hf_llava
 from test_dpo import EOS, IMAGE, N_IMAGE_TOKENS, PAD, our_model
 
-import train
+import rl
 from model import group_advantages, grpo_loss
 
 os.environ["USE_TORCH_XLA"] = "0"  # TRL would otherwise import torch_xla and move to an XLA device
@@ -69,7 +69,7 @@ def test_grpo_loss_matches_trl_compute_loss(tmp_path, loss_type, beta):
     ids = torch.cat([prompts, completions], 1)
     mask = torch.cat([torch.ones_like(prompts), completion_mask], 1)
     with torch.no_grad():
-        logps, _ = train.completion_logps(policy, ids, mask, pixels, C)
+        logps, _ = rl.completion_logps(policy, ids, mask, pixels, C)
     old = logps + 0.3 * torch.randn(logps.shape, generator=g)  # off-policy enough that some ratios clip
     ref = logps + 0.2 * torch.randn(logps.shape, generator=g)
 
@@ -86,7 +86,7 @@ def test_grpo_loss_matches_trl_compute_loss(tmp_path, loss_type, beta):
     trl_loss = trainer._compute_loss(trainer.model, inputs)
 
     policy.train()
-    new, entropy = train.completion_logps(policy, ids, mask, pixels, C)
+    new, entropy = rl.completion_logps(policy, ids, mask, pixels, C)
     loss, metrics = grpo_loss(new, old, advantages, completion_mask, loss_type, epsilon=0.2, beta=beta, ref_logps=ref,
                               max_completion_length=C)
     assert abs(loss.item() - trl_loss.item()) <= 1e-5 * max(1.0, abs(trl_loss.item())), (loss.item(), trl_loss.item())
