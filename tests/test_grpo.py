@@ -1,14 +1,16 @@
 """GRPO against TRL 1.16's GRPOTrainer: on a fixed batch (prompts with images, completions, rewards, old and reference
 log-probs) our advantages and loss equal what its _compute_loss computes with the same tiny random LLaVA."""
 
+import math
 import os
 
 import pytest
 import torch
 from conftest import tiny_hf_llava
-from test_dpo import EOS, IMAGE, N_IMAGE_TOKENS, PAD, our_model
+from test_dpo import EOS, IMAGE, N_IMAGE_TOKENS, PAD, our_model, shapes_pairs  # noqa: F401  (the fixture)
 
 import rl
+import train
 from model import group_advantages, grpo_loss
 
 os.environ["USE_TORCH_XLA"] = "0"  # TRL would otherwise import torch_xla and move to an XLA device
@@ -101,3 +103,108 @@ def test_grpo_loss_matches_trl_compute_loss(tmp_path, loss_type, beta):
 def test_grpo_loss_rejects_an_unknown_kind():
     with pytest.raises(ValueError, match="expected one of"):
         grpo_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1), torch.ones(1, 1), "ppo")
+
+
+# -----------------------------------------------------------------------------
+# objective='grpo' in train.py's loop
+
+
+def short_answers(completions, answers):
+    """A reward rule for the tests (--grpo_reward=test_grpo:short_answers): shorter completions score higher."""
+    return [1.0 - len(c) / 16 for c in completions]
+
+
+def test_generate_never_samples_suppressed_tokens():
+    from model import build_model, vlm_preset
+
+    cfg = vlm_preset("debug").with_overrides({"llm": {"vocab_size": 64}, "image_token_id": 60})
+    model = build_model(cfg, seed=0)
+    suppress = torch.arange(64) >= 40  # the padded vocab and the image token
+    ids = torch.randint(1, 40, (6, 5), generator=torch.Generator().manual_seed(0))
+    out = model.generate(ids, max_new_tokens=12, temperature=3.0, generator=torch.Generator().manual_seed(1),
+                         suppress=suppress)
+    free = model.generate(ids, max_new_tokens=12, temperature=3.0, generator=torch.Generator().manual_seed(1))
+    assert out.shape == (6, 12) and (out < 40).all() and (free >= 40).any()  # at temperature 3 they would appear
+
+
+def test_prompts_are_cut_where_the_answer_starts(tmp_path):
+    import data
+    from shapes import make_shapes
+
+    make_shapes(tmp_path, n=24, seed=0, val_fraction=0.2)
+    stream = data.ShardStream(tmp_path / "shards", tmp_path / "tokenizer.model", split="train", batch_size=8, seq_len=48,
+                              image_size=28, image_token_id=512, n_image_tokens=4, template="llama_3")
+    b = stream.batch(0)
+    stop = data.stop_token_id("llama_3", stream.tok)
+    for r, prompt, answer in rl.prompts_of(b):
+        conv, image = data.sample_conversation(stream.read(int(b["sample_id"][r]))[1])
+        want_prompt, want_answer = data.prompt_and_answer(conv, image is not None, "llama_3", stream.tok, 512, 4)
+        assert prompt == list(want_prompt) and data.decode_answer(stream.tok, answer, stop) == want_answer.strip()
+
+
+@pytest.mark.parametrize("reward", ["rule", "reward_model"])
+def test_grpo_loop_logs_its_metrics(shapes_pairs, tmp_path, reward):  # noqa: F811
+    import json
+
+    import convert
+    from model import build_model
+    from test_dpo import debug_init, dpo_args
+
+    init = debug_init(tmp_path / "init")
+    spec = "test_grpo:short_answers"
+    if reward == "reward_model":
+        judge = build_model(convert.load_model(init).cfg.with_overrides({"reward_head": True}), seed=5)
+        convert.save_model(judge, tmp_path / "judge")
+        spec = str(tmp_path / "judge")
+    steps = 4 if reward == "rule" else 2
+    train.main(dpo_args(shapes_pairs, tmp_path / "out", f"--init_from={init}", "--objective=grpo",
+                        f"--data_dir={shapes_pairs / 'shards'}", f"--grpo_reward={spec}", f"--max_iters={steps}",
+                        "--batch_size=4", "--micro_batch_size=2", "--grpo_group=4", "--grpo_iterations=2",
+                        "--grpo_beta=0.05", "--lr=3e-3", "--warmup_iters=1", f"--lr_decay_iters={steps}",
+                        "--eval_interval=0", "--final_accuracy_samples=8", "--grpo_max_new_tokens=6"))
+    events = [json.loads(line) for line in (tmp_path / "out/log.jsonl").read_text().splitlines()]
+    logged = [e for e in events if "rl/reward" in e]
+    assert [e["step"] for e in logged] == list(range(1, steps + 1))
+    for key in ("rl/kl", "rl/clip_ratio", "rl/entropy", "rl/completion_length", "rl/reward_std"):
+        assert all(math.isfinite(e[key]) for e in logged), key
+    generated = [e["step"] for e in logged if e.get("gen_samples_per_s", 0) > 0 and e["train_samples_per_s"] > 0]
+    assert generated == list(range(1, steps + 1, 2))  # rollouts every grpo_iterations steps
+    assert logged[0]["rl/kl"] == 0 and logged[0]["rl/clip_ratio"] == 0  # the first step: policy = reference = sampler
+    assert logged[1]["rl/kl"] > 0  # the second step reuses the rollouts after one update: ratio and KL move
+
+
+def test_one_grpo_update_moves_probability_towards_positive_advantages(shapes_pairs):  # noqa: F811
+    """A rollout from a shapes batch, one small SGD step on rl_loss: sum_i A_i (log-prob_i after - before) > 0 (the
+    policy gradient's first-order effect), and the completions' stop token and suppressed ids are as sampled."""
+    import data
+    from model import build_model, vlm_preset
+
+    cfg = vlm_preset("debug").with_overrides({"vision": {"image_size": 28, "patch_size": 14},
+                                             "llm": {"vocab_size": 576}, "image_token_id": 512})
+    model = build_model(cfg, seed=0)
+    stream = data.ShardStream(shapes_pairs / "shards", shapes_pairs / "tokenizer.model", split="train", batch_size=4,
+                              seq_len=48, image_size=28, image_token_id=512, n_image_tokens=4, template="llama_3")
+    b = stream.batch(0)
+    b["pixel_values"] = data.normalize_images(b["pixel_values"], *cfg.vision.image_stats)
+    stop = data.stop_token_id("llama_3", stream.tok)
+    run = dict(train.DEFAULTS) | {"grpo_group": 4, "grpo_max_new_tokens": 6}
+    score = lambda texts, answers, *_: torch.tensor(short_answers(texts, answers))  # noqa: E731
+    r, _, texts = rl.rollout(model, b, stream.tok, stop, run, score, torch.Generator().manual_seed(0))
+    new = r["ids"][:, -r["completion_mask"].shape[1]:]
+    assert (new[r["completion_mask"] == 0] == stop).all() and (new < stream.tok.vocab_size).all()
+    assert r["advantages"].abs().sum() > 0 and len(texts) == len(r["ids"]) == 16
+
+    def sequence_logps():
+        logps, _ = rl.completion_logps(model, r["ids"], r["mask"], r["pixel_values"], new.shape[1])
+        return (logps * r["completion_mask"]).sum(1)
+
+    with torch.no_grad():
+        before = sequence_logps()
+    loss, _ = rl.rl_loss(model, r, run)
+    (loss / r["units"]).backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:  # the ViT above the selected layer never reaches the loss
+                p -= 1e-3 * p.grad
+        after = sequence_logps()
+    assert (r["advantages"] * (after - before)).sum() > 0
