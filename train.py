@@ -783,7 +783,7 @@ def main(argv=None):
     if cfg["objective"] == "grpo":
         tok, stop_id, score = loader.stream.tok, data.stop_token_id(cfg["template"], loader.stream.tok), \
             reward_scorer(cfg, env)
-        sampler = torch.Generator(env.device).manual_seed(cfg["seed"] + 7919 * env.rank + 104729 * start)
+        sampler = torch.Generator(env.device)
     gen_seconds, gen_rows = 0.0, 0  # objective='grpo': time in rollouts, and completions sampled
     per_row = max(1, cfg["pack"])  # samples read per row
     # FLOPs of a row: one sample of seq_len tokens, or `pack` samples of seq_len / pack (attention within each)
@@ -810,6 +810,7 @@ def main(argv=None):
         micro = [device_batch(b, env, raw.cfg.vision) for b in micro]
         if cfg["objective"] == "grpo":
             if fresh:
+                sampler.manual_seed(cfg["seed"] + 7919 * env.rank + 104729 * it)  # a step's samples survive a resume
                 with autocast(env, cfg):
                     rollouts = [rl.rollout(raw, b, tok, stop_id, cfg, score, sampler, ref_model) for b in micro]
                 gen_seconds += sum(seconds for _, seconds, _ in rollouts)

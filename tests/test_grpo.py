@@ -208,3 +208,50 @@ def test_one_grpo_update_moves_probability_towards_positive_advantages(shapes_pa
                 p -= 1e-3 * p.grad
         after = sequence_logps()
     assert (r["advantages"] * (after - before)).sum() > 0
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--grpo_loss=ppo"], "grpo_loss must be one of"),
+    (["--grpo_group=1"], "grpo_group must be >= 2"),
+    (["--grpo_reward=no_such_module:f"], "grpo_reward 'no_such_module:f': cannot import it"),
+    (["--grpo_reward=cosine"], "expected \\['exact_match'\\]"),
+    (["--parallel=fsdp"], "FSDP and XLA generation are not built"),
+    (["--pack=2"], "pack and max_tiles must be 0"),
+    (["--grpo_beta=0.1", "--init_from=scratch"], "grpo_beta > 0 needs a reference checkpoint"),
+])
+def test_grpo_config_errors_are_one_sentence(tmp_path, extra, message):
+    from test_dpo import dpo_args
+
+    with pytest.raises(SystemExit, match=message):
+        train.main(dpo_args(tmp_path, tmp_path / "out", "--init_from=ckpt", "--objective=grpo", *extra))
+
+
+def test_rl_configs_parse():
+    from conftest import ROOT
+
+    assert train.load_config([str(ROOT / "configs/grpo_shapes.py")])["objective"] == "grpo"
+    assert train.load_config([str(ROOT / "configs/reward_shapes.py")])["objective"] == "reward"
+
+
+@pytest.mark.slow
+def test_grpo_resumes_exactly(shapes_pairs, tmp_path):  # noqa: F811
+    """4 steps straight, or 2 then a resume for 2 more: the same rollouts (sampler seeded by step), rewards and loss."""
+    import json
+
+    from test_dpo import debug_init, dpo_args
+
+    init = debug_init(tmp_path / "init")
+    common = ["--objective=grpo", f"--data_dir={shapes_pairs / 'shards'}", "--grpo_reward=test_grpo:short_answers",
+              "--batch_size=2", "--micro_batch_size=2", "--grpo_group=3", "--grpo_beta=0.05",
+              f"--grpo_reference={init}", "--lr=3e-3", "--warmup_iters=1", "--lr_decay_iters=4", "--eval_interval=0",
+              "--final_accuracy_samples=0", "--grpo_max_new_tokens=5", "--ckpt_interval=2"]
+    train.main(dpo_args(shapes_pairs, tmp_path / "straight", f"--init_from={init}", "--max_iters=4", *common))
+    train.main(dpo_args(shapes_pairs, tmp_path / "resumed", f"--init_from={init}", "--max_iters=2", *common))
+    train.main(dpo_args(shapes_pairs, tmp_path / "resumed", "--init_from=resume", "--max_iters=4", *common))
+    read = lambda run: [json.loads(line) for line in (tmp_path / run / "log.jsonl").read_text().splitlines()  # noqa: E731
+                        if "rl/reward" in line]
+    straight, resumed = read("straight"), read("resumed")
+    assert [e["step"] for e in resumed] == [1, 2, 3, 4]
+    for want, got in zip(straight, resumed, strict=True):
+        for k in ("loss", "rl/reward", "rl/kl", "rl/completion_length"):
+            assert abs(got[k] - want[k]) <= 1e-6 * max(1.0, abs(want[k])), (want["step"], k, got[k], want[k])
