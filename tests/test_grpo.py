@@ -233,7 +233,6 @@ def test_rl_configs_parse():
     assert train.load_config([str(ROOT / "configs/reward_shapes.py")])["objective"] == "reward"
 
 
-@pytest.mark.slow
 def test_grpo_resumes_exactly(shapes_pairs, tmp_path):  # noqa: F811
     """4 steps straight, or 2 then a resume for 2 more: the same rollouts (sampler seeded by step), rewards and loss."""
     import json
