@@ -90,6 +90,8 @@ def test_reward_model_ranks_right_above_wrong_on_held_out_shapes_pairs(tmp_path)
     assert val["val_reward/accuracy"] > 0.6 and val["val_reward/margin"] > 0 and val["val_loss"] < math.log(2), val
     reloaded = convert.load_model(tmp_path / "out/step-000040")
     assert reloaded.reward_head is not None and reloaded.cfg.reward_head
+    with pytest.raises(convert.ConversionError, match="no Hugging Face LLaVA class holds its scalar head"):
+        convert.llava_to_hf(tmp_path / "out/step-000040", tmp_path / "hf")
 
 
 @pytest.mark.parametrize("extra,message", [(["--pack=2"], "pack must be 0"),
