@@ -101,3 +101,25 @@ def test_reward_config_errors_are_one_sentence(tmp_path, extra, message):
 
     with pytest.raises(SystemExit, match=message):
         train.main(dpo_args(tmp_path, tmp_path / "out", "--init_from=ckpt", "--objective=reward", *extra))
+
+
+@pytest.mark.slow
+def test_reward_model_under_torchrun_ddp_and_fsdp_matches_one_process(tmp_path):
+    from shapes import make_shapes
+    from test_dpo import dpo_args
+    from test_train import run
+
+    make_shapes(tmp_path / "shapes", n=120, seed=2, val_fraction=0.1, preference=True)
+    init = debug_init(tmp_path / "init")
+    common = [f"--init_from={init}", "--objective=reward", "--max_iters=3", "--eval_interval=0", "--ckpt_interval=0",
+              "--lr=2e-3", "--reward_center_weight=0.01"]
+    run(dpo_args(tmp_path / "shapes", tmp_path / "single", *common))
+    for parallel in ("ddp", "fsdp"):  # 2 ranks x 4 pairs = the single run's 8
+        run(dpo_args(tmp_path / "shapes", tmp_path / parallel, *common, f"--parallel={parallel}",
+                     "--micro_batch_size=4"), nproc=2)
+    logged = {name: [json.loads(line) for line in (tmp_path / name / "log.jsonl").read_text().splitlines()]
+              for name in ("single", "ddp", "fsdp")}
+    for name in ("ddp", "fsdp"):
+        for want, got in zip(logged["single"], logged[name], strict=True):
+            for k in ("loss", "reward/accuracy", "reward/margin", "reward/chosen"):
+                assert abs(got[k] - want[k]) <= 1e-5 * max(1.0, abs(want[k])), (name, want["step"], k, got[k], want[k])
