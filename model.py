@@ -147,6 +147,7 @@ class VLMConfig:
     grid_pinpoints: list | None = None  # [[height, width], ...] in pixels, multiples of vision.image_size (HF's)
     video_token_id: int | None = None  # OneVision's <video> placeholder; frames are pooled 2x (see image_layout)
     lora: LoRAConfig | None = None  # LoRA adapters (see apply_lora): a checkpoint of a LoRA run rebuilds them
+    reward_head: bool = False  # a scalar head beside the LM head, read at each row's last real token (a reward model)
 
     def __post_init__(self):
         if isinstance(self.lora, dict):
@@ -657,6 +658,66 @@ def dpo_loss(logps, ref_logps, n_tokens, beta, kind="sigmoid", sft_weight=0.0):
     return loss, metrics
 
 
+def reward_loss(rewards, n_tokens, margin=0.0, center_weight=0.0):
+    """Bradley-Terry loss over rows [chosen..., rejected...] (2B,) of scalar rewards: -log sigmoid(r_c - r_r - margin),
+    plus center_weight x (r_c + r_r)^2 (TRL's center_rewards_coefficient: keeps rewards near 0), the mean over the
+    pairs. n_tokens (2B,) each row's completion length: a dropped pair (0) is left out. Returns (loss, metrics)."""
+    chosen, rejected = rewards.float().chunk(2)
+    n_chosen, n_rejected = n_tokens.chunk(2)
+    real = ((n_chosen > 0) & (n_rejected > 0)).float()
+    mean = lambda x: (x * real).sum() / real.sum().clamp(min=1)  # noqa: E731
+    losses = -F.logsigmoid(chosen - rejected - margin)
+    if center_weight:
+        losses = losses + center_weight * (chosen + rejected) ** 2
+    c, r = chosen.detach(), rejected.detach()
+    metrics = {"reward/accuracy": mean((c > r).float()), "reward/margin": mean(c - r),
+               "reward/chosen": mean(c), "reward/rejected": mean(r)}
+    return mean(losses), metrics
+
+
+GRPO_LOSSES = ("grpo", "dapo", "dr_grpo")
+
+
+def group_advantages(rewards, group_size):
+    """GRPO's advantages (r - group mean) / (group std + 1e-4) over consecutive groups of group_size completions of a
+    prompt (TRL's scale_rewards='group': the unbiased std, so a group of equal rewards gets 0)."""
+    grouped = rewards.float().view(-1, group_size)  # (prompts, G)
+    advantages = (grouped - grouped.mean(dim=1, keepdim=True)) / (grouped.std(dim=1, keepdim=True) + 1e-4)
+    return advantages.flatten()
+
+
+def grpo_loss(logps, old_logps, advantages, mask, kind="dapo", epsilon=0.2, epsilon_high=None, beta=0.0,
+              ref_logps=None, n_tokens=None, max_completion_length=None, kl_correction=True):
+    """The clipped policy loss of GRPO over completion tokens (B, C): logps under the policy being trained, old_logps
+    under the policy that sampled them (the importance ratio), advantages (B,), mask (B, C) 1 at real completion
+    tokens; beta > 0 adds the k3 KL estimate to ref_logps, times the ratio with kl_correction (TRL 1.16's default
+    use_bias_correction_kl: the unbiased reverse-KL gradient off-policy). TRL 1.16's GRPOTrainer formulas: "grpo"
+    the mean of each completion's token mean, "dapo" token sum / n_tokens (the generation batch's completion tokens;
+    default this batch's), "dr_grpo" token sum / (B x max_completion_length). Returns (loss, metrics, detached)."""
+    if kind not in GRPO_LOSSES:
+        raise ValueError(f"grpo_loss {kind!r}: expected one of {GRPO_LOSSES}")
+    mask = mask.to(logps.dtype)
+    ratio = torch.exp(logps - old_logps)
+    A = advantages[:, None].to(logps.dtype)
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + (epsilon if epsilon_high is None else epsilon_high))
+    per_token = -torch.min(ratio * A, clipped * A)
+    metrics = {}
+    if beta:
+        kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1  # k3: unbiased, >= 0
+        kl = kl * ratio if kl_correction else kl
+        per_token = per_token + beta * kl
+        metrics["kl"] = (kl.detach() * mask).sum() / mask.sum().clamp(min=1)
+    if kind == "grpo":
+        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
+    elif kind == "dapo":
+        loss = (per_token * mask).sum() / (mask.sum() if n_tokens is None else n_tokens).clamp(min=1)
+    else:
+        loss = (per_token * mask).sum() / (per_token.shape[0] * (max_completion_length or per_token.shape[1]))
+    low, high = (ratio < 1 - epsilon) & (A < 0), (ratio > clipped) & (A > 0)  # where the clip stopped the gradient
+    metrics["clip_ratio"] = ((low | high).to(mask.dtype) * mask).sum().detach() / mask.sum().clamp(min=1)
+    return loss, metrics
+
+
 # -----------------------------------------------------------------------------
 # LoRA, as peft computes it: y = x W^T + b + scaling * B(A(dropout(x))), W and b frozen
 
@@ -762,6 +823,7 @@ class VLM(nn.Module):
         # anyres / video: the learned embedding after each row of tiles' features (HF's image_newline)
         self.image_newline = nn.Parameter(torch.empty(cfg.llm.dim)) if cfg.anyres or cfg.video_token_id is not None \
             else None
+        self.reward_head = nn.Linear(cfg.llm.dim, 1) if cfg.reward_head else None
         self.loss_chunk = 0  # > 0: the loss is computed this many positions at a time and forward returns no logits
         self.recompute = partial(checkpoint, use_reentrant=False)  # for the loss chunks; train.py sets torch_xla's on XLA
         if cfg.lora:
@@ -852,18 +914,22 @@ class VLM(nn.Module):
         return torch.where(is_image[..., None], placed, h)
 
     def forward(self, input_ids, pixel_values=None, labels=None, loss_reduction="mean", position_ids=None,
-                image_index=None, image_weight=None):
+                image_index=None, image_weight=None, attention_mask=None, reward=False):
         """Logits (B, T, vocab) and, with labels aligned to input_ids (-100 = ignore), the next-token loss: the mean
         over supervised tokens, their sum with loss_reduction="sum" (train.py divides by a global count), each
         row's sum (B,) with "row" (DPO), or per position (B, T) with "none". position_ids (B, T) packs several
         samples into a row (see Llama.forward).
-        image_index, image_weight (B, T, taps): tiled images, several a row (see place_features)."""
+        image_index, image_weight (B, T, taps): tiled images, several a row (see place_features).
+        attention_mask (B, T), 0 at padding on either side (positions count from each row's first real token);
+        reward=True returns (None, rewards (B,)): the reward head read at each row's last real token."""
         packed = position_ids is not None
         if image_index is None:
             h = self.embed(input_ids, pixel_values, packed)
         else:
             h = self.place_features(input_ids, pixel_values, image_index, image_weight)
-        h = self.llm(h, position_ids=position_ids)
+        h = self.llm(h, position_ids=position_ids, pad=None if attention_mask is None else attention_mask == 0)
+        if reward:
+            return None, self.read_reward(h, attention_mask)
         if labels is None:
             return self.llm.output(h), None
         targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # (B, T): position t predicts token t + 1
@@ -879,12 +945,22 @@ class VLM(nn.Module):
             return logits, loss.view(targets.shape).sum(dim=1)
         return logits, loss.view(targets.shape) if loss_reduction == "none" else loss
 
+    def read_reward(self, h, attention_mask):
+        """The reward head at each row's last real token (the last 1 of attention_mask, whichever side is padded)."""
+        if self.reward_head is None:
+            raise ValueError("forward(reward=True) needs a model built with reward_head=True")
+        T = h.shape[1]
+        last = (torch.arange(T, device=h.device) * attention_mask).amax(dim=1) if attention_mask is not None else \
+            torch.full(h.shape[:1], T - 1, device=h.device)  # (B,)
+        return self.reward_head(h[torch.arange(h.shape[0], device=h.device), last]).squeeze(-1).float()  # (B,)
+
     @torch.no_grad()
     def generate(self, input_ids, pixel_values=None, max_new_tokens=32, temperature=0.0, top_p=1.0,
-                 eos_id=None, generator=None, attention_mask=None, image_index=None, image_weight=None):
+                 eos_id=None, generator=None, attention_mask=None, image_index=None, image_weight=None, suppress=None):
         """New tokens (B, <= max_new_tokens) after the prompts; greedy when temperature == 0. Prompts of
         different lengths come left-padded with attention_mask (B, T) 0 at the padding (see left_pad), as
-        HF's generate takes them. Rows that reached eos_id keep emitting eos_id until every row has."""
+        HF's generate takes them. Rows that reached eos_id keep emitting eos_id until every row has.
+        suppress (vocab,) bool: tokens never sampled (RL: the image placeholder, as TRL's GRPOTrainer does)."""
         B, T = input_ids.shape
         if image_index is None:
             h = self.embed(input_ids, pixel_values)
@@ -900,6 +976,8 @@ class VLM(nn.Module):
         done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
         out = []
         for i in range(max_new_tokens):
+            if suppress is not None:
+                logits = logits.masked_fill(suppress, float("-inf"))
             token = sample_token(logits, temperature, top_p, generator)  # (B,)
             if eos_id is not None:
                 token = torch.where(done, eos_id, token)
@@ -920,8 +998,9 @@ def pair_rows(features, n_rows):
 
 def param_group(name):
     """The part a parameter trains with: "vision", "projector" or "llm". image_newline goes with the LLM, as
-    LLaVA-NeXT's train.py unfreezes it (mm_tunable_parts "mm_language_model": all but vision tower and projector)."""
-    return "llm" if name == "image_newline" else name.split(".")[0]
+    LLaVA-NeXT's train.py unfreezes it (mm_tunable_parts "mm_language_model": all but vision tower and projector).
+    A reward model's head trains at the LLM's learning rate."""
+    return "llm" if name == "image_newline" or name.startswith("reward_head.") else name.split(".")[0]
 
 
 def left_pad(prompts, pad_id=0):

@@ -28,10 +28,12 @@ import torch.distributed as dist
 
 import convert
 import data
+import rl
 from checkpoint import Checkpointer, check_resume_config, checkpoints, newest_good_checkpoint, wait_for_stop_writer
-from dpo import evaluate_preference, preference_loss, reference_model, sequence_logps  # noqa: F401  (tests: train.*)
+from dpo import (evaluate_preference, pair_objective, preference_loss, reference_model,  # noqa: F401  (tests: train.*)
+                 reward_pairs, sequence_logps)
 from evaluation import device_batch, evaluate, final_accuracy
-from model import (DPO_LOSSES, LoRAConfig, VLMConfig, apply_lora, build_model, is_lora_parameter, merge_lora,
+from model import (DPO_LOSSES, GRPO_LOSSES, LoRAConfig, VLMConfig, apply_lora, build_model, is_lora_parameter, merge_lora,
                    param_group, vlm_preset)
 from parallel import Env, autocast, checkpoint_fn, grad_sync, init_optimizer_state, print0, shard
 
@@ -103,6 +105,20 @@ dpo_beta = 0.1
 dpo_loss = "sigmoid"  # 'sigmoid' (DPO), 'ipo' (length-normalised, as TRL), 'hinge'
 dpo_sft_weight = 0.0  # + this x the chosen answers' token NLL (LLaVA-NeXT's gamma; TRL's "sft" loss)
 dpo_reference = ""  # the reference checkpoint; '' is init_from (name it when resuming: init_from is then 'resume')
+# objective='reward' (README "Reward models and RL"): a scalar head on the same preference shards, Bradley-Terry loss
+reward_margin = 0.0  # -log sigmoid(r_chosen - r_rejected - margin)
+reward_center_weight = 0.0  # + this x (r_chosen + r_rejected)^2: rewards stay near 0 (TRL's center_rewards_coefficient)
+# objective='grpo': prompts from SFT shards, grpo_group samples each; batch_size and micro_batch_size count prompts
+grpo_group = 4  # completions a prompt (TRL's num_generations)
+grpo_loss = "dapo"  # 'dapo' (token sum / the step's completion tokens: TRL's default), 'grpo', 'dr_grpo'
+grpo_beta = 0.0  # k3 KL to the reference (grpo_reference, else init_from); 0: no reference (TRL's default)
+grpo_epsilon = 0.2  # the ratio is clipped to [1 - epsilon, 1 + epsilon]
+grpo_iterations = 1  # optimisation steps on each generation batch (TRL's num_iterations); > 1 uses the importance ratio
+grpo_max_new_tokens = 8
+grpo_temperature = 1.0
+grpo_top_p = 1.0
+grpo_reward = "exact_match"  # 'exact_match', 'module:function' (completions, answers) -> floats, or a reward-model dir
+grpo_reference = ""
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, list, dict))}
 
 # -----------------------------------------------------------------------------
@@ -195,19 +211,48 @@ def load_config(argv):
     return cfg
 
 
+OBJECTIVES = ("sft", "dpo", "reward", "grpo")
+
+
 def check_objective(cfg):
-    if cfg["objective"] not in ("sft", "dpo"):
-        raise SystemExit(f"config: objective must be 'sft' or 'dpo', got {cfg['objective']!r}")
+    if cfg["objective"] not in OBJECTIVES:
+        raise SystemExit(f"config: objective must be one of {OBJECTIVES}, got {cfg['objective']!r}")
     if cfg["dpo_loss"] not in DPO_LOSSES:
         raise SystemExit(f"config: dpo_loss must be one of {DPO_LOSSES}, got {cfg['dpo_loss']!r}")
     if cfg["dpo_beta"] <= 0 or cfg["dpo_sft_weight"] < 0:
         raise SystemExit(f"config: dpo_beta must be > 0 and dpo_sft_weight >= 0, got {cfg['dpo_beta']}, "
                          f"{cfg['dpo_sft_weight']}")
-    if cfg["objective"] == "dpo" and cfg["pack"]:
-        raise SystemExit("config: objective='dpo' reads a pair into two fixed rows: pack must be 0")
+    if cfg["objective"] in ("dpo", "reward") and cfg["pack"]:
+        raise SystemExit(f"config: objective={cfg['objective']!r} reads a pair into two fixed rows: pack must be 0")
+    if cfg["objective"] == "grpo":
+        check_grpo(cfg)
+    if cfg["reward_center_weight"] < 0:
+        raise SystemExit(f"config: reward_center_weight must be >= 0, got {cfg['reward_center_weight']}")
     if cfg["objective"] == "dpo" and (cfg["dpo_reference"] or cfg["init_from"]) in ("scratch", "resume"):
         raise SystemExit("config: objective='dpo' needs a reference checkpoint: init_from (the SFT checkpoint the run "
                          "starts from), or dpo_reference=DIR when init_from is 'resume' or 'scratch'")
+
+
+def check_grpo(cfg):
+    if cfg["grpo_loss"] not in GRPO_LOSSES:
+        raise SystemExit(f"config: grpo_loss must be one of {GRPO_LOSSES}, got {cfg['grpo_loss']!r}")
+    if cfg["grpo_group"] < 2 or cfg["grpo_iterations"] < 1 or cfg["grpo_max_new_tokens"] < 1:
+        raise SystemExit(f"config: grpo_group must be >= 2, grpo_iterations and grpo_max_new_tokens >= 1; got "
+                         f"{cfg['grpo_group']}, {cfg['grpo_iterations']}, {cfg['grpo_max_new_tokens']}")
+    if cfg["grpo_beta"] < 0 or cfg["grpo_epsilon"] <= 0 or cfg["grpo_temperature"] <= 0 or not 0 < cfg["grpo_top_p"] <= 1:
+        raise SystemExit("config: grpo_beta must be >= 0, grpo_epsilon and grpo_temperature > 0, grpo_top_p in (0, 1]")
+    if cfg["pack"] or cfg["max_tiles"]:
+        raise SystemExit("config: objective='grpo' samples one prompt a row with one image: pack and max_tiles must be 0")
+    if cfg["parallel"] == "fsdp" or cfg["device"] == "xla":
+        raise SystemExit("config: objective='grpo' runs on one device or under torchrun DDP (FSDP and XLA generation "
+                         "are not built: README 'Reward models and RL')")
+    if cfg["grpo_beta"] and (cfg["grpo_reference"] or cfg["init_from"]) in ("scratch", "resume"):
+        raise SystemExit("config: grpo_beta > 0 needs a reference checkpoint: init_from, or grpo_reference=DIR")
+    if not Path(cfg["grpo_reward"]).is_dir():
+        try:
+            rl.reward_rule(cfg["grpo_reward"])
+        except ValueError as e:
+            raise SystemExit(f"config: {e}") from None
 
 
 def model_config(cfg):
@@ -280,6 +325,22 @@ def add_lora(raw, cfg, env, resuming):
         print0(env, f"lora: r {lora.r}, alpha {lora.alpha:g} (scaling {lora.scaling:g}) on {', '.join(lora.sites())}: "
                f"{n / 1e6:.2f}M adapter parameters")
     return raw
+
+
+def add_reward_head(model, seed):
+    """objective='reward' from a checkpoint without one: a scalar head nn.Linear(dim, 1), std 1/sqrt(dim) as
+    init_weights draws it, bias 0. The LM head plays no part in the reward: frozen (DDP needs every trained
+    parameter to reach the loss)."""
+    if model.reward_head is None:
+        model.cfg.reward_head = True
+        dim, weight = model.cfg.llm.dim, model.llm.output.weight
+        model.reward_head = torch.nn.Linear(dim, 1, device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            model.reward_head.weight.normal_(std=dim**-0.5, generator=torch.Generator(weight.device).manual_seed(seed))
+            model.reward_head.bias.zero_()
+    model.reward_head.requires_grad_(True)  # whatever the stage
+    if not model.cfg.llm.tie_embeddings:
+        model.llm.output.weight.requires_grad_(False)
 
 
 def set_checkpointing(model, fn):
@@ -468,6 +529,8 @@ def init_model(cfg, env, resume_from):
 def apply_backends(raw, cfg, env):
     """(the model the step runs, its optimizer): freeze -> activation checkpointing -> compile -> shard."""
     freeze(raw, cfg["stage"])
+    if cfg["objective"] == "reward":
+        add_reward_head(raw, cfg["seed"])
     raw.loss_chunk, raw.recompute = cfg["loss_chunk"], checkpoint_fn(env.kind)
     raw.llm.flex_attention = use_flex_attention(cfg["pack"] > 0, env.kind, cfg["compile"], cfg["seq_len"])
     set_checkpointing(raw, checkpoint_fn(env.kind) if cfg["activation_checkpointing"] else None)
@@ -494,7 +557,7 @@ def make_loaders(raw, cfg, env, rows_per_host):
                    "image_mean": raw.cfg.vision.image_stats[0]}
     if cfg["max_tiles"]:  # tiles and placement by the model's config (anyres, grid_pinpoints, image_layout)
         stream_args |= {"vlm": raw.cfg, "max_tiles": cfg["max_tiles"]}
-    stream_args["preference"] = cfg["objective"] == "dpo"  # rows [chosen..., rejected...], one image a pair
+    stream_args["preference"] = cfg["objective"] in ("dpo", "reward")  # rows [chosen..., rejected...], an image a pair
     try:
         loader = data.Loader(data.ShardStream(cfg["data_dir"], split="train", **stream_args), cfg["num_workers"])
     except (OSError, ValueError) as e:
@@ -568,7 +631,8 @@ def start_meter(raw, cfg, env):
     meter.loss_sum, meter.tokens_sum = torch.zeros((), device=env.device), torch.zeros((), device=env.device)
     meter.t_last, meter.data_wait = time.perf_counter(), 0.0
     meter.rows_done, meter.dropped = 0, 0
-    meter.dpo, meter.dpo_micro = {}, 0  # objective='dpo': rewards/* and logps/* summed over micro-steps, and their count
+    meter.dpo, meter.dpo_micro = {}, 0  # dpo, reward, grpo: their metrics summed over micro-steps, and their count
+    meter.gen_seconds, meter.gen_rows = 0.0, 0  # grpo: time in rollouts, and completions sampled
     meter.per_row = max(1, cfg["pack"])  # samples read per row
     # FLOPs of a row: one sample of seq_len tokens, or `pack` samples of seq_len / pack (attention within each)
     # with max_tiles the ViT runs on every slot of a row, however many images its samples hold
@@ -588,8 +652,9 @@ def forward_backward(model, b, env, cfg, scale, poison=False, ref_model=None, me
     (global, cleared when a thread leaves its outermost autocast) handed torch_xla's checkpoint recompute, on the
     autograd thread, the casts its no-grad forward had cached: the first block recomputed (the last) lost its grads."""
     with autocast(env, cfg):
-        if ref_model is not None:  # objective='dpo': the mean over the micro-batch's pairs
-            loss, pair_metrics = preference_loss(model, ref_model, b, cfg)
+        if cfg["objective"] != "sft":  # dpo, reward: the mean over the micro-batch's pairs; grpo: its summed loss
+            loss, pair_metrics = rl.rl_loss(model, b, cfg) if cfg["objective"] == "grpo" else \
+                pair_objective(model, ref_model, b, cfg)
             for k, v in pair_metrics.items():
                 metrics[k] = metrics.get(k, 0.0) + v
         else:
@@ -610,6 +675,8 @@ def set_lr(optimizer, it, cfg):
 def loss_units(b, cfg):
     """What a step's loss is divided by, summed over micro-steps and ranks: supervised tokens (sft, whose loss is a
     sum over them), or micro-batches (dpo, whose loss is already a mean over the micro-batch's pairs)."""
+    if cfg["objective"] == "grpo":  # completion tokens (dapo), completions (grpo) or completion slots (dr_grpo)
+        return b["units"]
     return (b["labels"][:, 1:] != -100).sum() if cfg["objective"] == "sft" else torch.ones((), device=b["labels"].device)
 
 
@@ -624,7 +691,7 @@ def train_step(model, micro, trainable, env, cfg, poison=False, ref_model=None, 
             loss = forward_backward(model, b, env, cfg, env.replicas / count.clamp(min=1), poison=poison,
                                     ref_model=ref_model, metrics=meter.dpo if meter else None)
         step_loss += loss.detach()
-    if ref_model is not None:
+    if cfg["objective"] != "sft":
         meter.dpo_micro += len(micro)
     grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf"))
     return step_loss, count, grad_norm
@@ -686,6 +753,12 @@ def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader):
         import torch_xla.debug.metrics as met
 
         event["xla_compiles"] = (met.metric_data("CompileTime") or [0])[0]
+    if meter.gen_rows:  # grpo: generation and training throughput apart
+        event |= {"gen_samples_per_s": meter.gen_rows / meter.gen_seconds,
+                  "train_samples_per_s": rows_done * cfg["grpo_group"] / max(dt - meter.gen_seconds, 1e-9)}
+        print0(env, f"step {it}: generation {event['gen_samples_per_s']:.1f} samples/s, training "
+               f"{event['train_samples_per_s']:.1f} samples/s ({100 * meter.gen_seconds / dt:.0f}% generating)")
+        meter.gen_seconds, meter.gen_rows = 0.0, 0
     if meter.dpo:  # means over the interval's micro-steps and ranks, as the loss
         n_micro = env.all_sum(torch.tensor(float(meter.dpo_micro), device=env.device))
         event |= {k: (env.all_sum(v) / n_micro).item() for k, v in meter.dpo.items()}
@@ -703,8 +776,27 @@ def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader):
     meter.t_last, meter.data_wait, meter.rows_done, meter.dropped = time.perf_counter(), 0.0, 0, 0
 
 
+def grpo_setup(cfg, env, loader):
+    """objective='grpo': the tokenizer, the stop token, the reward scorer and the sampler of the rollouts."""
+    tok = loader.stream.tok
+    return SimpleNamespace(tok=tok, stop=data.stop_token_id(cfg["template"], tok), score=rl.reward_scorer(cfg, env),
+                           sampler=torch.Generator(env.device), rollouts=None)
+
+
+def grpo_rollouts(grpo, raw, micro, ref_model, meter, cfg, env, it):
+    """A new generation batch: each micro-batch's prompts sampled grpo_group times and scored (seeded by step: a
+    step's samples survive a resume)."""
+    grpo.sampler.manual_seed(cfg["seed"] + 7919 * env.rank + 104729 * it)
+    with autocast(env, cfg):
+        done = [rl.rollout(raw, b, grpo.tok, grpo.stop, cfg, grpo.score, grpo.sampler, ref_model) for b in micro]
+    meter.gen_seconds += sum(seconds for _, seconds, _ in done)
+    meter.gen_rows += sum(len(r["ids"]) for r, _, _ in done)
+    grpo.rollouts = [r for r, _, _ in done]
+    return grpo.rollouts
+
+
 def evaluate_and_log(model, ref_model, val_loader, env, cfg, vision, it, log):
-    if ref_model is not None:
+    if cfg["objective"] in ("dpo", "reward"):
         val = evaluate_preference(model, ref_model, val_loader, env, cfg, cfg["eval_iters"], vision)
         print0(env, f"step {it}: " + ", ".join(f"{k} {v:.4f}" for k, v in val.items()))
         log({"step": it} | val)
@@ -725,7 +817,8 @@ def main(argv=None):
     resume_from = resume_point(out, cfg, env)
     raw = add_lora(init_model(cfg, env, resume_from), cfg, env, resuming=resume_from is not None)
     model, optimizer = apply_backends(raw, cfg, env)
-    ref_model = reference_model(cfg, env) if cfg["objective"] == "dpo" else None
+    needs_reference = cfg["objective"] == "dpo" or cfg["objective"] == "grpo" and cfg["grpo_beta"]
+    ref_model = reference_model(cfg, env) if needs_reference else None
     loader, val_loader, val_stream, stream_args = make_loaders(raw, cfg, env, rows_per_host)
     checkpointer = Checkpointer(env, cfg)
     start = checkpointer.load(resume_from, model, raw, optimizer, loader) if resume_from else 0
@@ -733,13 +826,15 @@ def main(argv=None):
     log, log_file = open_log(out, cfg, env)
     poison, poison_weight = injected_faults(env)
     meter = start_meter(raw, cfg, env)
+    grpo = grpo_setup(cfg, env, loader) if cfg["objective"] == "grpo" else None
     trainable = [p for p in raw.parameters() if p.requires_grad]
     batches = iter(loader)
     it = start
     try:
         while it < cfg["max_iters"]:
             t0 = time.perf_counter()
-            micro = [next(batches) for _ in range(grad_accum)]
+            fresh = grpo is None or it % cfg["grpo_iterations"] == 0 or it == start  # grpo: a new generation batch
+            micro = [next(batches) for _ in range(grad_accum)] if fresh else []
             meter.data_wait += time.perf_counter() - t0
             meter.dropped += sum(int(b["dropped"].sum()) for b in micro)  # CPU tensors: no device sync
             skipped = any(a <= it < b for a, b in cfg["skip_steps"])
@@ -749,6 +844,8 @@ def main(argv=None):
             else:
                 lr_now = set_lr(optimizer, it, cfg)
                 micro = [device_batch(b, env, raw.cfg.vision) for b in micro]
+                if grpo is not None:
+                    micro = grpo_rollouts(grpo, raw, micro, ref_model, meter, cfg, env, it) if fresh else grpo.rollouts
                 step_loss, count, grad_norm = train_step(model, micro, trainable, env, cfg, poison=it in poison,
                                                          ref_model=ref_model, meter=meter)
                 update_if_finite(optimizer, step_loss, count, grad_norm, meter, env, it, log)
@@ -783,7 +880,7 @@ def main(argv=None):
     checkpointer.wait()  # the last checkpoint committed before anything reads it
 
     if it >= cfg["max_iters"]:
-        if cfg["final_accuracy_samples"] and val_stream is not None:
+        if cfg["final_accuracy_samples"] and val_stream is not None and cfg["objective"] != "reward":
             log({"step": it, "accuracy": final_accuracy(raw, val_stream, stream_args, env, cfg)})
         if env.master:
             (out / "DONE").write_text(json.dumps({"step": it}))  # the babysitter's completion marker

@@ -1,0 +1,135 @@
+"""
+On-policy RL for train.py's objective='grpo' (README "Reward models and RL"): the prompts of an SFT micro-batch,
+G samples each from VLM.generate, rewards from a rule or a reward model, group-normalised advantages; then the
+clipped policy loss (model.grpo_loss) on each optimisation step that reuses the generation batch.
+"""
+
+import importlib
+import time
+from pathlib import Path
+
+import torch
+
+import convert
+import data
+from model import group_advantages, grpo_loss, left_pad
+from parallel import print0
+
+
+def exact_match(completions, answers):
+    return [float(c.strip().lower() == a.strip().lower()) for c, a in zip(completions, answers, strict=True)]
+
+
+RULES = {"exact_match": exact_match}
+
+
+def reward_rule(spec):
+    """A rule by name ('exact_match') or 'module:function' importable from the working directory: a callable
+    (completions: list[str], answers: list[str]) -> list[float], the answers being the data's reference answers."""
+    if spec in RULES:
+        return RULES[spec]
+    module, _, name = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name) if name else None
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"grpo_reward {spec!r}: cannot import it ({type(e).__name__}: {e})") from None
+    if not callable(fn):
+        raise ValueError(f"grpo_reward {spec!r}: expected {sorted(RULES)}, 'module:function' or a reward-model "
+                         f"checkpoint directory")
+    return fn
+
+
+def completion_logps(model, ids, attention_mask, pixel_values, n_completion, temperature=1.0):
+    """Per-token log-probs (B, C) of the last C = n_completion tokens of ids (prompts left-padded, completions
+    right-padded, attention_mask 0 at both), from logits / temperature as generate sampled them; and the entropies
+    (B, C) of those distributions."""
+    logits, _ = model(ids, pixel_values, attention_mask=attention_mask)
+    logprobs = (logits[:, -n_completion - 1 : -1].float() / temperature).log_softmax(-1)  # position t predicts t + 1
+    token_logps = logprobs.gather(-1, ids[:, -n_completion:, None]).squeeze(-1)
+    return token_logps, -(logprobs.exp() * logprobs).sum(-1)
+
+
+def prompts_of(b):
+    """(row, prompt ids, reference answer ids) of each row of an SFT batch with a supervised answer: the prompt ends
+    where the row's first answer starts (later turns are left out)."""
+    asked = []
+    labels, ids = b["labels"].cpu(), b["input_ids"].cpu()
+    for r in range(labels.shape[0]):
+        supervised = (labels[r] != -100).nonzero().flatten()
+        if not len(supervised):  # a dropped sample has no labels
+            continue
+        start = int(supervised[0])
+        end = start + int((supervised - start == torch.arange(len(supervised))).cumprod(0).sum())
+        asked.append((r, ids[r, :start].tolist(), ids[r, start:end].tolist()))
+    return asked
+
+
+@torch.no_grad()
+def rollout(raw, b, tok, stop, cfg, score, generator, ref_model=None):
+    """One micro-batch's generation batch: each prompt of b (on the device) G times, sampled with the image token and
+    the ids beyond the tokenizer suppressed; rewards = score(completions, answers, ids, attention_mask, pixels)."""
+    G, max_new, temperature = cfg["grpo_group"], cfg["grpo_max_new_tokens"], cfg["grpo_temperature"]
+    asked, device = prompts_of(b), b["input_ids"].device
+    prompt_ids, prompt_mask = left_pad([p for _, p, _ in asked], tok.pad_id)
+    prompt_ids, prompt_mask = prompt_ids.repeat_interleave(G, 0).to(device), prompt_mask.repeat_interleave(G, 0).to(device)
+    pixels = b["pixel_values"][torch.tensor([r for r, _, _ in asked], device=device).repeat_interleave(G)]
+    suppress = torch.arange(raw.cfg.llm.vocab_size, device=device)
+    suppress = (suppress >= tok.vocab_size) | (suppress == raw.cfg.image_token_id)
+    t0 = time.perf_counter()
+    raw.eval()
+    new = raw.generate(prompt_ids, pixels, max_new, temperature, cfg["grpo_top_p"], eos_id=stop, generator=generator,
+                       attention_mask=prompt_mask, suppress=suppress)  # (B * G, C)
+    raw.train()
+    is_stop = (new == stop).long()
+    completion_mask = (is_stop.cumsum(1) - is_stop == 0).long()  # up to and including the first stop token
+    texts = [data.decode_answer(tok, row, stop) for row in new.tolist()]
+    answers = [data.decode_answer(tok, a, stop) for _, _, a in asked for _ in range(G)]
+    ids, mask = torch.cat([prompt_ids, new], 1), torch.cat([prompt_mask, completion_mask], 1)
+    rewards = score(texts, answers, ids, mask, pixels).float().to(device)  # (B * G,)
+    gen_seconds = time.perf_counter() - t0
+    C = new.shape[1]
+    r = {"ids": ids, "mask": mask, "pixel_values": pixels, "completion_mask": completion_mask,
+         "advantages": group_advantages(rewards, G), "old_logps": None, "ref_logps": None}
+    if cfg["grpo_iterations"] > 1:  # the sampling policy's log-probs, for the ratio after the first update
+        r["old_logps"] = completion_logps(raw, ids, mask, pixels, C, temperature)[0]
+    if cfg["grpo_beta"]:
+        r["ref_logps"] = completion_logps(ref_model, ids, mask, pixels, C, temperature)[0]
+    kind = cfg["grpo_loss"]  # what the step's summed loss is divided by, summed over micro-steps and ranks
+    r["units"] = completion_mask.sum() if kind == "dapo" else torch.tensor(float(len(ids) * (max_new if kind == "dr_grpo"
+                                                                                           else 1)), device=device)
+    grouped = rewards.view(-1, G)
+    r["metrics"] = {"rl/reward": rewards.mean(), "rl/reward_std": grouped.std(dim=1).mean(),
+                    "rl/completion_length": completion_mask.sum(1).float().mean(),
+                    "rl/zero_std_groups": (grouped.std(dim=1) == 0).float().mean()}
+    return r, gen_seconds, texts
+
+
+def rl_loss(model, r, cfg):
+    """The micro-step's summed GRPO loss (divided by the step's units outside) and its metrics."""
+    logps, entropy = completion_logps(model, r["ids"], r["mask"], r["pixel_values"], r["completion_mask"].shape[1],
+                                      cfg["grpo_temperature"])
+    old = logps.detach() if r["old_logps"] is None else r["old_logps"]  # one update a generation batch: ratio 1
+    loss, metrics = grpo_loss(logps, old, r["advantages"], r["completion_mask"], cfg["grpo_loss"], cfg["grpo_epsilon"],
+                              beta=cfg["grpo_beta"], ref_logps=r["ref_logps"],
+                              max_completion_length=cfg["grpo_max_new_tokens"])
+    m = r["completion_mask"]
+    metrics = {f"rl/{k}": v for k, v in metrics.items()} | r["metrics"]
+    metrics["rl/entropy"] = (entropy.detach() * m).sum() / m.sum().clamp(min=1)
+    return loss * r["units"], metrics
+
+
+def reward_scorer(cfg, env):
+    """score(completions, answers, ids, attention_mask, pixels) -> rewards (rows,), from a rule (reward_rule) or a
+    reward-model checkpoint (objective='reward') reading prompt and completion."""
+    spec = cfg["grpo_reward"]
+    if not Path(spec).is_dir():
+        rule = reward_rule(spec)
+        return lambda texts, answers, *_: torch.tensor(rule(texts, answers), dtype=torch.float32)
+    try:
+        judge = convert.load_model(spec, device=env.device).requires_grad_(False).eval()
+    except (convert.ConversionError, OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"grpo_reward {spec!r}: cannot load the reward model ({e})") from None
+    if judge.reward_head is None:
+        raise SystemExit(f"grpo_reward {spec!r}: the checkpoint has no reward head (train one with objective='reward')")
+    print0(env, f"grpo: rewards from the reward model {spec}")
+    return lambda texts, answers, ids, mask, pixels: judge(ids, pixels, attention_mask=mask, reward=True)[1]
