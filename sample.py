@@ -1,7 +1,7 @@
 """
 Ask a trained model about an image.
 
-    python sample.py --ckpt out/shapes/step-001200 --image data/shapes/images/019999.png \
+    python sample.py --ckpt out/shapes/step-001500 --image data/shapes/images/019999.png \
         --prompt "How many circles are there?"
     python sample.py --ckpt llava-1.5-7b-hf --image cat.jpg --prompt "What is this?" --template vicuna_v1
     python sample.py --ckpt CKPT --image a.jpg b.jpg c.jpg --prompt "What is this?"    # one batch, 3 answers
