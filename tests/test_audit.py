@@ -15,6 +15,7 @@ from shapes import make_shapes
 
 import data
 import data_cli
+import train
 
 # the non-tool part of Qwen2.5-Instruct's published template: its own default system prompt
 QWEN25_TEMPLATE = (
@@ -102,16 +103,17 @@ def test_padding_share_is_what_the_loader_hands_out(shapes, capsys):
     code, out, _ = run_audit(capsys, shapes / "shards", "--config", ROOT / "configs/shapes.py", "--tokenizer",
                              shapes / "tokenizer.model", "--rows", 5, "--show", 0)
     share = float(re.search(r"padding: ([\d.]+)% ", out).group(1)) / 100
-    stream = data.ShardStream(shapes / "shards", shapes / "tokenizer.model", batch_size=5, seq_len=40, image_size=48,
+    T = train.DEFAULTS["seq_len"]  # configs/shapes.py's
+    stream = data.ShardStream(shapes / "shards", shapes / "tokenizer.model", batch_size=5, seq_len=T, image_size=48,
                               image_token_id=512, n_image_tokens=9, template="llama_3")
     assert len(stream) == 30  # 6 batches of 5 rows are one epoch
     batches = [stream.batch(k)["input_ids"] for k in range(6)]
     real = sum(int((b != stream.tok.pad_id).sum()) for b in batches)
-    assert code == 0 and abs(share - (1 - real / (6 * 5 * 40))) < 0.0006
-    # packing 2 samples a row at seq_len 40: no two fit (each is 30+ tokens), so half find no room, as in the loader
+    assert code == 0 and abs(share - (1 - real / (6 * 5 * T))) < 0.0006
+    # packing 2 samples a row: no two fit (each is 30+ tokens), so half find no room, as in the loader
     code, out, _ = run_audit(capsys, shapes / "shards", "--config", ROOT / "configs/shapes.py", "--tokenizer",
                              shapes / "tokenizer.model", "--rows", 5, "--pack", 2, "--show", 0)
-    packed = data.ShardStream(shapes / "shards", shapes / "tokenizer.model", batch_size=5, seq_len=40, image_size=48,
+    packed = data.ShardStream(shapes / "shards", shapes / "tokenizer.model", batch_size=5, seq_len=T, image_size=48,
                               image_token_id=512, n_image_tokens=9, template="llama_3", pack=2)
     for k in range(3):
         packed.batch(k)
@@ -280,3 +282,14 @@ def test_a_foreign_webdataset_shard_drops_what_the_loader_drops(shapes, capsys, 
     assert code == 0 and f"samples: 5\n  kept: {int((~dropped).sum())} " in out
     assert sorted(re.findall(r"dropped, (\w+): (\d+)", out)) == sorted((k, str(n)) for k, n in counts.items())
     assert len(counts) == 3  # a role, a corrupt image, a null value: each counted by its reason
+
+
+def test_the_demo_seq_len_keeps_every_question_of_a_demo_draw(tmp_path, capsys):
+    # a draw like make demo's (seed 0; 2000 samples hold every question form and answer), audited at configs/shapes.py's
+    # seq_len: every sample is kept whole, so the demo's short rows (no padding past its longest sample) cost nothing
+    make_shapes(tmp_path, n=2000, seed=0, val_fraction=0.1)
+    code, out, _ = run_audit(capsys, tmp_path / "shards", "--config", ROOT / "configs/shapes.py", "--tokenizer",
+                             tmp_path / "tokenizer.model", "--show", 0)
+    n = len(webdataset_samples(tmp_path / "shards"))
+    assert code == 0 and n == 1800, out
+    assert f"samples: {n}\n  kept: {n} (truncated to seq_len: 0)" in out  # at 33 tokens: 1 in 13 lose their end
