@@ -26,8 +26,8 @@ import torch
 
 from checkpoint import is_sharded_checkpoint, saved_weights
 from hf_config import HF_ARCHITECTURES, hf_model_type, llama_config, llava_config, llava_hf_config, read_json, vit_config
-from model import (LORA_SITES, VLM, LlamaConfig, LoRAConfig, Projector, ViTConfig, VLMConfig, build_model,
-                   is_lora_parameter, merge_lora_state, projector_depth, vlm_preset)
+from lora import LORA_SITES, LoRAConfig, is_lora_parameter, merge_lora_state
+from model import VLM, LlamaConfig, Projector, ViTConfig, VLMConfig, build_model, projector_depth, vlm_preset
 from processor import (PROCESSOR_FILES, TEMPLATE_NAMES, ExportError, export_tokenizer, has_processor,  # noqa: F401
                        write_processor)  # PROCESSOR_FILES: tests read it as convert.PROCESSOR_FILES
 from weight_files import (SHARD_BYTES, ConversionError, read_weights, say, write_dir, write_safetensors,  # noqa: F401

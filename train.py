@@ -33,8 +33,8 @@ from checkpoint import Checkpointer, check_resume_config, checkpoints, newest_go
 from dpo import (evaluate_preference, pair_objective, preference_loss, reference_model,  # noqa: F401  (tests: train.*)
                  reward_pairs, sequence_logps)
 from evaluation import device_batch, evaluate, final_accuracy
-from model import (DPO_LOSSES, GRPO_LOSSES, LoRAConfig, VLMConfig, apply_lora, build_model, is_lora_parameter, merge_lora,
-                   param_group, vlm_preset)
+from lora import LoRAConfig, apply_lora, is_lora_parameter, merge_lora
+from model import DPO_LOSSES, GRPO_LOSSES, VLMConfig, build_model, param_group, vlm_preset
 from parallel import Env, autocast, checkpoint_fn, grad_sync, init_optimizer_state, print0, shard
 
 # -----------------------------------------------------------------------------
