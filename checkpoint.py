@@ -518,6 +518,7 @@ class SavedTensor:
     def detach(self):
         t = torch.empty(self.shape, dtype=self.dtype)
         with quiet():
+            # a new reader each time (it reads the index again): a shared index keeps every loaded tensor alive
             dcp.load({self.key: t}, storage_reader=dcp.FileSystemReader(str(self.path)), no_dist=True)
         return t
 
@@ -529,6 +530,15 @@ def is_sharded_checkpoint(path):
 def saved_weights(path):
     """{our weight name: SavedTensor} of a sharded step directory, nothing read yet."""
     return {k[6:]: SavedTensor(path, k, meta) for k, meta in saved_tensors(path).items() if k.startswith("model.")}
+
+
+def load_weights(path):
+    """{our weight name: tensor} of a sharded step directory, read in one pass over its files."""
+    tensors = {k: torch.empty(t.shape, dtype=t.dtype) for k, t in saved_weights(path).items()}
+    with quiet():
+        dcp.load({f"model.{k}": t for k, t in tensors.items()}, storage_reader=dcp.FileSystemReader(str(path)),
+                 no_dist=True)
+    return tensors
 
 
 # -----------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import is_sharded_checkpoint, saved_weights
+from checkpoint import is_sharded_checkpoint, load_weights, saved_weights
 from hf_config import HF_ARCHITECTURES, hf_model_type, llama_config, llava_config, llava_hf_config, read_json, vit_config
 from lora import LORA_SITES, LoRAConfig, is_lora_parameter, merge_lora_state
 from model import VLM, LlamaConfig, Projector, ViTConfig, VLMConfig, build_model, projector_depth, vlm_preset
@@ -220,8 +220,7 @@ def read_checkpoint(ckpt_dir, lazy=False):
     except (TypeError, ValueError) as e:
         raise ConversionError(f"{path}: not a llavax config ({e})") from None
     if is_sharded_checkpoint(ckpt_dir):  # a training step: DCP's shards of every rank
-        state = saved_weights(ckpt_dir)
-        state = state if lazy else {k: v.detach() for k, v in state.items()}
+        state = saved_weights(ckpt_dir) if lazy else load_weights(ckpt_dir)
     else:
         state = read_weights(ckpt_dir)
     shapes = expected_shapes(cfg)

@@ -72,18 +72,24 @@ def our_batch(pairs, pixels, seq_len):
     return {"input_ids": ids, "labels": labels, "pixel_values": pixels}
 
 
-def trl_trainer(policy, ref, loss_type, beta, tmp_path, loss_weights=None):
-    from datasets import Dataset
+def word_level_processor():
+    """A LlavaProcessor for TRL's trainers: token ti is id i, <image> is IMAGE, 28 px images of 14 px patches."""
     from tokenizers import Tokenizer, models
     from transformers import CLIPImageProcessor, LlavaProcessor, PreTrainedTokenizerFast
-    from trl import DPOConfig, DPOTrainer
 
     vocab = {f"t{i}": i for i in range(IMAGE)} | {"<image>": IMAGE}
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t1")),
-                                  pad_token="t0", eos_token="t2", unk_token="t1")
-    processor = LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 28},
-                                                                 crop_size={"height": 28, "width": 28}),
-                               tokenizer=hf_tok, patch_size=14, vision_feature_select_strategy="default")
+                                     pad_token="t0", eos_token="t2", unk_token="t1")
+    return LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 28},
+                                                             crop_size={"height": 28, "width": 28}),
+                          tokenizer=hf_tok, patch_size=14, vision_feature_select_strategy="default")
+
+
+def trl_trainer(policy, ref, loss_type, beta, tmp_path, loss_weights=None):
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    processor = word_level_processor()
     args = DPOConfig(str(tmp_path / "trl"), beta=beta, loss_type=[loss_type] + (["sft"] if loss_weights else []),
                      loss_weights=loss_weights, report_to=[], use_cpu=True, bf16=False, max_length=None)
     data = Dataset.from_list([{"image": [[0]], "prompt": "x", "chosen": "y", "rejected": "z"}])

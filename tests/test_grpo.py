@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 from conftest import tiny_hf_llava
-from test_dpo import EOS, IMAGE, N_IMAGE_TOKENS, PAD, our_model, shapes_pairs  # noqa: F401  (the fixture)
+from test_dpo import EOS, IMAGE, N_IMAGE_TOKENS, PAD, our_model, shapes_pairs, word_level_processor  # noqa: F401
 
 import rl
 import train
@@ -20,16 +20,9 @@ G, C = 3, 6  # completions a prompt, completion slots
 
 def trl_grpo(model, loss_type, beta, tmp_path):
     from datasets import Dataset
-    from tokenizers import Tokenizer, models
-    from transformers import CLIPImageProcessor, LlavaProcessor, PreTrainedTokenizerFast
     from trl import GRPOConfig, GRPOTrainer
 
-    vocab = {f"t{i}": i for i in range(IMAGE)} | {"<image>": IMAGE}
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t1")),
-                                     pad_token="t0", eos_token="t2", unk_token="t1")
-    processor = LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 28},
-                                                                 crop_size={"height": 28, "width": 28}),
-                               tokenizer=hf_tok, patch_size=14, vision_feature_select_strategy="default")
+    processor = word_level_processor()
     args = GRPOConfig(str(tmp_path / "trl"), loss_type=loss_type, beta=beta, epsilon=0.2, num_generations=G,
                       per_device_train_batch_size=2 * G, max_completion_length=C, report_to=[], use_cpu=True,
                       bf16=False, temperature=1.0)
