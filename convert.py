@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import is_sharded_checkpoint, load_weights, saved_weights
+from checkpoint import MANIFEST, is_sharded_checkpoint, load_weights, saved_weights, verify_checkpoint
 from hf_config import HF_ARCHITECTURES, hf_model_type, llama_config, llava_config, llava_hf_config, read_json, vit_config
 from lora import LORA_SITES, LoRAConfig, is_lora_parameter, merge_lora_state
 from model import VLM, LlamaConfig, Projector, ViTConfig, VLMConfig, build_model, projector_depth, vlm_preset
@@ -219,7 +219,10 @@ def read_checkpoint(ckpt_dir, lazy=False):
         cfg = VLMConfig.from_dict(raw)
     except (TypeError, ValueError) as e:
         raise ConversionError(f"{path}: not a llavax config ({e})") from None
-    if is_sharded_checkpoint(ckpt_dir):  # a training step: DCP's shards of every rank
+    if is_sharded_checkpoint(ckpt_dir):  # a training step: DCP's shards of every rank, checked before they are read
+        damaged = verify_checkpoint(ckpt_dir) if Path(ckpt_dir, MANIFEST).exists() else None
+        if damaged:
+            raise ConversionError(f"{ckpt_dir}: not a complete training checkpoint: {damaged}")
         state = saved_weights(ckpt_dir) if lazy else load_weights(ckpt_dir)
     else:
         state = read_weights(ckpt_dir)

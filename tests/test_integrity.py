@@ -242,6 +242,8 @@ def cases(shapes, base, d):  # noqa: F811
         "sample_unknown_template": ([*s, "--template", "vicuna_v9"], "vicuna_v9"),
         "sample_negative_temperature": ([*s, "--temperature", "-1"], "--temperature"),
         "sample_prompt_too_long": ([*s[:-1], "circles " * 600, "--image", image], "--prompt"),
+        "convert_truncated_shard": (["convert.py", "consolidate", "--ckpt", str(d / "trunc_shard/step-000006"), "--out",
+                                     str(d / "consolidated")], "__0_0.distcp is"),
         "convert_leftover_temporary": (["convert.py", "to-hf", "--ckpt", str(d / ".step-000006.tmp-999999"), "--out",
                                         str(d / "hf")], ".step-000006.tmp-999999"),
         "launch_nproc_abc": (["scripts/launch.sh", "--dry-run", str(ROOT / "configs/debug.py")], "NPROC_PER_NODE"),
