@@ -30,6 +30,8 @@ import data
 from model import left_pad
 
 
+DEFAULT_NEW_TOKENS = 64
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True)
@@ -40,13 +42,14 @@ def main(argv=None):
     p.add_argument("--image-mode", default="pad", choices=["pad", "crop", "resize"])
     p.add_argument("--together", action="store_true", help="every prompt is about all the images (several a sample)")
     p.add_argument("--video", action="store_true", help="the images are the frames of one video (OneVision)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="default: 64, or what the model's max_seq_len leaves after the longest prompt")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
-    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.max_new_tokens < 1:
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or (args.max_new_tokens is not None and args.max_new_tokens < 1):
         p.error(f"--temperature must be >= 0 (got {args.temperature}), --top-p in (0, 1] (got {args.top_p}), "
                 f"--max-new-tokens >= 1 (got {args.max_new_tokens})")
     ckpt = Path(args.ckpt)
@@ -82,9 +85,7 @@ def main(argv=None):
         question = f"{data.IMAGE_TAG}\n{prompt}" if images and data.IMAGE_TAG not in prompt else prompt
         ids, _ = data.tokenize([(data.generation_prompt(template, question, tok), False)], tok, cfg.image_token_id,
                                cfg.n_image_tokens)
-        if len(ids) + args.max_new_tokens > cfg.llm.max_seq_len:
-            sys.exit(f"sample: --prompt {prompt!r} is {len(ids)} tokens (with the template and image); with "
-                     f"--max-new-tokens {args.max_new_tokens} that exceeds the model's max_seq_len={cfg.llm.max_seq_len}")
+        fit_new_tokens(args, prompt, len(ids), cfg.llm.max_seq_len)
         rows.append(ids)
     ids, mask = left_pad(rows, tok.pad_id)
     pixels = []
@@ -124,9 +125,7 @@ def tiled_batch(args, cfg, template, tok):
                                                             cfg.vision.image_stats[0])
         except (OSError, ValueError) as e:
             sys.exit(f"sample: --prompt {prompt!r}: {e}")
-        if len(ids) + args.max_new_tokens > cfg.llm.max_seq_len:
-            sys.exit(f"sample: --prompt {prompt!r} is {len(ids)} tokens (with the template and images); with "
-                     f"--max-new-tokens {args.max_new_tokens} that exceeds the model's max_seq_len={cfg.llm.max_seq_len}")
+        fit_new_tokens(args, prompt, len(ids), cfg.llm.max_seq_len)
         rows.append(ids)
         tiles.append(row_tiles)
         layouts.append(row_layouts)
@@ -142,11 +141,23 @@ def tiled_batch(args, cfg, template, tok):
                                "image_weight": torch.stack(weight).to(args.device)}
 
 
+def fit_new_tokens(args, prompt, n_prompt, max_seq_len):
+    """--max-new-tokens as asked, if the prompt leaves room for it; unset, 64 or the room the longest prompt leaves
+    (the shapes demo's model holds 64 tokens in all)."""
+    room = max_seq_len - n_prompt
+    if args.max_new_tokens is None and room >= 1:
+        args.room = min(getattr(args, "room", DEFAULT_NEW_TOKENS), room)
+    elif args.max_new_tokens is None or n_prompt + args.max_new_tokens > max_seq_len:
+        asked = f"--max-new-tokens {args.max_new_tokens}" if args.max_new_tokens else "a single new token"
+        sys.exit(f"sample: --prompt {prompt!r} is {n_prompt} tokens (with the template and images); with {asked} that "
+                 f"exceeds the model's max_seq_len={max_seq_len}")
+
+
 def answer(args, model, template, tok, ids, mask, pixels, extra):
     """Generate for the left-padded batch and print one answer a line."""
     stop = data.stop_token_id(template, tok)
     try:
-        out = model.generate(ids.to(args.device), pixels, max_new_tokens=args.max_new_tokens,
+        out = model.generate(ids.to(args.device), pixels, max_new_tokens=args.max_new_tokens or args.room,
                              temperature=args.temperature, top_p=args.top_p, eos_id=stop,
                              generator=torch.Generator(args.device).manual_seed(args.seed),
                              attention_mask=mask.to(args.device), **extra).tolist()

@@ -468,3 +468,16 @@ def test_tile_settings_that_cannot_work_are_config_errors(shapes, tmp_path):
         train.main(args(shapes, tmp_path / "b", anyres, "--max_tiles=2"))
     with pytest.raises(SystemExit, match="max_tiles must be >= 0"):
         train.main(args(shapes, tmp_path / "c", "--max_tiles=-1"))
+
+
+def test_the_readme_sample_command_answers_from_a_demo_checkpoint(shapes, tmp_path):
+    # the demo's model holds 64 tokens in all: a 31-token prompt cannot take sample.py's 64 new tokens, so unset,
+    # --max-new-tokens is what the prompt leaves (it was an error for the README's own command)
+    run([f"--data_dir={shapes / 'shards'}", f"--tokenizer={shapes / 'tokenizer.model'}", f"--out_dir={tmp_path}",
+         "--max_iters=2", "--eval_interval=0", "--final_accuracy_samples=0", "--log_interval=1"])
+    ask = [sys.executable, str(ROOT / "sample.py"), "--ckpt", str(tmp_path / "step-000002"), "--image",
+           str(shapes / "images/000000.png"), "--prompt", "How many circles are there?"]
+    r = forkserver.run(ask, os.environ | {"OMP_NUM_THREADS": "1"}, cwd=ROOT)
+    assert r.returncode == 0 and len(r.stdout.strip().splitlines()) == 1, r.stderr[-2000:]
+    r = forkserver.run(ask + ["--max-new-tokens", "64"], os.environ | {"OMP_NUM_THREADS": "1"}, cwd=ROOT)
+    assert r.returncode == 1 and "exceeds the model's max_seq_len=64" in r.stderr and "Traceback" not in r.stderr
