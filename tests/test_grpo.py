@@ -208,7 +208,7 @@ def test_one_grpo_update_moves_probability_towards_positive_advantages(shapes_pa
     (["--grpo_group=1"], "grpo_group must be >= 2"),
     (["--grpo_reward=no_such_module:f"], "grpo_reward 'no_such_module:f': cannot import it"),
     (["--grpo_reward=cosine"], "expected \\['exact_match'\\]"),
-    (["--parallel=fsdp"], "FSDP and XLA generation are not built"),
+    (["--parallel=fsdp"], "FSDP generation is not built"),
     (["--pack=2"], "pack and max_tiles must be 0"),
     (["--grpo_beta=0.1", "--init_from=scratch"], "grpo_beta > 0 needs a reference checkpoint"),
 ])
