@@ -114,6 +114,15 @@ class Env:
         spec = xs.ShardingSpec(self.mesh, (BATCH,) + (None,) * (rows.dim() - 1), minibatch=self.world > 1)
         return xm.send_cpu_data_to_device([rows], self.device, spec)[0]
 
+    def to_host(self, t):
+        """A device tensor on the host. Under SPMD it is made replicated inside its own graph first: fetching sharded
+        data compiles a gathering program on every call."""
+        if self.kind == "xla":
+            import torch_xla.distributed.spmd as xs
+
+            xs.mark_sharding(t, self.mesh, (None,) * t.dim())
+        return t.cpu()
+
 
 def print0(env, *args):
     if env.master:

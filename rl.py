@@ -70,35 +70,38 @@ def prompt_bucket(cfg):
 
 
 @torch.no_grad()
-def rollout(raw, b, tok, stop, cfg, score, generator, ref_model=None, static=False, place=None, after_token=None):
-    """One micro-batch's generation batch: each prompt of b (on the device) G times, sampled with the image token and
-    the ids beyond the tokenizer suppressed; rewards = score(completions, answers, ids, attention_mask, pixels).
-    static (XLA): every row of b, prompts left-padded to prompt_bucket(cfg), generate(static=True), so each rollout
-    has the same shapes and graphs; a row without a prompt (dropped by the loader, or longer than the bucket: counted
-    in r["skipped"]) is generated from padding and masked out of loss and metrics. place(rows) puts host rows on the
-    device (XLA: split over the data axes); after_token: see generate."""
+def rollout(raw, b, tok, stop, cfg, score, generator, ref_model=None, static=False, env=None):
+    """One micro-batch's generation batch: each prompt of the loader's batch b (on the host) G times, sampled with the
+    image token and the ids beyond the tokenizer suppressed; rewards = score(completions, answers, ids, attention_mask,
+    pixels). static (XLA): every row of b, prompts left-padded to prompt_bucket(cfg), generate(static=True), so every
+    rollout has the same shapes and graphs; a row without a prompt (dropped by the loader, or longer than the bucket:
+    counted in r["skipped"]) is generated from padding and masked out of loss and metrics. env puts rows on the device
+    (XLA: split over the data axes), cuts the graph after each token and fetches the completions (without env: the
+    rows stay on b's device)."""
     G, max_new, temperature = cfg["grpo_group"], cfg["grpo_max_new_tokens"], cfg["grpo_temperature"]
-    asked, device = prompts_of(b), b["input_ids"].device
-    place = place or (lambda rows: rows.to(device))
+    place = env.place_rows if env is not None else (lambda rows: rows)
+    asked = prompts_of(b)
     n_asked, bucket = len(asked), prompt_bucket(cfg) if static else None
     if static:
         fits = {r: (p, a) for r, p, a in asked if len(p) <= bucket}
         asked = [(r, *fits.get(r, ([], []))) for r in range(b["input_ids"].shape[0])]
     prompt_ids, prompt_mask = left_pad([p for _, p, _ in asked], tok.pad_id, bucket)
     prompt_ids, prompt_mask = place(prompt_ids.repeat_interleave(G, 0)), place(prompt_mask.repeat_interleave(G, 0))
-    pixels = b["pixel_values"][torch.tensor([r for r, _, _ in asked]).repeat_interleave(G).to(device)]
+    pixels = place(b["pixel_values"][torch.tensor([r for r, _, _ in asked]).repeat_interleave(G)])
+    pixels, device = data.normalize_images(pixels, *raw.cfg.vision.image_stats), prompt_ids.device
     suppress = torch.arange(raw.cfg.llm.vocab_size, device=device)
     suppress = (suppress >= tok.vocab_size) | (suppress == raw.cfg.image_token_id)
     t0 = time.perf_counter()
     raw.eval()
     new = raw.generate(prompt_ids, pixels, max_new, temperature, cfg["grpo_top_p"], eos_id=stop, generator=generator,
                        attention_mask=prompt_mask, suppress=suppress, static=static,
-                       after_token=after_token)  # (B * G, C)
+                       after_token=None if env is None else env.step_end)  # (B * G, C)
     raw.train()
     valid = prompt_mask[:, -1]  # (B * G,): 0 where a static rollout had no prompt
     is_stop = (new == stop).long()
     completion_mask = (is_stop.cumsum(1) - is_stop == 0).long() * valid[:, None]  # up to and including the first stop
-    texts = [data.decode_answer(tok, row, stop) for row in new.tolist()]  # the rollout's one device-to-host transfer
+    host = new if env is None else env.to_host(new)  # the rollout's one transfer from the device
+    texts = [data.decode_answer(tok, row, stop) for row in host.tolist()]
     answers = [data.decode_answer(tok, a, stop) for _, _, a in asked for _ in range(G)]
     ids, mask = torch.cat([prompt_ids, new], 1), torch.cat([prompt_mask, completion_mask], 1)
     rewards = score(texts, answers, ids, mask, pixels).float().to(device)  # (B * G,)

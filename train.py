@@ -800,13 +800,14 @@ def grpo_rollouts(grpo, raw, micro, ref_model, meter, cfg, env, it):
     """A new generation batch: each micro-batch's prompts sampled grpo_group times and scored (seeded by step: a
     step's samples survive a resume)."""
     grpo.sampler.manual_seed(cfg["seed"] + 7919 * env.rank + 104729 * it)
+    env.step_end()  # XLA: what is pending (the first step: the setup's work) stays out of the rollouts' graphs
     with autocast(env, cfg):
-        done = [rl.rollout(raw, b, grpo.tok, grpo.stop, cfg, grpo.score, grpo.sampler, ref_model, grpo.static,
-                           env.place_rows, env.step_end) for b in micro]
+        done = [rl.rollout(raw, b, grpo.tok, grpo.stop, cfg, grpo.score, grpo.sampler, ref_model, grpo.static, env)
+                for b in micro]
     env.step_end()  # XLA: the rollouts' last graph apart from the training step's
     skipped = sum(r["skipped"] for r, _, _ in done)
     if skipped:
-        print0(env, f"step {it}: {skipped} prompt(s) longer than grpo_prompt_len={rl.prompt_bucket(cfg)} skipped")
+        print0(env, f"step {it + 1}: {skipped} prompt(s) longer than grpo_prompt_len={rl.prompt_bucket(cfg)} skipped")
     meter.gen_seconds += sum(seconds for _, seconds, _ in done)
     meter.gen_rows += sum(len(r["ids"]) for r, _, _ in done)
     grpo.rollouts = [r for r, _, _ in done]
@@ -861,8 +862,8 @@ def main(argv=None):
                 log({"step": it, "skipped": True})
             else:
                 lr_now = set_lr(optimizer, it, cfg)
-                micro = [device_batch(b, env, raw.cfg.vision) for b in micro]
-                if grpo is not None:
+                micro = [device_batch(b, env, raw.cfg.vision) for b in micro] if grpo is None else micro
+                if grpo is not None:  # the rollouts place what they need from the host batches
                     micro = grpo_rollouts(grpo, raw, micro, ref_model, meter, cfg, env, it) if fresh else grpo.rollouts
                 step_loss, count, grad_norm = train_step(model, micro, trainable, env, cfg, poison=it in poison,
                                                          ref_model=ref_model, meter=meter)
