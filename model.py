@@ -469,7 +469,8 @@ class Attention(nn.Module):
             end = start_pos + T
             cache.k[self.layer_id][:, :, start_pos:end] = k
             cache.v[self.layer_id][:, :, start_pos:end] = v
-            k, v = cache.k[self.layer_id][:, :, :end], cache.v[self.layer_id][:, :, :end]  # (B, Hkv, end, hd)
+            # in q's dtype: the cache holds the embeddings' (fp32 under autocast), and XLA's autocast leaves SDPA alone
+            k, v = cache.k[self.layer_id][:, :, :end].to(q.dtype), cache.v[self.layer_id][:, :, :end].to(q.dtype)
             # query t sits at start_pos + t and sees every key up to there; a given mask (B, 1, 1, end) adds padding
             seen = torch.arange(end, device=x.device)[None, :] <= torch.arange(start_pos, end, device=x.device)[:, None]
             mask, causal = seen if mask is None else mask & seen, False

@@ -252,6 +252,8 @@ def test_one_grpo_update_moves_probability_towards_positive_advantages(shapes_pa
     (["--grpo_reward=cosine"], "expected \\['exact_match'\\]"),
     (["--parallel=fsdp"], "FSDP generation is not built"),
     (["--pack=2"], "pack and max_tiles must be 0"),
+    (["--grpo_static=True", "--grpo_prompt_len=41"], "static rollouts need grpo_prompt_len in \\[1, seq_len - grpo_"),
+    (["--device=xla", "--grpo_max_new_tokens=48"], "static rollouts need grpo_prompt_len in \\[1, .* = 0\\]"),
     (["--grpo_beta=0.1", "--init_from=scratch"], "grpo_beta > 0 needs a reference checkpoint"),
 ])
 def test_grpo_config_errors_are_one_sentence(tmp_path, extra, message):
