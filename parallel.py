@@ -120,6 +120,7 @@ class Env:
         if self.kind == "xla":
             import torch_xla.distributed.spmd as xs
 
+            t = t + 0  # a node of the pending graph: data already on the device keeps its annotation
             xs.mark_sharding(t, self.mesh, (None,) * t.dim())
         return t.cpu()
 
