@@ -139,7 +139,10 @@ def rl_loss(model, r, cfg):
     m = r["completion_mask"]
     metrics = {f"rl/{k}": v for k, v in metrics.items()} | r["metrics"]
     metrics["rl/entropy"] = (entropy.detach() * m).sum() / m.sum().clamp(min=1)
-    return loss * r["units"], metrics
+    # back to a sum: grpo_loss divided by the micro-batch's completion tokens (dapo), rows (grpo) or rows x
+    # grpo_max_new_tokens (dr_grpo), padding rows of a static rollout included; r["units"] leaves those out
+    kind = cfg["grpo_loss"]
+    return loss * (m.sum() if kind == "dapo" else len(m) * (cfg["grpo_max_new_tokens"] if kind == "dr_grpo" else 1)), metrics
 
 
 def reward_scorer(cfg, env):

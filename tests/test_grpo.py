@@ -245,6 +245,47 @@ def test_one_grpo_update_moves_probability_towards_positive_advantages(shapes_pa
     assert (r["advantages"] * (after - before)).sum() > 0
 
 
+@pytest.mark.parametrize("kind", ["dapo", "grpo", "dr_grpo"])
+def test_a_static_rollout_trains_on_its_skipped_rows_as_if_they_were_absent(shapes_pairs, kind):  # noqa: F811
+    """Static rollouts keep every row: a prompt longer than the bucket (and a row the loader dropped) is generated from
+    padding. Those rows must weigh nothing: the loss per unit, its KL, clip ratio and entropy, and the reward metrics
+    equal those of the kept rows alone (taken out of the same rollout and scored as an eager rollout would be)."""
+    import data
+    from model import build_model, vlm_preset
+
+    cfg = vlm_preset("debug").with_overrides({"vision": {"image_size": 28, "patch_size": 14},
+                                             "llm": {"vocab_size": 576}, "image_token_id": 512})
+    model, reference = build_model(cfg, seed=0), build_model(cfg, seed=1)
+    stream = data.ShardStream(shapes_pairs / "shards", shapes_pairs / "tokenizer.model", split="train", batch_size=8,
+                              seq_len=48, image_size=28, image_token_id=512, n_image_tokens=4, template="llama_3")
+    b = stream.batch(1)
+    lengths = sorted(len(p) for _, p, _ in rl.prompts_of(b))
+    bucket = next(n for n in lengths if n < lengths[-1])  # the shortest prompts fit, the longest do not
+    run = dict(train.DEFAULTS) | {"grpo_group": 3, "grpo_max_new_tokens": 6, "grpo_prompt_len": bucket,
+                                  "grpo_loss": kind, "grpo_beta": 0.1, "grpo_iterations": 2}
+    score = lambda texts, answers, *_: torch.tensor(short_answers(texts, answers))  # noqa: E731
+    stop = data.stop_token_id("llama_3", stream.tok)
+    r, _, texts = rl.rollout(model, b, stream.tok, stop, run, score, torch.Generator().manual_seed(0), reference,
+                             static=True)
+    kept = r["mask"][:, bucket - 1] == 1  # a row with a prompt ends it with a real token
+    assert r["skipped"] == sum(n > bucket for n in lengths) and 0 < kept.sum() < len(kept)
+    assert (r["completion_mask"][~kept] == 0).all()
+    alone = {k: r[k][kept] for k in ("ids", "mask", "pixel_values", "completion_mask", "advantages", "old_logps",
+                                     "ref_logps")}
+    n = int(kept.sum())
+    alone["units"] = alone["completion_mask"].sum() if kind == "dapo" else torch.tensor(float(n * (6 if kind == "dr_grpo"
+                                                                                              else 1)))
+    with torch.no_grad():
+        loss, metrics = rl.rl_loss(model, r, run)
+        loss_alone, metrics_alone = rl.rl_loss(model, alone | {"metrics": {}}, run)
+    assert abs(loss / r["units"] - loss_alone / alone["units"]) < 1e-6 and r["units"] == alone["units"]
+    for k in ("rl/kl", "rl/clip_ratio", "rl/entropy"):
+        assert abs(metrics[k] - metrics_alone[k]) < 1e-6, k
+    rewards = torch.tensor(short_answers([t for t, keep in zip(texts, kept) if keep], []))
+    assert abs(metrics["rl/reward"] - rewards.mean()) < 1e-6
+    assert abs(metrics["rl/reward_std"] - rewards.view(-1, 3).std(dim=1).mean()) < 1e-6
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--grpo_loss=ppo"], "grpo_loss must be one of"),
     (["--grpo_group=1"], "grpo_group must be >= 2"),
