@@ -460,17 +460,24 @@ class Attention(nn.Module):
             y = flex_attention(q, k, v, block_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads)
             return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, D)
         causal = mask is None
-        if cache is not None:
+        static = torch.is_tensor(start_pos)  # a decode step at the slot a (1,) tensor holds: one graph for every step
+        if cache is not None and static:  # the whole cache is read; Llama's mask (B, 1, 1, max_len) hides empty slots
+            cache.k[self.layer_id].index_copy_(2, start_pos, k.to(cache.k[self.layer_id].dtype))
+            cache.v[self.layer_id].index_copy_(2, start_pos, v.to(cache.v[self.layer_id].dtype))
+            k, v = cache.k[self.layer_id].to(q.dtype), cache.v[self.layer_id].to(q.dtype)  # (B, Hkv, max_len, hd)
+        elif cache is not None:
             end = start_pos + T
             cache.k[self.layer_id][:, :, start_pos:end] = k
             cache.v[self.layer_id][:, :, start_pos:end] = v
-            k, v = cache.k[self.layer_id][:, :, :end], cache.v[self.layer_id][:, :, :end]  # (B, Hkv, end, hd)
+            # in q's dtype: the cache holds the embeddings' (fp32 under autocast), and XLA's autocast leaves SDPA alone
+            k, v = cache.k[self.layer_id][:, :, :end].to(q.dtype), cache.v[self.layer_id][:, :, :end].to(q.dtype)
             # query t sits at start_pos + t and sees every key up to there; a given mask (B, 1, 1, end) adds padding
             seen = torch.arange(end, device=x.device)[None, :] <= torch.arange(start_pos, end, device=x.device)[:, None]
             mask, causal = seen if mask is None else mask & seen, False
-        if self.window and start_pos + T > self.window:  # keys up to window - 1 places back (HF: kv > q - window)
+        if self.window and (static or start_pos + T > self.window):  # keys up to window - 1 back (HF: kv > q - window)
             S = k.shape[2]
-            q_at = torch.arange(S - T, S, device=x.device)[:, None]  # (T, 1) cache slots; packed rows: row offsets
+            # (T, 1) cache slots; packed rows: row offsets
+            q_at = start_pos[:, None] if static else torch.arange(S - T, S, device=x.device)[:, None]
             near = q_at - torch.arange(S, device=x.device)[None, :] < self.window  # (T, S)
             mask = near & (torch.arange(S, device=x.device)[None, :] <= q_at) if causal else mask & near
             causal = False
@@ -535,18 +542,20 @@ class Llama(nn.Module):
         position_ids (B, T) marks packed rows: a new sample starts wherever the position is 0, and no
         sample attends to another (tokens after the last sample form one more, unsupervised, sample).
         pad (B, start_pos + T), True at left padding (generation): no query attends a padded key, and
-        positions count from each row's first real token, as HF derives them from the attention mask."""
-        T = h.shape[1]
-        if start_pos + T > self.cfg.max_seq_len:
+        positions count from each row's first real token, as HF derives them from the attention mask.
+        Static decoding (generate(static=True)): start_pos a (1,) tensor, T = 1, pad (B, the cache's max_len)."""
+        T, static = h.shape[1], torch.is_tensor(start_pos)
+        if not static and start_pos + T > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {start_pos + T} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
         mask = None
         if pad is not None:
-            positions = ((~pad).long().cumsum(dim=1) - 1).clamp(min=0)[:, start_pos:]  # (B, T)
+            positions = ((~pad).long().cumsum(dim=1) - 1).clamp(min=0)
+            positions = positions.index_select(1, start_pos) if static else positions[:, start_pos:]  # (B, T)
             cos = self.rope_cos[positions].to(h.dtype)[:, None]  # (B, 1, T, hd)
             sin = self.rope_sin[positions].to(h.dtype)[:, None]
             # causal; a padded query sees only itself (a row with every key masked would make SDPA return NaN)
-            key_at, query_at = torch.arange(pad.shape[1], device=h.device), torch.arange(start_pos, start_pos + T,
-                                                                                          device=h.device)[:, None]
+            key_at = torch.arange(pad.shape[1], device=h.device)
+            query_at = (start_pos if static else torch.arange(start_pos, start_pos + T, device=h.device))[:, None]
             mask = ((~pad[:, None, None, :]) | (key_at == query_at)) & (key_at <= query_at)  # (B, 1, T, start_pos + T)
         elif position_ids is None:
             cos = self.rope_cos[start_pos : start_pos + T].to(h.dtype)  # (T, hd)
@@ -832,37 +841,59 @@ class VLM(nn.Module):
 
     @torch.no_grad()
     def generate(self, input_ids, pixel_values=None, max_new_tokens=32, temperature=0.0, top_p=1.0,
-                 eos_id=None, generator=None, attention_mask=None, image_index=None, image_weight=None, suppress=None):
+                 eos_id=None, generator=None, attention_mask=None, image_index=None, image_weight=None, suppress=None,
+                 static=False, after_token=None):
         """New tokens (B, <= max_new_tokens) after the prompts; greedy when temperature == 0. Prompts of
         different lengths come left-padded with attention_mask (B, T) 0 at the padding (see left_pad), as
         HF's generate takes them. Rows that reached eos_id keep emitting eos_id until every row has.
-        suppress (vocab,) bool: tokens never sampled (RL: the image placeholder, as TRL's GRPOTrainer does)."""
+        suppress (vocab,) bool: tokens never sampled (RL: the image placeholder, as TRL's GRPOTrainer does).
+        static=True keeps every shape fixed and the host out of the loop, so XLA compiles a rollout once: always
+        max_new_tokens steps, each decode step one graph (the cache slot in a tensor), and draws from hashed noise
+        seeded by generator (race_noise: the same tokens on every device). after_token() runs after the prefill and
+        each step (XLA: cut the graph there)."""
         B, T = input_ids.shape
         if image_index is None:
             h = self.embed(input_ids, pixel_values)
         else:
             h = self.place_features(input_ids, pixel_values, image_index, image_weight)
         pad = None
+        if static:
+            if T + max_new_tokens > self.cfg.llm.max_seq_len:
+                raise ValueError(f"generate: {T} prompt + {max_new_tokens} new tokens exceed max_seq_len="
+                                 f"{self.cfg.llm.max_seq_len}")
+            attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        elif attention_mask is not None and bool((attention_mask[:, -1] == 0).any()):
+            raise ValueError("generate: attention_mask has padding at the end of a row; pad prompts on the left")
         if attention_mask is not None:
-            if bool((attention_mask[:, -1] == 0).any()):
-                raise ValueError("generate: attention_mask has padding at the end of a row; pad prompts on the left")
             pad = F.pad(attention_mask == 0, (0, max_new_tokens), value=False)  # (B, T + max_new_tokens)
         cache = KVCache(self.cfg.llm, B, T + max_new_tokens, h.dtype, h.device)
-        logits = self.llm.output(self.llm(h, cache, 0, pad=None if pad is None else pad[:, :T])[:, -1])  # (B, vocab)
         done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+        slot = torch.tensor([T], device=input_ids.device) if static else T  # the next token's cache slot
+        seed = None
+        if static and temperature > 0:
+            seed = torch.randint(2**31 - 1, (), generator=generator, device=generator.device if generator else "cpu")
+            seed = seed.to(input_ids.device)
+        logits = self.llm.output(self.llm(h, cache, 0, pad=None if pad is None else pad[:, :T])[:, -1])  # (B, vocab)
+        if after_token:
+            after_token()
         out = []
         for i in range(max_new_tokens):
             if suppress is not None:
                 logits = logits.masked_fill(suppress, float("-inf"))
-            token = sample_token(logits, temperature, top_p, generator)  # (B,)
+            noise = None if seed is None else race_noise(seed, slot, logits.shape)
+            token = sample_token(logits, temperature, top_p, generator, noise)  # (B,)
             if eos_id is not None:
                 token = torch.where(done, eos_id, token)
                 done = done | (token == eos_id)
             out.append(token)
-            if (eos_id is not None and bool(done.all())) or i == max_new_tokens - 1:
+            if (not static and eos_id is not None and bool(done.all())) or i == max_new_tokens - 1:
                 break
             h = self.llm.tok_embeddings(token[:, None])  # (B, 1, D)
-            logits = self.llm.output(self.llm(h, cache, T + i, pad=None if pad is None else pad[:, : T + i + 1])[:, -1])
+            seen = pad if static or pad is None else pad[:, : slot + 1]
+            logits = self.llm.output(self.llm(h, cache, slot, pad=seen)[:, -1])
+            slot = slot + 1
+            if after_token:
+                after_token()
         return torch.stack(out, dim=1)
 
 
@@ -879,15 +910,33 @@ def param_group(name):
     return "llm" if name == "image_newline" or name.startswith("reward_head.") else name.split(".")[0]
 
 
-def left_pad(prompts, pad_id=0):
-    """Token id lists of different lengths -> input_ids (B, T) padded on the left and attention_mask (B, T)."""
-    T = max(len(p) for p in prompts)
+def left_pad(prompts, pad_id=0, length=None):
+    """Token id lists of different lengths -> input_ids (B, T) padded on the left and attention_mask (B, T); T is the
+    longest prompt, or length (a fixed bucket) when given."""
+    T = length or max(len(p) for p in prompts)
     ids = torch.tensor([[pad_id] * (T - len(p)) + list(p) for p in prompts])
     mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
     return ids, mask
 
 
-def sample_token(logits, temperature, top_p, generator=None):
+def hash32(x):
+    """A 32-bit integer mix (int64 tensors; every product stays below 2**63): counter-based random numbers."""
+    x = x & 0xFFFFFFFF
+    x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
+    x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
+    return (x >> 16) ^ x
+
+
+def race_noise(seed, slot, shape):
+    """Exp(1) draws (B, vocab) hashed from (seed, slot, row, token): no generator state on the device, the same numbers
+    on CPU, CUDA and XLA (whose RNGs differ), and seed and slot are tensors, so every step is the same graph."""
+    rows = torch.arange(shape[0], device=seed.device)[:, None]
+    tokens = torch.arange(shape[1], device=seed.device)[None, :]
+    bits = hash32(hash32(hash32(seed + slot) + rows) + tokens) >> 8  # (B, vocab), 24 bits: exact in float32
+    return -torch.log((bits.float() + 0.5) / 2**24)
+
+
+def sample_token(logits, temperature, top_p, generator=None, noise=None):
     if temperature == 0.0:
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
@@ -897,6 +946,8 @@ def sample_token(logits, temperature, top_p, generator=None):
         drop = sorted_probs.cumsum(-1) - sorted_probs > top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    if noise is not None:  # the exponential race: argmax p_i / E_i over iid E_i ~ Exp(1) is a draw from p
+        return (probs / noise).argmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 

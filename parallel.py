@@ -101,16 +101,28 @@ class Env:
         """The model's inputs on the device; under SPMD the host's rows become its part of a global batch."""
         keys = [k for k in ("input_ids", "labels", "pixel_values", "position_ids", "image_index", "image_weight")
                 if k in batch]
+        return {k: self.place_rows(batch[k]) for k in keys}
+
+    def place_rows(self, rows):
+        """A host tensor of batch rows on the device; under SPMD the host's rows of a global batch, split over the
+        data axes."""
         if self.kind != "xla":
-            return {k: batch[k].to(self.device, non_blocking=True) for k in keys}
+            return rows.to(self.device, non_blocking=True)
         import torch_xla.core.xla_model as xm
         import torch_xla.distributed.spmd as xs
 
-        out = {}
-        for k in keys:
-            spec = xs.ShardingSpec(self.mesh, (BATCH,) + (None,) * (batch[k].dim() - 1), minibatch=self.world > 1)
-            out[k] = xm.send_cpu_data_to_device([batch[k]], self.device, spec)[0]
-        return out
+        spec = xs.ShardingSpec(self.mesh, (BATCH,) + (None,) * (rows.dim() - 1), minibatch=self.world > 1)
+        return xm.send_cpu_data_to_device([rows], self.device, spec)[0]
+
+    def to_host(self, t):
+        """A device tensor on the host. Under SPMD it is made replicated inside its own graph first: fetching sharded
+        data compiles a gathering program on every call."""
+        if self.kind == "xla":
+            import torch_xla.distributed.spmd as xs
+
+            t = t + 0  # a node of the pending graph: data already on the device keeps its annotation
+            xs.mark_sharding(t, self.mesh, (None,) * t.dim())
+        return t.cpu()
 
 
 def print0(env, *args):

@@ -64,44 +64,68 @@ def prompts_of(b):
     return asked
 
 
+def prompt_bucket(cfg):
+    """The prompt length of static rollouts: grpo_prompt_len, or what seq_len leaves after grpo_max_new_tokens."""
+    return cfg["grpo_prompt_len"] or cfg["seq_len"] - cfg["grpo_max_new_tokens"]
+
+
 @torch.no_grad()
-def rollout(raw, b, tok, stop, cfg, score, generator, ref_model=None):
-    """One micro-batch's generation batch: each prompt of b (on the device) G times, sampled with the image token and
-    the ids beyond the tokenizer suppressed; rewards = score(completions, answers, ids, attention_mask, pixels)."""
+def rollout(raw, b, tok, stop, cfg, score, generator, ref_model=None, static=False, env=None):
+    """One micro-batch's generation batch: each prompt of the loader's batch b (on the host) G times, sampled with the
+    image token and the ids beyond the tokenizer suppressed; rewards = score(completions, answers, ids, attention_mask,
+    pixels). static (XLA): every row of b, prompts left-padded to prompt_bucket(cfg), generate(static=True), so every
+    rollout has the same shapes and graphs; a row without a prompt (dropped by the loader, or longer than the bucket:
+    counted in r["skipped"]) is generated from padding and masked out of loss and metrics. env puts rows on the device
+    (XLA: split over the data axes), cuts the graph after each token and fetches the completions (without env: the
+    rows stay on b's device)."""
     G, max_new, temperature = cfg["grpo_group"], cfg["grpo_max_new_tokens"], cfg["grpo_temperature"]
-    asked, device = prompts_of(b), b["input_ids"].device
-    prompt_ids, prompt_mask = left_pad([p for _, p, _ in asked], tok.pad_id)
-    prompt_ids, prompt_mask = prompt_ids.repeat_interleave(G, 0).to(device), prompt_mask.repeat_interleave(G, 0).to(device)
-    pixels = b["pixel_values"][torch.tensor([r for r, _, _ in asked], device=device).repeat_interleave(G)]
+    place = env.place_rows if env is not None else (lambda rows: rows)
+    asked = prompts_of(b)
+    n_asked, bucket = len(asked), prompt_bucket(cfg) if static else None
+    if static:
+        fits = {r: (p, a) for r, p, a in asked if len(p) <= bucket}
+        asked = [(r, *fits.get(r, ([], []))) for r in range(b["input_ids"].shape[0])]
+    prompt_ids, prompt_mask = left_pad([p for _, p, _ in asked], tok.pad_id, bucket)
+    prompt_ids, prompt_mask = place(prompt_ids.repeat_interleave(G, 0)), place(prompt_mask.repeat_interleave(G, 0))
+    pixels = place(b["pixel_values"][torch.tensor([r for r, _, _ in asked]).repeat_interleave(G)])
+    pixels, device = data.normalize_images(pixels, *raw.cfg.vision.image_stats), prompt_ids.device
     suppress = torch.arange(raw.cfg.llm.vocab_size, device=device)
     suppress = (suppress >= tok.vocab_size) | (suppress == raw.cfg.image_token_id)
     t0 = time.perf_counter()
     raw.eval()
     new = raw.generate(prompt_ids, pixels, max_new, temperature, cfg["grpo_top_p"], eos_id=stop, generator=generator,
-                       attention_mask=prompt_mask, suppress=suppress)  # (B * G, C)
+                       attention_mask=prompt_mask, suppress=suppress, static=static,
+                       after_token=None if env is None else env.step_end)  # (B * G, C)
     raw.train()
+    valid = prompt_mask[:, -1]  # (B * G,): 0 where a static rollout had no prompt
     is_stop = (new == stop).long()
-    completion_mask = (is_stop.cumsum(1) - is_stop == 0).long()  # up to and including the first stop token
-    texts = [data.decode_answer(tok, row, stop) for row in new.tolist()]
+    completion_mask = (is_stop.cumsum(1) - is_stop == 0).long() * valid[:, None]  # up to and including the first stop
+    host = new if env is None else env.to_host(new)  # the rollout's one transfer from the device
+    texts = [data.decode_answer(tok, row, stop) for row in host.tolist()]
     answers = [data.decode_answer(tok, a, stop) for _, _, a in asked for _ in range(G)]
     ids, mask = torch.cat([prompt_ids, new], 1), torch.cat([prompt_mask, completion_mask], 1)
     rewards = score(texts, answers, ids, mask, pixels).float().to(device)  # (B * G,)
     gen_seconds = time.perf_counter() - t0
     C = new.shape[1]
     r = {"ids": ids, "mask": mask, "pixel_values": pixels, "completion_mask": completion_mask,
-         "advantages": group_advantages(rewards, G), "old_logps": None, "ref_logps": None}
+         "advantages": group_advantages(rewards, G), "old_logps": None, "ref_logps": None,
+         "skipped": n_asked - sum(1 for _, p, _ in asked if p)}
     if cfg["grpo_iterations"] > 1:  # the sampling policy's log-probs, for the ratio after the first update
         r["old_logps"] = completion_logps(raw, ids, mask, pixels, C, temperature)[0]
     if cfg["grpo_beta"]:
         r["ref_logps"] = completion_logps(ref_model, ids, mask, pixels, C, temperature)[0]
     kind = cfg["grpo_loss"]  # what the step's summed loss is divided by, summed over micro-steps and ranks
-    r["units"] = completion_mask.sum() if kind == "dapo" else torch.tensor(float(len(ids) * (max_new if kind == "dr_grpo"
-                                                                                           else 1)), device=device)
-    grouped = rewards.view(-1, G)
-    r["metrics"] = {"rl/reward": rewards.mean(), "rl/reward_std": grouped.std(dim=1).mean(),
-                    "rl/completion_length": completion_mask.sum(1).float().mean(),
-                    "rl/zero_std_groups": (grouped.std(dim=1) == 0).float().mean()}
+    r["units"] = completion_mask.sum() if kind == "dapo" else valid.sum().float() * (max_new if kind == "dr_grpo" else 1)
+    row, group = valid.float(), valid.view(-1, G)[:, 0].float()  # the rows and groups with a prompt
+    std = rewards.view(-1, G).std(dim=1)
+    r["metrics"] = {"rl/reward": masked_mean(rewards, row), "rl/reward_std": masked_mean(std, group),
+                    "rl/completion_length": masked_mean(completion_mask.sum(1).float(), row),
+                    "rl/zero_std_groups": masked_mean((std == 0).float(), group)}
     return r, gen_seconds, texts
+
+
+def masked_mean(values, weights):
+    return (values * weights).sum() / weights.sum().clamp(min=1)
 
 
 def rl_loss(model, r, cfg):
@@ -115,7 +139,10 @@ def rl_loss(model, r, cfg):
     m = r["completion_mask"]
     metrics = {f"rl/{k}": v for k, v in metrics.items()} | r["metrics"]
     metrics["rl/entropy"] = (entropy.detach() * m).sum() / m.sum().clamp(min=1)
-    return loss * r["units"], metrics
+    # back to a sum: grpo_loss divided by the micro-batch's completion tokens (dapo), rows (grpo) or rows x
+    # grpo_max_new_tokens (dr_grpo), padding rows of a static rollout included; r["units"] leaves those out
+    kind = cfg["grpo_loss"]
+    return loss * (m.sum() if kind == "dapo" else len(m) * (cfg["grpo_max_new_tokens"] if kind == "dr_grpo" else 1)), metrics
 
 
 def reward_scorer(cfg, env):

@@ -119,6 +119,8 @@ grpo_temperature = 1.0
 grpo_top_p = 1.0
 grpo_reward = "exact_match"  # 'exact_match', 'module:function' (completions, answers) -> floats, or a reward-model dir
 grpo_reference = ""
+grpo_static = False  # static-shape rollouts (always under XLA): prompts left-padded to grpo_prompt_len, hashed draws
+grpo_prompt_len = 0  # static rollouts' prompt bucket (0: seq_len - grpo_max_new_tokens); a longer prompt is skipped
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, list, dict))}
 
 # -----------------------------------------------------------------------------
@@ -243,9 +245,13 @@ def check_grpo(cfg):
         raise SystemExit("config: grpo_beta must be >= 0, grpo_epsilon and grpo_temperature > 0, grpo_top_p in (0, 1]")
     if cfg["pack"] or cfg["max_tiles"]:
         raise SystemExit("config: objective='grpo' samples one prompt a row with one image: pack and max_tiles must be 0")
-    if cfg["parallel"] == "fsdp" or cfg["device"] == "xla":
-        raise SystemExit("config: objective='grpo' runs on one device or under torchrun DDP (FSDP and XLA generation "
-                         "are not built: README 'Reward models and RL')")
+    if cfg["parallel"] == "fsdp":
+        raise SystemExit("config: objective='grpo' runs on one device, under torchrun DDP or XLA SPMD (FSDP generation "
+                         "is not built: README 'Reward models and RL')")
+    room = cfg["seq_len"] - cfg["grpo_max_new_tokens"]  # static rollouts (grpo_static, XLA) must fit in seq_len
+    if (cfg["grpo_static"] or cfg["device"] == "xla") and not 0 < rl.prompt_bucket(cfg) <= room:
+        raise SystemExit(f"config: static rollouts need grpo_prompt_len in [1, seq_len - grpo_max_new_tokens = {room}] "
+                         f"(0 takes {room}); got {cfg['grpo_prompt_len']}")
     if cfg["grpo_beta"] and (cfg["grpo_reference"] or cfg["init_from"]) in ("scratch", "resume"):
         raise SystemExit("config: grpo_beta > 0 needs a reference checkpoint: init_from, or grpo_reference=DIR")
     if not Path(cfg["grpo_reward"]).is_dir():
@@ -779,16 +785,29 @@ def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader):
 def grpo_setup(cfg, env, loader):
     """objective='grpo': the tokenizer, the stop token, the reward scorer and the sampler of the rollouts."""
     tok = loader.stream.tok
+    static = cfg["grpo_static"] or env.kind == "xla"  # one compiled rollout: fixed prompt bucket and length
+    if env.kind == "xla" and env.world > 1:
+        raise SystemExit("config: objective='grpo' under XLA runs on one host (multi-host rollouts are not built)")
+    if static:
+        print0(env, f"grpo: static rollouts, prompts left-padded to {rl.prompt_bucket(cfg)} tokens (longer ones skipped), "
+               f"{cfg['grpo_max_new_tokens']} new tokens, hashed draws")
     return SimpleNamespace(tok=tok, stop=data.stop_token_id(cfg["template"], tok), score=rl.reward_scorer(cfg, env),
-                           sampler=torch.Generator(env.device), rollouts=None)
+                           sampler=torch.Generator("cpu" if env.kind == "xla" else env.device), rollouts=None,
+                           static=static)
 
 
 def grpo_rollouts(grpo, raw, micro, ref_model, meter, cfg, env, it):
     """A new generation batch: each micro-batch's prompts sampled grpo_group times and scored (seeded by step: a
     step's samples survive a resume)."""
     grpo.sampler.manual_seed(cfg["seed"] + 7919 * env.rank + 104729 * it)
+    env.step_end()  # XLA: what is pending (the first step: the setup's work) stays out of the rollouts' graphs
     with autocast(env, cfg):
-        done = [rl.rollout(raw, b, grpo.tok, grpo.stop, cfg, grpo.score, grpo.sampler, ref_model) for b in micro]
+        done = [rl.rollout(raw, b, grpo.tok, grpo.stop, cfg, grpo.score, grpo.sampler, ref_model, grpo.static, env)
+                for b in micro]
+    env.step_end()  # XLA: the rollouts' last graph apart from the training step's
+    skipped = sum(r["skipped"] for r, _, _ in done)
+    if skipped:
+        print0(env, f"step {it + 1}: {skipped} prompt(s) longer than grpo_prompt_len={rl.prompt_bucket(cfg)} skipped")
     meter.gen_seconds += sum(seconds for _, seconds, _ in done)
     meter.gen_rows += sum(len(r["ids"]) for r, _, _ in done)
     grpo.rollouts = [r for r, _, _ in done]
@@ -843,8 +862,8 @@ def main(argv=None):
                 log({"step": it, "skipped": True})
             else:
                 lr_now = set_lr(optimizer, it, cfg)
-                micro = [device_batch(b, env, raw.cfg.vision) for b in micro]
-                if grpo is not None:
+                micro = [device_batch(b, env, raw.cfg.vision) for b in micro] if grpo is None else micro
+                if grpo is not None:  # the rollouts place what they need from the host batches
                     micro = grpo_rollouts(grpo, raw, micro, ref_model, meter, cfg, env, it) if fresh else grpo.rollouts
                 step_loss, count, grad_norm = train_step(model, micro, trainable, env, cfg, poison=it in poison,
                                                          ref_model=ref_model, meter=meter)

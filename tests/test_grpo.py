@@ -120,6 +120,49 @@ def test_generate_never_samples_suppressed_tokens():
     assert out.shape == (6, 12) and (out < 40).all() and (free >= 40).any()  # at temperature 3 they would appear
 
 
+def test_static_draws_follow_the_sampling_distribution():
+    """generate(static=True)'s exponential race over hashed noise: 20,000 draws (rows x slots) of one distribution at
+    temperature 0.7, plain and with top_p 0.8; frequencies within 4 standard errors of the probabilities computed here
+    from softmax and the nucleus rule (the draws are deterministic: a seed, not luck, makes this pass or fail)."""
+    from model import race_noise, sample_token
+
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    p = torch.softmax(logits / 0.7, -1)
+    nucleus = torch.where(p.cumsum(-1) - p <= 0.8, p, 0.0)  # the smallest prefix of the sorted p reaching 0.8
+    seed, n = torch.tensor(12345), 2000
+    for top_p, want in ((1.0, p), (0.8, nucleus / nucleus.sum())):
+        tokens = torch.cat([sample_token(logits.expand(n, 6), 0.7, top_p, noise=race_noise(seed, torch.tensor([s]), (n, 6)))
+                            for s in range(10)])
+        freq = torch.bincount(tokens, minlength=6).double() / len(tokens)
+        assert ((freq - want).abs() <= 4 * (want * (1 - want) / len(tokens)).sqrt() + 1e-12).all(), (top_p, freq, want)
+    other = sample_token(logits.expand(n, 6), 0.7, 1.0, noise=race_noise(torch.tensor(54321), torch.tensor([0]), (n, 6)))
+    assert (other != tokens[:n]).float().mean() > 0.3  # another seed, other draws
+
+
+@pytest.mark.slow
+def test_static_generation_on_xla_compiles_the_same_graphs_whatever_the_length_and_draws_as_cpu():
+    """generate(static=True) under torch_xla SPMD (4 CPU devices, rows sharded), temperature 1.5, top_p 0.9, an eos and
+    suppressed ids: the same tokens as CPU eager, and as many compiled graphs for 12 new tokens as for 3 (each decode
+    step is one graph: the cache slot is a tensor); a second call with new prompts compiles nothing."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    env = os.environ | {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "OMP_NUM_THREADS": "1",
+                        "XLA_FLAGS": "--xla_backend_optimization_level=0"}
+    r = subprocess.run([sys.executable, str(ROOT / "tests/xla_generate.py")], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    calls = json.loads(r.stdout.splitlines()[-1])
+    assert [c["max_new"] for c in calls] == [3, 12, 12]
+    for c in calls:
+        assert c["xla"] == c["cpu"] and len(c["xla"]) == 8 and all(len(row) == c["max_new"] for row in c["xla"])
+    assert any(5 in row for row in calls[1]["xla"]) and all(t < 80 for c in calls for row in c["xla"] for t in row)
+    assert calls[0]["compiles"] == calls[1]["compiles"] <= 4 and calls[2]["compiles"] == 0, calls
+
+
 def test_prompts_are_cut_where_the_answer_starts(tmp_path):
     import data
     from shapes import make_shapes
@@ -178,7 +221,6 @@ def test_one_grpo_update_moves_probability_towards_positive_advantages(shapes_pa
     stream = data.ShardStream(shapes_pairs / "shards", shapes_pairs / "tokenizer.model", split="train", batch_size=4,
                               seq_len=48, image_size=28, image_token_id=512, n_image_tokens=4, template="llama_3")
     b = stream.batch(0)
-    b["pixel_values"] = data.normalize_images(b["pixel_values"], *cfg.vision.image_stats)
     stop = data.stop_token_id("llama_3", stream.tok)
     run = dict(train.DEFAULTS) | {"grpo_group": 4, "grpo_max_new_tokens": 6}
     score = lambda texts, answers, *_: torch.tensor(short_answers(texts, answers))  # noqa: E731
@@ -203,13 +245,56 @@ def test_one_grpo_update_moves_probability_towards_positive_advantages(shapes_pa
     assert (r["advantages"] * (after - before)).sum() > 0
 
 
+@pytest.mark.parametrize("kind", ["dapo", "grpo", "dr_grpo"])
+def test_a_static_rollout_trains_on_its_skipped_rows_as_if_they_were_absent(shapes_pairs, kind):  # noqa: F811
+    """Static rollouts keep every row: a prompt longer than the bucket (and a row the loader dropped) is generated from
+    padding. Those rows must weigh nothing: the loss per unit, its KL, clip ratio and entropy, and the reward metrics
+    equal those of the kept rows alone (taken out of the same rollout and scored as an eager rollout would be)."""
+    import data
+    from model import build_model, vlm_preset
+
+    cfg = vlm_preset("debug").with_overrides({"vision": {"image_size": 28, "patch_size": 14},
+                                             "llm": {"vocab_size": 576}, "image_token_id": 512})
+    model, reference = build_model(cfg, seed=0), build_model(cfg, seed=1)
+    stream = data.ShardStream(shapes_pairs / "shards", shapes_pairs / "tokenizer.model", split="train", batch_size=8,
+                              seq_len=48, image_size=28, image_token_id=512, n_image_tokens=4, template="llama_3")
+    b = stream.batch(1)
+    lengths = sorted(len(p) for _, p, _ in rl.prompts_of(b))
+    bucket = next(n for n in lengths if n < lengths[-1])  # the shortest prompts fit, the longest do not
+    run = dict(train.DEFAULTS) | {"grpo_group": 3, "grpo_max_new_tokens": 6, "grpo_prompt_len": bucket,
+                                  "grpo_loss": kind, "grpo_beta": 0.1, "grpo_iterations": 2}
+    score = lambda texts, answers, *_: torch.tensor(short_answers(texts, answers))  # noqa: E731
+    stop = data.stop_token_id("llama_3", stream.tok)
+    r, _, texts = rl.rollout(model, b, stream.tok, stop, run, score, torch.Generator().manual_seed(0), reference,
+                             static=True)
+    kept = r["mask"][:, bucket - 1] == 1  # a row with a prompt ends it with a real token
+    assert r["skipped"] == sum(n > bucket for n in lengths) and 0 < kept.sum() < len(kept)
+    assert (r["completion_mask"][~kept] == 0).all()
+    alone = {k: r[k][kept] for k in ("ids", "mask", "pixel_values", "completion_mask", "advantages", "old_logps",
+                                     "ref_logps")}
+    n = int(kept.sum())
+    alone["units"] = alone["completion_mask"].sum() if kind == "dapo" else torch.tensor(float(n * (6 if kind == "dr_grpo"
+                                                                                              else 1)))
+    with torch.no_grad():
+        loss, metrics = rl.rl_loss(model, r, run)
+        loss_alone, metrics_alone = rl.rl_loss(model, alone | {"metrics": {}}, run)
+    assert abs(loss / r["units"] - loss_alone / alone["units"]) < 1e-6 and r["units"] == alone["units"]
+    for k in ("rl/kl", "rl/clip_ratio", "rl/entropy"):
+        assert abs(metrics[k] - metrics_alone[k]) < 1e-6, k
+    rewards = torch.tensor(short_answers([t for t, keep in zip(texts, kept) if keep], []))
+    assert abs(metrics["rl/reward"] - rewards.mean()) < 1e-6
+    assert abs(metrics["rl/reward_std"] - rewards.view(-1, 3).std(dim=1).mean()) < 1e-6
+
+
 @pytest.mark.parametrize("extra,message", [
     (["--grpo_loss=ppo"], "grpo_loss must be one of"),
     (["--grpo_group=1"], "grpo_group must be >= 2"),
     (["--grpo_reward=no_such_module:f"], "grpo_reward 'no_such_module:f': cannot import it"),
     (["--grpo_reward=cosine"], "expected \\['exact_match'\\]"),
-    (["--parallel=fsdp"], "FSDP and XLA generation are not built"),
+    (["--parallel=fsdp"], "FSDP generation is not built"),
     (["--pack=2"], "pack and max_tiles must be 0"),
+    (["--grpo_static=True", "--grpo_prompt_len=41"], "static rollouts need grpo_prompt_len in \\[1, seq_len - grpo_"),
+    (["--device=xla", "--grpo_max_new_tokens=48"], "static rollouts need grpo_prompt_len in \\[1, .* = 0\\]"),
     (["--grpo_beta=0.1", "--init_from=scratch"], "grpo_beta > 0 needs a reference checkpoint"),
 ])
 def test_grpo_config_errors_are_one_sentence(tmp_path, extra, message):
@@ -277,3 +362,43 @@ def test_grpo_under_torchrun_ddp_runs_two_ranks(shapes_pairs, tmp_path):  # noqa
 
     after = {k[len("model."):]: v for k, v in checkpoint_tensors(tmp_path / "ddp/step-000002", "model.").items()}
     assert any(not torch.equal(v, load_file(init / "model.safetensors")[k]) for k, v in after.items())
+
+
+@pytest.mark.slow
+def test_grpo_on_xla_spmd_compiles_once_and_matches_cpu_eager(shapes_pairs, tmp_path, capsys):  # noqa: F811
+    """5 GRPO steps under torch_xla SPMD on 4 CPU devices (fsdp 4), with a KL reference, against the same run on CPU
+    eager with grpo_static=True: static rollouts draw from hashed noise, so both sample the same completions, and
+    rewards, KL and losses agree. Prompts of 23-28 tokens in a bucket of 26: both skip the same longer ones. The first
+    rollout compiles its graphs (prefill, decode step, last draw); after step 2 (AdamW's step count) nothing compiles."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from test_dpo import debug_init, dpo_args
+
+    init = debug_init(tmp_path / "init")
+    common = [f"--init_from={init}", "--objective=grpo", f"--data_dir={shapes_pairs / 'shards'}",
+              "--grpo_reward=test_grpo:short_answers", "--batch_size=4", "--micro_batch_size=4", "--grpo_group=3",
+              "--grpo_beta=0.05", "--grpo_max_new_tokens=5", "--grpo_prompt_len=26", "--seq_len=40", "--max_iters=5",
+              "--lr=3e-3", "--warmup_iters=1", "--eval_interval=0", "--ckpt_interval=0", "--final_accuracy_samples=0"]
+    train.main(dpo_args(shapes_pairs, tmp_path / "cpu", *common, "--grpo_static=True"))
+    cpu_out = capsys.readouterr().out
+    env = os.environ | {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "OMP_NUM_THREADS": "1",
+                        "XLA_FLAGS": "--xla_backend_optimization_level=0", "PYTHONPATH": str(ROOT / "tests")}
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *dpo_args(shapes_pairs, tmp_path / "xla", *common,
+                                                                          "--device=xla")],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "grpo: static rollouts, prompts left-padded to 26 tokens" in r.stdout  # XLA needs no grpo_static
+    skipped = [line for line in cpu_out.splitlines() if "longer than grpo_prompt_len=26 skipped" in line]
+    assert skipped and skipped == [line for line in r.stdout.splitlines() if "longer than grpo_prompt_len" in line]
+    cpu, xla = ([json.loads(line) for line in (tmp_path / name / "log.jsonl").read_text().splitlines()
+                 if "rl/reward" in line] for name in ("cpu", "xla"))
+    assert [e["step"] for e in cpu] == [e["step"] for e in xla] == [1, 2, 3, 4, 5]
+    for want, got in zip(cpu, xla):
+        for k in ("loss", "rl/reward", "rl/reward_std", "rl/kl", "rl/entropy", "rl/completion_length"):
+            assert abs(got[k] - want[k]) <= 1e-4 * max(1.0, abs(want[k])), (want["step"], k, got[k], want[k])
+    assert cpu[-1]["rl/kl"] > 0 and len({e["rl/reward"] for e in cpu}) > 1  # the policy moved; the samples differ
+    compiles = [e["xla_compiles"] for e in xla]
+    assert compiles[1] == compiles[-1], compiles

@@ -115,6 +115,12 @@ def test_generation_stops_at_eos_and_pads_finished_rows():
     assert torch.equal(out[0, :2], first[0, :2])
     sampled = model.generate(ids, max_new_tokens=5, temperature=0.8, top_p=0.9, generator=torch.Generator().manual_seed(0))
     assert sampled.shape == (2, 5) and (sampled < model.cfg.llm.vocab_size).all()
+    out = model.generate(ids, max_new_tokens=8, eos_id=eos)  # static: every step, finished rows repeating eos
+    static = model.generate(ids, max_new_tokens=8, eos_id=eos, static=True)
+    assert static.shape == (2, 8) and torch.equal(static[:, : out.shape[1]], out)
+    assert (static[0, 2:] == eos).all()
+    with pytest.raises(ValueError, match="6 prompt \\+ 1000 new tokens exceed max_seq_len"):
+        model.generate(ids, max_new_tokens=1000, static=True)
 
 
 def test_meta_build_then_init_is_deterministic_and_finite():
@@ -328,7 +334,11 @@ def test_padded_batch_generation_matches_transformers(tmp_path, family):
                              min_new_tokens=12, do_sample=False)[:, ids.shape[1]:]
         mine = ours.generate(ids, pixels, max_new_tokens=12, attention_mask=mask)
         alone = [ours.generate(torch.tensor([p]), pixels[i : i + 1], max_new_tokens=12) for i, p in enumerate(prompts)]
+        # static (XLA's rollouts): a bucket longer than every prompt, the decode slot in a tensor, the whole cache read
+        bucket, bucket_mask = left_pad(prompts, pad_id=0, length=ids.shape[1] + 5)
+        static = ours.generate(bucket, pixels, max_new_tokens=12, attention_mask=bucket_mask, static=True)
     assert torch.equal(mine, theirs)
     assert torch.equal(mine, torch.cat(alone))
+    assert torch.equal(static, theirs)
     with pytest.raises(ValueError, match="pad prompts on the left"):
         ours.generate(ids, pixels, attention_mask=mask.flip(1))
