@@ -10,7 +10,7 @@ collectives from the sharding annotations below, and each host reads its own par
 import functools
 import os
 import re
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 
 import numpy as np
@@ -156,6 +156,27 @@ def shard(model, env, cfg):
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     return model
+
+
+@contextmanager
+def gathered_root(model):
+    """Around generate(), which calls the root's own modules (embeddings, output layer, projector) outside any forward
+    of the root, where FSDP2 gathers their weights: gathered here for the whole generation, while each block still
+    gathers and frees its own in its forward hooks, one block at a time. Yields True under FSDP2: every decoding step
+    then all-gathers each block's weights, so the ranks must run the same number of steps (no rank stops early)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        yield False
+        return
+    # FSDP2 takes the first module to run a forward as the root: before the first training forward, a block would
+    # claim it (and the root's forward then fails). Its lazy init, which the root's forward runs, is not public in 2.9
+    model._get_fsdp_state()._lazy_init()
+    model.unshard()
+    try:
+        yield True
+    finally:
+        model.reshard()
 
 
 def autocast(env, cfg):

@@ -13,7 +13,7 @@ import torch
 import convert
 import data
 from model import group_advantages, grpo_loss, left_pad
-from parallel import print0
+from parallel import gathered_root, print0, shard
 
 
 def exact_match(completions, answers):
@@ -77,9 +77,14 @@ def rollout(raw, b, tok, stop, cfg, score, generator, ref_model=None):
     suppress = (suppress >= tok.vocab_size) | (suppress == raw.cfg.image_token_id)
     t0 = time.perf_counter()
     raw.eval()
-    new = raw.generate(prompt_ids, pixels, max_new, temperature, cfg["grpo_top_p"], eos_id=stop, generator=generator,
-                       attention_mask=prompt_mask, suppress=suppress)  # (B * G, C)
+    with gathered_root(raw) as lockstep:
+        new = raw.generate(prompt_ids, pixels, max_new, temperature, cfg["grpo_top_p"],
+                           eos_id=None if lockstep else stop, generator=generator, attention_mask=prompt_mask,
+                           suppress=suppress)  # (B * G, C)
     raw.train()
+    if lockstep:  # all max_new steps ran (FSDP2): what generate keeps, stop after each row's first and no more columns
+        stopped = (new == stop).long().cumsum(1) > 0
+        new = torch.where(stopped, stop, new)[:, : int((~stopped).sum(1).max()) + 1]
     is_stop = (new == stop).long()
     completion_mask = (is_stop.cumsum(1) - is_stop == 0).long()  # up to and including the first stop token
     texts = [data.decode_answer(tok, row, stop) for row in new.tolist()]
@@ -131,5 +136,7 @@ def reward_scorer(cfg, env):
         raise SystemExit(f"grpo_reward {spec!r}: cannot load the reward model ({e})") from None
     if judge.reward_head is None:
         raise SystemExit(f"grpo_reward {spec!r}: the checkpoint has no reward head (train one with objective='reward')")
+    if env.distributed and env.kind != "xla" and cfg["parallel"] == "fsdp":
+        judge = shard(judge, env, cfg)  # as the policy and the reference: each rank holds its shards
     print0(env, f"grpo: rewards from the reward model {spec}")
     return lambda texts, answers, ids, mask, pixels: judge(ids, pixels, attention_mask=mask, reward=True)[1]

@@ -243,9 +243,9 @@ def check_grpo(cfg):
         raise SystemExit("config: grpo_beta must be >= 0, grpo_epsilon and grpo_temperature > 0, grpo_top_p in (0, 1]")
     if cfg["pack"] or cfg["max_tiles"]:
         raise SystemExit("config: objective='grpo' samples one prompt a row with one image: pack and max_tiles must be 0")
-    if cfg["parallel"] == "fsdp" or cfg["device"] == "xla":
-        raise SystemExit("config: objective='grpo' runs on one device or under torchrun DDP (FSDP and XLA generation "
-                         "are not built: README 'Reward models and RL')")
+    if cfg["device"] == "xla":
+        raise SystemExit("config: objective='grpo' runs on one device or under torchrun DDP or FSDP (XLA generation "
+                         "is not built: README 'Reward models and RL')")
     if cfg["grpo_beta"] and (cfg["grpo_reference"] or cfg["init_from"]) in ("scratch", "resume"):
         raise SystemExit("config: grpo_beta > 0 needs a reference checkpoint: init_from, or grpo_reference=DIR")
     if not Path(cfg["grpo_reward"]).is_dir():
@@ -786,9 +786,11 @@ def grpo_setup(cfg, env, loader):
 def grpo_rollouts(grpo, raw, micro, ref_model, meter, cfg, env, it):
     """A new generation batch: each micro-batch's prompts sampled grpo_group times and scored (seeded by step: a
     step's samples survive a resume)."""
-    grpo.sampler.manual_seed(cfg["seed"] + 7919 * env.rank + 104729 * it)
-    with autocast(env, cfg):
-        done = [rl.rollout(raw, b, grpo.tok, grpo.stop, cfg, grpo.score, grpo.sampler, ref_model) for b in micro]
+    done = []
+    for m, b in enumerate(micro):  # each micro-batch its own seed: its samples whatever the others drew (FSDP2 = DDP)
+        grpo.sampler.manual_seed(cfg["seed"] + 7919 * env.rank + 104729 * it + 1299709 * m)
+        with autocast(env, cfg):
+            done.append(rl.rollout(raw, b, grpo.tok, grpo.stop, cfg, grpo.score, grpo.sampler, ref_model))
     meter.gen_seconds += sum(seconds for _, seconds, _ in done)
     meter.gen_rows += sum(len(r["ids"]) for r, _, _ in done)
     grpo.rollouts = [r for r, _, _ in done]
