@@ -109,6 +109,27 @@ def rollout(raw, b, tok, stop, cfg, score, generator, ref_model=None):
     return r, gen_seconds, texts
 
 
+def rollouts_state(rollouts):
+    """A generation batch (rollout's dicts, one a micro-batch) as {name: tensor}, for a checkpoint taken inside it."""
+    flat = {}
+    for m, r in enumerate(rollouts):
+        flat |= {f"{m}.{k}": v for k, v in r.items() if torch.is_tensor(v)}
+        flat |= {f"{m}.metrics.{k}": v for k, v in r["metrics"].items()}
+    return flat
+
+
+def rollouts_from_state(flat, device):
+    rollouts = {}
+    for name, v in flat.items():
+        m, key = name.split(".", 1)
+        r = rollouts.setdefault(int(m), {"old_logps": None, "ref_logps": None, "metrics": {}})
+        if key.startswith("metrics."):
+            r["metrics"][key[len("metrics."):]] = v.to(device)
+        else:
+            r[key] = v.to(device)
+    return [rollouts[m] for m in sorted(rollouts)]
+
+
 def rl_loss(model, r, cfg):
     """The micro-step's summed GRPO loss (divided by the step's units outside) and its metrics."""
     logps, entropy = completion_logps(model, r["ids"], r["mask"], r["pixel_values"], r["completion_mask"].shape[1],

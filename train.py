@@ -29,7 +29,8 @@ import torch.distributed as dist
 import convert
 import data
 import rl
-from checkpoint import Checkpointer, check_resume_config, checkpoints, newest_good_checkpoint, wait_for_stop_writer
+from checkpoint import (Checkpointer, check_resume_config, checkpoints, newest_good_checkpoint, saved_own,
+                        wait_for_stop_writer)
 from dpo import (evaluate_preference, pair_objective, preference_loss, reference_model,  # noqa: F401  (tests: train.*)
                  reward_pairs, sequence_logps)
 from evaluation import device_batch, evaluate, final_accuracy
@@ -776,11 +777,17 @@ def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader):
     meter.t_last, meter.data_wait, meter.rows_done, meter.dropped = time.perf_counter(), 0.0, 0, 0
 
 
-def grpo_setup(cfg, env, loader):
-    """objective='grpo': the tokenizer, the stop token, the reward scorer and the sampler of the rollouts."""
+def grpo_setup(cfg, env, loader, resume_from):
+    """objective='grpo': the tokenizer, the stop token, the reward scorer and the sampler of the rollouts; and the
+    generation batch in flight when a checkpoint taken inside one (grpo_iterations > 1) was written."""
     tok = loader.stream.tok
+    saved = saved_own(resume_from, env) if resume_from else None
+    if resume_from and saved is None and json.loads((resume_from / "state.json").read_text())["iter"] % \
+            cfg["grpo_iterations"]:
+        print0(env, f"resume: {resume_from} holds no generation batch for this world size: sampling a new one")
     return SimpleNamespace(tok=tok, stop=data.stop_token_id(cfg["template"], tok), score=rl.reward_scorer(cfg, env),
-                           sampler=torch.Generator(env.device), rollouts=None)
+                           sampler=torch.Generator(env.device),
+                           rollouts=rl.rollouts_from_state(saved, env.device) if saved else None)
 
 
 def grpo_rollouts(grpo, raw, micro, ref_model, meter, cfg, env, it):
@@ -828,14 +835,14 @@ def main(argv=None):
     log, log_file = open_log(out, cfg, env)
     poison, poison_weight = injected_faults(env)
     meter = start_meter(raw, cfg, env)
-    grpo = grpo_setup(cfg, env, loader) if cfg["objective"] == "grpo" else None
+    grpo = grpo_setup(cfg, env, loader, resume_from) if cfg["objective"] == "grpo" else None
     trainable = [p for p in raw.parameters() if p.requires_grad]
     batches = iter(loader)
     it = start
     try:
         while it < cfg["max_iters"]:
             t0 = time.perf_counter()
-            fresh = grpo is None or it % cfg["grpo_iterations"] == 0 or it == start  # grpo: a new generation batch
+            fresh = grpo is None or it % cfg["grpo_iterations"] == 0 or grpo.rollouts is None  # grpo: new rollouts
             micro = [next(batches) for _ in range(grad_accum)] if fresh else []
             meter.data_wait += time.perf_counter() - t0
             meter.dropped += sum(int(b["dropped"].sum()) for b in micro)  # CPU tensors: no device sync
@@ -870,7 +877,9 @@ def main(argv=None):
             checkpointer.poll()
             stopping = env.agree(stop["requested"])
             if stopping or (cfg["ckpt_interval"] and it % cfg["ckpt_interval"] == 0) or it == cfg["max_iters"]:
-                checkpointer.save(out / f"step-{it:06d}", model, raw, optimizer, loader, it, stop=stopping)
+                in_flight = grpo is not None and it % cfg["grpo_iterations"] and grpo.rollouts  # the next step's
+                checkpointer.save(out / f"step-{it:06d}", model, raw, optimizer, loader, it, stop=stopping,
+                                  own=rl.rollouts_state(grpo.rollouts) if in_flight else None)
                 print0(env, f"step {it}: checkpoint {out / f'step-{it:06d}'}" + ("" if stopping else " (writing)"))
                 meter.t_last = time.perf_counter()
             if stopping:

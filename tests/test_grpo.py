@@ -282,7 +282,9 @@ def test_grpo_under_torchrun_ddp_runs_two_ranks(shapes_pairs, tmp_path):  # noqa
 def test_grpo_under_torchrun_fsdp_matches_ddp_and_resumes_exactly(shapes_pairs, tmp_path):  # noqa: F811
     """2 ranks x 2 prompts, rewards from a reward-model checkpoint, a KL to a reference, 2 updates a generation batch:
     FSDP2 (judge and reference sharded too) logs what DDP logs (each rank samples the same prompts, seeded by rank,
-    step and micro-batch), and FSDP2 stopped after 2 steps and resumed gives the uninterrupted run's steps 3 and 4."""
+    step and micro-batch), and FSDP2 stopped after 3 steps (inside a generation batch) and resumed gives the
+    uninterrupted run's steps 4 to 6 (step 4's rollouts kept in the checkpoint, the loader's position, the reward
+    model and reference reloaded)."""
     import json
 
     from test_dpo import debug_init, dpo_args
@@ -303,18 +305,19 @@ def test_grpo_under_torchrun_fsdp_matches_ddp_and_resumes_exactly(shapes_pairs, 
     common = [f"--grpo_reward={tmp_path / 'judge'}", "--objective=grpo", f"--data_dir={shapes_pairs / 'shards'}",
               "--batch_size=4", "--micro_batch_size=1", "--grpo_group=3", "--grpo_beta=0.05",
               f"--grpo_reference={init}", "--grpo_iterations=2", "--lr=3e-3", "--warmup_iters=1",
-              "--lr_decay_iters=4", "--eval_interval=0", "--final_accuracy_samples=0", "--grpo_max_new_tokens=6",
+              "--lr_decay_iters=6", "--eval_interval=0", "--final_accuracy_samples=0", "--grpo_max_new_tokens=6",
               "--ckpt_interval=2"]
-    run(dpo_args(shapes_pairs, tmp_path / "ddp", f"--init_from={init}", "--max_iters=4", "--parallel=ddp", *common),
+    run(dpo_args(shapes_pairs, tmp_path / "ddp", f"--init_from={init}", "--max_iters=6", "--parallel=ddp", *common),
         nproc=2)
-    run(dpo_args(shapes_pairs, tmp_path / "fsdp", f"--init_from={init}", "--max_iters=2", "--parallel=fsdp", *common),
-        nproc=2)
-    run(dpo_args(shapes_pairs, tmp_path / "fsdp", "--init_from=resume", "--max_iters=4", "--parallel=fsdp", *common),
+    run(dpo_args(shapes_pairs, tmp_path / "fsdp", f"--init_from={init}", "--max_iters=3", "--parallel=fsdp", *common),
+        nproc=2)  # stopped inside a generation batch: step 4 reuses step 3's rollouts, saved in the checkpoint;
+    # step 5 samples anew, scored by the reloaded reward model, with the reloaded reference's KL
+    run(dpo_args(shapes_pairs, tmp_path / "fsdp", "--init_from=resume", "--max_iters=6", "--parallel=fsdp", *common),
         nproc=2)
     read = lambda name: [json.loads(line) for line in (tmp_path / name / "log.jsonl").read_text().splitlines()  # noqa: E731
                          if "rl/reward" in line]
     ddp, fsdp = read("ddp"), read("fsdp")
-    assert [e["step"] for e in fsdp] == [1, 2, 3, 4]
+    assert [e["step"] for e in fsdp] == [1, 2, 3, 4, 5, 6]
     for want, got in zip(ddp, fsdp, strict=True):
         for k in ("loss", "rl/reward", "rl/reward_std", "rl/kl", "rl/clip_ratio", "rl/completion_length", "grad_norm"):
             assert abs(got[k] - want[k]) <= 1e-5 * max(1.0, abs(want[k])), (want["step"], k, got[k], want[k])
