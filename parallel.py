@@ -159,11 +159,12 @@ def shard(model, env, cfg):
 
 
 @contextmanager
-def gathered_root(model):
+def gathered_for_generation(model, whole=False):
     """Around generate(), which calls the root's own modules (embeddings, output layer, projector) outside any forward
-    of the root, where FSDP2 gathers their weights: gathered here for the whole generation, while each block still
-    gathers and frees its own in its forward hooks, one block at a time. Yields True under FSDP2: every decoding step
-    then all-gathers each block's weights, so the ranks must run the same number of steps (no rank stops early)."""
+    of the root, where FSDP2 gathers their weights: gathered here for the whole generation. Each block gathers its own
+    in its forward hook and frees them after (one block at a time), or with whole=True keeps them until the end.
+    Yields True when the ranks must decode in lockstep: every step all-gathers each block's weights, so no rank may
+    run fewer steps than another (stop early) while the blocks are freed after each use."""
     from torch.distributed.fsdp import FSDPModule
 
     if not isinstance(model, FSDPModule):
@@ -172,11 +173,17 @@ def gathered_root(model):
     # FSDP2 takes the first module to run a forward as the root: before the first training forward, a block would
     # claim it (and the root's forward then fails). Its lazy init, which the root's forward runs, is not public in 2.9
     model._get_fsdp_state()._lazy_init()
+    blocks = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+    for block in blocks if whole else []:
+        block.set_reshard_after_forward(False, recurse=False)
     model.unshard()
     try:
-        yield True
+        yield not whole
     finally:
         model.reshard()
+        for block in blocks if whole else []:
+            block.set_reshard_after_forward(True, recurse=False)  # fully_shard's default for a module below the root
+            block.reshard()
 
 
 def autocast(env, cfg):

@@ -13,7 +13,7 @@ import torch
 import convert
 import data
 from model import group_advantages, grpo_loss, left_pad
-from parallel import gathered_root, print0, shard
+from parallel import gathered_for_generation, print0, shard
 
 
 def exact_match(completions, answers):
@@ -77,7 +77,7 @@ def rollout(raw, b, tok, stop, cfg, score, generator, ref_model=None):
     suppress = (suppress >= tok.vocab_size) | (suppress == raw.cfg.image_token_id)
     t0 = time.perf_counter()
     raw.eval()
-    with gathered_root(raw) as lockstep:
+    with gathered_for_generation(raw, cfg["grpo_gather_for_generation"]) as lockstep:
         new = raw.generate(prompt_ids, pixels, max_new, temperature, cfg["grpo_top_p"],
                            eos_id=None if lockstep else stop, generator=generator, attention_mask=prompt_mask,
                            suppress=suppress)  # (B * G, C)

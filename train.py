@@ -120,6 +120,9 @@ grpo_temperature = 1.0
 grpo_top_p = 1.0
 grpo_reward = "exact_match"  # 'exact_match', 'module:function' (completions, answers) -> floats, or a reward-model dir
 grpo_reference = ""
+# FSDP2: True keeps every block gathered from the first decoding step to the last (TRL's ds3_gather_for_generation, on
+# by default there): fast, but the whole model on each rank. False gathers each block again at every step (less memory)
+grpo_gather_for_generation = False
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, list, dict))}
 
 # -----------------------------------------------------------------------------
