@@ -162,9 +162,9 @@ def shard(model, env, cfg):
 def gathered_for_generation(model, whole=False):
     """Around generate(), which calls the root's own modules (embeddings, output layer, projector) outside any forward
     of the root, where FSDP2 gathers their weights: gathered here for the whole generation. Each block gathers its own
-    in its forward hook and frees them after (one block at a time), or with whole=True keeps them until the end.
-    Yields True when the ranks must decode in lockstep: every step all-gathers each block's weights, so no rank may
-    run fewer steps than another (stop early) while the blocks are freed after each use."""
+    in its forward hook and frees them after (one block at a time), or with whole=True all are gathered up front and
+    kept until the end. Yields True when the ranks must decode in lockstep: with blocks freed after each use, every
+    step all-gathers each block's weights, so no rank may run fewer steps than another (stop early)."""
     from torch.distributed.fsdp import FSDPModule
 
     if not isinstance(model, FSDPModule):
@@ -174,8 +174,9 @@ def gathered_for_generation(model, whole=False):
     # claim it (and the root's forward then fails). Its lazy init, which the root's forward runs, is not public in 2.9
     model._get_fsdp_state()._lazy_init()
     blocks = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
-    for block in blocks if whole else []:
+    for block in blocks if whole else []:  # gathered now, on every rank together: generation then needs no collective
         block.set_reshard_after_forward(False, recurse=False)
+        block.unshard()
     model.unshard()
     try:
         yield not whole

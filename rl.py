@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 import convert
 import data
@@ -39,11 +40,11 @@ def reward_rule(spec):
     return fn
 
 
-def completion_logps(model, ids, attention_mask, pixel_values, n_completion, temperature=1.0):
+def completion_logps(model, ids, attention_mask, pixel_values, n_completion, temperature=1.0, tiles=None):
     """Per-token log-probs (B, C) of the last C = n_completion tokens of ids (prompts left-padded, completions
     right-padded, attention_mask 0 at both), from logits / temperature as generate sampled them; and the entropies
-    (B, C) of those distributions."""
-    logits, _ = model(ids, pixel_values, attention_mask=attention_mask)
+    (B, C) of those distributions. tiles: image_index / image_weight of the tile path (see placed_prompts)."""
+    logits, _ = model(ids, pixel_values, attention_mask=attention_mask, **(tiles or {}))
     logprobs = (logits[:, -n_completion - 1 : -1].float() / temperature).log_softmax(-1)  # position t predicts t + 1
     token_logps = logprobs.gather(-1, ids[:, -n_completion:, None]).squeeze(-1)
     return token_logps, -(logprobs.exp() * logprobs).sum(-1)
@@ -64,23 +65,39 @@ def prompts_of(b):
     return asked
 
 
+def placed_prompts(b, asked, G):
+    """The tile path (max_tiles): image_index / image_weight (B * G, T, taps) of the prompts as left_pad pads them,
+    each row's placement shifted right by its padding (index 0 and weight 0 there: nothing placed); {} without tiles."""
+    if "image_index" not in b:
+        return {}
+    T = max(len(p) for _, p, _ in asked)
+    return {k: torch.stack([F.pad(b[k][r, : len(p)], (0, 0, T - len(p), 0)) for r, p, _ in asked]).repeat_interleave(G, 0)
+            for k in ("image_index", "image_weight")}
+
+
+def tiles_of(r):
+    return {k: r[k] for k in ("image_index", "image_weight") if r.get(k) is not None}
+
+
 @torch.no_grad()
 def rollout(raw, b, tok, stop, cfg, score, generator, ref_model=None):
     """One micro-batch's generation batch: each prompt of b (on the device) G times, sampled with the image token and
-    the ids beyond the tokenizer suppressed; rewards = score(completions, answers, ids, attention_mask, pixels)."""
+    the ids beyond the tokenizer suppressed; rewards = score(completions, answers, ids, attention_mask, pixels, tiles)."""
     G, max_new, temperature = cfg["grpo_group"], cfg["grpo_max_new_tokens"], cfg["grpo_temperature"]
     asked, device = prompts_of(b), b["input_ids"].device
     prompt_ids, prompt_mask = left_pad([p for _, p, _ in asked], tok.pad_id)
     prompt_ids, prompt_mask = prompt_ids.repeat_interleave(G, 0).to(device), prompt_mask.repeat_interleave(G, 0).to(device)
     pixels = b["pixel_values"][torch.tensor([r for r, _, _ in asked], device=device).repeat_interleave(G)]
     suppress = torch.arange(raw.cfg.llm.vocab_size, device=device)
-    suppress = (suppress >= tok.vocab_size) | (suppress == raw.cfg.image_token_id)
+    placeholders = [t for t in (raw.cfg.image_token_id, raw.cfg.video_token_id) if t is not None]
+    suppress = (suppress >= tok.vocab_size) | torch.isin(suppress, torch.tensor(placeholders, device=device))
+    tiles = placed_prompts(b, asked, G)
     t0 = time.perf_counter()
     raw.eval()
     with gathered_for_generation(raw, cfg["grpo_gather_for_generation"]) as lockstep:
         new = raw.generate(prompt_ids, pixels, max_new, temperature, cfg["grpo_top_p"],
                            eos_id=None if lockstep else stop, generator=generator, attention_mask=prompt_mask,
-                           suppress=suppress)  # (B * G, C)
+                           suppress=suppress, **tiles)  # (B * G, C)
     raw.train()
     if lockstep:  # all max_new steps ran (FSDP2): what generate keeps, stop after each row's first and no more columns
         stopped = (new == stop).long().cumsum(1) > 0
@@ -90,15 +107,16 @@ def rollout(raw, b, tok, stop, cfg, score, generator, ref_model=None):
     texts = [data.decode_answer(tok, row, stop) for row in new.tolist()]
     answers = [data.decode_answer(tok, a, stop) for _, _, a in asked for _ in range(G)]
     ids, mask = torch.cat([prompt_ids, new], 1), torch.cat([prompt_mask, completion_mask], 1)
-    rewards = score(texts, answers, ids, mask, pixels).float().to(device)  # (B * G,)
-    gen_seconds = time.perf_counter() - t0
     C = new.shape[1]
+    tiles = {k: F.pad(v, (0, 0, 0, C)) for k, v in tiles.items()}  # (B * G, T + C, taps): nothing in the completions
+    rewards = score(texts, answers, ids, mask, pixels, tiles).float().to(device)  # (B * G,)
+    gen_seconds = time.perf_counter() - t0
     r = {"ids": ids, "mask": mask, "pixel_values": pixels, "completion_mask": completion_mask,
-         "advantages": group_advantages(rewards, G), "old_logps": None, "ref_logps": None}
+         "advantages": group_advantages(rewards, G), "old_logps": None, "ref_logps": None} | tiles
     if cfg["grpo_iterations"] > 1:  # the sampling policy's log-probs, for the ratio after the first update
-        r["old_logps"] = completion_logps(raw, ids, mask, pixels, C, temperature)[0]
+        r["old_logps"] = completion_logps(raw, ids, mask, pixels, C, temperature, tiles)[0]
     if cfg["grpo_beta"]:
-        r["ref_logps"] = completion_logps(ref_model, ids, mask, pixels, C, temperature)[0]
+        r["ref_logps"] = completion_logps(ref_model, ids, mask, pixels, C, temperature, tiles)[0]
     kind = cfg["grpo_loss"]  # what the step's summed loss is divided by, summed over micro-steps and ranks
     r["units"] = completion_mask.sum() if kind == "dapo" else torch.tensor(float(len(ids) * (max_new if kind == "dr_grpo"
                                                                                            else 1)), device=device)
@@ -133,7 +151,7 @@ def rollouts_from_state(flat, device):
 def rl_loss(model, r, cfg):
     """The micro-step's summed GRPO loss (divided by the step's units outside) and its metrics."""
     logps, entropy = completion_logps(model, r["ids"], r["mask"], r["pixel_values"], r["completion_mask"].shape[1],
-                                      cfg["grpo_temperature"])
+                                      cfg["grpo_temperature"], tiles_of(r))
     old = logps.detach() if r["old_logps"] is None else r["old_logps"]  # one update a generation batch: ratio 1
     loss, metrics = grpo_loss(logps, old, r["advantages"], r["completion_mask"], cfg["grpo_loss"], cfg["grpo_epsilon"],
                               beta=cfg["grpo_beta"], ref_logps=r["ref_logps"],
@@ -160,4 +178,5 @@ def reward_scorer(cfg, env):
     if env.distributed and env.kind != "xla" and cfg["parallel"] == "fsdp":
         judge = shard(judge, env, cfg)  # as the policy and the reference: each rank holds its shards
     print0(env, f"grpo: rewards from the reward model {spec}")
-    return lambda texts, answers, ids, mask, pixels: judge(ids, pixels, attention_mask=mask, reward=True)[1]
+    return lambda texts, answers, ids, mask, pixels, tiles: judge(ids, pixels, attention_mask=mask, reward=True,
+                                                                  **tiles)[1]

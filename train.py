@@ -245,8 +245,8 @@ def check_grpo(cfg):
                          f"{cfg['grpo_group']}, {cfg['grpo_iterations']}, {cfg['grpo_max_new_tokens']}")
     if cfg["grpo_beta"] < 0 or cfg["grpo_epsilon"] <= 0 or cfg["grpo_temperature"] <= 0 or not 0 < cfg["grpo_top_p"] <= 1:
         raise SystemExit("config: grpo_beta must be >= 0, grpo_epsilon and grpo_temperature > 0, grpo_top_p in (0, 1]")
-    if cfg["pack"] or cfg["max_tiles"]:
-        raise SystemExit("config: objective='grpo' samples one prompt a row with one image: pack and max_tiles must be 0")
+    if cfg["pack"]:
+        raise SystemExit("config: objective='grpo' samples one prompt a row: pack must be 0")
     if cfg["device"] == "xla":
         raise SystemExit("config: objective='grpo' runs on one device or under torchrun DDP or FSDP (XLA generation "
                          "is not built: README 'Reward models and RL')")

@@ -1,6 +1,7 @@
 """GRPO against TRL 1.16's GRPOTrainer: on a fixed batch (prompts with images, completions, rewards, old and reference
 log-probs) our advantages and loss equal what its _compute_loss computes with the same tiny random LLaVA."""
 
+import json
 import math
 import os
 
@@ -208,7 +209,7 @@ def test_one_grpo_update_moves_probability_towards_positive_advantages(shapes_pa
     (["--grpo_group=1"], "grpo_group must be >= 2"),
     (["--grpo_reward=no_such_module:f"], "grpo_reward 'no_such_module:f': cannot import it"),
     (["--grpo_reward=cosine"], "expected \\['exact_match'\\]"),
-    (["--pack=2"], "pack and max_tiles must be 0"),
+    (["--pack=2"], "pack must be 0"),
     (["--grpo_beta=0.1", "--init_from=scratch"], "grpo_beta > 0 needs a reference checkpoint"),
 ])
 def test_grpo_config_errors_are_one_sentence(tmp_path, extra, message):
@@ -276,22 +277,80 @@ def test_grpo_under_torchrun_fsdp_matches_ddp_and_resumes_exactly(shapes_pairs, 
     common = [f"--grpo_reward={tmp_path / 'judge'}", "--objective=grpo", f"--data_dir={shapes_pairs / 'shards'}",
               "--batch_size=4", "--micro_batch_size=1", "--grpo_group=3", "--grpo_beta=0.05",
               f"--grpo_reference={init}", "--grpo_iterations=2", "--lr=1e-4", "--warmup_iters=1",
-              "--lr_decay_iters=6", "--eval_interval=0", "--final_accuracy_samples=0", "--grpo_max_new_tokens=6",
+              "--lr_decay_iters=6", "--eval_interval=0", "--final_accuracy_samples=6", "--grpo_max_new_tokens=6",
               "--ckpt_interval=2"]
-    run(dpo_args(shapes_pairs, tmp_path / "ddp", f"--init_from={init}", "--max_iters=6", "--parallel=ddp", *common),
-        nproc=2)
+    ddp_out = run(dpo_args(shapes_pairs, tmp_path / "ddp", f"--init_from={init}", "--max_iters=6", "--parallel=ddp",
+                           *common), nproc=2).stdout
     # stopped inside a generation batch: step 4 reuses step 3's rollouts, saved in the checkpoint; step 5 samples
     # anew, scored by the reloaded reward model, with the reloaded reference's KL
     run(dpo_args(shapes_pairs, tmp_path / "fsdp", f"--init_from={init}", "--max_iters=3", "--parallel=fsdp", *common,
                  "--grpo_gather_for_generation=True"), nproc=2)
-    run(dpo_args(shapes_pairs, tmp_path / "fsdp", "--init_from=resume", "--max_iters=6", "--parallel=fsdp", *common),
-        nproc=2)
+    fsdp_out = run(dpo_args(shapes_pairs, tmp_path / "fsdp", "--init_from=resume", "--max_iters=6", "--parallel=fsdp",
+                            *common), nproc=2).stdout
     read = lambda name: [json.loads(line) for line in (tmp_path / name / "log.jsonl").read_text().splitlines()  # noqa: E731
                          if "rl/reward" in line]
     ddp, fsdp = read("ddp"), read("fsdp")
+    answers = lambda out: [line for line in out.splitlines() if line.startswith(("  Q: ", "held-out"))]  # noqa: E731
+    assert answers(fsdp_out) == answers(ddp_out) and len(answers(ddp_out)) > 1  # the final greedy answers
     assert [e["step"] for e in fsdp] == [1, 2, 3, 4, 5, 6]
     for want, got in zip(ddp, fsdp, strict=True):
         for k in ("loss", "rl/reward", "rl/reward_std", "rl/kl", "rl/clip_ratio", "rl/completion_length", "grad_norm"):
             assert abs(got[k] - want[k]) <= 1e-5 * max(1.0, abs(want[k])), (want["step"], k, got[k], want[k])
     assert ddp[1]["rl/kl"] > 0 and ddp[3]["rl/kl"] > 0 and len({e["rl/reward"] for e in ddp}) > 1
     assert all(1 < e["rl/completion_length"] < 6 for e in ddp)  # rows (and ranks) that stopped at different steps
+
+
+def test_tiled_rollouts_place_each_prompts_tiles_as_the_row_run_alone(shapes_pairs, tmp_path):  # noqa: F811
+    """The tile path (anyres_max, several image sizes, questions of several lengths): the rollout left-pads the prompts,
+    shifting each row's tile placement with it; every completion's log-probs equal those of its row run alone, unpadded,
+    with the placement the loader gave it. The tiles reach generation: other pixels, other samples."""
+    import numpy as np
+
+    import data
+    import pack
+    from model import build_model, vlm_preset
+    from shapes import NUMBERS, draw_scene, wrong_answer
+    from test_xla import SIZES
+    from xla_runs import TILED_MODEL
+
+    questions = ["How many circles are there?", "Count the circles in this picture, please. How many are there?",
+                 "Circles?"]
+    rng, records = np.random.default_rng(0), []
+    (tmp_path / "images").mkdir()
+    for i in range(6):
+        img, objects = draw_scene(rng, 48)
+        img.resize(SIZES[i]).save(tmp_path / "images" / f"{i}.png")
+        right = NUMBERS[sum(s == "circle" for s, *_ in objects)]
+        records.append({"id": f"p{i}", "image": f"{i}.png", "chosen": right, "rejected": wrong_answer(right, rng),
+                        "conversations": [{"from": "human", "value": f"<image>\n{questions[i % 3]}"}]})
+    (tmp_path / "pairs.json").write_text(json.dumps(records))
+    pack.pack(tmp_path / "pairs.json", tmp_path / "images", tmp_path / "shards")
+    cfg = vlm_preset("debug").with_overrides(TILED_MODEL)
+    stream = data.ShardStream(tmp_path / "shards", shapes_pairs / "tokenizer.model", batch_size=3, seq_len=160,
+                              image_size=28, image_token_id=512, n_image_tokens=4, template="llama_3", vlm=cfg,
+                              max_tiles=5, shuffle_block=1)
+    model = build_model(cfg, seed=0).eval()
+    stop = data.stop_token_id("llama_3", stream.tok)
+    run = dict(train.DEFAULTS) | {"grpo_group": 2, "grpo_max_new_tokens": 5, "grpo_beta": 0.1, "grpo_iterations": 2}
+    score = lambda texts, answers, *_: torch.tensor(short_answers(texts, answers))  # noqa: E731
+    for k in range(2):
+        b = stream.batch(k)
+        b["pixel_values"] = data.normalize_images(b["pixel_values"], *cfg.vision.image_stats)
+        asked = rl.prompts_of(b)
+        assert len({len(p) for _, p, _ in asked}) > 1  # prompts of different lengths: left padding moves the tiles
+        r, _, _ = rl.rollout(model, b, stream.tok, stop, run, score, torch.Generator().manual_seed(k), ref_model=model)
+        C = r["completion_mask"].shape[1]
+        for row in range(len(r["ids"])):
+            src, prompt = asked[row // 2][0], asked[row // 2][1]
+            n = int(r["completion_mask"][row].sum())
+            ids = torch.tensor(prompt + r["ids"][row, -C:][:n].tolist())[None]
+            tiles = {key: torch.nn.functional.pad(b[key][src, : len(prompt)], (0, 0, 0, n))[None]
+                     for key in ("image_index", "image_weight")}
+            with torch.no_grad():
+                alone, _ = rl.completion_logps(model, ids, torch.ones_like(ids), b["pixel_values"][src][None], n,
+                                               tiles=tiles)
+            assert torch.allclose(r["old_logps"][row, :n], alone[0], atol=1e-5), (k, row)
+            assert torch.allclose(r["ref_logps"][row, :n], alone[0], atol=1e-5)
+        other = dict(b, pixel_values=torch.randn_like(b["pixel_values"]))
+        again, _, _ = rl.rollout(model, other, stream.tok, stop, run, score, torch.Generator().manual_seed(k), model)
+        assert not torch.equal(again["ids"], r["ids"])
