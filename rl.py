@@ -44,8 +44,8 @@ def completion_logps(model, ids, attention_mask, pixel_values, n_completion, tem
     """Per-token log-probs (B, C) of the last C = n_completion tokens of ids (prompts left-padded, completions
     right-padded, attention_mask 0 at both), from logits / temperature as generate sampled them; and the entropies
     (B, C) of those distributions. tiles: image_index / image_weight of the tile path (see placed_prompts)."""
-    logits, _ = model(ids, pixel_values, attention_mask=attention_mask, **(tiles or {}))
-    logprobs = (logits[:, -n_completion - 1 : -1].float() / temperature).log_softmax(-1)  # position t predicts t + 1
+    logits, _ = model(ids, pixel_values, attention_mask=attention_mask, logits_to_keep=n_completion + 1, **(tiles or {}))
+    logprobs = (logits[:, :-1].float() / temperature).log_softmax(-1)  # position t predicts t + 1
     token_logps = logprobs.gather(-1, ids[:, -n_completion:, None]).squeeze(-1)
     return token_logps, -(logprobs.exp() * logprobs).sum(-1)
 

@@ -121,6 +121,19 @@ def test_generate_never_samples_suppressed_tokens():
     assert out.shape == (6, 12) and (out < 40).all() and (free >= 40).any()  # at temperature 3 they would appear
 
 
+def test_logits_to_keep_are_the_last_positions_logits():
+    """RL's log-probs read only the completion's logits (HF's logits_to_keep): (B, k, vocab), not (B, T, vocab)."""
+    from model import build_model, vlm_preset
+
+    model = build_model(vlm_preset("debug").with_overrides({"llm": {"vocab_size": 64}, "image_token_id": 60}), seed=0)
+    ids = torch.randint(1, 60, (3, 11), generator=torch.Generator().manual_seed(0))
+    mask = (torch.arange(11) >= torch.tensor([[0], [4], [7]])).long()  # left padding
+    with torch.no_grad():
+        full, _ = model(ids, attention_mask=mask)
+        kept, _ = model(ids, attention_mask=mask, logits_to_keep=5)
+    assert kept.shape == (3, 5, 64) and torch.allclose(kept, full[:, -5:], atol=1e-6)
+
+
 def test_prompts_are_cut_where_the_answer_starts(tmp_path):
     import data
     from shapes import make_shapes
