@@ -239,6 +239,32 @@ def test_rl_configs_parse():
     assert train.load_config([str(ROOT / "configs/reward_shapes.py")])["objective"] == "reward"
 
 
+def test_grpo_onevision_config_is_trls_recipe():
+    """configs/grpo_onevision.py against TRL 1.16's own GRPOConfig defaults (what its grpo_vlm.py runs with) and
+    train.py's checks: every value that has a TRL counterpart is TRL's."""
+    import dataclasses
+
+    from conftest import ROOT
+    from trl import GRPOConfig
+
+    trl = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    cfg = train.load_config([str(ROOT / "configs/grpo_onevision.py")])
+    train.check_objective(cfg)
+    ours = {"loss_type": "grpo_loss", "beta": "grpo_beta", "num_generations": "grpo_group", "temperature":
+            "grpo_temperature", "top_p": "grpo_top_p", "epsilon": "grpo_epsilon", "num_iterations": "grpo_iterations",
+            "max_completion_length": "grpo_max_new_tokens", "learning_rate": "lr", "weight_decay": "weight_decay",
+            "max_grad_norm": "grad_clip", "adam_beta1": "beta1", "adam_beta2": "beta2", "warmup_steps": "warmup_iters",
+            "gradient_checkpointing": "activation_checkpointing", "ds3_gather_for_generation":
+            "grpo_gather_for_generation"}
+    assert {k: cfg[v] for k, v in ours.items()} == {k: trl[k] for k in ours}
+    assert cfg["batch_size"] * cfg["grpo_group"] == 8 * trl["per_device_train_batch_size"]  # on 8 GPUs
+    assert (cfg["model"], cfg["template"], cfg["parallel"], cfg["min_lr"]) == ("llava-onevision-qwen2-7b", "chatml",
+                                                                               "fsdp", 0.0)
+    from model import vlm_preset
+
+    assert cfg["seq_len"] + cfg["grpo_max_new_tokens"] <= vlm_preset(cfg["model"]).llm.max_seq_len
+
+
 def test_grpo_resumes_exactly(shapes_pairs, tmp_path):  # noqa: F811
     """4 steps straight, or 2 then a resume for 2 more: the same rollouts (sampler seeded by step), rewards and loss."""
     import json
