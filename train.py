@@ -794,8 +794,8 @@ def grpo_setup(cfg, env, loader, resume_from):
 
 
 def grpo_rollouts(grpo, raw, micro, ref_model, meter, cfg, env, it):
-    """A new generation batch: each micro-batch's prompts sampled grpo_group times and scored (seeded by step: a
-    step's samples survive a resume)."""
+    """A new generation batch: each micro-batch's prompts sampled grpo_group times and scored (seeded by rank, step
+    and micro-batch: a step's samples survive a resume)."""
     done = []
     for m, b in enumerate(micro):  # each micro-batch its own seed: its samples whatever the others drew (FSDP2 = DDP)
         grpo.sampler.manual_seed(cfg["seed"] + 7919 * env.rank + 104729 * it + 1299709 * m)
