@@ -265,8 +265,10 @@ def test_grpo_onevision_config_is_trls_recipe():
     assert cfg["seq_len"] + cfg["grpo_max_new_tokens"] <= vlm_preset(cfg["model"]).llm.max_seq_len
 
 
-def test_grpo_resumes_exactly(shapes_pairs, tmp_path):  # noqa: F811
-    """4 steps straight, or 2 then a resume for 2 more: the same rollouts (sampler seeded by step), rewards and loss."""
+@pytest.mark.parametrize("iterations,stop", [(1, 2), (2, 3)])
+def test_grpo_resumes_exactly(shapes_pairs, tmp_path, iterations, stop):  # noqa: F811
+    """4 steps straight, or `stop` then a resume for the rest: the same rollouts (sampler seeded by step), rewards and
+    loss; stopped inside a generation batch (grpo_iterations 2, step 3), the resume trains on the saved rollouts."""
     import json
 
     from test_dpo import debug_init, dpo_args
@@ -275,9 +277,10 @@ def test_grpo_resumes_exactly(shapes_pairs, tmp_path):  # noqa: F811
     common = ["--objective=grpo", f"--data_dir={shapes_pairs / 'shards'}", "--grpo_reward=test_grpo:short_answers",
               "--batch_size=2", "--micro_batch_size=2", "--grpo_group=3", "--grpo_beta=0.05",
               f"--grpo_reference={init}", "--lr=3e-3", "--warmup_iters=1", "--lr_decay_iters=4", "--eval_interval=0",
-              "--final_accuracy_samples=0", "--grpo_max_new_tokens=5", "--ckpt_interval=2"]
+              "--final_accuracy_samples=0", "--grpo_max_new_tokens=5", "--ckpt_interval=2",
+              f"--grpo_iterations={iterations}"]
     train.main(dpo_args(shapes_pairs, tmp_path / "straight", f"--init_from={init}", "--max_iters=4", *common))
-    train.main(dpo_args(shapes_pairs, tmp_path / "resumed", f"--init_from={init}", "--max_iters=2", *common))
+    train.main(dpo_args(shapes_pairs, tmp_path / "resumed", f"--init_from={init}", f"--max_iters={stop}", *common))
     train.main(dpo_args(shapes_pairs, tmp_path / "resumed", "--init_from=resume", "--max_iters=4", *common))
     read = lambda run: [json.loads(line) for line in (tmp_path / run / "log.jsonl").read_text().splitlines()  # noqa: E731
                         if "rl/reward" in line]
@@ -286,6 +289,7 @@ def test_grpo_resumes_exactly(shapes_pairs, tmp_path):  # noqa: F811
     for want, got in zip(straight, resumed, strict=True):
         for k in ("loss", "rl/reward", "rl/kl", "rl/completion_length"):
             assert abs(got[k] - want[k]) <= 1e-6 * max(1.0, abs(want[k])), (want["step"], k, got[k], want[k])
+    assert (tmp_path / "resumed" / f"step-{stop:06d}" / "rank0.safetensors").exists() == (stop % iterations != 0)
 
 
 @pytest.mark.slow
