@@ -312,7 +312,8 @@ class Checkpointer:
         except SystemExit as e:
             print(e, file=sys.stderr, flush=True)
 
-    def save(self, path, model, raw, optimizer, loader, it, stop=False):
+    def save(self, path, model, raw, optimizer, loader, it, stop=False, own=None):
+        """own: {name: tensor} of this rank alone (GRPO's generation batch in flight), in rank{R}.safetensors."""
         env, cfg, buffers = self.env, self.cfg, self.buffers
         if stop and env.kind != "xla" and self.thread is not None and self.thread.is_alive():
             # a stop must not wait for a periodic write (it may take longer than the grace period): that write goes
@@ -333,7 +334,8 @@ class Checkpointer:
         blocked = time.perf_counter() - t0
         small = {"state": {"iter": it, "loader": loader.state_dict(), "config": cfg, "world": env.world,
                            "param_groups": groups},
-                 "config": raw.cfg.to_dict(), "rng": {f"rank{r}.{k}": v for r, s in enumerate(ranks) for k, v in s.items()}}
+                 "config": raw.cfg.to_dict(), "rng": {f"rank{r}.{k}": v for r, s in enumerate(ranks) for k, v in s.items()},
+                 "own": {k: v.detach().cpu().contiguous() for k, v in (own or {}).items()}}
         args = (path, staged, small, t0, blocked)
         if stop and env.kind != "xla":
             self.write_detached(args)  # outlives the kill that follows the stop signal
@@ -366,7 +368,9 @@ class Checkpointer:
             with quiet():
                 dcp.save(staged, storage_writer=writer, planner=planners(env)[0], process_group=self.group)
             time.sleep(float(os.environ.get("LLAVAX_TEST_SLOW_CHECKPOINT", "0")))  # tests only: a slow disk
-            mine = describe(sorted(tmp.glob(f"__{rank}_*.distcp")))
+            if small["own"]:
+                write_safetensors(small["own"], tmp / f"rank{rank}.safetensors")
+            mine = describe(sorted(tmp.glob(f"__{rank}_*.distcp")) + sorted(tmp.glob(f"rank{rank}.safetensors")))
             every = [None] * (dist.get_world_size(self.group) if self.group is not None else 1)
             if self.group is not None:
                 dist.all_gather_object(every, mine, group=self.group)
@@ -521,6 +525,12 @@ class SavedTensor:
             # a new reader each time (it reads the index again): a shared index keeps every loaded tensor alive
             dcp.load({self.key: t}, storage_reader=dcp.FileSystemReader(str(self.path)), no_dist=True)
         return t
+
+
+def saved_own(path, env):
+    """What this rank saved alone (Checkpointer.save's own), or None: none saved, or another world size wrote it."""
+    f, world = Path(path) / f"rank{env.rank}.safetensors", json.loads((Path(path) / "state.json").read_text())["world"]
+    return load_file(f) if f.exists() and world == env.world else None
 
 
 def is_sharded_checkpoint(path):

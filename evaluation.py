@@ -9,7 +9,7 @@ import torch
 
 import data
 from model import build_model, left_pad
-from parallel import autocast, print0
+from parallel import autocast, gathered_for_generation, print0
 
 
 def device_batch(batch, env, vision):
@@ -133,11 +133,13 @@ def final_accuracy(raw, val_stream, stream_args, env, cfg):
         asker = build_model(raw.cfg, device="cpu", init=False)
         asker.load_state_dict({k: v.cpu() for k, v in raw.state_dict().items()})
         asker_env = SimpleNamespace(kind="cpu", device=torch.device("cpu"), distributed=False)
-    if cfg["max_tiles"]:  # the questions as the loader tiles and places their images, one sample a row
-        unpacked = data.ShardStream(cfg["data_dir"], split="val", **(stream_args | {"pack": 0}))
-        result = tiled_answer_accuracy(asker, unpacked, asker_env, cfg, cfg["final_accuracy_samples"])
-    else:
-        result = answer_accuracy(asker, val_stream, asker_env, cfg, cfg["final_accuracy_samples"])
+    # FSDP2: the whole model gathered on every rank, which then answers its own questions with no collective
+    with gathered_for_generation(asker, whole=True):
+        if cfg["max_tiles"]:  # the questions as the loader tiles and places their images, one sample a row
+            unpacked = data.ShardStream(cfg["data_dir"], split="val", **(stream_args | {"pack": 0}))
+            result = tiled_answer_accuracy(asker, unpacked, asker_env, cfg, cfg["final_accuracy_samples"])
+        else:
+            result = answer_accuracy(asker, val_stream, asker_env, cfg, cfg["final_accuracy_samples"])
     acc, shown, n_asked, too_long = result
     print0(env, f"held-out exact-match accuracy: {100 * acc:.1f}% on {n_asked} questions"
            + (f" ({too_long} longer than the model's max_seq_len skipped)" if too_long else ""))

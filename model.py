@@ -799,14 +799,15 @@ class VLM(nn.Module):
         return torch.where(is_image[..., None], placed, h)
 
     def forward(self, input_ids, pixel_values=None, labels=None, loss_reduction="mean", position_ids=None,
-                image_index=None, image_weight=None, attention_mask=None, reward=False):
+                image_index=None, image_weight=None, attention_mask=None, reward=False, logits_to_keep=0):
         """Logits (B, T, vocab) and, with labels aligned to input_ids (-100 = ignore), the next-token loss: the mean
         over supervised tokens, their sum with loss_reduction="sum" (train.py divides by a global count), each
         row's sum (B,) with "row" (DPO), or per position (B, T) with "none". position_ids (B, T) packs several
         samples into a row (see Llama.forward).
         image_index, image_weight (B, T, taps): tiled images, several a row (see place_features).
         attention_mask (B, T), 0 at padding on either side (positions count from each row's first real token);
-        reward=True returns (None, rewards (B,)): the reward head read at each row's last real token."""
+        reward=True returns (None, rewards (B,)): the reward head read at each row's last real token.
+        logits_to_keep > 0 (no labels): only the last logits_to_keep positions' logits, as HF's (RL: a completion's)."""
         packed = position_ids is not None
         if image_index is None:
             h = self.embed(input_ids, pixel_values, packed)
@@ -816,7 +817,7 @@ class VLM(nn.Module):
         if reward:
             return None, self.read_reward(h, attention_mask)
         if labels is None:
-            return self.llm.output(h), None
+            return self.llm.output(h[:, -logits_to_keep:] if logits_to_keep else h), None
         targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # (B, T): position t predicts token t + 1
         if packed:  # the last token of a sample does not predict the first of the next
             targets = targets.masked_fill(F.pad(position_ids[:, 1:], (0, 1), value=0) == 0, -100)

@@ -10,7 +10,7 @@ collectives from the sharding annotations below, and each host reads its own par
 import functools
 import os
 import re
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 
 import numpy as np
@@ -168,6 +168,35 @@ def shard(model, env, cfg):
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     return model
+
+
+@contextmanager
+def gathered_for_generation(model, whole=False):
+    """Around generate(), which calls the root's own modules (embeddings, output layer, projector) outside any forward
+    of the root, where FSDP2 gathers their weights: gathered here for the whole generation. Each block gathers its own
+    in its forward hook and frees them after (one block at a time), or with whole=True all are gathered up front and
+    kept until the end. Yields True when the ranks must decode in lockstep: with blocks freed after each use, every
+    step all-gathers each block's weights, so no rank may run fewer steps than another (stop early)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        yield False
+        return
+    # FSDP2 takes the first module to run a forward as the root: before the first training forward, a block would
+    # claim it (and the root's forward then fails). Its lazy init, which the root's forward runs, is not public in 2.9
+    model._get_fsdp_state()._lazy_init()
+    blocks = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+    for block in blocks if whole else []:  # gathered now, on every rank together: generation then needs no collective
+        block.set_reshard_after_forward(False, recurse=False)
+        block.unshard()
+    model.unshard()
+    try:
+        yield not whole
+    finally:
+        model.reshard()
+        for block in blocks if whole else []:
+            block.set_reshard_after_forward(True, recurse=False)  # fully_shard's default for a module below the root
+            block.reshard()
 
 
 def autocast(env, cfg):

@@ -9,11 +9,12 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 import convert
 import data
 from model import group_advantages, grpo_loss, left_pad
-from parallel import print0
+from parallel import gathered_for_generation, print0, shard
 
 
 def exact_match(completions, answers):
@@ -39,12 +40,12 @@ def reward_rule(spec):
     return fn
 
 
-def completion_logps(model, ids, attention_mask, pixel_values, n_completion, temperature=1.0):
+def completion_logps(model, ids, attention_mask, pixel_values, n_completion, temperature=1.0, tiles=None):
     """Per-token log-probs (B, C) of the last C = n_completion tokens of ids (prompts left-padded, completions
     right-padded, attention_mask 0 at both), from logits / temperature as generate sampled them; and the entropies
-    (B, C) of those distributions."""
-    logits, _ = model(ids, pixel_values, attention_mask=attention_mask)
-    logprobs = (logits[:, -n_completion - 1 : -1].float() / temperature).log_softmax(-1)  # position t predicts t + 1
+    (B, C) of those distributions. tiles: image_index / image_weight of the tile path (see placed_prompts)."""
+    logits, _ = model(ids, pixel_values, attention_mask=attention_mask, logits_to_keep=n_completion + 1, **(tiles or {}))
+    logprobs = (logits[:, :-1].float() / temperature).log_softmax(-1)  # position t predicts t + 1
     token_logps = logprobs.gather(-1, ids[:, -n_completion:, None]).squeeze(-1)
     return token_logps, -(logprobs.exp() * logprobs).sum(-1)
 
@@ -64,6 +65,19 @@ def prompts_of(b):
     return asked
 
 
+def placed_prompts(b, asked, G, T):
+    """The tile path (max_tiles): image_index / image_weight (B * G, T, taps) of the prompts as left_pad pads them,
+    each row's placement shifted right by its padding (index 0 and weight 0 there: nothing placed); {} without tiles."""
+    if "image_index" not in b:
+        return {}
+    return {k: torch.stack([F.pad(b[k][r, : len(p)], (0, 0, T - len(p), 0)) for r, p, _ in asked]).repeat_interleave(G, 0)
+            for k in ("image_index", "image_weight")}
+
+
+def tiles_of(r):
+    return {k: r[k] for k in ("image_index", "image_weight") if r.get(k) is not None}
+
+
 def prompt_bucket(cfg):
     """The prompt length of static rollouts: grpo_prompt_len, or what seq_len leaves after grpo_max_new_tokens."""
     return cfg["grpo_prompt_len"] or cfg["seq_len"] - cfg["grpo_max_new_tokens"]
@@ -77,7 +91,7 @@ def rollout(raw, b, tok, stop, cfg, score, generator, ref_model=None, static=Fal
     rollout has the same shapes and graphs; a row without a prompt (dropped by the loader, or longer than the bucket:
     counted in r["skipped"]) is generated from padding and masked out of loss and metrics. env puts rows on the device
     (XLA: split over the data axes), cuts the graph after each token and fetches the completions (without env: the
-    rows stay on b's device)."""
+    rows stay on b's device). With tiles (max_tiles), score also takes each row's image_index / image_weight."""
     G, max_new, temperature = cfg["grpo_group"], cfg["grpo_max_new_tokens"], cfg["grpo_temperature"]
     place = env.place_rows if env is not None else (lambda rows: rows)
     asked = prompts_of(b)
@@ -90,13 +104,20 @@ def rollout(raw, b, tok, stop, cfg, score, generator, ref_model=None, static=Fal
     pixels = place(b["pixel_values"][torch.tensor([r for r, _, _ in asked]).repeat_interleave(G)])
     pixels, device = data.normalize_images(pixels, *raw.cfg.vision.image_stats), prompt_ids.device
     suppress = torch.arange(raw.cfg.llm.vocab_size, device=device)
-    suppress = (suppress >= tok.vocab_size) | (suppress == raw.cfg.image_token_id)
+    placeholders = [t for t in (raw.cfg.image_token_id, raw.cfg.video_token_id) if t is not None]
+    suppress = (suppress >= tok.vocab_size) | torch.isin(suppress, torch.tensor(placeholders, device=device))
+    tiles = {k: place(v) for k, v in placed_prompts(b, asked, G, prompt_ids.shape[1]).items()}
     t0 = time.perf_counter()
     raw.eval()
-    new = raw.generate(prompt_ids, pixels, max_new, temperature, cfg["grpo_top_p"], eos_id=stop, generator=generator,
-                       attention_mask=prompt_mask, suppress=suppress, static=static,
-                       after_token=None if env is None else env.step_end)  # (B * G, C)
+    with gathered_for_generation(raw, cfg["grpo_gather_for_generation"]) as lockstep:
+        new = raw.generate(prompt_ids, pixels, max_new, temperature, cfg["grpo_top_p"],
+                           eos_id=None if lockstep else stop, generator=generator, attention_mask=prompt_mask,
+                           suppress=suppress, static=static, after_token=None if env is None else env.step_end,
+                           **tiles)  # (B * G, C)
     raw.train()
+    if lockstep:  # all max_new steps ran (FSDP2): what generate keeps, stop after each row's first and no more columns
+        stopped = (new == stop).long().cumsum(1) > 0
+        new = torch.where(stopped, stop, new)[:, : int((~stopped).sum(1).max()) + 1]
     valid = prompt_mask[:, -1]  # (B * G,): 0 where a static rollout had no prompt
     is_stop = (new == stop).long()
     completion_mask = (is_stop.cumsum(1) - is_stop == 0).long() * valid[:, None]  # up to and including the first stop
@@ -104,16 +125,17 @@ def rollout(raw, b, tok, stop, cfg, score, generator, ref_model=None, static=Fal
     texts = [data.decode_answer(tok, row, stop) for row in host.tolist()]
     answers = [data.decode_answer(tok, a, stop) for _, _, a in asked for _ in range(G)]
     ids, mask = torch.cat([prompt_ids, new], 1), torch.cat([prompt_mask, completion_mask], 1)
-    rewards = score(texts, answers, ids, mask, pixels).float().to(device)  # (B * G,)
-    gen_seconds = time.perf_counter() - t0
     C = new.shape[1]
+    tiles = {k: F.pad(v, (0, 0, 0, C)) for k, v in tiles.items()}  # (B * G, T + C, taps): nothing in the completions
+    rewards = score(texts, answers, ids, mask, pixels, tiles).float().to(device)  # (B * G,)
+    gen_seconds = time.perf_counter() - t0
     r = {"ids": ids, "mask": mask, "pixel_values": pixels, "completion_mask": completion_mask,
          "advantages": group_advantages(rewards, G), "old_logps": None, "ref_logps": None,
-         "skipped": n_asked - sum(1 for _, p, _ in asked if p)}
+         "skipped": n_asked - sum(1 for _, p, _ in asked if p)} | tiles
     if cfg["grpo_iterations"] > 1:  # the sampling policy's log-probs, for the ratio after the first update
-        r["old_logps"] = completion_logps(raw, ids, mask, pixels, C, temperature)[0]
+        r["old_logps"] = completion_logps(raw, ids, mask, pixels, C, temperature, tiles)[0]
     if cfg["grpo_beta"]:
-        r["ref_logps"] = completion_logps(ref_model, ids, mask, pixels, C, temperature)[0]
+        r["ref_logps"] = completion_logps(ref_model, ids, mask, pixels, C, temperature, tiles)[0]
     kind = cfg["grpo_loss"]  # what the step's summed loss is divided by, summed over micro-steps and ranks
     r["units"] = completion_mask.sum() if kind == "dapo" else valid.sum().float() * (max_new if kind == "dr_grpo" else 1)
     row, group = valid.float(), valid.view(-1, G)[:, 0].float()  # the rows and groups with a prompt
@@ -128,10 +150,31 @@ def masked_mean(values, weights):
     return (values * weights).sum() / weights.sum().clamp(min=1)
 
 
+def rollouts_state(rollouts):
+    """A generation batch (rollout's dicts, one a micro-batch) as {name: tensor}, for a checkpoint taken inside it."""
+    flat = {}
+    for m, r in enumerate(rollouts):
+        flat |= {f"{m}.{k}": v for k, v in r.items() if torch.is_tensor(v)}
+        flat |= {f"{m}.metrics.{k}": v for k, v in r["metrics"].items()}
+    return flat
+
+
+def rollouts_from_state(flat, device):
+    rollouts = {}
+    for name, v in flat.items():
+        m, key = name.split(".", 1)
+        r = rollouts.setdefault(int(m), {"old_logps": None, "ref_logps": None, "metrics": {}})
+        if key.startswith("metrics."):
+            r["metrics"][key[len("metrics."):]] = v.to(device)
+        else:
+            r[key] = v.to(device)
+    return [rollouts[m] for m in sorted(rollouts)]
+
+
 def rl_loss(model, r, cfg):
     """The micro-step's summed GRPO loss (divided by the step's units outside) and its metrics."""
     logps, entropy = completion_logps(model, r["ids"], r["mask"], r["pixel_values"], r["completion_mask"].shape[1],
-                                      cfg["grpo_temperature"])
+                                      cfg["grpo_temperature"], tiles_of(r))
     old = logps.detach() if r["old_logps"] is None else r["old_logps"]  # one update a generation batch: ratio 1
     loss, metrics = grpo_loss(logps, old, r["advantages"], r["completion_mask"], cfg["grpo_loss"], cfg["grpo_epsilon"],
                               beta=cfg["grpo_beta"], ref_logps=r["ref_logps"],
@@ -158,5 +201,8 @@ def reward_scorer(cfg, env):
         raise SystemExit(f"grpo_reward {spec!r}: cannot load the reward model ({e})") from None
     if judge.reward_head is None:
         raise SystemExit(f"grpo_reward {spec!r}: the checkpoint has no reward head (train one with objective='reward')")
+    if env.distributed and env.kind != "xla" and cfg["parallel"] == "fsdp":
+        judge = shard(judge, env, cfg)  # as the policy and the reference: each rank holds its shards
     print0(env, f"grpo: rewards from the reward model {spec}")
-    return lambda texts, answers, ids, mask, pixels: judge(ids, pixels, attention_mask=mask, reward=True)[1]
+    return lambda texts, answers, ids, mask, pixels, tiles: judge(ids, pixels, attention_mask=mask, reward=True,
+                                                                  **tiles)[1]

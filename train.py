@@ -29,7 +29,8 @@ import torch.distributed as dist
 import convert
 import data
 import rl
-from checkpoint import Checkpointer, check_resume_config, checkpoints, newest_good_checkpoint, wait_for_stop_writer
+from checkpoint import (Checkpointer, check_resume_config, checkpoints, newest_good_checkpoint, saved_own,
+                        wait_for_stop_writer)
 from dpo import (evaluate_preference, pair_objective, preference_loss, reference_model,  # noqa: F401  (tests: train.*)
                  reward_pairs, sequence_logps)
 from evaluation import device_batch, evaluate, final_accuracy
@@ -121,6 +122,9 @@ grpo_reward = "exact_match"  # 'exact_match', 'module:function' (completions, an
 grpo_reference = ""
 grpo_static = False  # static-shape rollouts (always under XLA): prompts left-padded to grpo_prompt_len, hashed draws
 grpo_prompt_len = 0  # static rollouts' prompt bucket (0: seq_len - grpo_max_new_tokens); a longer prompt is skipped
+# FSDP2: True keeps every block gathered from the first decoding step to the last (TRL's ds3_gather_for_generation, on
+# by default there): fast, but the whole model on each rank. False gathers each block again at every step (less memory)
+grpo_gather_for_generation = False
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, list, dict))}
 
 # -----------------------------------------------------------------------------
@@ -243,11 +247,8 @@ def check_grpo(cfg):
                          f"{cfg['grpo_group']}, {cfg['grpo_iterations']}, {cfg['grpo_max_new_tokens']}")
     if cfg["grpo_beta"] < 0 or cfg["grpo_epsilon"] <= 0 or cfg["grpo_temperature"] <= 0 or not 0 < cfg["grpo_top_p"] <= 1:
         raise SystemExit("config: grpo_beta must be >= 0, grpo_epsilon and grpo_temperature > 0, grpo_top_p in (0, 1]")
-    if cfg["pack"] or cfg["max_tiles"]:
-        raise SystemExit("config: objective='grpo' samples one prompt a row with one image: pack and max_tiles must be 0")
-    if cfg["parallel"] == "fsdp":
-        raise SystemExit("config: objective='grpo' runs on one device, under torchrun DDP or XLA SPMD (FSDP generation "
-                         "is not built: README 'Reward models and RL')")
+    if cfg["pack"]:
+        raise SystemExit("config: objective='grpo' samples one prompt a row: pack must be 0")
     room = cfg["seq_len"] - cfg["grpo_max_new_tokens"]  # static rollouts (grpo_static, XLA) must fit in seq_len
     if (cfg["grpo_static"] or cfg["device"] == "xla") and not 0 < rl.prompt_bucket(cfg) <= room:
         raise SystemExit(f"config: static rollouts need grpo_prompt_len in [1, seq_len - grpo_max_new_tokens = {room}] "
@@ -782,8 +783,9 @@ def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader):
     meter.t_last, meter.data_wait, meter.rows_done, meter.dropped = time.perf_counter(), 0.0, 0, 0
 
 
-def grpo_setup(cfg, env, loader):
-    """objective='grpo': the tokenizer, the stop token, the reward scorer and the sampler of the rollouts."""
+def grpo_setup(cfg, env, loader, resume_from):
+    """objective='grpo': the tokenizer, the stop token, the reward scorer and the sampler of the rollouts; and the
+    generation batch in flight when a checkpoint taken inside one (grpo_iterations > 1) was written."""
     tok = loader.stream.tok
     static = cfg["grpo_static"] or env.kind == "xla"  # one compiled rollout: fixed prompt bucket and length
     if env.kind == "xla" and env.world > 1:
@@ -791,19 +793,26 @@ def grpo_setup(cfg, env, loader):
     if static:
         print0(env, f"grpo: static rollouts, prompts left-padded to {rl.prompt_bucket(cfg)} tokens (longer ones skipped), "
                f"{cfg['grpo_max_new_tokens']} new tokens, hashed draws")
+    saved = saved_own(resume_from, env) if resume_from else None
+    if resume_from and saved is None and json.loads((resume_from / "state.json").read_text())["iter"] % \
+            cfg["grpo_iterations"]:
+        print0(env, f"resume: {resume_from} holds no generation batch for this world size: sampling a new one")
+    device = "cpu" if env.kind == "xla" else env.device
     return SimpleNamespace(tok=tok, stop=data.stop_token_id(cfg["template"], tok), score=rl.reward_scorer(cfg, env),
-                           sampler=torch.Generator("cpu" if env.kind == "xla" else env.device), rollouts=None,
-                           static=static)
+                           sampler=torch.Generator(device), static=static,
+                           rollouts=rl.rollouts_from_state(saved, env.device) if saved else None)
 
 
 def grpo_rollouts(grpo, raw, micro, ref_model, meter, cfg, env, it):
-    """A new generation batch: each micro-batch's prompts sampled grpo_group times and scored (seeded by step: a
-    step's samples survive a resume)."""
-    grpo.sampler.manual_seed(cfg["seed"] + 7919 * env.rank + 104729 * it)
+    """A new generation batch: each micro-batch's prompts sampled grpo_group times and scored (seeded by rank, step
+    and micro-batch: a step's samples survive a resume)."""
     env.step_end()  # XLA: what is pending (the first step: the setup's work) stays out of the rollouts' graphs
-    with autocast(env, cfg):
-        done = [rl.rollout(raw, b, grpo.tok, grpo.stop, cfg, grpo.score, grpo.sampler, ref_model, grpo.static, env)
-                for b in micro]
+    done = []
+    for m, b in enumerate(micro):  # each micro-batch its own seed: its samples whatever the others drew (FSDP2 = DDP)
+        grpo.sampler.manual_seed(cfg["seed"] + 7919 * env.rank + 104729 * it + 1299709 * m)
+        with autocast(env, cfg):
+            done.append(rl.rollout(raw, b, grpo.tok, grpo.stop, cfg, grpo.score, grpo.sampler, ref_model, grpo.static,
+                                   env))
     env.step_end()  # XLA: the rollouts' last graph apart from the training step's
     skipped = sum(r["skipped"] for r, _, _ in done)
     if skipped:
@@ -845,14 +854,14 @@ def main(argv=None):
     log, log_file = open_log(out, cfg, env)
     poison, poison_weight = injected_faults(env)
     meter = start_meter(raw, cfg, env)
-    grpo = grpo_setup(cfg, env, loader) if cfg["objective"] == "grpo" else None
+    grpo = grpo_setup(cfg, env, loader, resume_from) if cfg["objective"] == "grpo" else None
     trainable = [p for p in raw.parameters() if p.requires_grad]
     batches = iter(loader)
     it = start
     try:
         while it < cfg["max_iters"]:
             t0 = time.perf_counter()
-            fresh = grpo is None or it % cfg["grpo_iterations"] == 0 or it == start  # grpo: a new generation batch
+            fresh = grpo is None or it % cfg["grpo_iterations"] == 0 or grpo.rollouts is None  # grpo: new rollouts
             micro = [next(batches) for _ in range(grad_accum)] if fresh else []
             meter.data_wait += time.perf_counter() - t0
             meter.dropped += sum(int(b["dropped"].sum()) for b in micro)  # CPU tensors: no device sync
@@ -887,7 +896,9 @@ def main(argv=None):
             checkpointer.poll()
             stopping = env.agree(stop["requested"])
             if stopping or (cfg["ckpt_interval"] and it % cfg["ckpt_interval"] == 0) or it == cfg["max_iters"]:
-                checkpointer.save(out / f"step-{it:06d}", model, raw, optimizer, loader, it, stop=stopping)
+                in_flight = grpo is not None and it % cfg["grpo_iterations"] and grpo.rollouts  # the next step's
+                checkpointer.save(out / f"step-{it:06d}", model, raw, optimizer, loader, it, stop=stopping,
+                                  own=rl.rollouts_state(grpo.rollouts) if in_flight else None)
                 print0(env, f"step {it}: checkpoint {out / f'step-{it:06d}'}" + ("" if stopping else " (writing)"))
                 meter.t_last = time.perf_counter()
             if stopping:

@@ -1,6 +1,7 @@
 """GRPO against TRL 1.16's GRPOTrainer: on a fixed batch (prompts with images, completions, rewards, old and reference
 log-probs) our advantages and loss equal what its _compute_loss computes with the same tiny random LLaVA."""
 
+import json
 import math
 import os
 
@@ -163,6 +164,19 @@ def test_static_generation_on_xla_compiles_the_same_graphs_whatever_the_length_a
     assert calls[0]["compiles"] == calls[1]["compiles"] <= 4 and calls[2]["compiles"] == 0, calls
 
 
+def test_logits_to_keep_are_the_last_positions_logits():
+    """RL's log-probs read only the completion's logits (HF's logits_to_keep): (B, k, vocab), not (B, T, vocab)."""
+    from model import build_model, vlm_preset
+
+    model = build_model(vlm_preset("debug").with_overrides({"llm": {"vocab_size": 64}, "image_token_id": 60}), seed=0)
+    ids = torch.randint(1, 60, (3, 11), generator=torch.Generator().manual_seed(0))
+    mask = (torch.arange(11) >= torch.tensor([[0], [4], [7]])).long()  # left padding
+    with torch.no_grad():
+        full, _ = model(ids, attention_mask=mask)
+        kept, _ = model(ids, attention_mask=mask, logits_to_keep=5)
+    assert kept.shape == (3, 5, 64) and torch.allclose(kept, full[:, -5:], atol=1e-6)
+
+
 def test_prompts_are_cut_where_the_answer_starts(tmp_path):
     import data
     from shapes import make_shapes
@@ -291,8 +305,7 @@ def test_a_static_rollout_trains_on_its_skipped_rows_as_if_they_were_absent(shap
     (["--grpo_group=1"], "grpo_group must be >= 2"),
     (["--grpo_reward=no_such_module:f"], "grpo_reward 'no_such_module:f': cannot import it"),
     (["--grpo_reward=cosine"], "expected \\['exact_match'\\]"),
-    (["--parallel=fsdp"], "FSDP generation is not built"),
-    (["--pack=2"], "pack and max_tiles must be 0"),
+    (["--pack=2"], "pack must be 0"),
     (["--grpo_static=True", "--grpo_prompt_len=41"], "static rollouts need grpo_prompt_len in \\[1, seq_len - grpo_"),
     (["--device=xla", "--grpo_max_new_tokens=48"], "static rollouts need grpo_prompt_len in \\[1, .* = 0\\]"),
     (["--grpo_beta=0.1", "--init_from=scratch"], "grpo_beta > 0 needs a reference checkpoint"),
@@ -311,8 +324,36 @@ def test_rl_configs_parse():
     assert train.load_config([str(ROOT / "configs/reward_shapes.py")])["objective"] == "reward"
 
 
-def test_grpo_resumes_exactly(shapes_pairs, tmp_path):  # noqa: F811
-    """4 steps straight, or 2 then a resume for 2 more: the same rollouts (sampler seeded by step), rewards and loss."""
+def test_grpo_onevision_config_is_trls_recipe():
+    """configs/grpo_onevision.py against TRL 1.16's own GRPOConfig defaults (what its grpo_vlm.py runs with) and
+    train.py's checks: every value that has a TRL counterpart is TRL's."""
+    import dataclasses
+
+    from conftest import ROOT
+    from trl import GRPOConfig
+
+    trl = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    cfg = train.load_config([str(ROOT / "configs/grpo_onevision.py")])
+    train.check_objective(cfg)
+    ours = {"loss_type": "grpo_loss", "beta": "grpo_beta", "num_generations": "grpo_group", "temperature":
+            "grpo_temperature", "top_p": "grpo_top_p", "epsilon": "grpo_epsilon", "num_iterations": "grpo_iterations",
+            "max_completion_length": "grpo_max_new_tokens", "learning_rate": "lr", "weight_decay": "weight_decay",
+            "max_grad_norm": "grad_clip", "adam_beta1": "beta1", "adam_beta2": "beta2", "warmup_steps": "warmup_iters",
+            "gradient_checkpointing": "activation_checkpointing", "ds3_gather_for_generation":
+            "grpo_gather_for_generation"}
+    assert {k: cfg[v] for k, v in ours.items()} == {k: trl[k] for k in ours}
+    assert cfg["batch_size"] * cfg["grpo_group"] == 8 * trl["per_device_train_batch_size"]  # on 8 GPUs
+    assert (cfg["model"], cfg["template"], cfg["parallel"], cfg["min_lr"]) == ("llava-onevision-qwen2-7b", "chatml",
+                                                                               "fsdp", 0.0)
+    from model import vlm_preset
+
+    assert cfg["seq_len"] + cfg["grpo_max_new_tokens"] <= vlm_preset(cfg["model"]).llm.max_seq_len
+
+
+@pytest.mark.parametrize("iterations,stop", [(1, 2), (2, 3)])
+def test_grpo_resumes_exactly(shapes_pairs, tmp_path, iterations, stop):  # noqa: F811
+    """4 steps straight, or `stop` then a resume for the rest: the same rollouts (sampler seeded by step), rewards and
+    loss; stopped inside a generation batch (grpo_iterations 2, step 3), the resume trains on the saved rollouts."""
     import json
 
     from test_dpo import debug_init, dpo_args
@@ -321,9 +362,10 @@ def test_grpo_resumes_exactly(shapes_pairs, tmp_path):  # noqa: F811
     common = ["--objective=grpo", f"--data_dir={shapes_pairs / 'shards'}", "--grpo_reward=test_grpo:short_answers",
               "--batch_size=2", "--micro_batch_size=2", "--grpo_group=3", "--grpo_beta=0.05",
               f"--grpo_reference={init}", "--lr=3e-3", "--warmup_iters=1", "--lr_decay_iters=4", "--eval_interval=0",
-              "--final_accuracy_samples=0", "--grpo_max_new_tokens=5", "--ckpt_interval=2"]
+              "--final_accuracy_samples=0", "--grpo_max_new_tokens=5", "--ckpt_interval=2",
+              f"--grpo_iterations={iterations}"]
     train.main(dpo_args(shapes_pairs, tmp_path / "straight", f"--init_from={init}", "--max_iters=4", *common))
-    train.main(dpo_args(shapes_pairs, tmp_path / "resumed", f"--init_from={init}", "--max_iters=2", *common))
+    train.main(dpo_args(shapes_pairs, tmp_path / "resumed", f"--init_from={init}", f"--max_iters={stop}", *common))
     train.main(dpo_args(shapes_pairs, tmp_path / "resumed", "--init_from=resume", "--max_iters=4", *common))
     read = lambda run: [json.loads(line) for line in (tmp_path / run / "log.jsonl").read_text().splitlines()  # noqa: E731
                         if "rl/reward" in line]
@@ -332,36 +374,58 @@ def test_grpo_resumes_exactly(shapes_pairs, tmp_path):  # noqa: F811
     for want, got in zip(straight, resumed, strict=True):
         for k in ("loss", "rl/reward", "rl/kl", "rl/completion_length"):
             assert abs(got[k] - want[k]) <= 1e-6 * max(1.0, abs(want[k])), (want["step"], k, got[k], want[k])
+    assert (tmp_path / "resumed" / f"step-{stop:06d}" / "rank0.safetensors").exists() == (stop % iterations != 0)
 
 
 @pytest.mark.slow
-def test_grpo_under_torchrun_ddp_runs_two_ranks(shapes_pairs, tmp_path):  # noqa: F811
-    """2 ranks x 2 prompts under DDP, rewards from a reward-model checkpoint: each rank samples its own prompts
-    (seeded by rank and step), the loss is finite and the weights move."""
+def test_grpo_under_torchrun_fsdp_matches_ddp_and_resumes_exactly(shapes_pairs, tmp_path):  # noqa: F811
+    """2 ranks x 2 prompts, rewards from a reward-model checkpoint, a KL to a reference, 2 updates a generation batch:
+    FSDP2 (judge and reference sharded too) logs what DDP logs (each rank samples the same prompts, seeded by rank,
+    step and micro-batch), and FSDP2 stopped after 3 steps (inside a generation batch) and resumed gives the
+    uninterrupted run's steps 4 to 6 (step 4's rollouts kept in the checkpoint, the loader's position, the reward
+    model and reference reloaded). The first FSDP2 run keeps the blocks gathered through a generation
+    (grpo_gather_for_generation), the resumed one gathers each block at every decoding step, the ranks in lockstep."""
     import json
 
-    from safetensors.torch import load_file
     from test_dpo import debug_init, dpo_args
     from test_train import run
 
     import convert
     from model import build_model
 
-    init = debug_init(tmp_path / "init")
-    judge = build_model(convert.load_model(init).cfg.with_overrides({"reward_head": True}), seed=5)
-    convert.save_model(judge, tmp_path / "judge")  # a random reward model: rewards that differ within a group
-    run(dpo_args(shapes_pairs, tmp_path / "ddp", f"--init_from={init}", "--objective=grpo",
-                 f"--grpo_reward={tmp_path / 'judge'}",
-                 f"--data_dir={shapes_pairs / 'shards'}", "--max_iters=2", "--batch_size=4", "--micro_batch_size=2",
-                 "--grpo_group=3", "--grpo_beta=0.05", "--lr=3e-3", "--eval_interval=0", "--final_accuracy_samples=0",
-                 "--grpo_max_new_tokens=4", "--ckpt_interval=2", "--parallel=ddp"), nproc=2)
-    logged = [json.loads(line) for line in (tmp_path / "ddp/log.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in logged if "rl/reward" in e] == [1, 2]
-    assert all(math.isfinite(e["loss"]) and math.isfinite(e["rl/kl"]) for e in logged if "rl/reward" in e)
-    from conftest import checkpoint_tensors
+    import data
 
-    after = {k[len("model."):]: v for k, v in checkpoint_tensors(tmp_path / "ddp/step-000002", "model.").items()}
-    assert any(not torch.equal(v, load_file(init / "model.safetensors")[k]) for k, v in after.items())
+    policy = convert.load_model(debug_init(tmp_path / "random"))
+    stop = data.stop_token_id("llama_3", data.Tokenizer(shapes_pairs / "tokenizer.model"))
+    with torch.no_grad():  # the stop token likely at about half the positions: completions of different lengths, so
+        policy.llm.output.weight[stop] *= 10  # FSDP2's ranks, which decode every step, must end where DDP's stop
+    convert.save_model(policy, init := tmp_path / "init")
+    judge = build_model(policy.cfg.with_overrides({"reward_head": True}), seed=5)
+    convert.save_model(judge, tmp_path / "judge")  # a random reward model: rewards that differ within a group
+    common = [f"--grpo_reward={tmp_path / 'judge'}", "--objective=grpo", f"--data_dir={shapes_pairs / 'shards'}",
+              "--batch_size=4", "--micro_batch_size=1", "--grpo_group=3", "--grpo_beta=0.05",
+              f"--grpo_reference={init}", "--grpo_iterations=2", "--lr=1e-4", "--warmup_iters=1",
+              "--lr_decay_iters=6", "--eval_interval=0", "--final_accuracy_samples=6", "--grpo_max_new_tokens=6",
+              "--ckpt_interval=2"]
+    ddp_out = run(dpo_args(shapes_pairs, tmp_path / "ddp", f"--init_from={init}", "--max_iters=6", "--parallel=ddp",
+                           *common), nproc=2).stdout
+    # stopped inside a generation batch: step 4 reuses step 3's rollouts, saved in the checkpoint; step 5 samples
+    # anew, scored by the reloaded reward model, with the reloaded reference's KL
+    run(dpo_args(shapes_pairs, tmp_path / "fsdp", f"--init_from={init}", "--max_iters=3", "--parallel=fsdp", *common,
+                 "--grpo_gather_for_generation=True"), nproc=2)
+    fsdp_out = run(dpo_args(shapes_pairs, tmp_path / "fsdp", "--init_from=resume", "--max_iters=6", "--parallel=fsdp",
+                            *common), nproc=2).stdout
+    read = lambda name: [json.loads(line) for line in (tmp_path / name / "log.jsonl").read_text().splitlines()  # noqa: E731
+                         if "rl/reward" in line]
+    ddp, fsdp = read("ddp"), read("fsdp")
+    answers = lambda out: [line for line in out.splitlines() if line.startswith(("  Q: ", "held-out"))]  # noqa: E731
+    assert answers(fsdp_out) == answers(ddp_out) and len(answers(ddp_out)) > 1  # the final greedy answers
+    assert [e["step"] for e in fsdp] == [1, 2, 3, 4, 5, 6]
+    for want, got in zip(ddp, fsdp, strict=True):
+        for k in ("loss", "rl/reward", "rl/reward_std", "rl/kl", "rl/clip_ratio", "rl/completion_length", "grad_norm"):
+            assert abs(got[k] - want[k]) <= 1e-5 * max(1.0, abs(want[k])), (want["step"], k, got[k], want[k])
+    assert ddp[1]["rl/kl"] > 0 and ddp[3]["rl/kl"] > 0 and len({e["rl/reward"] for e in ddp}) > 1
+    assert all(1 < e["rl/completion_length"] < 6 for e in ddp)  # rows (and ranks) that stopped at different steps
 
 
 @pytest.mark.slow
@@ -402,3 +466,59 @@ def test_grpo_on_xla_spmd_compiles_once_and_matches_cpu_eager(shapes_pairs, tmp_
     assert cpu[-1]["rl/kl"] > 0 and len({e["rl/reward"] for e in cpu}) > 1  # the policy moved; the samples differ
     compiles = [e["xla_compiles"] for e in xla]
     assert compiles[1] == compiles[-1], compiles
+
+
+def test_tiled_rollouts_place_each_prompts_tiles_as_the_row_run_alone(shapes_pairs, tmp_path):  # noqa: F811
+    """The tile path (anyres_max, several image sizes, questions of several lengths): the rollout left-pads the prompts,
+    shifting each row's tile placement with it; every completion's log-probs equal those of its row run alone, unpadded,
+    with the placement the loader gave it. The tiles reach generation: other pixels, other samples."""
+    import numpy as np
+
+    import data
+    import pack
+    from model import build_model, vlm_preset
+    from shapes import NUMBERS, draw_scene, wrong_answer
+    from test_xla import SIZES
+    from xla_runs import TILED_MODEL
+
+    questions = ["How many circles are there?", "Count the circles in this picture, please. How many are there?",
+                 "Circles?"]
+    rng, records = np.random.default_rng(0), []
+    (tmp_path / "images").mkdir()
+    for i in range(6):
+        img, objects = draw_scene(rng, 48)
+        img.resize(SIZES[i]).save(tmp_path / "images" / f"{i}.png")
+        right = NUMBERS[sum(s == "circle" for s, *_ in objects)]
+        records.append({"id": f"p{i}", "image": f"{i}.png", "chosen": right, "rejected": wrong_answer(right, rng),
+                        "conversations": [{"from": "human", "value": f"<image>\n{questions[i % 3]}"}]})
+    (tmp_path / "pairs.json").write_text(json.dumps(records))
+    pack.pack(tmp_path / "pairs.json", tmp_path / "images", tmp_path / "shards")
+    cfg = vlm_preset("debug").with_overrides(TILED_MODEL)
+    stream = data.ShardStream(tmp_path / "shards", shapes_pairs / "tokenizer.model", batch_size=3, seq_len=160,
+                              image_size=28, image_token_id=512, n_image_tokens=4, template="llama_3", vlm=cfg,
+                              max_tiles=5, shuffle_block=1)
+    model = build_model(cfg, seed=0).eval()
+    stop = data.stop_token_id("llama_3", stream.tok)
+    run = dict(train.DEFAULTS) | {"grpo_group": 2, "grpo_max_new_tokens": 5, "grpo_beta": 0.1, "grpo_iterations": 2}
+    score = lambda texts, answers, *_: torch.tensor(short_answers(texts, answers))  # noqa: E731
+    for k in range(2):
+        b = stream.batch(k)  # the loader's host batch, as train.py hands it to rollout (which normalises the pixels)
+        pixels = data.normalize_images(b["pixel_values"], *cfg.vision.image_stats)
+        asked = rl.prompts_of(b)
+        assert len({len(p) for _, p, _ in asked}) > 1  # prompts of different lengths: left padding moves the tiles
+        r, _, _ = rl.rollout(model, b, stream.tok, stop, run, score, torch.Generator().manual_seed(k), ref_model=model)
+        C = r["completion_mask"].shape[1]
+        for row in range(len(r["ids"])):
+            src, prompt = asked[row // 2][0], asked[row // 2][1]
+            n = int(r["completion_mask"][row].sum())
+            ids = torch.tensor(prompt + r["ids"][row, -C:][:n].tolist())[None]
+            tiles = {key: torch.nn.functional.pad(b[key][src, : len(prompt)], (0, 0, 0, n))[None]
+                     for key in ("image_index", "image_weight")}
+            with torch.no_grad():
+                alone, _ = rl.completion_logps(model, ids, torch.ones_like(ids), pixels[src][None], n,
+                                               tiles=tiles)
+            assert torch.allclose(r["old_logps"][row, :n], alone[0], atol=1e-5), (k, row)
+            assert torch.allclose(r["ref_logps"][row, :n], alone[0], atol=1e-5)
+        other = dict(b, pixel_values=torch.randint_like(b["pixel_values"], 0, 256))  # other images (uint8, as loaded)
+        again, _, _ = rl.rollout(model, other, stream.tok, stop, run, score, torch.Generator().manual_seed(k), model)
+        assert not torch.equal(again["ids"], r["ids"])
