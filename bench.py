@@ -1,7 +1,8 @@
 """
 Benchmarks. Figures go to BENCHMARKS.md with the command, date and machine.
 
-    python bench.py train --config configs/bench.py [--peer hf] [--steps N] [--stage 1|2]
+    python bench.py train --config configs/bench.py [--peer hf|hf-liger] [--steps N] [--stage 1|2]
+    python bench.py train --config configs/bench_7b_stage1.py --variant bf16:frozen_dtype=bfloat16 ...
     python bench.py train [--size bench|debug] [--stage 1|2] [--peer hf] [--pack] [--compile] [--loss-chunk N]
     python bench.py data [--shards DIR]        # decode + preprocess images/s per core, ours vs webdataset + PIL
     python bench.py xla                        # computed per-device memory of the 7B recipes on TPU pods
@@ -11,7 +12,11 @@ Benchmarks. Figures go to BENCHMARKS.md with the command, date and machine.
 batches after warm-up, and reports tokens/s, samples/s, MFU (README's formula), peak memory and
 the padding share. With --peer hf it builds transformers.LlavaForConditionalGeneration with the
 same weights (through convert.py), the same batches, optimizer, precision and SDPA attention, and
-prints ours/HF. The two alternate in phases (ours, HF, ours, HF), one model in memory at a time.
+prints ours/HF. The two alternate in phases (ours, HF, ours, HF), one model in memory at a time. --peer hf-liger
+is the same model with Liger's kernels (apply_liger_kernel_to_llava: CUDA and the liger-kernel package, which
+llavax does not require). Each --variant NAME:key=value,... adds a phase of ours with other settings (frozen_dtype,
+checkpointing, checkpoint_policy, checkpoint_every, batch), reported under its name: one process, one model build,
+for a matrix of speed levers. Without a peer the model is built and initialised on the device (a 7B in seconds).
 """
 
 import argparse
@@ -106,18 +111,26 @@ def hf_freeze(model, stage):
 
 
 def run_phase(kind, raw_cpu, batches, args, device, steps, warmup):
-    if kind == "ours":
-        model = build_model(raw_cpu.cfg, device=device, init=False)
-        model.load_state_dict(raw_cpu.state_dict())
+    if kind not in ("hf", "hf-liger"):  # ours, or a --variant of it
+        if raw_cpu.llm.rope_cos.is_meta:  # no peer to share weights with: random ones, made on the device
+            model = build_model(raw_cpu.cfg, device=device, seed=0)
+        else:
+            model = build_model(raw_cpu.cfg, device=device, init=False)
+            model.load_state_dict(raw_cpu.state_dict())
         train.freeze(model, args.stage)
+        if args.frozen_dtype == "bfloat16":
+            train.store_frozen(model, torch.bfloat16)
         model.loss_chunk = args.loss_chunk
         model.llm.flex_attention = train.use_flex_attention(args.pack, device.type, args.compile, batches[0]["ids"].shape[1])
-        train.set_checkpointing(model, parallel.checkpoint_fn(device.type) if args.checkpointing else None)
+        block_fn = parallel.checkpoint_fn(device.type, args.checkpoint_policy, "inductor" if args.compile else None)
+        train.set_checkpointing(model, block_fn if args.checkpointing else None, args.checkpoint_every)
         if args.compile:
             train.compile_blocks(model)
         step_fn = lambda b: model(b["ids"], b["pixels"], b["labels"], "sum", b["positions"])[1] / b["n_targets"]  # noqa: E731
     else:
         model = hf_model(raw_cpu, device)
+        if kind == "hf-liger":  # also patches LlavaForConditionalGeneration.forward (its fused loss): one peer a run
+            liger_llava()(model=model)
         hf_freeze(model, args.stage)
         step_fn = lambda b: model(input_ids=b["ids"], pixel_values=b["pixels"], labels=b["labels"]).loss  # noqa: E731
     model.train()
@@ -150,6 +163,44 @@ def run_phase(kind, raw_cpu, batches, args, device, steps, warmup):
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"seconds_per_step": dt / steps, "peak_mem_gib": peak, "first_loss": first_loss}
+
+
+def liger_llava():
+    """liger_kernel's apply_liger_kernel_to_llava, or one sentence on why --peer hf-liger cannot run here."""
+    if not torch.cuda.is_available():
+        raise SystemExit("bench: --peer hf-liger needs CUDA (Liger's kernels are Triton GPU kernels); no GPU here")
+    try:
+        from liger_kernel.transformers import apply_liger_kernel_to_llava
+    except ImportError as e:
+        raise SystemExit(f"bench: --peer hf-liger needs the liger-kernel package (pip install liger-kernel; llavax does "
+                         f"not require it), which does not import here: {e}") from None
+    return apply_liger_kernel_to_llava
+
+
+VARIANT_KEYS = {"frozen_dtype": str, "checkpointing": lambda v: v.lower() in ("1", "true"), "checkpoint_policy": str,
+                "checkpoint_every": int, "batch": int}
+
+
+def parse_variant(text):
+    """"NAME:key=value,key=value" -> (NAME, {key: value}) over VARIANT_KEYS, or one sentence on what is wrong."""
+    name, _, settings = text.partition(":")
+    out = {}
+    for item in filter(None, settings.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in VARIANT_KEYS:
+            raise SystemExit(f"bench: --variant {text!r}: {item!r} is not key=value with a key of {sorted(VARIANT_KEYS)}")
+        out[key] = VARIANT_KEYS[key](value)
+    if not name or name in ("ours", "hf", "hf-liger"):
+        raise SystemExit(f"bench: --variant {text!r} needs a name of its own before the colon")
+    return name, out
+
+
+def check_levers(args):
+    if args.frozen_dtype == "bfloat16" and args.dtype != "bfloat16":
+        raise SystemExit("bench: frozen_dtype bfloat16 needs --dtype bfloat16 (fp32 compute would meet bf16 weights)")
+    if args.checkpoint_policy not in ("full", "selective") or args.checkpoint_every < 1:
+        raise SystemExit(f"bench: checkpoint_policy must be full or selective and checkpoint_every >= 1, got "
+                         f"{args.checkpoint_policy!r}, {args.checkpoint_every}")
 
 
 def profile_steps(step_fn, opt, batches, device, amp, path, n=3):
@@ -187,44 +238,83 @@ def bench_train(args):
         args.pack, args.compile = args.pack or cfg["pack"] > 0, args.compile or cfg["compile"]
         args.checkpointing = args.checkpointing or cfg["activation_checkpointing"]
         args.loss_chunk = cfg["loss_chunk"] if args.loss_chunk is None else args.loss_chunk
+        args.frozen_dtype = args.frozen_dtype or cfg["frozen_dtype"]
+        args.checkpoint_policy = args.checkpoint_policy or cfg["checkpoint_policy"]
+        args.checkpoint_every = args.checkpoint_every or cfg["checkpoint_every"]
     args.stage, args.dtype, args.loss_chunk = args.stage or 2, args.dtype or "bfloat16", args.loss_chunk or 0
+    args.frozen_dtype, args.checkpoint_policy = args.frozen_dtype or "float32", args.checkpoint_policy or "full"
+    args.checkpoint_every = args.checkpoint_every or 1
     rows = args.batch or rows
+    variants = {"ours": vars(args) | {"batch": rows}}
+    for text in args.variant:
+        name, settings = parse_variant(text)
+        variants[name] = variants["ours"] | settings
+    for settings in variants.values():
+        check_levers(SimpleNamespace(**settings))
+    if args.peer == "hf-liger":
+        liger_llava()  # its sentence before minutes of building
     torch.manual_seed(0)
-    raw = build_model(model_cfg, device="cpu", seed=0)
+    if args.peer:
+        raw = build_model(model_cfg, device="cpu", seed=0)
+    else:  # ours alone: each phase makes its weights on the device; this one only counts parameters (FLOPs)
+        with torch.device("meta"):
+            raw = build_model(model_cfg, device="meta", init=False)
     env = type("E", (), {"kind": device.type, "device": device})()
     peak = args.peak_flops or train.known_peak_flops(env)
-    # HF always takes a sample a row; ours the same, or packed rows with --pack
-    batches = {kind: synthetic_batches(raw.cfg, seq_len, rows, real, n=4, pack=args.pack and kind == "ours")
-               for kind in ("ours", "hf")}
-    for b in batches["ours"] + batches["hf"]:
+    # HF always takes a sample a row; ours the same, or packed rows with --pack; a variant may take other rows
+    batches = {kind: synthetic_batches(raw.cfg, seq_len, v["batch"], real, n=4, pack=args.pack)
+               for kind, v in variants.items()}
+    if args.peer:
+        batches[args.peer] = synthetic_batches(raw.cfg, seq_len, rows, real, n=4, pack=False)
+    for b in sum(batches.values(), []):
         b["n_targets"] = (b["labels"][:, 1:] != -100).sum()
-    kinds = ["ours", "hf"] * args.rounds if args.peer == "hf" else ["ours"] * args.rounds
+    kinds = (list(variants) + ([args.peer] if args.peer else [])) * args.rounds
     results = {}
     for kind in kinds:
-        r = run_phase(kind, raw, batches[kind], args, device, args.steps, args.warmup)
+        settings = SimpleNamespace(**variants[kind]) if kind in variants else args
+        if len(variants) > 1:  # each phase compiles as its own run would: static shapes, no shared cache limit
+            torch._dynamo.reset()
+        try:
+            r = run_phase(kind, raw, batches[kind], settings, device, args.steps, args.warmup)
+        except torch.OutOfMemoryError:  # a lever's setting that does not fit is a result; the others still run
+            r = None
+        if r is None:
+            gc.collect()
+            torch.cuda.empty_cache()
+            results.setdefault(kind, {"out_of_memory": True})
+            continue
         best = results.get(kind)
-        if best is None or r["seconds_per_step"] < best["seconds_per_step"]:
+        if best is None or best.get("out_of_memory") or r["seconds_per_step"] < best["seconds_per_step"]:
             results[kind] = r
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "size": args.config or args.size or "bench",
               "stage": args.stage, "rows": rows, "seq_len": seq_len, "dtype": args.dtype, "pack": args.pack,
-              "loss_chunk": args.loss_chunk, "compile": args.compile, "checkpointing": args.checkpointing}
+              "loss_chunk": args.loss_chunk, "compile": args.compile, "checkpointing": args.checkpointing,
+              "frozen_dtype": args.frozen_dtype, "checkpoint_policy": args.checkpoint_policy,
+              "checkpoint_every": args.checkpoint_every, "peer": args.peer,
+              "variants": {k: {key: v[key] for key in VARIANT_KEYS} for k, v in variants.items()}}
     for kind, r in results.items():
-        s, bs = r["seconds_per_step"], batches[kind]
+        if r.get("out_of_memory"):
+            report[kind] = {"out_of_memory": True}
+            continue
+        s, bs, n_rows = r["seconds_per_step"], batches[kind], variants.get(kind, {"batch": rows})["batch"]
         samples = sum(len(b["lengths"]) for b in bs) / len(bs)  # per step
         real_tokens = sum(sum(b["lengths"]) for b in bs) / len(bs)
         # useful FLOPs: each sample at its own length (README's formula); padding does no useful work
         flops = sum(train.flops_per_sample(raw, args.stage, n) for b in bs for n in b["lengths"]) / len(bs)
-        report[kind] = {"tokens_per_s": rows * seq_len / s, "real_tokens_per_s": real_tokens / s,
+        report[kind] = {"tokens_per_s": n_rows * seq_len / s, "real_tokens_per_s": real_tokens / s,
                         "samples_per_s": samples / s, "samples_per_step": samples,
-                        "padding_share": 1 - real_tokens / (rows * seq_len),
+                        "padding_share": 1 - real_tokens / (n_rows * seq_len),
                         "mfu": flops / s / peak if peak else None, "peak_mem_gib": r["peak_mem_gib"],
                         "step_ms": 1000 * s, "first_loss": r["first_loss"]}
-    if "hf" in results:
-        report["ratio"] = {k: report["ours"][k] / report["hf"][k] for k in ("tokens_per_s", "real_tokens_per_s",
-                                                                           "samples_per_s", "peak_mem_gib")}
+    if args.peer and not any(report[k].get("out_of_memory") for k in ("ours", args.peer)):  # ours / hf or hf-liger
+        report["ratio"] = {k: report["ours"][k] / report[args.peer][k] for k in ("tokens_per_s", "real_tokens_per_s",
+                                                                                "samples_per_s", "peak_mem_gib")}
     for kind in results:
         r = report[kind]
+        if r.get("out_of_memory"):
+            print(f"{kind:>4}: out of memory")
+            continue
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "n/a"
         print(f"{kind:>4}: {r['real_tokens_per_s']:,.0f} real tok/s ({r['tokens_per_s']:,.0f} with padding, "
               f"{100 * r['padding_share']:.1f}% padding), {r['samples_per_s']:.2f} samples/s "
@@ -232,10 +322,11 @@ def bench_train(args):
               f"{r['step_ms']:.1f} ms/step, first loss {r['first_loss']:.4f}")
     if "ratio" in report:
         q = report["ratio"]
-        print(f"ours/HF: real tokens/s x{q['real_tokens_per_s']:.2f}, samples/s x{q['samples_per_s']:.2f}, "
+        print(f"ours/{args.peer}: real tokens/s x{q['real_tokens_per_s']:.2f}, samples/s x{q['samples_per_s']:.2f}, "
               f"tokens/s with padding x{q['tokens_per_s']:.2f}, peak memory x{q['peak_mem_gib']:.2f}")
-    print(f"{rows} x {seq_len}, stage {args.stage}, {args.dtype}; ours: pack {args.pack}, loss_chunk {args.loss_chunk}, "
-          f"compile {args.compile}, checkpointing {args.checkpointing}")
+    print(f"{variants['ours']['batch']} x {seq_len}, stage {args.stage}, {args.dtype}; ours: pack {args.pack}, loss_chunk "
+          f"{args.loss_chunk}, compile {args.compile}, checkpointing {args.checkpointing} ({args.checkpoint_policy}, "
+          f"every {args.checkpoint_every}), frozen {args.frozen_dtype}")
     print(json.dumps(report))
     return report
 
@@ -466,7 +557,7 @@ def main(argv=None):
     t.add_argument("--config", help="a train.py config to take the model, shapes and settings from (configs/bench.py)")
     t.add_argument("--size", choices=sorted(SIZES), help="a built-in size instead of --config (default bench)")
     t.add_argument("--stage", type=int, choices=[1, 2], help="default 2, or the config's")
-    t.add_argument("--peer", choices=["hf"])
+    t.add_argument("--peer", choices=["hf", "hf-liger"], help="hf-liger: transformers with Liger's kernels (CUDA)")
     t.add_argument("--steps", type=int, default=10)
     t.add_argument("--warmup", type=int, default=3)
     t.add_argument("--rounds", type=int, default=2, help="phases per model; the fastest is reported")
@@ -476,6 +567,10 @@ def main(argv=None):
     t.add_argument("--pack", action="store_true", help="ours: several samples a row (FlexAttention on CUDA)")
     t.add_argument("--loss-chunk", type=int, help="ours: cross-entropy this many positions at a time (0: off)")
     t.add_argument("--checkpointing", action="store_true", help="ours: recompute every block in backward")
+    t.add_argument("--checkpoint-policy", choices=["full", "selective"], help="ours: default full, or the config's")
+    t.add_argument("--checkpoint-every", type=int, help="ours: checkpoint every k-th block (default 1)")
+    t.add_argument("--frozen-dtype", choices=["float32", "bfloat16"], help="ours: frozen matmul weights' storage")
+    t.add_argument("--variant", action="append", default=[], help="NAME:key=value,...: one more phase of ours")
     t.add_argument("--profile", default="", help="write the torch profiler's top kernels of ours to this file")
     t.add_argument("--device", default="")
     t.add_argument("--peak-flops", type=float, default=0.0)
