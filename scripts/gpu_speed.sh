@@ -4,8 +4,9 @@
 # weights in bf16, selective or every-other-block checkpointing, no checkpointing, larger micro-batches), each a
 # bench.py phase. Writes OUT/speed.json (a row per phase: its command and bench.py's figures) and OUT/speed.md.
 #
-# usage: scripts/gpu_speed.sh [--out DIR] [--debug] [--dry-run]
+# usage: scripts/gpu_speed.sh [--out DIR] [--only stage2|stage1] [--debug] [--dry-run]
 #   --out DIR   where the table and the logs go (default: $OUT, else out/gpu-speed)
+#   --only X    one half of the matrix (two calls, where one would not fit a call's time)
 #   --debug     the debug-size model on the CPU, one step a phase: checks the script, measures nothing
 #   --dry-run   print the commands instead of running them
 #
@@ -16,13 +17,15 @@
 # CUDA) the Liger row is reported as skipped, with the reason.
 set -euo pipefail
 
-usage() { echo "usage: $0 [--out DIR] [--debug] [--dry-run]" >&2; exit 2; }
+usage() { echo "usage: $0 [--out DIR] [--only stage2|stage1] [--debug] [--dry-run]" >&2; exit 2; }
 out="${OUT:-out/gpu-speed}"
 debug=0
 dry_run=0
+only=""
 while [ $# -gt 0 ]; do
     case "$1" in
         --out) [ $# -ge 2 ] || usage; out="$2"; shift 2 ;;
+        --only) [ $# -ge 2 ] && [[ "$2" =~ ^stage[12]$ ]] || usage; only="$2"; shift 2 ;;
         --debug) debug=1; shift ;;
         --dry-run) dry_run=1; shift ;;
         *) usage ;;
@@ -38,12 +41,16 @@ if [ "$debug" = 1 ]; then
     stage1=(--size debug --stage 1 --pack --loss-chunk 64 --checkpointing --dtype bfloat16 --device cpu)
     timing=(--steps 1 --warmup 1 --rounds 1)
     bigger=6
+    smaller=2
+    stage2_rows=8
     big="debug"
 else
     stage2=(--config configs/bench.py)
     stage1=(--config configs/bench_7b_stage1.py)
-    timing=(--steps 5 --warmup 2 --rounds 1)
+    timing=(--steps 4 --warmup 2 --rounds 1)
     bigger=12
+    smaller=4
+    stage2_rows=16
     big="7B"
 fi
 
@@ -96,8 +103,12 @@ skip() {  # skip NAME REASON
         "$out/rows/$n.json" "$1" "$2"
 }
 
-# ---- stage 2 on configs/bench.py: ours, transformers, transformers + Liger (ours again beside it: the spread)
-bench "stage 2" "ours=stage 2: ours" "hf=stage 2: transformers" -- "${stage2[@]}" --peer hf
+# ---- stage 2 on configs/bench.py: ours (and two levers), transformers, transformers + Liger (ours again beside it:
+# the spread of one setting timed twice)
+if [ "$only" != stage1 ]; then
+bench "stage 2" "ours=stage 2: ours" "bf16=stage 2: ours, bf16 frozen ViT" \
+    "bigger=stage 2: ours, bf16 frozen ViT, $stage2_rows rows" "hf=stage 2: transformers" -- "${stage2[@]}" --peer hf \
+    --variant bf16:frozen_dtype=bfloat16 --variant "bigger:frozen_dtype=bfloat16,batch=$stage2_rows"
 liger_reason=$("$python" -c '
 import torch
 try:
@@ -112,23 +123,26 @@ if [ -z "$liger_reason" ]; then
 else
     skip "stage 2: transformers + Liger" "$liger_reason"
 fi
+fi
 
 # ---- LLaVA-1.5-7B stage 1: today's settings, then each lever, in one process (one model shape, one data set)
+if [ "$only" != stage2 ]; then
 bench "$big stage 1" \
     "ours=$big stage 1: fp32 frozen, full checkpointing (today)" \
     "bf16=$big stage 1: bf16 frozen, full checkpointing" \
-    "bf16-selective=$big stage 1: bf16 frozen, selective checkpointing" \
     "bf16-every2=$big stage 1: bf16 frozen, every other block checkpointed" \
+    "bf16-selective=$big stage 1: bf16 frozen, selective checkpointing" \
     "bf16-none=$big stage 1: bf16 frozen, no checkpointing" \
-    "bf16-selective-bigger=$big stage 1: bf16 frozen, selective, $bigger rows" \
+    "bf16-none-smaller=$big stage 1: bf16 frozen, no checkpointing, $smaller rows" \
     "bf16-bigger=$big stage 1: bf16 frozen, full checkpointing, $bigger rows" \
     -- "${stage1[@]}" \
     --variant bf16:frozen_dtype=bfloat16 \
-    --variant bf16-selective:frozen_dtype=bfloat16,checkpoint_policy=selective \
     --variant bf16-every2:frozen_dtype=bfloat16,checkpoint_every=2 \
+    --variant bf16-selective:frozen_dtype=bfloat16,checkpoint_policy=selective \
     --variant bf16-none:frozen_dtype=bfloat16,checkpointing=false \
-    --variant "bf16-selective-bigger:frozen_dtype=bfloat16,checkpoint_policy=selective,batch=$bigger" \
+    --variant "bf16-none-smaller:frozen_dtype=bfloat16,checkpointing=false,batch=$smaller" \
     --variant "bf16-bigger:frozen_dtype=bfloat16,batch=$bigger"
+fi
 
 [ "$dry_run" = 1 ] && exit 0
 
