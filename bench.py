@@ -6,6 +6,7 @@ Benchmarks. Figures go to BENCHMARKS.md with the command, date and machine.
     python bench.py train [--size bench|debug] [--stage 1|2] [--peer hf] [--pack] [--compile] [--loss-chunk N]
     python bench.py data [--shards DIR]        # decode + preprocess images/s per core, ours vs webdataset + PIL
     python bench.py xla                        # computed per-device memory of the 7B recipes on TPU pods
+    python bench.py levers                     # computed memory, predicted speed of issue 24's levers (7B, H100)
     python bench.py checkpoint --ranks 4 [--gib 1.2] [--out DIR]   # sharded checkpoint: time blocked, rank 0's memory
 
 `train` times full training steps (forward, backward, AdamW) on random weights and synthetic
@@ -442,6 +443,77 @@ def print_xla_memory():
 
 
 # -----------------------------------------------------------------------------
+# levers (issue 24): computed memory of frozen_dtype and of the checkpointing settings, and predicted speed
+
+H100_GIB = 79.6  # 81,559 MiB as nvidia-smi shows an H100 80GB HBM3
+BASELINE_7B_STAGE1 = 18.0  # samples/s, LLaVA-1.5-7B stage 1, 8 x 2048, full checkpointing, H100 (issue 24, measured)
+CAST_SHARE = 0.014  # of its GPU time in the bf16 casts of frozen weights (issue 24's profile)
+
+
+def kept_bytes(c, policy):
+    """Activation bytes one LLM layer keeps for backward, a token: 'none' (compiled, pointwise ops recomputed by the
+    partitioner): the fp32 block input and mid-block residual (the norms' inputs, 4 D each), bf16 q, k, v and the
+    attention output (4 D + 4 D_kv), bf16 w1 and w3 outputs and w2's input (6 F); 'selective': the fp32 input and
+    every matmul and attention output (bf16: 12 D + 4 D_kv + 4 F); 'full': the fp32 input alone (4 D)."""
+    D, kv, F = c.dim, c.n_kv_heads * c.head_dim, c.ffn_dim
+    return {"none": 12 * D + 4 * kv + 6 * F, "selective": 12 * D + 4 * kv + 4 * F, "full": 4 * D}[policy]
+
+
+def lever_memory(model, stage, frozen_dtype, policy, every, rows, seq_len, loss_chunk=4096):
+    """(weights, trained state, activations, loss chunk) bytes of one GPU's stage-`stage` step, not sharded."""
+    train.freeze(model, stage)
+    c, tokens = model.cfg.llm, rows * seq_len
+    weights = 4 * sum(p.numel() for p in model.parameters())
+    if frozen_dtype == "bfloat16":
+        weights -= 2 * sum(p.numel() for p in train.frozen_matmul_weights(model))
+    trained = 12 * sum(p.numel() for p in model.parameters() if p.requires_grad)  # grad + 2 AdamW moments
+    checkpointed = 0 if policy == "none" else len(range(0, c.n_layers, every))
+    layers = checkpointed * kept_bytes(c, policy) + (c.n_layers - checkpointed) * kept_bytes(c, "none")
+    recompute = kept_bytes(c, "none") if policy != "none" else 0  # one block's, during its backward
+    return weights, trained, tokens * (layers + recompute), loss_chunk * c.vocab_size * 8  # fp32 logits + grad
+
+
+def print_levers():
+    """Computed, not measured: bytes of each lever setting for LLaVA-1.5-7B on one H100, and the speed predicted from
+    the measured 7B stage-1 baseline by the FLOPs recomputation adds and the casts' share (same hardware MFU assumed;
+    selective's recomputed elementwise ops not counted)."""
+    from model import VLM
+
+    with torch.device("meta"):
+        model = VLM(vlm_preset("llava-1.5-7b"))
+    for stage in (1, 2):
+        train.freeze(model, stage)
+        n = sum(p.numel() for p in train.frozen_matmul_weights(model))
+        print(f"stage {stage}: frozen_dtype='bfloat16' stores {n:,} frozen matmul weights in bf16: {2 * n / 1e9:.2f} GB "
+              f"({2 * n / 2**30:.2f} GiB) less (x 1/ranks under FSDP)")
+    c = model.cfg.llm
+    T = 680  # a LLaVA stage-1 sample's tokens, as bench.py's synthetic ones
+    useful = train.flops_per_sample(model, 1, T)
+    llm_forward = 2 * (sum(p.numel() for p in model.llm.parameters()) - model.llm.tok_embeddings.weight.numel()) * T \
+        + 2 * c.n_layers * c.dim * T**2
+    print(f"\n7B stage 1, 8 x 2048 unless said; recomputing every LLM block adds {100 * llm_forward / useful:.0f}% to "
+          f"the useful FLOPs (its forward again)")
+    print("| setting | weights | activations | total (+ trained state, loss chunk) | fits 79.6 GiB? | predicted "
+          "samples/s |")
+    print("|---|---|---|---|---|---|")
+    for label, frozen, policy, every, rows in [
+            ("today: fp32 frozen, full checkpointing", "float32", "full", 1, 8),
+            ("bf16 frozen, full checkpointing", "bfloat16", "full", 1, 8),
+            ("bf16 frozen, every other block checkpointed", "bfloat16", "full", 2, 8),
+            ("bf16 frozen, selective checkpointing", "bfloat16", "selective", 1, 8),
+            ("bf16 frozen, no checkpointing", "bfloat16", "none", 1, 8),
+            ("bf16 frozen, no checkpointing, 4 rows", "bfloat16", "none", 1, 4),
+            ("bf16 frozen, full checkpointing, 12 rows", "bfloat16", "full", 1, 12)]:
+        weights, trained, acts, loss = lever_memory(model, 1, frozen, policy, every, rows, 2048)
+        total = (weights + trained + acts + loss) / 2**30
+        recomputed = 0 if policy in ("none", "selective") else len(range(0, c.n_layers, every)) / c.n_layers
+        speed = BASELINE_7B_STAGE1 * (useful + llm_forward) / (useful + recomputed * llm_forward) \
+            / (1 - CAST_SHARE * (frozen == "bfloat16"))
+        print(f"| {label} | {weights / 2**30:.1f} GiB | {acts / 2**30:.1f} GiB | {total:.1f} GiB | "
+              f"{'yes' if total < H100_GIB - 2 else 'no' if total > H100_GIB else 'at the edge'} | {speed:.1f} |")
+
+
+# -----------------------------------------------------------------------------
 # checkpoints: what a save costs the training loop, by world size
 
 
@@ -580,6 +652,7 @@ def main(argv=None):
     d.add_argument("--size", type=int, default=336)
     d.add_argument("--n", type=int, default=400)
     sub.add_parser("xla", help="computed per-device memory of the LLaVA-1.5-7B TPU recipes (README table)")
+    sub.add_parser("levers", help="computed memory and predicted speed of issue 24's levers for LLaVA-1.5-7B")
     c = sub.add_parser("checkpoint", help="a sharded checkpoint's blocked time, commit time and rank 0's extra memory")
     c.add_argument("--ranks", type=int, default=1)
     c.add_argument("--gib", type=float, default=1.2, help="weights + AdamW moments, GiB")
@@ -591,6 +664,8 @@ def main(argv=None):
         return print_checkpoint_recipes() if args.recipes else bench_checkpoint(args)
     if args.cmd == "xla":
         print_xla_memory()
+    elif args.cmd == "levers":
+        print_levers()
     elif args.cmd == "data":
         shards = args.shards or make_bench_shards(args.workdir, args.n)
         r = bench_images(shards, args.size)

@@ -374,12 +374,14 @@ def store_frozen(model, dtype):
     """Frozen weights and biases of the Linear and Conv2d layers kept in `dtype` (bf16): the copy autocast makes of
     them at every use, made once, and their fp32 originals dropped. Embeddings, norms and the ViT's positional and
     class embeddings stay fp32: autocast does not cast them (the token embedding starts the fp32 residual stream)."""
+    for p in frozen_matmul_weights(model):
+        p.data = p.data.to(dtype)
+
+
+def frozen_matmul_weights(model):
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}  # and a tied output
-    for m in model.modules():
-        if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)):
-            for p in (m.weight, m.bias):
-                if p is not None and not p.requires_grad and id(p) not in embeddings:
-                    p.data = p.data.to(dtype)
+    return [p for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)) for p in (m.weight, m.bias)
+            if p is not None and not p.requires_grad and id(p) not in embeddings]
 
 
 def use_flex_attention(packed, device_kind, compiled, seq_len):

@@ -312,3 +312,19 @@ def test_gpu_speed_script_runs_its_matrix_at_the_debug_size_on_cpu(tmp_path):
     assert bigger["settings"]["batch"] == 6 and bigger["settings"]["frozen_dtype"] == "bfloat16"
     table = (tmp_path / "speed.md").read_text()
     assert table.count("\n|") >= len(rows) + 1
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_computed_weight_bytes_are_what_a_bf16_frozen_model_holds(stage):
+    """bench.py levers' weight bytes (4 a parameter, less 2 for each one store_frozen keeps in bf16) are the bytes a
+    built model holds after store_frozen: the formula BENCHMARKS.md states for LLaVA-1.5-7B, checked on a small one."""
+    import bench
+
+    cfg = vlm_preset("debug").with_overrides({"llm": {"n_layers": 3, "ffn_dim": 200}, "vision": {"n_layers": 3}})
+    model = build_model(cfg, seed=0)
+    train.freeze(model, stage)
+    train.store_frozen(model, torch.bfloat16)
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert bench.lever_memory(build_model(cfg, seed=0), stage, "bfloat16", "full", 1, 2, 64)[0] == held
+    assert bench.lever_memory(build_model(cfg, seed=0), stage, "float32", "full", 1, 2, 64)[0] == 4 * sum(
+        p.numel() for p in model.parameters())
