@@ -166,6 +166,19 @@ def run_phase(kind, raw_cpu, batches, args, device, steps, warmup):
     return {"seconds_per_step": dt / steps, "peak_mem_gib": peak, "first_loss": first_loss}
 
 
+def phase_figures(raw, stage, r, bs, n_rows, seq_len, peak):
+    """A phase's throughput, useful MFU and memory from its step time and its batches."""
+    s = r["seconds_per_step"]
+    samples = sum(len(b["lengths"]) for b in bs) / len(bs)  # per step
+    real_tokens = sum(sum(b["lengths"]) for b in bs) / len(bs)
+    # useful FLOPs: each sample at its own length (README's formula); padding does no useful work
+    flops = sum(train.flops_per_sample(raw, stage, n) for b in bs for n in b["lengths"]) / len(bs)
+    return {"tokens_per_s": n_rows * seq_len / s, "real_tokens_per_s": real_tokens / s, "samples_per_s": samples / s,
+            "samples_per_step": samples, "padding_share": 1 - real_tokens / (n_rows * seq_len),
+            "mfu": flops / s / peak if peak else None, "peak_mem_gib": r["peak_mem_gib"], "step_ms": 1000 * s,
+            "first_loss": r["first_loss"]}
+
+
 def liger_llava():
     """liger_kernel's apply_liger_kernel_to_llava, or one sentence on why --peer hf-liger cannot run here."""
     if not torch.cuda.is_available():
@@ -283,7 +296,12 @@ def bench_train(args):
             gc.collect()
             torch.cuda.empty_cache()
             results.setdefault(kind, {"out_of_memory": True})
+            print(f"phase {kind}: " + json.dumps({"out_of_memory": True}), flush=True)
             continue
+        n_rows = variants.get(kind, {"batch": rows})["batch"]
+        # each phase's figures as it ends: a run stopped later (a time limit) keeps them
+        print(f"phase {kind}: {json.dumps(phase_figures(raw, args.stage, r, batches[kind], n_rows, seq_len, peak))}",
+              flush=True)
         best = results.get(kind)
         if best is None or best.get("out_of_memory") or r["seconds_per_step"] < best["seconds_per_step"]:
             results[kind] = r
@@ -295,19 +313,8 @@ def bench_train(args):
               "checkpoint_every": args.checkpoint_every, "peer": args.peer,
               "variants": {k: {key: v[key] for key in VARIANT_KEYS} for k, v in variants.items()}}
     for kind, r in results.items():
-        if r.get("out_of_memory"):
-            report[kind] = {"out_of_memory": True}
-            continue
-        s, bs, n_rows = r["seconds_per_step"], batches[kind], variants.get(kind, {"batch": rows})["batch"]
-        samples = sum(len(b["lengths"]) for b in bs) / len(bs)  # per step
-        real_tokens = sum(sum(b["lengths"]) for b in bs) / len(bs)
-        # useful FLOPs: each sample at its own length (README's formula); padding does no useful work
-        flops = sum(train.flops_per_sample(raw, args.stage, n) for b in bs for n in b["lengths"]) / len(bs)
-        report[kind] = {"tokens_per_s": n_rows * seq_len / s, "real_tokens_per_s": real_tokens / s,
-                        "samples_per_s": samples / s, "samples_per_step": samples,
-                        "padding_share": 1 - real_tokens / (n_rows * seq_len),
-                        "mfu": flops / s / peak if peak else None, "peak_mem_gib": r["peak_mem_gib"],
-                        "step_ms": 1000 * s, "first_loss": r["first_loss"]}
+        report[kind] = {"out_of_memory": True} if r.get("out_of_memory") else phase_figures(
+            raw, args.stage, r, batches[kind], variants.get(kind, {"batch": rows})["batch"], seq_len, peak)
     if args.peer and not any(report[k].get("out_of_memory") for k in ("ours", args.peer)):  # ours / hf or hf-liger
         report["ratio"] = {k: report["ours"][k] / report[args.peer][k] for k in ("tokens_per_s", "real_tokens_per_s",
                                                                                 "samples_per_s", "peak_mem_gib")}

@@ -62,8 +62,8 @@ fi
 
 # ---- one bench.py run: its log, its report (the last stdout line), or why it did not run
 n=0
-bench() {  # bench NAME PHASE=ROW_NAME... -- BENCH_ARGS...
-    local name="$1"; shift
+bench() {  # bench NAME SECONDS PHASE=ROW_NAME... -- BENCH_ARGS...
+    local name="$1" limit="$2"; shift 2
     local phases=()
     while [ "$1" != "--" ]; do phases+=("$1"); shift; done
     shift
@@ -75,22 +75,29 @@ bench() {  # bench NAME PHASE=ROW_NAME... -- BENCH_ARGS...
     fi
     echo "== $name: ${cmd[*]}" >&2
     local log="$out/rows/$n.log" status=0
-    timeout 300 "${cmd[@]}" >"$log" 2>"$log.err" || status=$?
+    timeout "$limit" "${cmd[@]}" >"$log" 2>"$log.err" || status=$?
     "$python" - "$out/rows/$n.json" "$status" "${cmd[*]}" "$log" "${phases[@]}" <<'EOF'
 import json, sys
 path, status, command, log, *phases = sys.argv[1:]
 lines = open(log).read().strip().splitlines()
 err = open(log + ".err").read().strip().splitlines()
+report = json.loads(lines[-1]) if status == "0" else {}
+done = {}  # "phase KIND: {...}" lines, printed as each phase ends: what a stopped run had finished
+for line in lines:
+    if line.startswith("phase ") and ": {" in line:
+        kind, _, figures = line[len("phase "):].partition(": ")
+        done[kind] = json.loads(figures)
 rows = []
 for phase in phases:
     kind, _, name = phase.partition("=")
     row = {"name": name, "phase": kind, "command": command}
-    if status == "0":
-        report = json.loads(lines[-1])
-        row["result"] = report.get(kind) or {"error": f"no phase {kind!r} in the report"}
-        row["settings"] = report["variants"].get(kind, {"peer": report["peer"]})
+    if report.get(kind) or done.get(kind):
+        row["result"] = report.get(kind) or done[kind]
+        row["settings"] = report["variants"].get(kind, {"peer": report["peer"]}) if report else "see the command"
     else:
-        row["error"] = (err or lines or [f"exit status {status}"])[-1]
+        row["error"] = (err or lines or [f"exit status {status}"])[-1] if status != "0" else f"no phase {kind!r}"
+        if status == "124":
+            row["error"] = "stopped at the row's time limit before this phase ended"
     rows.append(row)
 json.dump(rows, open(path, "w"), indent=1)
 EOF
@@ -106,7 +113,7 @@ skip() {  # skip NAME REASON
 # ---- stage 2 on configs/bench.py: ours (and two levers), transformers, transformers + Liger (ours again beside it:
 # the spread of one setting timed twice)
 if [ "$only" != stage1 ]; then
-bench "stage 2" "ours=stage 2: ours" "bf16=stage 2: ours, bf16 frozen ViT" \
+bench "stage 2" 300 "ours=stage 2: ours" "bf16=stage 2: ours, bf16 frozen ViT" \
     "bigger=stage 2: ours, bf16 frozen ViT, $stage2_rows rows" "hf=stage 2: transformers" -- "${stage2[@]}" --peer hf \
     --variant bf16:frozen_dtype=bfloat16 --variant "bigger:frozen_dtype=bfloat16,batch=$stage2_rows"
 liger_reason=$("$python" -c '
@@ -118,7 +125,7 @@ except ImportError as e:
 else:
     print("" if torch.cuda.is_available() else "no CUDA: Liger kernels are Triton GPU kernels")' 2>&1 | tail -n 1) || true
 if [ -z "$liger_reason" ]; then
-    bench "stage 2 + Liger" "ours=stage 2: ours (again)" "hf-liger=stage 2: transformers + Liger" -- \
+    bench "stage 2 + Liger" 240 "ours=stage 2: ours (again)" "hf-liger=stage 2: transformers + Liger" -- \
         "${stage2[@]}" --peer hf-liger
 else
     skip "stage 2: transformers + Liger" "$liger_reason"
@@ -127,7 +134,7 @@ fi
 
 # ---- LLaVA-1.5-7B stage 1: today's settings, then each lever, in one process (one model shape, one data set)
 if [ "$only" != stage2 ]; then
-bench "$big stage 1" \
+bench "$big stage 1" 540 \
     "ours=$big stage 1: fp32 frozen, full checkpointing (today)" \
     "bf16=$big stage 1: bf16 frozen, full checkpointing" \
     "bf16-every2=$big stage 1: bf16 frozen, every other block checkpointed" \
@@ -155,7 +162,9 @@ rows = [r for p in sorted((out / "rows").glob("*.json"), key=lambda p: int(p.ste
 lines = ["| row | samples/s | real tok/s | useful MFU | peak GiB | ms/step |", "|---|---|---|---|---|---|"]
 for r in rows:
     res = r.get("result", {})
-    if "samples_per_s" in res:
+    if res.get("out_of_memory"):
+        lines.append(f"| {r['name']} | out of memory | | | | |")
+    elif "samples_per_s" in res:
         mfu = f"{100 * res['mfu']:.1f}%" if res["mfu"] else "n/a"
         lines.append(f"| {r['name']} | {res['samples_per_s']:.2f} | {res['real_tokens_per_s']:,.0f} | {mfu} | "
                      f"{res['peak_mem_gib']:.1f} | {res['step_ms']:.0f} |")
@@ -164,6 +173,6 @@ for r in rows:
         lines.append(f"| {r['name']} | {'skipped' if 'skipped' in r else 'failed'}: {why} | | | | |")
 (out / "speed.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
-failed = [r["name"] for r in rows if "error" in r or "error" in r.get("result", {})]
+failed = [r["name"] for r in rows if "error" in r]
 sys.exit(f"failed: {failed}" if failed else 0)
 EOF
