@@ -5,6 +5,7 @@ scripts/gpu_speed.sh at its debug size. Their GPU speed is measured by scripts/g
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -189,6 +190,32 @@ def test_bf16_frozen_run_trains_saves_resumes_and_exports(shapes, tmp_path):
     ids, pixels, _ = image_batch(ours.cfg.n_image_tokens, 512, 512, seq=20)
     with torch.no_grad():
         assert (hf(input_ids=ids, pixel_values=pixels).logits - ours(ids, pixels)[0]).abs().max() < 1e-4
+
+
+@pytest.mark.slow
+def test_bf16_frozen_under_torchrun_fsdp_matches_fp32_frozen_and_resumes_exactly(shapes, tmp_path):
+    """FSDP2 over 2 ranks (gloo): the frozen bf16 weights sit in the same fully_shard groups as fp32 trained ones
+    (FSDP2 asks one dtype of the trained parameters only); the losses are the fp32-frozen run's and a resume from
+    step 2 is bit-identical."""
+    def torchrun(out, *extra):
+        port = socket.socket()
+        port.bind(("127.0.0.1", 0))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(port.getsockname()[1]), str(ROOT / "train.py"),
+               *lever_args(shapes, out, "--parallel=fsdp", "--micro_batch_size=4", *extra)]
+        port.close()
+        r = forkserver.run(cmd, os.environ | {"OMP_NUM_THREADS": "1"}, cwd=ROOT, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    torchrun(tmp_path / "fp32")
+    torchrun(tmp_path / "a", "--frozen_dtype=bfloat16")
+    ref, got = losses(tmp_path / "fp32"), losses(tmp_path / "a")
+    assert sorted(got) == [1, 2, 3, 4] and all(abs(got[s] - ref[s]) <= 1e-6 * ref[s] for s in ref), (got, ref)
+    assert checkpoint_tensors(tmp_path / "a/step-000004")["model.llm.layers.1.attention.wo.weight"].dtype == torch.bfloat16
+    (tmp_path / "b").mkdir()
+    shutil.copytree(tmp_path / "a/step-000002", tmp_path / "b/step-000002")
+    torchrun(tmp_path / "b", "--frozen_dtype=bfloat16", "--init_from=resume")
+    assert checkpoint_bytes(tmp_path / "b/step-000004", "") == checkpoint_bytes(tmp_path / "a/step-000004", "")
 
 
 def test_lever_config_errors_name_the_key():
