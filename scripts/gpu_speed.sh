@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Issue 24's GPU speed matrix on one H100, in under 8 minutes: stage 2 on configs/bench.py (ours, transformers,
-# transformers + Liger) and LLaVA-1.5-7B stage 1 (configs/bench_7b_stage1.py) without and with each lever (frozen
-# weights in bf16, selective or every-other-block checkpointing, no checkpointing, larger micro-batches), each a
-# bench.py phase. Writes OUT/speed.json (a row per phase: its command and bench.py's figures) and OUT/speed.md.
+# Issue 24's GPU speed matrix on one H100 (predicted 8-10 minutes; --only splits it in two calls of about 5):
+# stage 2 on configs/bench.py (ours, transformers, transformers + Liger) and LLaVA-1.5-7B stage 1
+# (configs/bench_7b_stage1.py) without and with each lever (frozen weights in bf16, selective or every-other-block
+# checkpointing, no checkpointing, other micro-batches), each a bench.py phase, the likeliest winners first (a row
+# stopped at its time limit keeps the phases it finished). Writes OUT/speed.json (a row per phase: its command,
+# settings and bench.py's figures) and OUT/speed.md.
 #
 # usage: scripts/gpu_speed.sh [--out DIR] [--only stage2|stage1] [--debug] [--dry-run]
 #   --out DIR   where the table and the logs go (default: $OUT, else out/gpu-speed)
@@ -137,17 +139,17 @@ if [ "$only" != stage2 ]; then
 bench "$big stage 1" 540 \
     "ours=$big stage 1: fp32 frozen, full checkpointing (today)" \
     "bf16=$big stage 1: bf16 frozen, full checkpointing" \
-    "bf16-every2=$big stage 1: bf16 frozen, every other block checkpointed" \
-    "bf16-selective=$big stage 1: bf16 frozen, selective checkpointing" \
-    "bf16-none=$big stage 1: bf16 frozen, no checkpointing" \
     "bf16-none-smaller=$big stage 1: bf16 frozen, no checkpointing, $smaller rows" \
+    "bf16-selective=$big stage 1: bf16 frozen, selective checkpointing" \
+    "bf16-every2=$big stage 1: bf16 frozen, every other block checkpointed" \
+    "bf16-none=$big stage 1: bf16 frozen, no checkpointing" \
     "bf16-bigger=$big stage 1: bf16 frozen, full checkpointing, $bigger rows" \
     -- "${stage1[@]}" \
     --variant bf16:frozen_dtype=bfloat16 \
-    --variant bf16-every2:frozen_dtype=bfloat16,checkpoint_every=2 \
-    --variant bf16-selective:frozen_dtype=bfloat16,checkpoint_policy=selective \
-    --variant bf16-none:frozen_dtype=bfloat16,checkpointing=false \
     --variant "bf16-none-smaller:frozen_dtype=bfloat16,checkpointing=false,batch=$smaller" \
+    --variant bf16-selective:frozen_dtype=bfloat16,checkpoint_policy=selective \
+    --variant bf16-every2:frozen_dtype=bfloat16,checkpoint_every=2 \
+    --variant bf16-none:frozen_dtype=bfloat16,checkpointing=false \
     --variant "bf16-bigger:frozen_dtype=bfloat16,batch=$bigger"
 fi
 
