@@ -239,6 +239,33 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
+def run_phases(kinds, variants, raw, batches, args, device, rows, seq_len, peak):
+    """{kind: the fastest of its phases, or out_of_memory}; each phase's figures are printed as it ends, so a run
+    stopped later (a time limit) keeps them."""
+    results = {}
+    for kind in kinds:
+        settings = SimpleNamespace(**variants[kind]) if kind in variants else args
+        if len(variants) > 1:  # each phase compiles as its own run would: static shapes, no shared cache limit
+            torch._dynamo.reset()
+        try:
+            r = run_phase(kind, raw, batches[kind], settings, device, args.steps, args.warmup)
+        except torch.OutOfMemoryError:  # a lever's setting that does not fit is a result; the others still run
+            r = None
+        if r is None:
+            gc.collect()
+            torch.cuda.empty_cache()
+            results.setdefault(kind, {"out_of_memory": True})
+            print(f"phase {kind}: " + json.dumps({"out_of_memory": True}), flush=True)
+            continue
+        n_rows = variants.get(kind, {"batch": rows})["batch"]
+        print(f"phase {kind}: {json.dumps(phase_figures(raw, args.stage, r, batches[kind], n_rows, seq_len, peak))}",
+              flush=True)
+        best = results.get(kind)
+        if best is None or best.get("out_of_memory") or r["seconds_per_step"] < best["seconds_per_step"]:
+            results[kind] = r
+    return results
+
+
 def bench_train(args):
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     preset, seq_len, rows, real = SIZES[args.size or "bench"]
@@ -283,28 +310,7 @@ def bench_train(args):
     for b in sum(batches.values(), []):
         b["n_targets"] = (b["labels"][:, 1:] != -100).sum()
     kinds = (list(variants) + ([args.peer] if args.peer else [])) * args.rounds
-    results = {}
-    for kind in kinds:
-        settings = SimpleNamespace(**variants[kind]) if kind in variants else args
-        if len(variants) > 1:  # each phase compiles as its own run would: static shapes, no shared cache limit
-            torch._dynamo.reset()
-        try:
-            r = run_phase(kind, raw, batches[kind], settings, device, args.steps, args.warmup)
-        except torch.OutOfMemoryError:  # a lever's setting that does not fit is a result; the others still run
-            r = None
-        if r is None:
-            gc.collect()
-            torch.cuda.empty_cache()
-            results.setdefault(kind, {"out_of_memory": True})
-            print(f"phase {kind}: " + json.dumps({"out_of_memory": True}), flush=True)
-            continue
-        n_rows = variants.get(kind, {"batch": rows})["batch"]
-        # each phase's figures as it ends: a run stopped later (a time limit) keeps them
-        print(f"phase {kind}: {json.dumps(phase_figures(raw, args.stage, r, batches[kind], n_rows, seq_len, peak))}",
-              flush=True)
-        best = results.get(kind)
-        if best is None or best.get("out_of_memory") or r["seconds_per_step"] < best["seconds_per_step"]:
-            results[kind] = r
+    results = run_phases(kinds, variants, raw, batches, args, device, rows, seq_len, peak)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "size": args.config or args.size or "bench",
               "stage": args.stage, "rows": rows, "seq_len": seq_len, "dtype": args.dtype, "pack": args.pack,
