@@ -308,6 +308,39 @@ def test_selective_checkpointing_compiles_with_the_blocks():
     assert_grads_close(grads, ref_grads, 1e-5)
 
 
+def test_compiled_selective_backward_graph_reruns_no_matmul():
+    """Compiled with inductor's partitioner (min-cut, as torch.compile's default backend partitions), an LLM block's
+    backward graph under 'selective' holds the matmuls of no checkpointing (its own, for the gradients) and none of
+    the forward's; under 'full' it holds the forward's again (less w2, whose output backward does not need)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    matmuls = {}
+
+    def counting(graph):
+        def compiler(gm, example_inputs):
+            matmuls[graph] = sum(n.op == "call_function" and n.target in (torch.ops.aten.mm.default,
+                                 torch.ops.aten.addmm.default, torch.ops.aten.bmm.default) for n in gm.graph.nodes)
+            return make_boxed_func(gm)
+        return compiler
+
+    backend = aot_autograd(fw_compiler=counting("forward"), bw_compiler=counting("backward"),
+                           partition_fn=min_cut_rematerialization_partition)
+    cfg = vlm_preset("debug")
+    model = build_model(cfg, seed=0).train()
+    x = torch.randn(2, 19, cfg.llm.dim, requires_grad=True)
+    cos, sin = model.llm.rope_cos[:19], model.llm.rope_sin[:19]
+    counted = {}
+    for policy, fn in [("none", lambda block, *args: block(*args)), ("full", parallel.checkpoint_fn("cpu", "full")),
+                       ("selective", parallel.checkpoint_fn("cpu", "selective"))]:
+        torch._dynamo.reset()
+        torch.compile(fn, backend=backend)(model.llm.layers[0], x, cos, sin, None, 0, None).sum().backward()
+        counted[policy] = dict(matmuls)
+    assert counted["none"] == {"forward": 7, "backward": 14}, counted  # wq wk wv wo w1 w2 w3; dgrad and wgrad each
+    assert counted["selective"] == counted["none"] and counted["full"]["backward"] == 14 + 6, counted
+
+
 # -----------------------------------------------------------------------------
 # bench.py's Liger peer and the prepared GPU script
 
