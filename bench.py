@@ -463,13 +463,17 @@ BASELINE_7B_STAGE1 = 18.0  # samples/s, LLaVA-1.5-7B stage 1, 8 x 2048, full che
 CAST_SHARE = 0.014  # of its GPU time in the bf16 casts of frozen weights (issue 24's profile)
 
 
-def kept_bytes(c, policy):
-    """Activation bytes one LLM layer keeps for backward, a token: 'none' (compiled, pointwise ops recomputed by the
-    partitioner): the fp32 block input and mid-block residual (the norms' inputs, 4 D each), bf16 q, k, v and the
-    attention output (4 D + 4 D_kv), bf16 w1 and w3 outputs and w2's input (6 F); 'selective': the fp32 input and
-    every matmul and attention output (bf16: 12 D + 4 D_kv + 4 F); 'full': the fp32 input alone (4 D)."""
-    D, kv, F = c.dim, c.n_kv_heads * c.head_dim, c.ffn_dim
-    return {"none": 12 * D + 4 * kv + 6 * F, "selective": 12 * D + 4 * kv + 4 * F, "full": 4 * D}[policy]
+def kept_bytes(c, policy, trained):
+    """Activation bytes one LLM layer keeps for backward, a token, under bf16 autocast with compiled blocks: the
+    tensors inductor's partitioner keeps (tests/test_speed_levers.py checks the three against it). Every policy
+    keeps the fp32 block input (4 D). 'none' adds q, k and v as SDPA reads them (k and v repeated to every head),
+    the attention output and its logsumexp, wo's, w1's and w3's outputs (bf16: 10 D + 4 F) and the norms' rsqrt;
+    with trained weights also the inputs of wq, wo, w1 and w2 for their gradients (6 D + 2 F). 'selective' keeps
+    the matmul outputs (k and v unrepeated) and the attention's; 'full' keeps the input alone."""
+    D, kv, F, H = c.dim, c.n_kv_heads * c.head_dim, c.ffn_dim, c.n_heads
+    kept = {"none": 14 * D + 4 * F + 8 + 4 * H + (6 * D + 2 * F) * trained,
+            "selective": 10 * D + 4 * kv + 4 * F + 4 * H, "full": 4 * D}
+    return kept[policy]
 
 
 def lever_memory(model, stage, frozen_dtype, policy, every, rows, seq_len, loss_chunk=4096):
@@ -480,10 +484,16 @@ def lever_memory(model, stage, frozen_dtype, policy, every, rows, seq_len, loss_
     if frozen_dtype == "bfloat16":
         weights -= 2 * sum(p.numel() for p in train.frozen_matmul_weights(model))
     trained = 12 * sum(p.numel() for p in model.parameters() if p.requires_grad)  # grad + 2 AdamW moments
-    checkpointed = 0 if policy == "none" else len(range(0, c.n_layers, every))
-    layers = checkpointed * kept_bytes(c, policy) + (c.n_layers - checkpointed) * kept_bytes(c, "none")
-    recompute = kept_bytes(c, "none") if policy != "none" else 0  # one block's, during its backward
-    return weights, trained, tokens * (layers + recompute), loss_chunk * c.vocab_size * 8  # fp32 logits + grad
+    checkpointed, trained_llm = 0 if policy == "none" else len(range(0, c.n_layers, every)), stage != 1
+    layers = checkpointed * kept_bytes(c, policy, trained_llm) + \
+        (c.n_layers - checkpointed) * kept_bytes(c, "none", trained_llm)
+    recompute = kept_bytes(c, "none", trained_llm) if policy == "full" else 0  # one block's, during its backward
+    # a block that is not checkpointed also keeps autocast's bf16 copy of each fp32 matmul weight for its backward
+    # (a bf16-stored weight is kept as itself); selective recomputes the casts
+    fp32_matmuls = sum(m.weight.numel() for m in model.llm.layers[0].modules() if isinstance(m, torch.nn.Linear)
+                       and (m.weight.requires_grad or frozen_dtype == "float32"))
+    casts = 2 * fp32_matmuls * ((c.n_layers - checkpointed) + (policy == "full"))
+    return weights, trained, tokens * (layers + recompute) + casts, loss_chunk * c.vocab_size * 8  # logits + grad
 
 
 def print_levers():
@@ -511,6 +521,7 @@ def print_levers():
     print("|---|---|---|---|---|---|")
     for label, frozen, policy, every, rows in [
             ("today: fp32 frozen, full checkpointing", "float32", "full", 1, 8),
+            ("today without checkpointing (issue 24: out of memory)", "float32", "none", 1, 8),
             ("bf16 frozen, full checkpointing", "bfloat16", "full", 1, 8),
             ("bf16 frozen, every other block checkpointed", "bfloat16", "full", 2, 8),
             ("bf16 frozen, selective checkpointing", "bfloat16", "selective", 1, 8),

@@ -139,17 +139,17 @@ if [ "$only" != stage2 ]; then
 bench "$big stage 1" 540 \
     "ours=$big stage 1: fp32 frozen, full checkpointing (today)" \
     "bf16=$big stage 1: bf16 frozen, full checkpointing" \
-    "bf16-none-smaller=$big stage 1: bf16 frozen, no checkpointing, $smaller rows" \
-    "bf16-selective=$big stage 1: bf16 frozen, selective checkpointing" \
-    "bf16-every2=$big stage 1: bf16 frozen, every other block checkpointed" \
     "bf16-none=$big stage 1: bf16 frozen, no checkpointing" \
+    "bf16-selective=$big stage 1: bf16 frozen, selective checkpointing" \
+    "bf16-none-smaller=$big stage 1: bf16 frozen, no checkpointing, $smaller rows" \
+    "bf16-every2=$big stage 1: bf16 frozen, every other block checkpointed" \
     "bf16-bigger=$big stage 1: bf16 frozen, full checkpointing, $bigger rows" \
     -- "${stage1[@]}" \
     --variant bf16:frozen_dtype=bfloat16 \
-    --variant "bf16-none-smaller:frozen_dtype=bfloat16,checkpointing=false,batch=$smaller" \
-    --variant bf16-selective:frozen_dtype=bfloat16,checkpoint_policy=selective \
-    --variant bf16-every2:frozen_dtype=bfloat16,checkpoint_every=2 \
     --variant bf16-none:frozen_dtype=bfloat16,checkpointing=false \
+    --variant bf16-selective:frozen_dtype=bfloat16,checkpoint_policy=selective \
+    --variant "bf16-none-smaller:frozen_dtype=bfloat16,checkpointing=false,batch=$smaller" \
+    --variant bf16-every2:frozen_dtype=bfloat16,checkpoint_every=2 \
     --variant "bf16-bigger:frozen_dtype=bfloat16,batch=$bigger"
 fi
 

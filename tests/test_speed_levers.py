@@ -341,6 +341,54 @@ def test_compiled_selective_backward_graph_reruns_no_matmul():
     assert counted["selective"] == counted["none"] and counted["full"]["backward"] == 14 + 6, counted
 
 
+@pytest.mark.parametrize("stage,frozen_dtype", [(1, "bfloat16"), (1, "float32"), (2, "float32")])
+def test_computed_activation_bytes_are_what_the_compiler_saves(stage, frozen_dtype):
+    """bench.kept_bytes (the activations BENCHMARKS.md's memory table counts) against the tensors inductor's min-cut
+    partitioner keeps between forward and backward for an LLM block under bf16 autocast, per policy; and the bf16
+    weight copies it keeps when a weight is fp32 (none when frozen_dtype stores them in bf16)."""
+    import bench
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    kept = {}
+
+    def forward_compiler(gm, example_inputs):  # the forward's outputs past the first are what backward reads
+        saved = next(n for n in gm.graph.nodes if n.op == "output").args[0][1:]
+        values = [n.meta["val"] for n in saved if n is not None and n.op != "placeholder"]  # inputs cost nothing
+        kept["tensors"] = [(tuple(v.shape), v.numel() * v.element_size()) for v in values
+                           if isinstance(v, torch.Tensor) and v.dim() >= 2]  # 'full' also keeps a 1-d RNG state
+        return make_boxed_func(gm)
+
+    backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda gm, _: make_boxed_func(gm),
+                           partition_fn=min_cut_rematerialization_partition)
+    cfg = vlm_preset("debug").with_overrides({"llm": {"dim": 96, "ffn_dim": 272, "n_heads": 6, "n_kv_heads": 2}})
+    c = cfg.llm
+    model = build_model(cfg, seed=0).train()
+    train.freeze(model, stage)
+    if frozen_dtype == "bfloat16":
+        train.store_frozen(model, torch.bfloat16)
+    B, T = 3, 40
+    x = torch.randn(B, T, c.dim, requires_grad=True)
+    layer = model.llm.layers[0]
+    weights = sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))
+    weight_shapes = {s for m in layer.modules() if isinstance(m, torch.nn.Linear) for s in (m.weight.shape,
+                                                                                            m.weight.shape[::-1])}
+    for policy, fn in [("none", lambda block, *args: block(*args)), ("full", parallel.checkpoint_fn("cpu", "full")),
+                       ("selective", parallel.checkpoint_fn("cpu", "selective"))]:
+        torch._dynamo.reset()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = torch.compile(fn, backend=backend)(layer, x, model.llm.rope_cos[:T], model.llm.rope_sin[:T], None, 0,
+                                                     None)
+        out.float().sum().backward()
+        copies = sum(size for shape, size in kept["tensors"] if shape in weight_shapes)  # B * T is no weight's side
+        activations = sum(size for _, size in kept["tensors"]) - copies
+        fp32_weights = frozen_dtype == "float32" or stage == 2
+        # + the block's fp32 input (4 D a token), a graph input: kept by the checkpoint, or by autograd
+        assert activations + 4 * c.dim * B * T == bench.kept_bytes(c, policy, stage != 1) * B * T, (policy, kept)
+        assert copies == (2 * weights if policy == "none" and fp32_weights else 0), (policy, kept)
+
+
 # -----------------------------------------------------------------------------
 # bench.py's Liger peer and the prepared GPU script
 
