@@ -571,7 +571,9 @@ def apply_backends(raw, cfg, env):
     raw.loss_chunk, raw.recompute = cfg["loss_chunk"], checkpoint_fn(env.kind)
     raw.llm.flex_attention = use_flex_attention(cfg["pack"] > 0, env.kind, cfg["compile"], cfg["seq_len"])
     if cfg["frozen_dtype"] == "bfloat16":
+        n = sum(p.numel() for p in frozen_matmul_weights(raw))
         store_frozen(raw, torch.bfloat16)
+        print0(env, f"frozen_dtype: {n / 1e6:.2f}M frozen matmul weights stored in bf16 ({2 * n / 2**30:.2f} GiB less)")
     block_fn = checkpoint_fn(env.kind, cfg["checkpoint_policy"], "inductor" if cfg["compile"] else None)
     set_checkpointing(raw, block_fn if cfg["activation_checkpointing"] else None, cfg["checkpoint_every"])
     if cfg["compile"]:
