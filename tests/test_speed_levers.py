@@ -440,3 +440,13 @@ def test_computed_weight_bytes_are_what_a_bf16_frozen_model_holds(stage):
     assert bench.lever_memory(build_model(cfg, seed=0), stage, "bfloat16", "full", 1, 2, 64)[0] == held
     assert bench.lever_memory(build_model(cfg, seed=0), stage, "float32", "full", 1, 2, 64)[0] == 4 * sum(
         p.numel() for p in model.parameters())
+
+
+def test_the_7b_bench_config_is_issue_24s_row_and_bench_levers_runs():
+    cfg = train.load_config([str(ROOT / "configs/bench_7b_stage1.py")])
+    vlm = train.model_config(cfg)
+    assert (vlm.llm.dim, vlm.llm.n_layers, vlm.vision.image_size, cfg["stage"], cfg["seq_len"], cfg["pack"],
+            cfg["micro_batch_size"], cfg["activation_checkpointing"], cfg["compile"]) == (4096, 32, 336, 1, 2048, 3, 8,
+                                                                                           True, True)
+    r = forkserver.run([sys.executable, str(ROOT / "bench.py"), "levers"], os.environ, cwd=ROOT)
+    assert r.returncode == 0 and "13.82 GB" in r.stdout and r.stdout.count("\n|") == 10, r.stdout + r.stderr
