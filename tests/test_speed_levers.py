@@ -448,5 +448,5 @@ def test_the_7b_bench_config_is_issue_24s_row_and_bench_levers_runs():
     assert (vlm.llm.dim, vlm.llm.n_layers, vlm.vision.image_size, cfg["stage"], cfg["seq_len"], cfg["pack"],
             cfg["micro_batch_size"], cfg["activation_checkpointing"], cfg["compile"]) == (4096, 32, 336, 1, 2048, 3, 8,
                                                                                            True, True)
-    r = forkserver.run([sys.executable, str(ROOT / "bench.py"), "levers"], os.environ, cwd=ROOT)
+    r = forkserver.run([sys.executable, str(ROOT / "bench.py"), "levers"], os.environ | {"OMP_NUM_THREADS": "1"}, cwd=ROOT)
     assert r.returncode == 0 and "13.82 GB" in r.stdout and r.stdout.count("\n|") == 10, r.stdout + r.stderr
