@@ -309,7 +309,7 @@ def bench_train(args):
         batches[args.peer] = synthetic_batches(raw.cfg, seq_len, rows, real, n=4, pack=False)
     for b in sum(batches.values(), []):
         b["n_targets"] = (b["labels"][:, 1:] != -100).sum()
-    kinds = (list(variants) + ([args.peer] if args.peer else [])) * args.rounds
+    kinds = (["ours"] + ([args.peer] if args.peer else []) + list(variants)[1:]) * args.rounds  # the pair first
     results = run_phases(kinds, variants, raw, batches, args, device, rows, seq_len, peak)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "size": args.config or args.size or "bench",

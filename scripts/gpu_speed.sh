@@ -115,7 +115,7 @@ skip() {  # skip NAME REASON
 # ---- stage 2 on configs/bench.py: ours (and two levers), transformers, transformers + Liger (ours again beside it:
 # the spread of one setting timed twice)
 if [ "$only" != stage1 ]; then
-bench "stage 2" 300 "ours=stage 2: ours" "bf16=stage 2: ours, bf16 frozen ViT" \
+bench "stage 2" 360 "ours=stage 2: ours" "bf16=stage 2: ours, bf16 frozen ViT" \
     "bigger=stage 2: ours, bf16 frozen ViT, $stage2_rows rows" "hf=stage 2: transformers" -- "${stage2[@]}" --peer hf \
     --variant bf16:frozen_dtype=bfloat16 --variant "bigger:frozen_dtype=bfloat16,batch=$stage2_rows"
 liger_reason=$("$python" -c '
