@@ -1,17 +1,23 @@
 """
 Benchmarks. Figures go to BENCHMARKS.md with the command, date and machine.
 
-    python bench.py train --config configs/bench.py [--peer hf] [--steps N] [--stage 1|2]
+    python bench.py train --config configs/bench.py [--peer hf|hf-liger] [--steps N] [--stage 1|2]
+    python bench.py train --config configs/bench_7b_stage1.py --variant bf16:frozen_dtype=bfloat16 ...
     python bench.py train [--size bench|debug] [--stage 1|2] [--peer hf] [--pack] [--compile] [--loss-chunk N]
     python bench.py data [--shards DIR]        # decode + preprocess images/s per core, ours vs webdataset + PIL
     python bench.py xla                        # computed per-device memory of the 7B recipes on TPU pods
+    python bench.py levers                     # computed memory, predicted speed of issue 24's levers (7B, H100)
     python bench.py checkpoint --ranks 4 [--gib 1.2] [--out DIR]   # sharded checkpoint: time blocked, rank 0's memory
 
 `train` times full training steps (forward, backward, AdamW) on random weights and synthetic
 batches after warm-up, and reports tokens/s, samples/s, MFU (README's formula), peak memory and
 the padding share. With --peer hf it builds transformers.LlavaForConditionalGeneration with the
 same weights (through convert.py), the same batches, optimizer, precision and SDPA attention, and
-prints ours/HF. The two alternate in phases (ours, HF, ours, HF), one model in memory at a time.
+prints ours/HF. The two alternate in phases (ours, HF, ours, HF), one model in memory at a time. --peer hf-liger
+is the same model with Liger's kernels (apply_liger_kernel_to_llava: CUDA and the liger-kernel package, which
+llavax does not require). Each --variant NAME:key=value,... adds a phase of ours with other settings (frozen_dtype,
+checkpointing, checkpoint_policy, checkpoint_every, batch), reported under its name: one process, one model build,
+for a matrix of speed levers. Without a peer the model is built and initialised on the device (a 7B in seconds).
 """
 
 import argparse
@@ -106,18 +112,26 @@ def hf_freeze(model, stage):
 
 
 def run_phase(kind, raw_cpu, batches, args, device, steps, warmup):
-    if kind == "ours":
-        model = build_model(raw_cpu.cfg, device=device, init=False)
-        model.load_state_dict(raw_cpu.state_dict())
+    if kind not in ("hf", "hf-liger"):  # ours, or a --variant of it
+        if raw_cpu.llm.rope_cos.is_meta:  # no peer to share weights with: random ones, made on the device
+            model = build_model(raw_cpu.cfg, device=device, seed=0)
+        else:
+            model = build_model(raw_cpu.cfg, device=device, init=False)
+            model.load_state_dict(raw_cpu.state_dict())
         train.freeze(model, args.stage)
+        if args.frozen_dtype == "bfloat16":
+            train.store_frozen(model, torch.bfloat16)
         model.loss_chunk = args.loss_chunk
         model.llm.flex_attention = train.use_flex_attention(args.pack, device.type, args.compile, batches[0]["ids"].shape[1])
-        train.set_checkpointing(model, parallel.checkpoint_fn(device.type) if args.checkpointing else None)
+        block_fn = parallel.checkpoint_fn(device.type, args.checkpoint_policy, "inductor" if args.compile else None)
+        train.set_checkpointing(model, block_fn if args.checkpointing else None, args.checkpoint_every)
         if args.compile:
             train.compile_blocks(model)
         step_fn = lambda b: model(b["ids"], b["pixels"], b["labels"], "sum", b["positions"])[1] / b["n_targets"]  # noqa: E731
     else:
         model = hf_model(raw_cpu, device)
+        if kind == "hf-liger":  # also patches LlavaForConditionalGeneration.forward (its fused loss): one peer a run
+            liger_llava()(model=model)
         hf_freeze(model, args.stage)
         step_fn = lambda b: model(input_ids=b["ids"], pixel_values=b["pixels"], labels=b["labels"]).loss  # noqa: E731
     model.train()
@@ -152,6 +166,57 @@ def run_phase(kind, raw_cpu, batches, args, device, steps, warmup):
     return {"seconds_per_step": dt / steps, "peak_mem_gib": peak, "first_loss": first_loss}
 
 
+def phase_figures(raw, stage, r, bs, n_rows, seq_len, peak):
+    """A phase's throughput, useful MFU and memory from its step time and its batches."""
+    s = r["seconds_per_step"]
+    samples = sum(len(b["lengths"]) for b in bs) / len(bs)  # per step
+    real_tokens = sum(sum(b["lengths"]) for b in bs) / len(bs)
+    # useful FLOPs: each sample at its own length (README's formula); padding does no useful work
+    flops = sum(train.flops_per_sample(raw, stage, n) for b in bs for n in b["lengths"]) / len(bs)
+    return {"tokens_per_s": n_rows * seq_len / s, "real_tokens_per_s": real_tokens / s, "samples_per_s": samples / s,
+            "samples_per_step": samples, "padding_share": 1 - real_tokens / (n_rows * seq_len),
+            "mfu": flops / s / peak if peak else None, "peak_mem_gib": r["peak_mem_gib"], "step_ms": 1000 * s,
+            "first_loss": r["first_loss"]}
+
+
+def liger_llava():
+    """liger_kernel's apply_liger_kernel_to_llava, or one sentence on why --peer hf-liger cannot run here."""
+    if not torch.cuda.is_available():
+        raise SystemExit("bench: --peer hf-liger needs CUDA (Liger's kernels are Triton GPU kernels); no GPU here")
+    try:
+        from liger_kernel.transformers import apply_liger_kernel_to_llava
+    except ImportError as e:
+        raise SystemExit(f"bench: --peer hf-liger needs the liger-kernel package (pip install liger-kernel; llavax does "
+                         f"not require it), which does not import here: {e}") from None
+    return apply_liger_kernel_to_llava
+
+
+VARIANT_KEYS = {"frozen_dtype": str, "checkpointing": lambda v: v.lower() in ("1", "true"), "checkpoint_policy": str,
+                "checkpoint_every": int, "batch": int}
+
+
+def parse_variant(text):
+    """"NAME:key=value,key=value" -> (NAME, {key: value}) over VARIANT_KEYS, or one sentence on what is wrong."""
+    name, _, settings = text.partition(":")
+    out = {}
+    for item in filter(None, settings.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or key not in VARIANT_KEYS:
+            raise SystemExit(f"bench: --variant {text!r}: {item!r} is not key=value with a key of {sorted(VARIANT_KEYS)}")
+        out[key] = VARIANT_KEYS[key](value)
+    if not name or name in ("ours", "hf", "hf-liger"):
+        raise SystemExit(f"bench: --variant {text!r} needs a name of its own before the colon")
+    return name, out
+
+
+def check_levers(args):
+    if args.frozen_dtype == "bfloat16" and args.dtype != "bfloat16":
+        raise SystemExit("bench: frozen_dtype bfloat16 needs --dtype bfloat16 (fp32 compute would meet bf16 weights)")
+    if args.checkpoint_policy not in ("full", "selective") or args.checkpoint_every < 1:
+        raise SystemExit(f"bench: checkpoint_policy must be full or selective and checkpoint_every >= 1, got "
+                         f"{args.checkpoint_policy!r}, {args.checkpoint_every}")
+
+
 def profile_steps(step_fn, opt, batches, device, amp, path, n=3):
     """The torch profiler's top kernels over n more steps, as a table in `path`."""
     from torch.profiler import ProfilerActivity, profile
@@ -174,6 +239,33 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
+def run_phases(kinds, variants, raw, batches, args, device, rows, seq_len, peak):
+    """{kind: the fastest of its phases, or out_of_memory}; each phase's figures are printed as it ends, so a run
+    stopped later (a time limit) keeps them."""
+    results = {}
+    for kind in kinds:
+        settings = SimpleNamespace(**variants[kind]) if kind in variants else args
+        if len(variants) > 1:  # each phase compiles as its own run would: static shapes, no shared cache limit
+            torch._dynamo.reset()
+        try:
+            r = run_phase(kind, raw, batches[kind], settings, device, args.steps, args.warmup)
+        except torch.OutOfMemoryError:  # a lever's setting that does not fit is a result; the others still run
+            r = None
+        if r is None:
+            gc.collect()
+            torch.cuda.empty_cache()
+            results.setdefault(kind, {"out_of_memory": True})
+            print(f"phase {kind}: " + json.dumps({"out_of_memory": True}), flush=True)
+            continue
+        n_rows = variants.get(kind, {"batch": rows})["batch"]
+        print(f"phase {kind}: {json.dumps(phase_figures(raw, args.stage, r, batches[kind], n_rows, seq_len, peak))}",
+              flush=True)
+        best = results.get(kind)
+        if best is None or best.get("out_of_memory") or r["seconds_per_step"] < best["seconds_per_step"]:
+            results[kind] = r
+    return results
+
+
 def bench_train(args):
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     preset, seq_len, rows, real = SIZES[args.size or "bench"]
@@ -187,44 +279,56 @@ def bench_train(args):
         args.pack, args.compile = args.pack or cfg["pack"] > 0, args.compile or cfg["compile"]
         args.checkpointing = args.checkpointing or cfg["activation_checkpointing"]
         args.loss_chunk = cfg["loss_chunk"] if args.loss_chunk is None else args.loss_chunk
+        args.frozen_dtype = args.frozen_dtype or cfg["frozen_dtype"]
+        args.checkpoint_policy = args.checkpoint_policy or cfg["checkpoint_policy"]
+        args.checkpoint_every = args.checkpoint_every or cfg["checkpoint_every"]
     args.stage, args.dtype, args.loss_chunk = args.stage or 2, args.dtype or "bfloat16", args.loss_chunk or 0
+    args.frozen_dtype, args.checkpoint_policy = args.frozen_dtype or "float32", args.checkpoint_policy or "full"
+    args.checkpoint_every = args.checkpoint_every or 1
     rows = args.batch or rows
+    variants = {"ours": vars(args) | {"batch": rows}}
+    for text in args.variant:
+        name, settings = parse_variant(text)
+        variants[name] = variants["ours"] | settings
+    for settings in variants.values():
+        check_levers(SimpleNamespace(**settings))
+    if args.peer == "hf-liger":
+        liger_llava()  # its sentence before minutes of building
     torch.manual_seed(0)
-    raw = build_model(model_cfg, device="cpu", seed=0)
+    if args.peer:
+        raw = build_model(model_cfg, device="cpu", seed=0)
+    else:  # ours alone: each phase makes its weights on the device; this one only counts parameters (FLOPs)
+        with torch.device("meta"):
+            raw = build_model(model_cfg, device="meta", init=False)
     env = type("E", (), {"kind": device.type, "device": device})()
     peak = args.peak_flops or train.known_peak_flops(env)
-    # HF always takes a sample a row; ours the same, or packed rows with --pack
-    batches = {kind: synthetic_batches(raw.cfg, seq_len, rows, real, n=4, pack=args.pack and kind == "ours")
-               for kind in ("ours", "hf")}
-    for b in batches["ours"] + batches["hf"]:
+    # HF always takes a sample a row; ours the same, or packed rows with --pack; a variant may take other rows
+    batches = {kind: synthetic_batches(raw.cfg, seq_len, v["batch"], real, n=4, pack=args.pack)
+               for kind, v in variants.items()}
+    if args.peer:
+        batches[args.peer] = synthetic_batches(raw.cfg, seq_len, rows, real, n=4, pack=False)
+    for b in sum(batches.values(), []):
         b["n_targets"] = (b["labels"][:, 1:] != -100).sum()
-    kinds = ["ours", "hf"] * args.rounds if args.peer == "hf" else ["ours"] * args.rounds
-    results = {}
-    for kind in kinds:
-        r = run_phase(kind, raw, batches[kind], args, device, args.steps, args.warmup)
-        best = results.get(kind)
-        if best is None or r["seconds_per_step"] < best["seconds_per_step"]:
-            results[kind] = r
+    kinds = (["ours"] + ([args.peer] if args.peer else []) + list(variants)[1:]) * args.rounds  # the pair first
+    results = run_phases(kinds, variants, raw, batches, args, device, rows, seq_len, peak)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "size": args.config or args.size or "bench",
               "stage": args.stage, "rows": rows, "seq_len": seq_len, "dtype": args.dtype, "pack": args.pack,
-              "loss_chunk": args.loss_chunk, "compile": args.compile, "checkpointing": args.checkpointing}
+              "loss_chunk": args.loss_chunk, "compile": args.compile, "checkpointing": args.checkpointing,
+              "frozen_dtype": args.frozen_dtype, "checkpoint_policy": args.checkpoint_policy,
+              "checkpoint_every": args.checkpoint_every, "peer": args.peer,
+              "variants": {k: {key: v[key] for key in VARIANT_KEYS} for k, v in variants.items()}}
     for kind, r in results.items():
-        s, bs = r["seconds_per_step"], batches[kind]
-        samples = sum(len(b["lengths"]) for b in bs) / len(bs)  # per step
-        real_tokens = sum(sum(b["lengths"]) for b in bs) / len(bs)
-        # useful FLOPs: each sample at its own length (README's formula); padding does no useful work
-        flops = sum(train.flops_per_sample(raw, args.stage, n) for b in bs for n in b["lengths"]) / len(bs)
-        report[kind] = {"tokens_per_s": rows * seq_len / s, "real_tokens_per_s": real_tokens / s,
-                        "samples_per_s": samples / s, "samples_per_step": samples,
-                        "padding_share": 1 - real_tokens / (rows * seq_len),
-                        "mfu": flops / s / peak if peak else None, "peak_mem_gib": r["peak_mem_gib"],
-                        "step_ms": 1000 * s, "first_loss": r["first_loss"]}
-    if "hf" in results:
-        report["ratio"] = {k: report["ours"][k] / report["hf"][k] for k in ("tokens_per_s", "real_tokens_per_s",
-                                                                           "samples_per_s", "peak_mem_gib")}
+        report[kind] = {"out_of_memory": True} if r.get("out_of_memory") else phase_figures(
+            raw, args.stage, r, batches[kind], variants.get(kind, {"batch": rows})["batch"], seq_len, peak)
+    if args.peer and not any(report[k].get("out_of_memory") for k in ("ours", args.peer)):  # ours / hf or hf-liger
+        report["ratio"] = {k: report["ours"][k] / report[args.peer][k] for k in ("tokens_per_s", "real_tokens_per_s",
+                                                                                "samples_per_s", "peak_mem_gib")}
     for kind in results:
         r = report[kind]
+        if r.get("out_of_memory"):
+            print(f"{kind:>4}: out of memory")
+            continue
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "n/a"
         print(f"{kind:>4}: {r['real_tokens_per_s']:,.0f} real tok/s ({r['tokens_per_s']:,.0f} with padding, "
               f"{100 * r['padding_share']:.1f}% padding), {r['samples_per_s']:.2f} samples/s "
@@ -232,10 +336,11 @@ def bench_train(args):
               f"{r['step_ms']:.1f} ms/step, first loss {r['first_loss']:.4f}")
     if "ratio" in report:
         q = report["ratio"]
-        print(f"ours/HF: real tokens/s x{q['real_tokens_per_s']:.2f}, samples/s x{q['samples_per_s']:.2f}, "
+        print(f"ours/{args.peer}: real tokens/s x{q['real_tokens_per_s']:.2f}, samples/s x{q['samples_per_s']:.2f}, "
               f"tokens/s with padding x{q['tokens_per_s']:.2f}, peak memory x{q['peak_mem_gib']:.2f}")
-    print(f"{rows} x {seq_len}, stage {args.stage}, {args.dtype}; ours: pack {args.pack}, loss_chunk {args.loss_chunk}, "
-          f"compile {args.compile}, checkpointing {args.checkpointing}")
+    print(f"{variants['ours']['batch']} x {seq_len}, stage {args.stage}, {args.dtype}; ours: pack {args.pack}, loss_chunk "
+          f"{args.loss_chunk}, compile {args.compile}, checkpointing {args.checkpointing} ({args.checkpoint_policy}, "
+          f"every {args.checkpoint_every}), frozen {args.frozen_dtype}")
     print(json.dumps(report))
     return report
 
@@ -348,6 +453,88 @@ def print_xla_memory():
     for (stage, pod), (chips, hbm, r, *sizes) in xla_memory().items():
         print(f"| {stage} | {pod} ({chips}, {hbm} GiB) | {r:g} | " + " | ".join(f"{x / 2**30:.2f}" for x in sizes)
               + f" | {sum(sizes) / 2**30:.1f} |")
+
+
+# -----------------------------------------------------------------------------
+# levers (issue 24): computed memory of frozen_dtype and of the checkpointing settings, and predicted speed
+
+H100_GIB = 79.6  # 81,559 MiB as nvidia-smi shows an H100 80GB HBM3
+BASELINE_7B_STAGE1 = 18.0  # samples/s, LLaVA-1.5-7B stage 1, 8 x 2048, full checkpointing, H100 (issue 24, measured)
+CAST_SHARE = 0.014  # of its GPU time in the bf16 casts of frozen weights (issue 24's profile)
+
+
+def kept_bytes(c, policy, trained):
+    """Activation bytes one LLM layer keeps for backward, a token, under bf16 autocast with compiled blocks: the
+    tensors inductor's partitioner keeps (tests/test_speed_levers.py checks the three against it). Every policy
+    keeps the fp32 block input (4 D). 'none' adds q, k and v as SDPA reads them (k and v repeated to every head),
+    the attention output and its logsumexp, wo's, w1's and w3's outputs (bf16: 10 D + 4 F) and the norms' rsqrt;
+    with trained weights also the inputs of wq, wo, w1 and w2 for their gradients (6 D + 2 F). 'selective' keeps
+    the matmul outputs (k and v unrepeated) and the attention's; 'full' keeps the input alone."""
+    D, kv, F, H = c.dim, c.n_kv_heads * c.head_dim, c.ffn_dim, c.n_heads
+    kept = {"none": 14 * D + 4 * F + 8 + 4 * H + (6 * D + 2 * F) * trained,
+            "selective": 10 * D + 4 * kv + 4 * F + 4 * H, "full": 4 * D}
+    return kept[policy]
+
+
+def lever_memory(model, stage, frozen_dtype, policy, every, rows, seq_len, loss_chunk=4096):
+    """(weights, trained state, activations, loss chunk) bytes of one GPU's stage-`stage` step, not sharded."""
+    train.freeze(model, stage)
+    c, tokens = model.cfg.llm, rows * seq_len
+    weights = 4 * sum(p.numel() for p in model.parameters())
+    if frozen_dtype == "bfloat16":
+        weights -= 2 * sum(p.numel() for p in train.frozen_matmul_weights(model))
+    trained = 12 * sum(p.numel() for p in model.parameters() if p.requires_grad)  # grad + 2 AdamW moments
+    checkpointed, trained_llm = 0 if policy == "none" else len(range(0, c.n_layers, every)), stage != 1
+    layers = checkpointed * kept_bytes(c, policy, trained_llm) + \
+        (c.n_layers - checkpointed) * kept_bytes(c, "none", trained_llm)
+    recompute = kept_bytes(c, "none", trained_llm) if policy == "full" else 0  # one block's, during its backward
+    # a block that is not checkpointed also keeps autocast's bf16 copy of each fp32 matmul weight for its backward
+    # (a bf16-stored weight is kept as itself); selective recomputes the casts
+    fp32_matmuls = sum(m.weight.numel() for m in model.llm.layers[0].modules() if isinstance(m, torch.nn.Linear)
+                       and (m.weight.requires_grad or frozen_dtype == "float32"))
+    casts = 2 * fp32_matmuls * ((c.n_layers - checkpointed) + (policy == "full"))
+    return weights, trained, tokens * (layers + recompute) + casts, loss_chunk * c.vocab_size * 8  # logits + grad
+
+
+def print_levers():
+    """Computed, not measured: bytes of each lever setting for LLaVA-1.5-7B on one H100, and the speed predicted from
+    the measured 7B stage-1 baseline by the FLOPs recomputation adds and the casts' share (same hardware MFU assumed;
+    selective's recomputed elementwise ops not counted)."""
+    from model import VLM
+
+    with torch.device("meta"):
+        model = VLM(vlm_preset("llava-1.5-7b"))
+    for stage in (1, 2):
+        train.freeze(model, stage)
+        n = sum(p.numel() for p in train.frozen_matmul_weights(model))
+        print(f"stage {stage}: frozen_dtype='bfloat16' stores {n:,} frozen matmul weights in bf16: {2 * n / 1e9:.2f} GB "
+              f"({2 * n / 2**30:.2f} GiB) less (x 1/ranks under FSDP)")
+    c = model.cfg.llm
+    T = 680  # a LLaVA stage-1 sample's tokens, as bench.py's synthetic ones
+    useful = train.flops_per_sample(model, 1, T)
+    llm_forward = 2 * (sum(p.numel() for p in model.llm.parameters()) - model.llm.tok_embeddings.weight.numel()) * T \
+        + 2 * c.n_layers * c.dim * T**2
+    print(f"\n7B stage 1, 8 x 2048 unless said; recomputing every LLM block adds {100 * llm_forward / useful:.0f}% to "
+          f"the useful FLOPs (its forward again)")
+    print("| setting | weights | activations | total (+ trained state, loss chunk) | fits 79.6 GiB? | predicted "
+          "samples/s |")
+    print("|---|---|---|---|---|---|")
+    for label, frozen, policy, every, rows in [
+            ("today: fp32 frozen, full checkpointing", "float32", "full", 1, 8),
+            ("today without checkpointing (issue 24: out of memory)", "float32", "none", 1, 8),
+            ("bf16 frozen, full checkpointing", "bfloat16", "full", 1, 8),
+            ("bf16 frozen, every other block checkpointed", "bfloat16", "full", 2, 8),
+            ("bf16 frozen, selective checkpointing", "bfloat16", "selective", 1, 8),
+            ("bf16 frozen, no checkpointing", "bfloat16", "none", 1, 8),
+            ("bf16 frozen, no checkpointing, 4 rows", "bfloat16", "none", 1, 4),
+            ("bf16 frozen, full checkpointing, 12 rows", "bfloat16", "full", 1, 12)]:
+        weights, trained, acts, loss = lever_memory(model, 1, frozen, policy, every, rows, 2048)
+        total = (weights + trained + acts + loss) / 2**30
+        recomputed = 0 if policy in ("none", "selective") else len(range(0, c.n_layers, every)) / c.n_layers
+        speed = BASELINE_7B_STAGE1 * (useful + llm_forward) / (useful + recomputed * llm_forward) \
+            / (1 - CAST_SHARE * (frozen == "bfloat16"))
+        print(f"| {label} | {weights / 2**30:.1f} GiB | {acts / 2**30:.1f} GiB | {total:.1f} GiB | "
+              f"{'yes' if total < H100_GIB - 2 else 'no' if total > H100_GIB else 'at the edge'} | {speed:.1f} |")
 
 
 # -----------------------------------------------------------------------------
@@ -466,7 +653,7 @@ def main(argv=None):
     t.add_argument("--config", help="a train.py config to take the model, shapes and settings from (configs/bench.py)")
     t.add_argument("--size", choices=sorted(SIZES), help="a built-in size instead of --config (default bench)")
     t.add_argument("--stage", type=int, choices=[1, 2], help="default 2, or the config's")
-    t.add_argument("--peer", choices=["hf"])
+    t.add_argument("--peer", choices=["hf", "hf-liger"], help="hf-liger: transformers with Liger's kernels (CUDA)")
     t.add_argument("--steps", type=int, default=10)
     t.add_argument("--warmup", type=int, default=3)
     t.add_argument("--rounds", type=int, default=2, help="phases per model; the fastest is reported")
@@ -476,6 +663,10 @@ def main(argv=None):
     t.add_argument("--pack", action="store_true", help="ours: several samples a row (FlexAttention on CUDA)")
     t.add_argument("--loss-chunk", type=int, help="ours: cross-entropy this many positions at a time (0: off)")
     t.add_argument("--checkpointing", action="store_true", help="ours: recompute every block in backward")
+    t.add_argument("--checkpoint-policy", choices=["full", "selective"], help="ours: default full, or the config's")
+    t.add_argument("--checkpoint-every", type=int, help="ours: checkpoint every k-th block (default 1)")
+    t.add_argument("--frozen-dtype", choices=["float32", "bfloat16"], help="ours: frozen matmul weights' storage")
+    t.add_argument("--variant", action="append", default=[], help="NAME:key=value,...: one more phase of ours")
     t.add_argument("--profile", default="", help="write the torch profiler's top kernels of ours to this file")
     t.add_argument("--device", default="")
     t.add_argument("--peak-flops", type=float, default=0.0)
@@ -485,6 +676,7 @@ def main(argv=None):
     d.add_argument("--size", type=int, default=336)
     d.add_argument("--n", type=int, default=400)
     sub.add_parser("xla", help="computed per-device memory of the LLaVA-1.5-7B TPU recipes (README table)")
+    sub.add_parser("levers", help="computed memory and predicted speed of issue 24's levers for LLaVA-1.5-7B")
     c = sub.add_parser("checkpoint", help="a sharded checkpoint's blocked time, commit time and rank 0's extra memory")
     c.add_argument("--ranks", type=int, default=1)
     c.add_argument("--gib", type=float, default=1.2, help="weights + AdamW moments, GiB")
@@ -496,6 +688,8 @@ def main(argv=None):
         return print_checkpoint_recipes() if args.recipes else bench_checkpoint(args)
     if args.cmd == "xla":
         print_xla_memory()
+    elif args.cmd == "levers":
+        print_levers()
     elif args.cmd == "data":
         shards = args.shards or make_bench_shards(args.workdir, args.n)
         r = bench_images(shards, args.size)

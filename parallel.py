@@ -16,7 +16,7 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 AXES = ("dp", "fsdp", "tp")
 BATCH = ("dp", "fsdp")  # the batch dimension of inputs and activations is split over both data axes
@@ -130,11 +130,33 @@ def print0(env, *args):
         print(*args, flush=True)
 
 
-def checkpoint_fn(device_kind):
-    """The activation checkpointing function the model's blocks call: torch_xla's on XLA."""
+def checkpoint_fn(device_kind, policy="full", compile_backend=None):
+    """The activation checkpointing function the model's blocks call: torch_xla's on XLA. policy 'selective' keeps
+    the outputs of the matmuls and attention (SAVED_OPS) and recomputes the rest of a block (norms, activations,
+    RoPE, residual adds, casts), so backward reruns no matmul. With a compile_backend it is compiled whole, the block
+    inside it too: torch.compile skips (runs eagerly) a compiled block called under the policy's dispatch mode."""
     if device_kind == "xla":
+        if policy != "full":
+            raise SystemExit("config: checkpoint_policy='selective' is torch's (CUDA, CPU); torch_xla's checkpoint "
+                             "recomputes whole blocks: use checkpoint_policy='full' under XLA")
         return _xla_checkpoint
-    return functools.partial(checkpoint, use_reentrant=False)
+    if policy == "full":
+        return functools.partial(checkpoint, use_reentrant=False)
+    selective = functools.partial(checkpoint, use_reentrant=False,
+                                  context_fn=functools.partial(create_selective_checkpoint_contexts, _save_matmuls))
+    return torch.compile(selective, backend=compile_backend) if compile_backend else selective
+
+
+# what selective checkpointing keeps: torchtitan's op list (less its collectives), and every matmul where torchtitan
+# keeps every other one: the matmuls, SDPA's fused kernels (output and logsumexp) and FlexAttention
+SAVED_OPS = {getattr(torch.ops.aten, name).default for name in (
+    "mm", "addmm", "bmm", "convolution", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_fused_attention_overrideable")} | {torch.ops.higher_order.flex_attention}
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _xla_checkpoint(fn, *args):

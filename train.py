@@ -97,6 +97,9 @@ dcn_mesh = [1, 1, 1]  # xla: slices as (dp, fsdp, tp) for multi-slice pods (dp a
 dtype = "float32"  # 'bfloat16': bf16 compute with fp32 master weights
 compile = False
 activation_checkpointing = False
+checkpoint_policy = "full"  # 'selective': keep the matmul and attention outputs, recompute a block's elementwise ops
+checkpoint_every = 1  # k: checkpoint blocks 0, k, 2k, ... of each tower; the others keep all their activations
+frozen_dtype = "float32"  # 'bfloat16' (with dtype='bfloat16'): frozen Linear/Conv weights stored in bf16, never cast
 loss_chunk = 0  # > 0: cross-entropy over this many positions at a time, never the full fp32 logits
 peak_flops = 0.0  # per device, for MFU; 0 uses the bf16 dense peak of a known GPU
 seed = 0
@@ -166,7 +169,7 @@ def run_config_file(arg):
 
 
 POSITIVE = ("batch_size", "micro_batch_size", "max_iters", "seq_len", "log_interval", "shuffle_block",
-            "max_nonfinite_steps")
+            "max_nonfinite_steps", "checkpoint_every")
 NON_NEGATIVE = ("eval_interval", "eval_iters", "ckpt_interval", "keep_last", "num_workers", "pack", "warmup_iters",
                 "lr_decay_iters", "max_tiles", "final_accuracy_samples", "lr", "min_lr", "weight_decay", "grad_clip",
                 "loss_chunk", "peak_flops")
@@ -210,11 +213,27 @@ def load_config(argv):
     if cfg["dtype"] not in ("float32", "bfloat16"):
         raise SystemExit(f"config: dtype must be 'float32' or 'bfloat16', got {cfg['dtype']!r}")
     check_objective(cfg)
+    check_speed_levers(cfg)
     unknown = set(cfg["lr_scale"]) - {"vision", "projector", "llm"}
     if unknown:
         raise SystemExit(f"config: lr_scale has unknown modules {sorted(unknown)}")
     lora_config(cfg)
     return cfg
+
+
+def check_speed_levers(cfg):
+    if cfg["checkpoint_policy"] not in ("full", "selective"):
+        raise SystemExit(f"config: checkpoint_policy must be 'full' or 'selective', got {cfg['checkpoint_policy']!r}")
+    if cfg["checkpoint_policy"] == "selective" and cfg["device"] == "xla":
+        raise SystemExit("config: checkpoint_policy='selective' is torch's (CUDA, CPU); torch_xla's checkpoint "
+                         "recomputes whole blocks: use checkpoint_policy='full' under XLA")
+    if cfg["frozen_dtype"] not in ("float32", "bfloat16"):
+        raise SystemExit(f"config: frozen_dtype must be 'float32' or 'bfloat16', got {cfg['frozen_dtype']!r}")
+    if cfg["frozen_dtype"] == "bfloat16" and cfg["dtype"] != "bfloat16":
+        raise SystemExit("config: frozen_dtype='bfloat16' needs dtype='bfloat16' (fp32 compute would meet bf16 weights)")
+    if cfg["frozen_dtype"] == "bfloat16" and cfg["device"] == "xla":
+        raise SystemExit("config: frozen_dtype='bfloat16' is built and tested for torchrun and single-process runs (CUDA, "
+                         "CPU), not under XLA: use frozen_dtype='float32' there")
 
 
 OBJECTIVES = ("sft", "dpo", "reward", "grpo")
@@ -350,8 +369,26 @@ def add_reward_head(model, seed):
         model.llm.output.weight.requires_grad_(False)
 
 
-def set_checkpointing(model, fn):
-    model.vision.checkpoint = model.llm.checkpoint = fn
+def set_checkpointing(model, fn, every=1):
+    """fn recomputes blocks 0, k, 2k, ... of each tower in backward (k = every); the others keep their activations."""
+    for tower, blocks in ((model.vision, model.vision.blocks), (model.llm, model.llm.layers)):
+        chosen = {id(b) for b in list(blocks)[::every]}
+        tower.checkpoint = fn if fn is None or every == 1 else \
+            (lambda block, *args, chosen=chosen: fn(block, *args) if id(block) in chosen else block(*args))
+
+
+def store_frozen(model, dtype):
+    """Frozen weights and biases of the Linear and Conv2d layers kept in `dtype` (bf16): the copy autocast makes of
+    them at every use, made once, and their fp32 originals dropped. Embeddings, norms and the ViT's positional and
+    class embeddings stay fp32: autocast does not cast them (the token embedding starts the fp32 residual stream)."""
+    for p in frozen_matmul_weights(model):
+        p.data = p.data.to(dtype)
+
+
+def frozen_matmul_weights(model):
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}  # and a tied output
+    return [p for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)) for p in (m.weight, m.bias)
+            if p is not None and not p.requires_grad and id(p) not in embeddings]
 
 
 def use_flex_attention(packed, device_kind, compiled, seq_len):
@@ -540,7 +577,12 @@ def apply_backends(raw, cfg, env):
         add_reward_head(raw, cfg["seed"])
     raw.loss_chunk, raw.recompute = cfg["loss_chunk"], checkpoint_fn(env.kind)
     raw.llm.flex_attention = use_flex_attention(cfg["pack"] > 0, env.kind, cfg["compile"], cfg["seq_len"])
-    set_checkpointing(raw, checkpoint_fn(env.kind) if cfg["activation_checkpointing"] else None)
+    if cfg["frozen_dtype"] == "bfloat16":
+        n = sum(p.numel() for p in frozen_matmul_weights(raw))
+        store_frozen(raw, torch.bfloat16)
+        print0(env, f"frozen_dtype: {n / 1e6:.2f}M frozen matmul weights stored in bf16 ({2 * n / 2**30:.2f} GiB less)")
+    block_fn = checkpoint_fn(env.kind, cfg["checkpoint_policy"], "inductor" if cfg["compile"] else None)
+    set_checkpointing(raw, block_fn if cfg["activation_checkpointing"] else None, cfg["checkpoint_every"])
     if cfg["compile"]:
         compile_blocks(raw)
     model = shard(raw, env, cfg)
