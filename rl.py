@@ -87,18 +87,19 @@ def prompt_bucket(cfg):
 def rollout(raw, b, tok, stop, cfg, score, generator, ref_model=None, static=False, env=None):
     """One micro-batch's generation batch: each prompt of the loader's batch b (on the host) G times, sampled with the
     image token and the ids beyond the tokenizer suppressed; rewards = score(completions, answers, ids, attention_mask,
-    pixels). static (XLA): every row of b, prompts left-padded to prompt_bucket(cfg), generate(static=True), so every
-    rollout has the same shapes and graphs; a row without a prompt (dropped by the loader, or longer than the bucket:
-    counted in r["skipped"]) is generated from padding and masked out of loss and metrics. env puts rows on the device
+    pixels). Every row of b: a row without a prompt (dropped by the loader, or longer than a static bucket: counted in
+    r["skipped"]) is generated from padding and masked out of loss and metrics. static (XLA): prompts left-padded to
+    prompt_bucket(cfg), generate(static=True), so every rollout has the same shapes and graphs. env puts rows on the device
     (XLA: split over the data axes), cuts the graph after each token and fetches the completions (without env: the
     rows stay on b's device). With tiles (max_tiles), score also takes each row's image_index / image_weight."""
     G, max_new, temperature = cfg["grpo_group"], cfg["grpo_max_new_tokens"], cfg["grpo_temperature"]
     place = env.place_rows if env is not None else (lambda rows: rows)
     asked = prompts_of(b)
-    n_asked, bucket = len(asked), prompt_bucket(cfg) if static else None
-    if static:
-        fits = {r: (p, a) for r, p, a in asked if len(p) <= bucket}
-        asked = [(r, *fits.get(r, ([], []))) for r in range(b["input_ids"].shape[0])]
+    n_asked = len(asked)
+    bucket = prompt_bucket(cfg) if static else max([len(p) for _, p, _ in asked], default=1)
+    # every row, a dropped one too: under FSDP2 every rank must generate, even one whose prompts were all dropped
+    fits = {r: (p, a) for r, p, a in asked if len(p) <= bucket}
+    asked = [(r, *fits.get(r, ([], []))) for r in range(b["input_ids"].shape[0])]
     prompt_ids, prompt_mask = left_pad([p for _, p, _ in asked], tok.pad_id, bucket)
     prompt_ids, prompt_mask = place(prompt_ids.repeat_interleave(G, 0)), place(prompt_mask.repeat_interleave(G, 0))
     pixels = place(b["pixel_values"][torch.tensor([r for r, _, _ in asked]).repeat_interleave(G)])

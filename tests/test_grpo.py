@@ -522,3 +522,53 @@ def test_tiled_rollouts_place_each_prompts_tiles_as_the_row_run_alone(shapes_pai
         other = dict(b, pixel_values=torch.randint_like(b["pixel_values"], 0, 256))  # other images (uint8, as loaded)
         again, _, _ = rl.rollout(model, other, stream.tok, stop, run, score, torch.Generator().manual_seed(k), model)
         assert not torch.equal(again["ids"], r["ids"])
+
+
+@pytest.mark.parametrize("dropped", [[0, 1, 2, 3], [1, 2]])
+def test_rows_the_loader_dropped_are_generated_from_padding_and_weigh_nothing(shapes_pairs, dropped):  # noqa: F811
+    """A micro-batch whose prompts the loader dropped (too long for seq_len: no labels), all or some, outside static
+    rollouts: every row is still generated (under FSDP2 every rank must run generate's collectives), a dropped one
+    from padding, and it weighs nothing: no completion tokens, no units, no gradient."""
+    import data
+    from model import build_model, vlm_preset
+
+    cfg = vlm_preset("debug").with_overrides({"vision": {"image_size": 28, "patch_size": 14},
+                                             "llm": {"vocab_size": 576}, "image_token_id": 512})
+    model = build_model(cfg, seed=0)
+    stream = data.ShardStream(shapes_pairs / "shards", shapes_pairs / "tokenizer.model", split="train", batch_size=4,
+                              seq_len=48, image_size=28, image_token_id=512, n_image_tokens=4, template="llama_3")
+    b = stream.batch(0)
+    b["labels"][dropped] = -100  # as the loader leaves a dropped sample
+    stop = data.stop_token_id("llama_3", stream.tok)
+    run = dict(train.DEFAULTS) | {"grpo_group": 3, "grpo_max_new_tokens": 6, "grpo_beta": 0.1, "grpo_iterations": 2}
+    score = lambda texts, answers, *_: torch.tensor(short_answers(texts, answers))  # noqa: E731
+    r, _, texts = rl.rollout(model, b, stream.tok, stop, run, score, torch.Generator().manual_seed(0), model)
+    gone = torch.zeros(4, dtype=torch.bool)
+    gone[dropped] = True
+    gone = gone.repeat_interleave(3)
+    assert len(r["ids"]) == len(texts) == 12 and (r["completion_mask"][gone] == 0).all()
+    assert (r["completion_mask"][~gone].sum(1) > 0).all() and r["units"] == r["completion_mask"].sum()
+    loss, metrics = rl.rl_loss(model, r, run)
+    loss.backward()
+    assert math.isfinite(float(loss.detach())) and all(math.isfinite(float(v)) for v in metrics.values())
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    assert all((g == 0).all() for g in grads) == bool(gone.all())
+
+
+def test_grpo_under_torchrun_fsdp_survives_a_rank_whose_prompts_were_all_dropped(shapes_pairs, tmp_path):  # noqa: F811
+    """seq_len 25 drops the prompts of 25 tokens or more (about half of them): with one prompt a rank a micro-batch, a
+    rank often has none while the other has one; lockstep decoding needs both to generate (one raising or skipping
+    would hang or kill the other)."""
+    from test_dpo import debug_init, dpo_args
+    from test_train import run
+
+    init = debug_init(tmp_path / "init")
+    r = run(dpo_args(shapes_pairs, tmp_path / "fsdp", f"--init_from={init}", "--objective=grpo",
+                     f"--data_dir={shapes_pairs / 'shards'}", "--grpo_reward=exact_match", "--seq_len=25",
+                     "--batch_size=2", "--micro_batch_size=1", "--max_iters=3", "--grpo_group=2",
+                     "--grpo_max_new_tokens=3", "--parallel=fsdp", "--eval_interval=0", "--ckpt_interval=0",
+                     "--final_accuracy_samples=0"), nproc=2)
+    assert "no_supervised_tokens" in r.stdout + r.stderr
+    logged = [json.loads(line) for line in (tmp_path / "fsdp/log.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in logged if "rl/reward" in e] == [1, 2, 3]
