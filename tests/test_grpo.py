@@ -468,10 +468,12 @@ def test_grpo_on_xla_spmd_compiles_once_and_matches_cpu_eager(shapes_pairs, tmp_
     assert compiles[1] == compiles[-1], compiles
 
 
-def test_tiled_rollouts_place_each_prompts_tiles_as_the_row_run_alone(shapes_pairs, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("static", [False, True])
+def test_tiled_rollouts_place_each_prompts_tiles_as_the_row_run_alone(shapes_pairs, tmp_path, static):  # noqa: F811
     """The tile path (anyres_max, several image sizes, questions of several lengths): the rollout left-pads the prompts,
     shifting each row's tile placement with it; every completion's log-probs equal those of its row run alone, unpadded,
-    with the placement the loader gave it. The tiles reach generation: other pixels, other samples."""
+    with the placement the loader gave it. The tiles reach generation: other pixels, other samples. Static: prompts
+    padded to a bucket below the longest (which is skipped: no completion) and above the others."""
     import numpy as np
 
     import data
@@ -500,17 +502,26 @@ def test_tiled_rollouts_place_each_prompts_tiles_as_the_row_run_alone(shapes_pai
     model = build_model(cfg, seed=0).eval()
     stop = data.stop_token_id("llama_3", stream.tok)
     run = dict(train.DEFAULTS) | {"grpo_group": 2, "grpo_max_new_tokens": 5, "grpo_beta": 0.1, "grpo_iterations": 2}
+    lengths = sorted({len(p) for k in range(2) for _, p, _ in rl.prompts_of(stream.batch(k))})
+    bucket = lengths[-1] - 1  # the longest prompts are skipped, the others padded by 1 or more beyond their batch's
+    if static:
+        run |= {"grpo_static": True, "grpo_prompt_len": bucket}
     score = lambda texts, answers, *_: torch.tensor(short_answers(texts, answers))  # noqa: E731
     for k in range(2):
         b = stream.batch(k)  # the loader's host batch, as train.py hands it to rollout (which normalises the pixels)
         pixels = data.normalize_images(b["pixel_values"], *cfg.vision.image_stats)
         asked = rl.prompts_of(b)
         assert len({len(p) for _, p, _ in asked}) > 1  # prompts of different lengths: left padding moves the tiles
-        r, _, _ = rl.rollout(model, b, stream.tok, stop, run, score, torch.Generator().manual_seed(k), ref_model=model)
+        r, _, _ = rl.rollout(model, b, stream.tok, stop, run, score, torch.Generator().manual_seed(k), ref_model=model,
+                             static=static)
         C = r["completion_mask"].shape[1]
+        assert r["skipped"] == (sum(len(p) > bucket for _, p, _ in asked) if static else 0)
         for row in range(len(r["ids"])):
             src, prompt = asked[row // 2][0], asked[row // 2][1]
             n = int(r["completion_mask"][row].sum())
+            if static and len(prompt) > bucket:
+                assert n == 0
+                continue
             ids = torch.tensor(prompt + r["ids"][row, -C:][:n].tolist())[None]
             tiles = {key: torch.nn.functional.pad(b[key][src, : len(prompt)], (0, 0, 0, n))[None]
                      for key in ("image_index", "image_weight")}
@@ -520,7 +531,8 @@ def test_tiled_rollouts_place_each_prompts_tiles_as_the_row_run_alone(shapes_pai
             assert torch.allclose(r["old_logps"][row, :n], alone[0], atol=1e-5), (k, row)
             assert torch.allclose(r["ref_logps"][row, :n], alone[0], atol=1e-5)
         other = dict(b, pixel_values=torch.randint_like(b["pixel_values"], 0, 256))  # other images (uint8, as loaded)
-        again, _, _ = rl.rollout(model, other, stream.tok, stop, run, score, torch.Generator().manual_seed(k), model)
+        again, _, _ = rl.rollout(model, other, stream.tok, stop, run, score, torch.Generator().manual_seed(k), model,
+                                 static=static)
         assert not torch.equal(again["ids"], r["ids"])
 
 
