@@ -869,6 +869,8 @@ def main(argv=None):
             if skipped:  # the batch is consumed, nothing trains; a checkpoint due here is still written
                 print0(env, f"step {it}: skipped (skip_steps); its {cfg['batch_size']} samples are consumed")
                 log({"step": it, "skipped": True})
+                if grpo is not None and fresh:  # grpo: no generation batch for the steps after it, the next one samples
+                    grpo.rollouts = None
             else:
                 lr_now = set_lr(optimizer, it, cfg)
                 micro = [device_batch(b, env, raw.cfg.vision) for b in micro] if grpo is None else micro

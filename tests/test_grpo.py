@@ -584,3 +584,28 @@ def test_grpo_under_torchrun_fsdp_survives_a_rank_whose_prompts_were_all_dropped
     assert "no_supervised_tokens" in r.stdout + r.stderr
     logged = [json.loads(line) for line in (tmp_path / "fsdp/log.jsonl").read_text().splitlines()]
     assert [e["step"] for e in logged if "rl/reward" in e] == [1, 2, 3]
+
+
+def test_a_skipped_step_that_starts_a_generation_batch_leaves_no_rollouts_behind(shapes_pairs, tmp_path):  # noqa: F811
+    """grpo_iterations 2, skip_steps [(2, 3)]: iteration 2 would start a generation batch; its batch is consumed and
+    nothing trains, so iteration 3 has no rollouts of its own and must sample a new batch (the policy that sampled it
+    is the one trained: clip ratio 0), not train again on iteration 0's. Stopped at 3 and resumed, the same."""
+    from test_dpo import debug_init, dpo_args
+
+    init = debug_init(tmp_path / "init")
+    common = [f"--init_from={init}", "--objective=grpo", f"--data_dir={shapes_pairs / 'shards'}",
+              "--grpo_reward=test_grpo:short_answers", "--batch_size=2", "--micro_batch_size=2", "--grpo_group=3",
+              "--grpo_iterations=2", "--skip_steps=[(2, 3)]", "--lr=3e-2", "--warmup_iters=0", "--eval_interval=0",
+              "--final_accuracy_samples=0", "--grpo_max_new_tokens=5", "--ckpt_interval=3"]
+    train.main(dpo_args(shapes_pairs, tmp_path / "straight", "--max_iters=5", *common))
+    train.main(dpo_args(shapes_pairs, tmp_path / "resumed", "--max_iters=3", *common))
+    train.main(dpo_args(shapes_pairs, tmp_path / "resumed", "--max_iters=5", *common[1:], "--init_from=resume"))
+    read = lambda run: [json.loads(line) for line in (tmp_path / run / "log.jsonl").read_text().splitlines()  # noqa: E731
+                        if "rl/reward" in line]
+    straight, resumed = read("straight"), read("resumed")
+    assert [e["step"] for e in straight] == [1, 2, 4, 5]
+    assert [e["step"] for e in straight if e.get("gen_samples_per_s")] == [1, 4, 5]
+    assert straight[2]["rl/clip_ratio"] == 0 and straight[1]["rl/clip_ratio"] > 0
+    for want, got in zip(straight, resumed, strict=True):
+        for k in ("loss", "rl/reward", "rl/completion_length"):
+            assert abs(got[k] - want[k]) <= 1e-6 * max(1.0, abs(want[k])), (want["step"], k, got[k], want[k])
