@@ -189,9 +189,37 @@ def rl_loss(model, r, cfg):
     return loss * (m.sum() if kind == "dapo" else len(m) * (cfg["grpo_max_new_tokens"] if kind == "dr_grpo" else 1)), metrics
 
 
-def reward_scorer(cfg, env):
+def reads_inputs(vlm):
+    """What decides how a model reads token ids and pixels (a reward model must read the policy's as the policy does)."""
+    return {"vocab_size": vlm.llm.vocab_size, "image_token_id": vlm.image_token_id, "video_token_id": vlm.video_token_id,
+            "image_size": vlm.vision.image_size, "n_image_tokens": vlm.n_image_tokens,
+            "image_stats": vlm.vision.image_stats, "anyres": vlm.anyres, "grid_pinpoints": vlm.grid_pinpoints}
+
+
+PROBE = "How many circles? Two; 12 squares, 3.5% ÄÖü 漢字 😀\n\t<|eot_id|></s> Hello world"
+
+
+def check_judge(spec, judge, policy, tok):
+    """A reward model of another vocabulary, image placeholder or image layout, or whose checkpoint holds a tokenizer
+    that encodes text otherwise, would score the policy's ids and pixels wrongly (or fail deep in its forward)."""
+    theirs, ours = reads_inputs(judge.cfg), reads_inputs(policy)
+    differ = [f"{k} {theirs[k]} != {ours[k]}" for k in ours if theirs[k] != ours[k]]
+    if differ:
+        raise SystemExit(f"grpo_reward {spec!r}: the reward model reads ids and images unlike the policy "
+                         f"({', '.join(differ)}: the reward model's first)")
+    if any((Path(spec) / name).exists() for name in ("tokenizer.model", "tokenizer.json")):
+        try:
+            judge_tok = data.Tokenizer(spec)
+        except Exception as e:  # noqa: BLE001  sentencepiece and tokenizers raise many kinds for a bogus file
+            raise SystemExit(f"grpo_reward {spec!r}: cannot load its tokenizer ({type(e).__name__}: {e})") from None
+        if judge_tok.vocab_size != tok.vocab_size or judge_tok.encode(PROBE) != tok.encode(PROBE):
+            raise SystemExit(f"grpo_reward {spec!r}: its tokenizer {str(judge_tok.path)!r} encodes text unlike the "
+                             f"run's {str(tok.path)!r}")
+
+
+def reward_scorer(cfg, env, policy, tok):
     """score(completions, answers, ids, attention_mask, pixels) -> rewards (rows,), from a rule (reward_rule) or a
-    reward-model checkpoint (objective='reward') reading prompt and completion."""
+    reward-model checkpoint (objective='reward') reading prompt and completion as the policy (VLMConfig) does."""
     spec = cfg["grpo_reward"]
     if not Path(spec).is_dir():
         rule = reward_rule(spec)
@@ -202,6 +230,7 @@ def reward_scorer(cfg, env):
         raise SystemExit(f"grpo_reward {spec!r}: cannot load the reward model ({e})") from None
     if judge.reward_head is None:
         raise SystemExit(f"grpo_reward {spec!r}: the checkpoint has no reward head (train one with objective='reward')")
+    check_judge(spec, judge, policy, tok)
     if env.distributed and env.kind != "xla" and cfg["parallel"] == "fsdp":
         judge = shard(judge, env, cfg)  # as the policy and the reference: each rank holds its shards
     print0(env, f"grpo: rewards from the reward model {spec}")

@@ -783,7 +783,7 @@ def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader):
     meter.t_last, meter.data_wait, meter.rows_done, meter.dropped = time.perf_counter(), 0.0, 0, 0
 
 
-def grpo_setup(cfg, env, loader, resume_from):
+def grpo_setup(cfg, env, loader, resume_from, policy):
     """objective='grpo': the tokenizer, the stop token, the reward scorer and the sampler of the rollouts; and the
     generation batch in flight when a checkpoint taken inside one (grpo_iterations > 1) was written."""
     tok = loader.stream.tok
@@ -798,7 +798,8 @@ def grpo_setup(cfg, env, loader, resume_from):
             cfg["grpo_iterations"]:
         print0(env, f"resume: {resume_from} holds no generation batch for this world size: sampling a new one")
     device = "cpu" if env.kind == "xla" else env.device
-    return SimpleNamespace(tok=tok, stop=data.stop_token_id(cfg["template"], tok), score=rl.reward_scorer(cfg, env),
+    return SimpleNamespace(tok=tok, stop=data.stop_token_id(cfg["template"], tok),
+                           score=rl.reward_scorer(cfg, env, policy, tok),
                            sampler=torch.Generator(device), static=static,
                            rollouts=rl.rollouts_from_state(saved, env.device) if saved else None)
 
@@ -854,7 +855,7 @@ def main(argv=None):
     log, log_file = open_log(out, cfg, env)
     poison, poison_weight = injected_faults(env)
     meter = start_meter(raw, cfg, env)
-    grpo = grpo_setup(cfg, env, loader, resume_from) if cfg["objective"] == "grpo" else None
+    grpo = grpo_setup(cfg, env, loader, resume_from, raw.cfg) if cfg["objective"] == "grpo" else None
     trainable = [p for p in raw.parameters() if p.requires_grad]
     batches = iter(loader)
     it = start

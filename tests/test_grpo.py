@@ -609,3 +609,45 @@ def test_a_skipped_step_that_starts_a_generation_batch_leaves_no_rollouts_behind
     for want, got in zip(straight, resumed, strict=True):
         for k in ("loss", "rl/reward", "rl/completion_length"):
             assert abs(got[k] - want[k]) <= 1e-6 * max(1.0, abs(want[k])), (want["step"], k, got[k], want[k])
+
+
+@pytest.mark.parametrize("judge,message", [
+    ({"llm": {"vocab_size": 300}, "image_token_id": 290}, "vocab_size 300 != 576"),  # an IndexError in the embedding
+    ({"image_token_id": 513}, "image_token_id 513 != 512"),  # silently: the policy's images were text to it
+    ({"vision": {"image_size": 42, "patch_size": 14}}, "image_size 42 != 28"),  # a shape error inside its ViT
+    ("tokenizer", "its tokenizer .* encodes text unlike the run's"),  # same sizes, other pieces
+])
+def test_a_reward_model_that_reads_ids_or_images_unlike_the_policy_is_refused(shapes_pairs, tmp_path,  # noqa: F811
+                                                                              judge, message):
+    """The reward model scores the policy's token ids and pixels: another vocabulary, image placeholder, image size or
+    tokenizer (its checkpoint's own, trained on other text) is one sentence at setup, not a wrong index later. A
+    reward model of another width reads them as the policy does and is accepted."""
+    import shutil
+
+    import convert
+    from model import build_model
+    from shapes import train_tokenizer
+    from test_dpo import debug_init, dpo_args
+
+    init = debug_init(tmp_path / "init")
+    policy = convert.load_model(init).cfg
+    convert.save_model(build_model(policy.with_overrides({"reward_head": True} | (judge if judge != "tokenizer" else {})),
+                                   seed=5), tmp_path / "judge")
+    if judge == "tokenizer":
+        texts = [f"{w} {n} {w[::-1]}" for n in range(200) for w in ("alpha", "beta", "gamma", "delta")]
+        train_tokenizer(texts, tmp_path / "judge" / "tokenizer", 300)
+    else:
+        shutil.copy(shapes_pairs / "tokenizer.model", tmp_path / "judge")  # the run's own: not what is refused
+    args = dpo_args(shapes_pairs, tmp_path / "out", f"--init_from={init}", "--objective=grpo",
+                    f"--data_dir={shapes_pairs / 'shards'}", f"--grpo_reward={tmp_path / 'judge'}", "--max_iters=1",
+                    "--batch_size=2", "--micro_batch_size=2", "--grpo_group=2", "--grpo_max_new_tokens=3",
+                    "--eval_interval=0", "--ckpt_interval=0", "--final_accuracy_samples=0")
+    with pytest.raises(SystemExit, match=f"grpo_reward '{tmp_path / 'judge'}': .*{message}"):
+        train.main(args)
+    if judge == "tokenizer":  # a narrower reward model with the run's tokenizer: accepted
+        shutil.rmtree(tmp_path / "judge")
+        convert.save_model(build_model(policy.with_overrides({"reward_head": True, "llm": {"dim": 32, "n_heads": 2,
+                                                                                         "n_kv_heads": 2}}), seed=5),
+                           tmp_path / "judge")
+        shutil.copy(shapes_pairs / "tokenizer.model", tmp_path / "judge")
+        train.main(args)
