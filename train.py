@@ -790,6 +790,10 @@ def grpo_setup(cfg, env, loader, resume_from, policy):
     static = cfg["grpo_static"] or env.kind == "xla"  # one compiled rollout: fixed prompt bucket and length
     if env.kind == "xla" and env.world > 1:
         raise SystemExit("config: objective='grpo' under XLA runs on one host (multi-host rollouts are not built)")
+    longest = cfg["seq_len"] - 1 + cfg["grpo_max_new_tokens"]  # a prompt and its completion (static: in seq_len)
+    if not static and longest > policy.llm.max_seq_len:
+        raise SystemExit(f"config: seq_len - 1 prompt tokens + grpo_max_new_tokens = {longest} exceed the model's "
+                         f"max_seq_len={policy.llm.max_seq_len}: lower seq_len (longer prompts are dropped)")
     if static:
         print0(env, f"grpo: static rollouts, prompts left-padded to {rl.prompt_bucket(cfg)} tokens (longer ones skipped), "
                f"{cfg['grpo_max_new_tokens']} new tokens, hashed draws")

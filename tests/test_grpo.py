@@ -651,3 +651,22 @@ def test_a_reward_model_that_reads_ids_or_images_unlike_the_policy_is_refused(sh
                            tmp_path / "judge")
         shutil.copy(shapes_pairs / "tokenizer.model", tmp_path / "judge")
         train.main(args)
+
+
+def test_rollouts_past_the_models_max_seq_len_are_refused_at_setup(shapes_pairs, tmp_path):  # noqa: F811
+    """A model of max_seq_len 30 and seq_len 30: prompts of up to 29 tokens plus 8 new ones do not fit the model;
+    one sentence at setup, not a ValueError from generate at the first long prompt."""
+    import convert
+    from model import build_model
+    from test_dpo import debug_init, dpo_args
+
+    model = convert.load_model(debug_init(tmp_path / "init"))
+    model.cfg.llm.max_seq_len = 30
+    convert.save_model(build_model(model.cfg, seed=0), tmp_path / "short")
+    args = dpo_args(shapes_pairs, tmp_path / "out", f"--init_from={tmp_path / 'short'}", "--objective=grpo",
+                    f"--data_dir={shapes_pairs / 'shards'}", "--grpo_reward=exact_match", "--max_iters=2",
+                    "--batch_size=8", "--micro_batch_size=8", "--grpo_group=2", "--grpo_max_new_tokens=8",
+                    "--seq_len=30", "--eval_interval=0", "--ckpt_interval=0", "--final_accuracy_samples=0")
+    with pytest.raises(SystemExit, match="seq_len - 1 prompt tokens \\+ grpo_max_new_tokens = 37 exceed the model's "
+                                         "max_seq_len=30"):
+        train.main(args)
