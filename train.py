@@ -783,6 +783,11 @@ def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader):
     meter.t_last, meter.data_wait, meter.rows_done, meter.dropped = time.perf_counter(), 0.0, 0, 0
 
 
+# what a generation batch saved in a checkpoint was made with (grpo_beta: whether it holds reference log-probs)
+ROLLOUT_KEYS = ("grpo_group", "grpo_loss", "grpo_beta", "grpo_max_new_tokens", "grpo_temperature", "grpo_top_p",
+                "grpo_reward", "grpo_reference", "grpo_static", "grpo_prompt_len")
+
+
 def grpo_setup(cfg, env, loader, resume_from, policy):
     """objective='grpo': the tokenizer, the stop token, the reward scorer and the sampler of the rollouts; and the
     generation batch in flight when a checkpoint taken inside one (grpo_iterations > 1) was written."""
@@ -798,8 +803,15 @@ def grpo_setup(cfg, env, loader, resume_from, policy):
         print0(env, f"grpo: static rollouts, prompts left-padded to {rl.prompt_bucket(cfg)} tokens (longer ones skipped), "
                f"{cfg['grpo_max_new_tokens']} new tokens, hashed draws")
     saved = saved_own(resume_from, env) if resume_from else None
-    if resume_from and saved is None and json.loads((resume_from / "state.json").read_text())["iter"] % \
-            cfg["grpo_iterations"]:
+    state = json.loads((resume_from / "state.json").read_text()) if resume_from else {}
+    rollout_config = lambda c: {k: bool(c.get(k)) if k == "grpo_beta" else c.get(k) for k in ROLLOUT_KEYS}  # noqa: E731
+    made_with, now = rollout_config(state.get("config", {})), rollout_config(cfg)
+    changed = [k for k in ROLLOUT_KEYS if made_with[k] != now[k]] if saved is not None else []
+    if changed:  # its rollouts lack reference log-probs, or hold other groups, loss units, samples
+        print0(env, f"resume: the generation batch in {resume_from} was sampled with other {', '.join(changed)}: "
+               f"sampling a new one")
+        saved = None
+    elif resume_from and saved is None and state["iter"] % cfg["grpo_iterations"]:
         print0(env, f"resume: {resume_from} holds no generation batch for this world size: sampling a new one")
     device = "cpu" if env.kind == "xla" else env.device
     return SimpleNamespace(tok=tok, stop=data.stop_token_id(cfg["template"], tok),
