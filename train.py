@@ -783,9 +783,10 @@ def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader):
     meter.t_last, meter.data_wait, meter.rows_done, meter.dropped = time.perf_counter(), 0.0, 0, 0
 
 
-# what a generation batch saved in a checkpoint was made with (grpo_beta: whether it holds reference log-probs)
+# what a generation batch saved in a checkpoint was made with (grpo_beta: whether it holds reference log-probs);
+# not grpo_reference, which a resume must name when the reference was init_from
 ROLLOUT_KEYS = ("grpo_group", "grpo_loss", "grpo_beta", "grpo_max_new_tokens", "grpo_temperature", "grpo_top_p",
-                "grpo_reward", "grpo_reference", "grpo_static", "grpo_prompt_len")
+                "grpo_reward", "grpo_static", "grpo_prompt_len")
 
 
 def grpo_setup(cfg, env, loader, resume_from, policy):

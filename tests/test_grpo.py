@@ -672,23 +672,32 @@ def test_rollouts_past_the_models_max_seq_len_are_refused_at_setup(shapes_pairs,
         train.main(args)
 
 
-@pytest.mark.parametrize("change", ["--grpo_beta=0.05", "--grpo_loss=grpo", "--grpo_group=4"])
+@pytest.mark.parametrize("change", ["--grpo_beta=0.05", "--grpo_loss=grpo", "--grpo_group=4", "--grpo_reference"])
 def test_a_resume_that_changes_how_rollouts_are_made_samples_a_new_generation_batch(shapes_pairs,  # noqa: F811
                                                                                    tmp_path, capsys, change):
     """Stopped inside a generation batch (grpo_iterations 2, step 3) and resumed with another grpo_beta (the saved
     rollouts have no reference log-probs: a TypeError), grpo_loss (their loss units are the old kind's) or grpo_group:
-    the saved batch is not trained on, a new one is sampled, and the run says why."""
+    the saved batch is not trained on, a new one is sampled, and the run says why. Naming the reference that was
+    init_from (as a resume must) keeps it."""
     from test_dpo import debug_init, dpo_args
 
     init = debug_init(tmp_path / "init")
     common = ["--objective=grpo", f"--data_dir={shapes_pairs / 'shards'}", "--grpo_reward=test_grpo:short_answers",
               "--batch_size=2", "--micro_batch_size=2", "--grpo_group=3", "--grpo_iterations=2", "--lr=3e-3",
               "--warmup_iters=1", "--eval_interval=0", "--final_accuracy_samples=0", "--grpo_max_new_tokens=5",
-              "--ckpt_interval=2", f"--grpo_reference={init}"]
-    train.main(dpo_args(shapes_pairs, tmp_path / "out", f"--init_from={init}", "--max_iters=3", *common))
+              "--ckpt_interval=2"]
+    reference = f"--grpo_reference={init}"
+    first = ["--grpo_beta=0.05"] if change == "--grpo_reference" else [reference]
+    train.main(dpo_args(shapes_pairs, tmp_path / "out", f"--init_from={init}", "--max_iters=3", *common, *first))
     capsys.readouterr()
-    train.main(dpo_args(shapes_pairs, tmp_path / "out", "--init_from=resume", "--max_iters=4", *common, change))
-    assert f"sampled with other {change[2:].split('=')[0]}" in capsys.readouterr().out
+    again = [reference, "--grpo_beta=0.05"] if change == "--grpo_reference" else [reference, change]
+    train.main(dpo_args(shapes_pairs, tmp_path / "out", "--init_from=resume", "--max_iters=4", *common, *again))
+    out = capsys.readouterr().out
     logged = [json.loads(line) for line in (tmp_path / "out/log.jsonl").read_text().splitlines()]
+    if change == "--grpo_reference":
+        assert "sampled with other" not in out
+        assert [e["step"] for e in logged if e.get("gen_samples_per_s")] == [1, 3]
+        return
+    assert f"sampled with other {change[2:].split('=')[0]}" in out
     assert [e["step"] for e in logged if e.get("gen_samples_per_s")] == [1, 3, 4]
     assert math.isfinite(logged[-1]["loss"]) and logged[-1]["rl/clip_ratio"] == 0
