@@ -88,14 +88,18 @@ def rollout(raw, b, tok, stop, cfg, score, generator, ref_model=None, static=Fal
     """One micro-batch's generation batch: each prompt of the loader's batch b (on the host) G times, sampled with the
     image token and the ids beyond the tokenizer suppressed; rewards = score(completions, answers, ids, attention_mask,
     pixels). Every row of b: a row without a prompt (dropped by the loader, or longer than a static bucket: counted in
-    r["skipped"]) is generated from padding and masked out of loss and metrics. static (XLA): prompts left-padded to
-    prompt_bucket(cfg), generate(static=True), so every rollout has the same shapes and graphs. env puts rows on the device
-    (XLA: split over the data axes), cuts the graph after each token and fetches the completions (without env: the
-    rows stay on b's device). With tiles (max_tiles), score also takes each row's image_index / image_weight."""
+    r["skipped"]; or, with a rule reward, whose reference answer seq_len cut: r["cut"]) is generated from padding and
+    masked out of loss and metrics. static (XLA): prompts left-padded to prompt_bucket(cfg), generate(static=True), so
+    every rollout has the same shapes and graphs. env puts rows on the device (XLA: split over the data axes), cuts the
+    graph after each token and fetches the completions (without env: the rows stay on b's device). With tiles
+    (max_tiles), score also takes each row's image_index / image_weight."""
     G, max_new, temperature = cfg["grpo_group"], cfg["grpo_max_new_tokens"], cfg["grpo_temperature"]
     place = env.place_rows if env is not None else (lambda rows: rows)
     asked = prompts_of(b)
-    n_asked = len(asked)
+    n_asked, T = len(asked), b["labels"].shape[1]
+    if not Path(cfg["grpo_reward"]).is_dir():  # a rule reads the reference answer: not one cut short by seq_len
+        asked = [(r, p, a) for r, p, a in asked if stop in a or len(p) + len(a) < T]
+    n_cut = n_asked - len(asked)
     bucket = prompt_bucket(cfg) if static else max([len(p) for _, p, _ in asked], default=1)
     # every row, a dropped one too: under FSDP2 every rank must generate, even one whose prompts were all dropped
     fits = {r: (p, a) for r, p, a in asked if len(p) <= bucket}
@@ -132,7 +136,7 @@ def rollout(raw, b, tok, stop, cfg, score, generator, ref_model=None, static=Fal
     gen_seconds = time.perf_counter() - t0
     r = {"ids": ids, "mask": mask, "pixel_values": pixels, "completion_mask": completion_mask,
          "advantages": group_advantages(rewards, G), "old_logps": None, "ref_logps": None,
-         "skipped": n_asked - sum(1 for _, p, _ in asked if p)} | tiles
+         "skipped": n_asked - n_cut - sum(1 for _, p, _ in asked if p), "cut": n_cut} | tiles
     if cfg["grpo_iterations"] > 1:  # the sampling policy's log-probs, for the ratio after the first update
         r["old_logps"] = completion_logps(raw, ids, mask, pixels, C, temperature, tiles)[0]
     if cfg["grpo_beta"]:

@@ -835,6 +835,10 @@ def grpo_rollouts(grpo, raw, micro, ref_model, meter, cfg, env, it):
     skipped = sum(r["skipped"] for r, _, _ in done)
     if skipped:
         print0(env, f"step {it + 1}: {skipped} prompt(s) longer than grpo_prompt_len={rl.prompt_bucket(cfg)} skipped")
+    cut = sum(r["cut"] for r, _, _ in done)
+    if cut:
+        print0(env, f"step {it + 1}: {cut} prompt(s) skipped: their reference answer (the rule's) was cut at "
+               f"seq_len={cfg['seq_len']}")
     meter.gen_seconds += sum(seconds for _, seconds, _ in done)
     meter.gen_rows += sum(len(r["ids"]) for r, _, _ in done)
     grpo.rollouts = [r for r, _, _ in done]

@@ -701,3 +701,30 @@ def test_a_resume_that_changes_how_rollouts_are_made_samples_a_new_generation_ba
     assert f"sampled with other {change[2:].split('=')[0]}" in out
     assert [e["step"] for e in logged if e.get("gen_samples_per_s")] == [1, 3, 4]
     assert math.isfinite(logged[-1]["loss"]) and logged[-1]["rl/clip_ratio"] == 0
+
+
+@pytest.mark.parametrize("reward", ["rule", "reward_model"])
+def test_a_reference_answer_cut_at_seq_len_is_not_a_rules_reference(shapes_pairs, tmp_path, reward):  # noqa: F811
+    """seq_len 26: a prompt of 25 tokens keeps one answer token of two (the word, not <|eot_id|>): exact_match would
+    reward a completion that stops there. A rule reward skips (and counts) those rows; a reward model, which never
+    reads the reference, keeps them. Answers that end with the stop token are kept either way."""
+    import data
+    from model import build_model, vlm_preset
+
+    cfg = vlm_preset("debug").with_overrides({"vision": {"image_size": 28, "patch_size": 14},
+                                             "llm": {"vocab_size": 576}, "image_token_id": 512})
+    model = build_model(cfg, seed=0)
+    stream = data.ShardStream(shapes_pairs / "shards", shapes_pairs / "tokenizer.model", split="train", batch_size=8,
+                              seq_len=26, image_size=28, image_token_id=512, n_image_tokens=4, template="llama_3")
+    stop = data.stop_token_id("llama_3", stream.tok)
+    b = next(stream.batch(k) for k in range(20) if any(stop not in a for _, _, a in rl.prompts_of(stream.batch(k))))
+    cut = {r for r, _, a in rl.prompts_of(b) if stop not in a}
+    whole = {r for r, _, a in rl.prompts_of(b) if stop in a}
+    assert cut and whole
+    run = dict(train.DEFAULTS) | {"grpo_group": 2, "grpo_max_new_tokens": 4,
+                                  "grpo_reward": "exact_match" if reward == "rule" else str(tmp_path)}
+    seen = []
+    score = lambda texts, answers, *_: seen.extend(answers) or torch.zeros(len(texts))  # noqa: E731
+    r, _, _ = rl.rollout(model, b, stream.tok, stop, run, score, torch.Generator().manual_seed(0))
+    kept = {row // 2 for row in range(len(r["ids"])) if r["completion_mask"][row].sum() > 0}
+    assert kept == (whole if reward == "rule" else whole | cut) and r.get("cut", 0) == (len(cut) if reward == "rule" else 0)
