@@ -136,7 +136,8 @@ def rollout(raw, b, tok, stop, cfg, score, generator, ref_model=None, static=Fal
     gen_seconds = time.perf_counter() - t0
     r = {"ids": ids, "mask": mask, "pixel_values": pixels, "completion_mask": completion_mask,
          "advantages": group_advantages(rewards, G), "old_logps": None, "ref_logps": None,
-         "skipped": n_asked - n_cut - sum(1 for _, p, _ in asked if p), "cut": n_cut} | tiles
+         "skipped": n_asked - n_cut - sum(1 for _, p, _ in asked if p), "cut": n_cut,
+         "asked": sum(1 for _, p, _ in asked if p)} | tiles
     if cfg["grpo_iterations"] > 1:  # the sampling policy's log-probs, for the ratio after the first update
         r["old_logps"] = completion_logps(raw, ids, mask, pixels, C, temperature, tiles)[0]
     if cfg["grpo_beta"]:

@@ -698,8 +698,8 @@ def train_step(model, micro, trainable, env, cfg, poison=False, ref_model=None, 
             loss = forward_backward(model, b, env, cfg, env.replicas / count.clamp(min=1), poison=poison,
                                     ref_model=ref_model, metrics=meter.dpo if meter else None)
         step_loss += loss.detach()
-    if cfg["objective"] != "sft":
-        meter.dpo_micro += len(micro)
+    if cfg["objective"] != "sft":  # grpo: a micro-batch without prompts has no metrics (zeros), it does not count
+        meter.dpo_micro += sum(1 for b in micro if b.get("asked", 1))
     grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf"))
     return step_loss, count, grad_norm
 
@@ -768,7 +768,7 @@ def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader):
         meter.gen_seconds, meter.gen_rows = 0.0, 0
     if meter.dpo:  # means over the interval's micro-steps and ranks, as the loss
         n_micro = env.all_sum(torch.tensor(float(meter.dpo_micro), device=env.device))
-        event |= {k: (env.all_sum(v) / n_micro).item() for k, v in meter.dpo.items()}
+        event |= {k: (env.all_sum(v) / n_micro.clamp(min=1)).item() for k, v in meter.dpo.items()}
         print0(env, f"step {it}: " + ", ".join(f"{k} {event[k]:.4f}" for k in meter.dpo))
         meter.dpo, meter.dpo_micro = {}, 0
     mfu = f"{100 * event['mfu']:.1f}%" if peak else "n/a"

@@ -584,6 +584,9 @@ def test_grpo_under_torchrun_fsdp_survives_a_rank_whose_prompts_were_all_dropped
     assert "no_supervised_tokens" in r.stdout + r.stderr
     logged = [json.loads(line) for line in (tmp_path / "fsdp/log.jsonl").read_text().splitlines()]
     assert [e["step"] for e in logged if "rl/reward" in e] == [1, 2, 3]
+    # the metrics are means over the micro-batches with prompts: an empty one does not halve them (3 new tokens, a
+    # random policy that never stops: every completion has 3)
+    assert all(e["rl/completion_length"] in (0, 3) for e in logged if "rl/reward" in e), logged
 
 
 def test_a_skipped_step_that_starts_a_generation_batch_leaves_no_rollouts_behind(shapes_pairs, tmp_path):  # noqa: F811
