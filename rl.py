@@ -228,7 +228,18 @@ def reward_scorer(cfg, env, policy, tok):
     spec = cfg["grpo_reward"]
     if not Path(spec).is_dir():
         rule = reward_rule(spec)
-        return lambda texts, answers, *_: torch.tensor(rule(texts, answers), dtype=torch.float32)
+
+        def score(texts, answers, *_):
+            got = rule(texts, answers)
+            try:
+                rewards = torch.tensor(got, dtype=torch.float32)
+            except (TypeError, ValueError, RuntimeError):  # None, strings, ragged lists
+                rewards = None
+            if rewards is None or rewards.shape != (len(texts),):
+                raise SystemExit(f"grpo_reward {spec!r}: expected a list of {len(texts)} floats, one a completion, got "
+                                 f"{str(got)[:80]}")
+            return rewards
+        return score
     try:
         judge = convert.load_model(spec, device=env.device).requires_grad_(False).eval()
     except (convert.ConversionError, OSError, ValueError, KeyError, TypeError) as e:

@@ -731,3 +731,35 @@ def test_a_reference_answer_cut_at_seq_len_is_not_a_rules_reference(shapes_pairs
     r, _, _ = rl.rollout(model, b, stream.tok, stop, run, score, torch.Generator().manual_seed(0))
     kept = {row // 2 for row in range(len(r["ids"])) if r["completion_mask"][row].sum() > 0}
     assert kept == (whole if reward == "rule" else whole | cut) and r.get("cut", 0) == (len(cut) if reward == "rule" else 0)
+
+
+def one_reward_short(completions, answers):
+    return [1.0] * (len(completions) - 1)
+
+
+def reward_none(completions, answers):
+    return None
+
+
+def reward_strings(completions, answers):
+    return ["1"] * len(completions)
+
+
+def reward_scalar(completions, answers):
+    return 1.0
+
+
+@pytest.mark.parametrize("rule", ["one_reward_short", "reward_none", "reward_strings", "reward_scalar"])
+def test_a_reward_rule_that_does_not_return_one_float_a_completion_is_one_sentence(shapes_pairs, tmp_path,  # noqa: F811
+                                                                                    rule):
+    """A user's 'module:function' returning one reward too few, None, strings or a scalar: one sentence naming the
+    rule (it raised a shape error in group_advantages, or a TypeError / ValueError inside torch.tensor)."""
+    from test_dpo import debug_init, dpo_args
+
+    init = debug_init(tmp_path / "init")
+    with pytest.raises(SystemExit, match=f"grpo_reward 'test_grpo:{rule}': expected a list of 8 floats, one a "
+                                         f"completion"):
+        train.main(dpo_args(shapes_pairs, tmp_path / "out", f"--init_from={init}", "--objective=grpo",
+                            f"--data_dir={shapes_pairs / 'shards'}", f"--grpo_reward=test_grpo:{rule}", "--max_iters=1",
+                            "--batch_size=4", "--micro_batch_size=4", "--grpo_group=2", "--grpo_max_new_tokens=3",
+                            "--eval_interval=0", "--ckpt_interval=0", "--final_accuracy_samples=0"))
