@@ -160,7 +160,7 @@ def rollouts_state(rollouts):
     """A generation batch (rollout's dicts, one a micro-batch) as {name: tensor}, for a checkpoint taken inside it."""
     flat = {}
     for m, r in enumerate(rollouts):
-        flat |= {f"{m}.{k}": v for k, v in r.items() if torch.is_tensor(v)}
+        flat |= {f"{m}.{k}": v for k, v in r.items() if torch.is_tensor(v)} | {f"{m}.asked": torch.tensor(r["asked"])}
         flat |= {f"{m}.metrics.{k}": v for k, v in r["metrics"].items()}
     return flat
 
@@ -172,6 +172,8 @@ def rollouts_from_state(flat, device):
         r = rollouts.setdefault(int(m), {"old_logps": None, "ref_logps": None, "metrics": {}})
         if key.startswith("metrics."):
             r["metrics"][key[len("metrics."):]] = v.to(device)
+        elif key == "asked":  # rows with a prompt: whether the micro-batch's metrics count (train.train_step)
+            r[key] = int(v)
         else:
             r[key] = v.to(device)
     return [rollouts[m] for m in sorted(rollouts)]

@@ -566,6 +566,8 @@ def test_rows_the_loader_dropped_are_generated_from_padding_and_weigh_nothing(sh
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads)
     assert all((g == 0).all() for g in grads) == bool(gone.all())
+    resumed = rl.rollouts_from_state(rl.rollouts_state([r]), "cpu")[0]  # a checkpoint inside the generation batch
+    assert resumed["asked"] == r["asked"] == 4 - len(dropped)  # whether the micro-batch's metrics count
 
 
 def test_grpo_under_torchrun_fsdp_survives_a_rank_whose_prompts_were_all_dropped(shapes_pairs, tmp_path):  # noqa: F811
