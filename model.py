@@ -863,12 +863,14 @@ class VLM(nn.Module):
                 raise ValueError(f"generate: {T} prompt + {max_new_tokens} new tokens exceed max_seq_len="
                                  f"{self.cfg.llm.max_seq_len}")
             attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        elif attention_mask is not None and bool((attention_mask[:, -1] == 0).any()):
+        elif attention_mask is not None and bool(((attention_mask[:, -1] == 0) & (attention_mask == 1).any(1)).any()):
             raise ValueError("generate: attention_mask has padding at the end of a row; pad prompts on the left")
         if attention_mask is not None:
             pad = F.pad(attention_mask == 0, (0, max_new_tokens), value=False)  # (B, T + max_new_tokens)
         cache = KVCache(self.cfg.llm, B, T + max_new_tokens, h.dtype, h.device)
         done = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+        if attention_mask is not None and eos_id is not None:  # a row of padding alone (RL: no prompt) is done
+            done = attention_mask.sum(1) == 0
         slot = torch.tensor([T], device=input_ids.device) if static else T  # the next token's cache slot
         seed = None
         if static and temperature > 0:

@@ -87,18 +87,23 @@ def prompt_bucket(cfg):
 def rollout(raw, b, tok, stop, cfg, score, generator, ref_model=None, static=False, env=None):
     """One micro-batch's generation batch: each prompt of the loader's batch b (on the host) G times, sampled with the
     image token and the ids beyond the tokenizer suppressed; rewards = score(completions, answers, ids, attention_mask,
-    pixels). static (XLA): every row of b, prompts left-padded to prompt_bucket(cfg), generate(static=True), so every
-    rollout has the same shapes and graphs; a row without a prompt (dropped by the loader, or longer than the bucket:
-    counted in r["skipped"]) is generated from padding and masked out of loss and metrics. env puts rows on the device
-    (XLA: split over the data axes), cuts the graph after each token and fetches the completions (without env: the
-    rows stay on b's device). With tiles (max_tiles), score also takes each row's image_index / image_weight."""
+    pixels). Every row of b: a row without a prompt (dropped by the loader, or longer than a static bucket: counted in
+    r["skipped"]; or, with a rule reward, whose reference answer seq_len cut: r["cut"]) is generated from padding and
+    masked out of loss and metrics. static (XLA): prompts left-padded to prompt_bucket(cfg), generate(static=True), so
+    every rollout has the same shapes and graphs. env puts rows on the device (XLA: split over the data axes), cuts the
+    graph after each token and fetches the completions (without env: the rows stay on b's device). With tiles
+    (max_tiles), score also takes each row's image_index / image_weight."""
     G, max_new, temperature = cfg["grpo_group"], cfg["grpo_max_new_tokens"], cfg["grpo_temperature"]
     place = env.place_rows if env is not None else (lambda rows: rows)
     asked = prompts_of(b)
-    n_asked, bucket = len(asked), prompt_bucket(cfg) if static else None
-    if static:
-        fits = {r: (p, a) for r, p, a in asked if len(p) <= bucket}
-        asked = [(r, *fits.get(r, ([], []))) for r in range(b["input_ids"].shape[0])]
+    n_asked, T = len(asked), b["labels"].shape[1]
+    if not Path(cfg["grpo_reward"]).is_dir():  # a rule reads the reference answer: not one cut short by seq_len
+        asked = [(r, p, a) for r, p, a in asked if stop in a or len(p) + len(a) < T]
+    n_cut = n_asked - len(asked)
+    bucket = prompt_bucket(cfg) if static else max([len(p) for _, p, _ in asked], default=1)
+    # every row, a dropped one too: under FSDP2 every rank must generate, even one whose prompts were all dropped
+    fits = {r: (p, a) for r, p, a in asked if len(p) <= bucket}
+    asked = [(r, *fits.get(r, ([], []))) for r in range(b["input_ids"].shape[0])]
     prompt_ids, prompt_mask = left_pad([p for _, p, _ in asked], tok.pad_id, bucket)
     prompt_ids, prompt_mask = place(prompt_ids.repeat_interleave(G, 0)), place(prompt_mask.repeat_interleave(G, 0))
     pixels = place(b["pixel_values"][torch.tensor([r for r, _, _ in asked]).repeat_interleave(G)])
@@ -131,7 +136,8 @@ def rollout(raw, b, tok, stop, cfg, score, generator, ref_model=None, static=Fal
     gen_seconds = time.perf_counter() - t0
     r = {"ids": ids, "mask": mask, "pixel_values": pixels, "completion_mask": completion_mask,
          "advantages": group_advantages(rewards, G), "old_logps": None, "ref_logps": None,
-         "skipped": n_asked - sum(1 for _, p, _ in asked if p)} | tiles
+         "skipped": n_asked - n_cut - sum(1 for _, p, _ in asked if p), "cut": n_cut,
+         "asked": sum(1 for _, p, _ in asked if p)} | tiles
     if cfg["grpo_iterations"] > 1:  # the sampling policy's log-probs, for the ratio after the first update
         r["old_logps"] = completion_logps(raw, ids, mask, pixels, C, temperature, tiles)[0]
     if cfg["grpo_beta"]:
@@ -154,7 +160,7 @@ def rollouts_state(rollouts):
     """A generation batch (rollout's dicts, one a micro-batch) as {name: tensor}, for a checkpoint taken inside it."""
     flat = {}
     for m, r in enumerate(rollouts):
-        flat |= {f"{m}.{k}": v for k, v in r.items() if torch.is_tensor(v)}
+        flat |= {f"{m}.{k}": v for k, v in r.items() if torch.is_tensor(v)} | {f"{m}.asked": torch.tensor(r["asked"])}
         flat |= {f"{m}.metrics.{k}": v for k, v in r["metrics"].items()}
     return flat
 
@@ -166,6 +172,8 @@ def rollouts_from_state(flat, device):
         r = rollouts.setdefault(int(m), {"old_logps": None, "ref_logps": None, "metrics": {}})
         if key.startswith("metrics."):
             r["metrics"][key[len("metrics."):]] = v.to(device)
+        elif key == "asked":  # rows with a prompt: whether the micro-batch's metrics count (train.train_step)
+            r[key] = int(v)
         else:
             r[key] = v.to(device)
     return [rollouts[m] for m in sorted(rollouts)]
@@ -188,19 +196,59 @@ def rl_loss(model, r, cfg):
     return loss * (m.sum() if kind == "dapo" else len(m) * (cfg["grpo_max_new_tokens"] if kind == "dr_grpo" else 1)), metrics
 
 
-def reward_scorer(cfg, env):
+def reads_inputs(vlm):
+    """What decides how a model reads token ids and pixels (a reward model must read the policy's as the policy does)."""
+    return {"vocab_size": vlm.llm.vocab_size, "image_token_id": vlm.image_token_id, "video_token_id": vlm.video_token_id,
+            "image_size": vlm.vision.image_size, "n_image_tokens": vlm.n_image_tokens,
+            "image_stats": vlm.vision.image_stats, "anyres": vlm.anyres, "grid_pinpoints": vlm.grid_pinpoints}
+
+
+PROBE = "How many circles? Two; 12 squares, 3.5% ÄÖü 漢字 😀\n\t<|eot_id|></s> Hello world"
+
+
+def check_judge(spec, judge, policy, tok):
+    """A reward model of another vocabulary, image placeholder or image layout, or whose checkpoint holds a tokenizer
+    that encodes text otherwise, would score the policy's ids and pixels wrongly (or fail deep in its forward)."""
+    theirs, ours = reads_inputs(judge.cfg), reads_inputs(policy)
+    differ = [f"{k} {theirs[k]} != {ours[k]}" for k in ours if theirs[k] != ours[k]]
+    if differ:
+        raise SystemExit(f"grpo_reward {spec!r}: the reward model reads ids and images unlike the policy "
+                         f"({', '.join(differ)}: the reward model's first)")
+    if any((Path(spec) / name).exists() for name in ("tokenizer.model", "tokenizer.json")):
+        try:
+            judge_tok = data.Tokenizer(spec)
+        except Exception as e:  # noqa: BLE001  sentencepiece and tokenizers raise many kinds for a bogus file
+            raise SystemExit(f"grpo_reward {spec!r}: cannot load its tokenizer ({type(e).__name__}: {e})") from None
+        if judge_tok.vocab_size != tok.vocab_size or judge_tok.encode(PROBE) != tok.encode(PROBE):
+            raise SystemExit(f"grpo_reward {spec!r}: its tokenizer {str(judge_tok.path)!r} encodes text unlike the "
+                             f"run's {str(tok.path)!r}")
+
+
+def reward_scorer(cfg, env, policy, tok):
     """score(completions, answers, ids, attention_mask, pixels) -> rewards (rows,), from a rule (reward_rule) or a
-    reward-model checkpoint (objective='reward') reading prompt and completion."""
+    reward-model checkpoint (objective='reward') reading prompt and completion as the policy (VLMConfig) does."""
     spec = cfg["grpo_reward"]
     if not Path(spec).is_dir():
         rule = reward_rule(spec)
-        return lambda texts, answers, *_: torch.tensor(rule(texts, answers), dtype=torch.float32)
+
+        def score(texts, answers, *_):
+            got = rule(texts, answers)
+            try:
+                rewards = torch.tensor(got, dtype=torch.float32)
+            except (TypeError, ValueError, RuntimeError):  # None, strings, ragged lists
+                rewards = None
+            if rewards is None or rewards.shape != (len(texts),):
+                raise SystemExit(f"grpo_reward {spec!r}: expected a list of {len(texts)} floats, one a completion, got "
+                                 f"{str(got)[:80]}")
+            return rewards
+        return score
     try:
         judge = convert.load_model(spec, device=env.device).requires_grad_(False).eval()
     except (convert.ConversionError, OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"grpo_reward {spec!r}: cannot load the reward model ({e})") from None
     if judge.reward_head is None:
         raise SystemExit(f"grpo_reward {spec!r}: the checkpoint has no reward head (train one with objective='reward')")
+    check_judge(spec, judge, policy, tok)
     if env.distributed and env.kind != "xla" and cfg["parallel"] == "fsdp":
         judge = shard(judge, env, cfg)  # as the policy and the reference: each rank holds its shards
     print0(env, f"grpo: rewards from the reward model {spec}")

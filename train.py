@@ -740,8 +740,8 @@ def train_step(model, micro, trainable, env, cfg, poison=False, ref_model=None, 
             loss = forward_backward(model, b, env, cfg, env.replicas / count.clamp(min=1), poison=poison,
                                     ref_model=ref_model, metrics=meter.dpo if meter else None)
         step_loss += loss.detach()
-    if cfg["objective"] != "sft":
-        meter.dpo_micro += len(micro)
+    if cfg["objective"] != "sft":  # grpo: a micro-batch without prompts has no metrics (zeros), it does not count
+        meter.dpo_micro += sum(1 for b in micro if b.get("asked", 1))
     grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf"))
     return step_loss, count, grad_norm
 
@@ -810,7 +810,7 @@ def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader):
         meter.gen_seconds, meter.gen_rows = 0.0, 0
     if meter.dpo:  # means over the interval's micro-steps and ranks, as the loss
         n_micro = env.all_sum(torch.tensor(float(meter.dpo_micro), device=env.device))
-        event |= {k: (env.all_sum(v) / n_micro).item() for k, v in meter.dpo.items()}
+        event |= {k: (env.all_sum(v) / n_micro.clamp(min=1)).item() for k, v in meter.dpo.items()}
         print0(env, f"step {it}: " + ", ".join(f"{k} {event[k]:.4f}" for k in meter.dpo))
         meter.dpo, meter.dpo_micro = {}, 0
     mfu = f"{100 * event['mfu']:.1f}%" if peak else "n/a"
@@ -825,22 +825,40 @@ def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader):
     meter.t_last, meter.data_wait, meter.rows_done, meter.dropped = time.perf_counter(), 0.0, 0, 0
 
 
-def grpo_setup(cfg, env, loader, resume_from):
+# what a generation batch saved in a checkpoint was made with (grpo_beta: whether it holds reference log-probs);
+# not grpo_reference, which a resume must name when the reference was init_from
+ROLLOUT_KEYS = ("grpo_group", "grpo_loss", "grpo_beta", "grpo_max_new_tokens", "grpo_temperature", "grpo_top_p",
+                "grpo_reward", "grpo_static", "grpo_prompt_len")
+
+
+def grpo_setup(cfg, env, loader, resume_from, policy):
     """objective='grpo': the tokenizer, the stop token, the reward scorer and the sampler of the rollouts; and the
     generation batch in flight when a checkpoint taken inside one (grpo_iterations > 1) was written."""
     tok = loader.stream.tok
     static = cfg["grpo_static"] or env.kind == "xla"  # one compiled rollout: fixed prompt bucket and length
     if env.kind == "xla" and env.world > 1:
         raise SystemExit("config: objective='grpo' under XLA runs on one host (multi-host rollouts are not built)")
+    longest = cfg["seq_len"] - 1 + cfg["grpo_max_new_tokens"]  # a prompt and its completion (static: in seq_len)
+    if not static and longest > policy.llm.max_seq_len:
+        raise SystemExit(f"config: seq_len - 1 prompt tokens + grpo_max_new_tokens = {longest} exceed the model's "
+                         f"max_seq_len={policy.llm.max_seq_len}: lower seq_len (longer prompts are dropped)")
     if static:
         print0(env, f"grpo: static rollouts, prompts left-padded to {rl.prompt_bucket(cfg)} tokens (longer ones skipped), "
                f"{cfg['grpo_max_new_tokens']} new tokens, hashed draws")
     saved = saved_own(resume_from, env) if resume_from else None
-    if resume_from and saved is None and json.loads((resume_from / "state.json").read_text())["iter"] % \
-            cfg["grpo_iterations"]:
+    state = json.loads((resume_from / "state.json").read_text()) if resume_from else {}
+    rollout_config = lambda c: {k: bool(c.get(k)) if k == "grpo_beta" else c.get(k) for k in ROLLOUT_KEYS}  # noqa: E731
+    made_with, now = rollout_config(state.get("config", {})), rollout_config(cfg)
+    changed = [k for k in ROLLOUT_KEYS if made_with[k] != now[k]] if saved is not None else []
+    if changed:  # its rollouts lack reference log-probs, or hold other groups, loss units, samples
+        print0(env, f"resume: the generation batch in {resume_from} was sampled with other {', '.join(changed)}: "
+               f"sampling a new one")
+        saved = None
+    elif resume_from and saved is None and state["iter"] % cfg["grpo_iterations"]:
         print0(env, f"resume: {resume_from} holds no generation batch for this world size: sampling a new one")
     device = "cpu" if env.kind == "xla" else env.device
-    return SimpleNamespace(tok=tok, stop=data.stop_token_id(cfg["template"], tok), score=rl.reward_scorer(cfg, env),
+    return SimpleNamespace(tok=tok, stop=data.stop_token_id(cfg["template"], tok),
+                           score=rl.reward_scorer(cfg, env, policy, tok),
                            sampler=torch.Generator(device), static=static,
                            rollouts=rl.rollouts_from_state(saved, env.device) if saved else None)
 
@@ -859,6 +877,10 @@ def grpo_rollouts(grpo, raw, micro, ref_model, meter, cfg, env, it):
     skipped = sum(r["skipped"] for r, _, _ in done)
     if skipped:
         print0(env, f"step {it + 1}: {skipped} prompt(s) longer than grpo_prompt_len={rl.prompt_bucket(cfg)} skipped")
+    cut = sum(r["cut"] for r, _, _ in done)
+    if cut:
+        print0(env, f"step {it + 1}: {cut} prompt(s) skipped: their reference answer (the rule's) was cut at "
+               f"seq_len={cfg['seq_len']}")
     meter.gen_seconds += sum(seconds for _, seconds, _ in done)
     meter.gen_rows += sum(len(r["ids"]) for r, _, _ in done)
     grpo.rollouts = [r for r, _, _ in done]
@@ -896,7 +918,7 @@ def main(argv=None):
     log, log_file = open_log(out, cfg, env)
     poison, poison_weight = injected_faults(env)
     meter = start_meter(raw, cfg, env)
-    grpo = grpo_setup(cfg, env, loader, resume_from) if cfg["objective"] == "grpo" else None
+    grpo = grpo_setup(cfg, env, loader, resume_from, raw.cfg) if cfg["objective"] == "grpo" else None
     trainable = [p for p in raw.parameters() if p.requires_grad]
     batches = iter(loader)
     it = start
@@ -911,6 +933,8 @@ def main(argv=None):
             if skipped:  # the batch is consumed, nothing trains; a checkpoint due here is still written
                 print0(env, f"step {it}: skipped (skip_steps); its {cfg['batch_size']} samples are consumed")
                 log({"step": it, "skipped": True})
+                if grpo is not None and fresh:  # grpo: no generation batch for the steps after it, the next one samples
+                    grpo.rollouts = None
             else:
                 lr_now = set_lr(optimizer, it, cfg)
                 micro = [device_batch(b, env, raw.cfg.vision) for b in micro] if grpo is None else micro

@@ -468,10 +468,12 @@ def test_grpo_on_xla_spmd_compiles_once_and_matches_cpu_eager(shapes_pairs, tmp_
     assert compiles[1] == compiles[-1], compiles
 
 
-def test_tiled_rollouts_place_each_prompts_tiles_as_the_row_run_alone(shapes_pairs, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("static", [False, True])
+def test_tiled_rollouts_place_each_prompts_tiles_as_the_row_run_alone(shapes_pairs, tmp_path, static):  # noqa: F811
     """The tile path (anyres_max, several image sizes, questions of several lengths): the rollout left-pads the prompts,
     shifting each row's tile placement with it; every completion's log-probs equal those of its row run alone, unpadded,
-    with the placement the loader gave it. The tiles reach generation: other pixels, other samples."""
+    with the placement the loader gave it. The tiles reach generation: other pixels, other samples. Static: prompts
+    padded to a bucket below the longest (which is skipped: no completion) and above the others."""
     import numpy as np
 
     import data
@@ -500,17 +502,26 @@ def test_tiled_rollouts_place_each_prompts_tiles_as_the_row_run_alone(shapes_pai
     model = build_model(cfg, seed=0).eval()
     stop = data.stop_token_id("llama_3", stream.tok)
     run = dict(train.DEFAULTS) | {"grpo_group": 2, "grpo_max_new_tokens": 5, "grpo_beta": 0.1, "grpo_iterations": 2}
+    lengths = sorted({len(p) for k in range(2) for _, p, _ in rl.prompts_of(stream.batch(k))})
+    bucket = lengths[-1] - 1  # the longest prompts are skipped, the others padded by 1 or more beyond their batch's
+    if static:
+        run |= {"grpo_static": True, "grpo_prompt_len": bucket}
     score = lambda texts, answers, *_: torch.tensor(short_answers(texts, answers))  # noqa: E731
     for k in range(2):
         b = stream.batch(k)  # the loader's host batch, as train.py hands it to rollout (which normalises the pixels)
         pixels = data.normalize_images(b["pixel_values"], *cfg.vision.image_stats)
         asked = rl.prompts_of(b)
         assert len({len(p) for _, p, _ in asked}) > 1  # prompts of different lengths: left padding moves the tiles
-        r, _, _ = rl.rollout(model, b, stream.tok, stop, run, score, torch.Generator().manual_seed(k), ref_model=model)
+        r, _, _ = rl.rollout(model, b, stream.tok, stop, run, score, torch.Generator().manual_seed(k), ref_model=model,
+                             static=static)
         C = r["completion_mask"].shape[1]
+        assert r["skipped"] == (sum(len(p) > bucket for _, p, _ in asked) if static else 0)
         for row in range(len(r["ids"])):
             src, prompt = asked[row // 2][0], asked[row // 2][1]
             n = int(r["completion_mask"][row].sum())
+            if static and len(prompt) > bucket:
+                assert n == 0
+                continue
             ids = torch.tensor(prompt + r["ids"][row, -C:][:n].tolist())[None]
             tiles = {key: torch.nn.functional.pad(b[key][src, : len(prompt)], (0, 0, 0, n))[None]
                      for key in ("image_index", "image_weight")}
@@ -520,5 +531,237 @@ def test_tiled_rollouts_place_each_prompts_tiles_as_the_row_run_alone(shapes_pai
             assert torch.allclose(r["old_logps"][row, :n], alone[0], atol=1e-5), (k, row)
             assert torch.allclose(r["ref_logps"][row, :n], alone[0], atol=1e-5)
         other = dict(b, pixel_values=torch.randint_like(b["pixel_values"], 0, 256))  # other images (uint8, as loaded)
-        again, _, _ = rl.rollout(model, other, stream.tok, stop, run, score, torch.Generator().manual_seed(k), model)
+        again, _, _ = rl.rollout(model, other, stream.tok, stop, run, score, torch.Generator().manual_seed(k), model,
+                                 static=static)
         assert not torch.equal(again["ids"], r["ids"])
+
+
+@pytest.mark.parametrize("dropped", [[0, 1, 2, 3], [1, 2]])
+def test_rows_the_loader_dropped_are_generated_from_padding_and_weigh_nothing(shapes_pairs, dropped):  # noqa: F811
+    """A micro-batch whose prompts the loader dropped (too long for seq_len: no labels), all or some, outside static
+    rollouts: every row is still generated (under FSDP2 every rank must run generate's collectives), a dropped one
+    from padding, and it weighs nothing: no completion tokens, no units, no gradient."""
+    import data
+    from model import build_model, vlm_preset
+
+    cfg = vlm_preset("debug").with_overrides({"vision": {"image_size": 28, "patch_size": 14},
+                                             "llm": {"vocab_size": 576}, "image_token_id": 512})
+    model = build_model(cfg, seed=0)
+    stream = data.ShardStream(shapes_pairs / "shards", shapes_pairs / "tokenizer.model", split="train", batch_size=4,
+                              seq_len=48, image_size=28, image_token_id=512, n_image_tokens=4, template="llama_3")
+    b = stream.batch(0)
+    b["labels"][dropped] = -100  # as the loader leaves a dropped sample
+    stop = data.stop_token_id("llama_3", stream.tok)
+    run = dict(train.DEFAULTS) | {"grpo_group": 3, "grpo_max_new_tokens": 6, "grpo_beta": 0.1, "grpo_iterations": 2}
+    score = lambda texts, answers, *_: torch.tensor(short_answers(texts, answers))  # noqa: E731
+    r, _, texts = rl.rollout(model, b, stream.tok, stop, run, score, torch.Generator().manual_seed(0), model)
+    gone = torch.zeros(4, dtype=torch.bool)
+    gone[dropped] = True
+    gone = gone.repeat_interleave(3)
+    assert len(r["ids"]) == len(texts) == 12 and (r["completion_mask"][gone] == 0).all()
+    assert (r["completion_mask"][~gone].sum(1) > 0).all() and r["units"] == r["completion_mask"].sum()
+    loss, metrics = rl.rl_loss(model, r, run)
+    loss.backward()
+    assert math.isfinite(float(loss.detach())) and all(math.isfinite(float(v)) for v in metrics.values())
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    assert all((g == 0).all() for g in grads) == bool(gone.all())
+    resumed = rl.rollouts_from_state(rl.rollouts_state([r]), "cpu")[0]  # a checkpoint inside the generation batch
+    assert resumed["asked"] == r["asked"] == 4 - len(dropped)  # whether the micro-batch's metrics count
+
+
+def test_grpo_under_torchrun_fsdp_survives_a_rank_whose_prompts_were_all_dropped(shapes_pairs, tmp_path):  # noqa: F811
+    """seq_len 25 drops the prompts of 25 tokens or more (about half of them): with one prompt a rank a micro-batch, a
+    rank often has none while the other has one; lockstep decoding needs both to generate (one raising or skipping
+    would hang or kill the other)."""
+    from test_dpo import debug_init, dpo_args
+    from test_train import run
+
+    init = debug_init(tmp_path / "init")
+    r = run(dpo_args(shapes_pairs, tmp_path / "fsdp", f"--init_from={init}", "--objective=grpo",
+                     f"--data_dir={shapes_pairs / 'shards'}", "--grpo_reward=exact_match", "--seq_len=25",
+                     "--batch_size=2", "--micro_batch_size=1", "--max_iters=3", "--grpo_group=2",
+                     "--grpo_max_new_tokens=3", "--parallel=fsdp", "--eval_interval=0", "--ckpt_interval=0",
+                     "--final_accuracy_samples=0"), nproc=2)
+    assert "no_supervised_tokens" in r.stdout + r.stderr
+    logged = [json.loads(line) for line in (tmp_path / "fsdp/log.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in logged if "rl/reward" in e] == [1, 2, 3]
+    # the metrics are means over the micro-batches with prompts: an empty one does not halve them (3 new tokens, a
+    # random policy that never stops: every completion has 3)
+    assert all(e["rl/completion_length"] in (0, 3) for e in logged if "rl/reward" in e), logged
+
+
+def test_a_skipped_step_that_starts_a_generation_batch_leaves_no_rollouts_behind(shapes_pairs, tmp_path):  # noqa: F811
+    """grpo_iterations 2, skip_steps [(2, 3)]: iteration 2 would start a generation batch; its batch is consumed and
+    nothing trains, so iteration 3 has no rollouts of its own and must sample a new batch (the policy that sampled it
+    is the one trained: clip ratio 0), not train again on iteration 0's. Stopped at 3 and resumed, the same."""
+    from test_dpo import debug_init, dpo_args
+
+    init = debug_init(tmp_path / "init")
+    common = [f"--init_from={init}", "--objective=grpo", f"--data_dir={shapes_pairs / 'shards'}",
+              "--grpo_reward=test_grpo:short_answers", "--batch_size=2", "--micro_batch_size=2", "--grpo_group=3",
+              "--grpo_iterations=2", "--skip_steps=[(2, 3)]", "--lr=3e-2", "--warmup_iters=0", "--eval_interval=0",
+              "--final_accuracy_samples=0", "--grpo_max_new_tokens=5", "--ckpt_interval=3"]
+    train.main(dpo_args(shapes_pairs, tmp_path / "straight", "--max_iters=5", *common))
+    train.main(dpo_args(shapes_pairs, tmp_path / "resumed", "--max_iters=3", *common))
+    train.main(dpo_args(shapes_pairs, tmp_path / "resumed", "--max_iters=5", *common[1:], "--init_from=resume"))
+    read = lambda run: [json.loads(line) for line in (tmp_path / run / "log.jsonl").read_text().splitlines()  # noqa: E731
+                        if "rl/reward" in line]
+    straight, resumed = read("straight"), read("resumed")
+    assert [e["step"] for e in straight] == [1, 2, 4, 5]
+    assert [e["step"] for e in straight if e.get("gen_samples_per_s")] == [1, 4, 5]
+    assert straight[2]["rl/clip_ratio"] == 0 and straight[1]["rl/clip_ratio"] > 0
+    for want, got in zip(straight, resumed, strict=True):
+        for k in ("loss", "rl/reward", "rl/completion_length"):
+            assert abs(got[k] - want[k]) <= 1e-6 * max(1.0, abs(want[k])), (want["step"], k, got[k], want[k])
+
+
+@pytest.mark.parametrize("judge,message", [
+    ({"llm": {"vocab_size": 300}, "image_token_id": 290}, "vocab_size 300 != 576"),  # an IndexError in the embedding
+    ({"image_token_id": 513}, "image_token_id 513 != 512"),  # silently: the policy's images were text to it
+    ({"vision": {"image_size": 42, "patch_size": 14}}, "image_size 42 != 28"),  # a shape error inside its ViT
+    ("tokenizer", "its tokenizer .* encodes text unlike the run's"),  # same sizes, other pieces
+])
+def test_a_reward_model_that_reads_ids_or_images_unlike_the_policy_is_refused(shapes_pairs, tmp_path,  # noqa: F811
+                                                                              judge, message):
+    """The reward model scores the policy's token ids and pixels: another vocabulary, image placeholder, image size or
+    tokenizer (its checkpoint's own, trained on other text) is one sentence at setup, not a wrong index later. A
+    reward model of another width reads them as the policy does and is accepted."""
+    import shutil
+
+    import convert
+    from model import build_model
+    from shapes import train_tokenizer
+    from test_dpo import debug_init, dpo_args
+
+    init = debug_init(tmp_path / "init")
+    policy = convert.load_model(init).cfg
+    convert.save_model(build_model(policy.with_overrides({"reward_head": True} | (judge if judge != "tokenizer" else {})),
+                                   seed=5), tmp_path / "judge")
+    if judge == "tokenizer":
+        texts = [f"{w} {n} {w[::-1]}" for n in range(200) for w in ("alpha", "beta", "gamma", "delta")]
+        train_tokenizer(texts, tmp_path / "judge" / "tokenizer", 300)
+    else:
+        shutil.copy(shapes_pairs / "tokenizer.model", tmp_path / "judge")  # the run's own: not what is refused
+    args = dpo_args(shapes_pairs, tmp_path / "out", f"--init_from={init}", "--objective=grpo",
+                    f"--data_dir={shapes_pairs / 'shards'}", f"--grpo_reward={tmp_path / 'judge'}", "--max_iters=1",
+                    "--batch_size=2", "--micro_batch_size=2", "--grpo_group=2", "--grpo_max_new_tokens=3",
+                    "--eval_interval=0", "--ckpt_interval=0", "--final_accuracy_samples=0")
+    with pytest.raises(SystemExit, match=f"grpo_reward '{tmp_path / 'judge'}': .*{message}"):
+        train.main(args)
+    if judge == "tokenizer":  # a narrower reward model with the run's tokenizer: accepted
+        shutil.rmtree(tmp_path / "judge")
+        convert.save_model(build_model(policy.with_overrides({"reward_head": True, "llm": {"dim": 32, "n_heads": 2,
+                                                                                         "n_kv_heads": 2}}), seed=5),
+                           tmp_path / "judge")
+        shutil.copy(shapes_pairs / "tokenizer.model", tmp_path / "judge")
+        train.main(args)
+
+
+def test_rollouts_past_the_models_max_seq_len_are_refused_at_setup(shapes_pairs, tmp_path):  # noqa: F811
+    """A model of max_seq_len 30 and seq_len 30: prompts of up to 29 tokens plus 8 new ones do not fit the model;
+    one sentence at setup, not a ValueError from generate at the first long prompt."""
+    import convert
+    from model import build_model
+    from test_dpo import debug_init, dpo_args
+
+    model = convert.load_model(debug_init(tmp_path / "init"))
+    model.cfg.llm.max_seq_len = 30
+    convert.save_model(build_model(model.cfg, seed=0), tmp_path / "short")
+    args = dpo_args(shapes_pairs, tmp_path / "out", f"--init_from={tmp_path / 'short'}", "--objective=grpo",
+                    f"--data_dir={shapes_pairs / 'shards'}", "--grpo_reward=exact_match", "--max_iters=2",
+                    "--batch_size=8", "--micro_batch_size=8", "--grpo_group=2", "--grpo_max_new_tokens=8",
+                    "--seq_len=30", "--eval_interval=0", "--ckpt_interval=0", "--final_accuracy_samples=0")
+    with pytest.raises(SystemExit, match="seq_len - 1 prompt tokens \\+ grpo_max_new_tokens = 37 exceed the model's "
+                                         "max_seq_len=30"):
+        train.main(args)
+
+
+@pytest.mark.parametrize("change", ["--grpo_beta=0.05", "--grpo_loss=grpo", "--grpo_group=4", "--grpo_reference"])
+def test_a_resume_that_changes_how_rollouts_are_made_samples_a_new_generation_batch(shapes_pairs,  # noqa: F811
+                                                                                   tmp_path, capsys, change):
+    """Stopped inside a generation batch (grpo_iterations 2, step 3) and resumed with another grpo_beta (the saved
+    rollouts have no reference log-probs: a TypeError), grpo_loss (their loss units are the old kind's) or grpo_group:
+    the saved batch is not trained on, a new one is sampled, and the run says why. Naming the reference that was
+    init_from (as a resume must) keeps it."""
+    from test_dpo import debug_init, dpo_args
+
+    init = debug_init(tmp_path / "init")
+    common = ["--objective=grpo", f"--data_dir={shapes_pairs / 'shards'}", "--grpo_reward=test_grpo:short_answers",
+              "--batch_size=2", "--micro_batch_size=2", "--grpo_group=3", "--grpo_iterations=2", "--lr=3e-3",
+              "--warmup_iters=1", "--eval_interval=0", "--final_accuracy_samples=0", "--grpo_max_new_tokens=5",
+              "--ckpt_interval=2"]
+    reference = f"--grpo_reference={init}"
+    first = ["--grpo_beta=0.05"] if change == "--grpo_reference" else [reference]
+    train.main(dpo_args(shapes_pairs, tmp_path / "out", f"--init_from={init}", "--max_iters=3", *common, *first))
+    capsys.readouterr()
+    again = [reference, "--grpo_beta=0.05"] if change == "--grpo_reference" else [reference, change]
+    train.main(dpo_args(shapes_pairs, tmp_path / "out", "--init_from=resume", "--max_iters=4", *common, *again))
+    out = capsys.readouterr().out
+    logged = [json.loads(line) for line in (tmp_path / "out/log.jsonl").read_text().splitlines()]
+    if change == "--grpo_reference":
+        assert "sampled with other" not in out
+        assert [e["step"] for e in logged if e.get("gen_samples_per_s")] == [1, 3]
+        return
+    assert f"sampled with other {change[2:].split('=')[0]}" in out
+    assert [e["step"] for e in logged if e.get("gen_samples_per_s")] == [1, 3, 4]
+    assert math.isfinite(logged[-1]["loss"]) and logged[-1]["rl/clip_ratio"] == 0
+
+
+@pytest.mark.parametrize("reward", ["rule", "reward_model"])
+def test_a_reference_answer_cut_at_seq_len_is_not_a_rules_reference(shapes_pairs, tmp_path, reward):  # noqa: F811
+    """seq_len 26: a prompt of 25 tokens keeps one answer token of two (the word, not <|eot_id|>): exact_match would
+    reward a completion that stops there. A rule reward skips (and counts) those rows; a reward model, which never
+    reads the reference, keeps them. Answers that end with the stop token are kept either way."""
+    import data
+    from model import build_model, vlm_preset
+
+    cfg = vlm_preset("debug").with_overrides({"vision": {"image_size": 28, "patch_size": 14},
+                                             "llm": {"vocab_size": 576}, "image_token_id": 512})
+    model = build_model(cfg, seed=0)
+    stream = data.ShardStream(shapes_pairs / "shards", shapes_pairs / "tokenizer.model", split="train", batch_size=8,
+                              seq_len=26, image_size=28, image_token_id=512, n_image_tokens=4, template="llama_3")
+    stop = data.stop_token_id("llama_3", stream.tok)
+    b = next(stream.batch(k) for k in range(20) if any(stop not in a for _, _, a in rl.prompts_of(stream.batch(k))))
+    cut = {r for r, _, a in rl.prompts_of(b) if stop not in a}
+    whole = {r for r, _, a in rl.prompts_of(b) if stop in a}
+    assert cut and whole
+    run = dict(train.DEFAULTS) | {"grpo_group": 2, "grpo_max_new_tokens": 4,
+                                  "grpo_reward": "exact_match" if reward == "rule" else str(tmp_path)}
+    seen = []
+    score = lambda texts, answers, *_: seen.extend(answers) or torch.zeros(len(texts))  # noqa: E731
+    r, _, _ = rl.rollout(model, b, stream.tok, stop, run, score, torch.Generator().manual_seed(0))
+    kept = {row // 2 for row in range(len(r["ids"])) if r["completion_mask"][row].sum() > 0}
+    assert kept == (whole if reward == "rule" else whole | cut) and r.get("cut", 0) == (len(cut) if reward == "rule" else 0)
+
+
+def one_reward_short(completions, answers):
+    return [1.0] * (len(completions) - 1)
+
+
+def reward_none(completions, answers):
+    return None
+
+
+def reward_strings(completions, answers):
+    return ["1"] * len(completions)
+
+
+def reward_scalar(completions, answers):
+    return 1.0
+
+
+@pytest.mark.parametrize("rule", ["one_reward_short", "reward_none", "reward_strings", "reward_scalar"])
+def test_a_reward_rule_that_does_not_return_one_float_a_completion_is_one_sentence(shapes_pairs, tmp_path,  # noqa: F811
+                                                                                    rule):
+    """A user's 'module:function' returning one reward too few, None, strings or a scalar: one sentence naming the
+    rule (it raised a shape error in group_advantages, or a TypeError / ValueError inside torch.tensor)."""
+    from test_dpo import debug_init, dpo_args
+
+    init = debug_init(tmp_path / "init")
+    with pytest.raises(SystemExit, match=f"grpo_reward 'test_grpo:{rule}': expected a list of 8 floats, one a "
+                                         f"completion"):
+        train.main(dpo_args(shapes_pairs, tmp_path / "out", f"--init_from={init}", "--objective=grpo",
+                            f"--data_dir={shapes_pairs / 'shards'}", f"--grpo_reward=test_grpo:{rule}", "--max_iters=1",
+                            "--batch_size=4", "--micro_batch_size=4", "--grpo_group=2", "--grpo_max_new_tokens=3",
+                            "--eval_interval=0", "--ckpt_interval=0", "--final_accuracy_samples=0"))
