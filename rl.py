@@ -5,16 +5,19 @@ clipped policy loss (model.grpo_loss) on each optimisation step that reuses the 
 """
 
 import importlib
+import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
 import convert
 import data
-from model import group_advantages, grpo_loss, left_pad
-from parallel import gathered_for_generation, print0, shard
+from checkpoint import saved_own
+from model import GRPO_LOSSES, group_advantages, grpo_loss, left_pad
+from parallel import autocast, gathered_for_generation, print0, shard
 
 
 def exact_match(completions, answers):
@@ -254,3 +257,90 @@ def reward_scorer(cfg, env, policy, tok):
     print0(env, f"grpo: rewards from the reward model {spec}")
     return lambda texts, answers, ids, mask, pixels, tiles: judge(ids, pixels, attention_mask=mask, reward=True,
                                                                   **tiles)[1]
+
+
+# -----------------------------------------------------------------------------
+# train.py's objective='grpo': its config, its setup and each new generation batch
+
+def check_config(cfg):
+    """objective='grpo': its keys in train.py's config, each error one sentence."""
+    if cfg["grpo_loss"] not in GRPO_LOSSES:
+        raise SystemExit(f"config: grpo_loss must be one of {GRPO_LOSSES}, got {cfg['grpo_loss']!r}")
+    if cfg["grpo_group"] < 2 or cfg["grpo_iterations"] < 1 or cfg["grpo_max_new_tokens"] < 1:
+        raise SystemExit(f"config: grpo_group must be >= 2, grpo_iterations and grpo_max_new_tokens >= 1; got "
+                         f"{cfg['grpo_group']}, {cfg['grpo_iterations']}, {cfg['grpo_max_new_tokens']}")
+    if cfg["grpo_beta"] < 0 or cfg["grpo_epsilon"] <= 0 or cfg["grpo_temperature"] <= 0 or not 0 < cfg["grpo_top_p"] <= 1:
+        raise SystemExit("config: grpo_beta must be >= 0, grpo_epsilon and grpo_temperature > 0, grpo_top_p in (0, 1]")
+    if cfg["pack"]:
+        raise SystemExit("config: objective='grpo' samples one prompt a row: pack must be 0")
+    room = cfg["seq_len"] - cfg["grpo_max_new_tokens"]  # static rollouts (grpo_static, XLA) must fit in seq_len
+    if (cfg["grpo_static"] or cfg["device"] == "xla") and not 0 < prompt_bucket(cfg) <= room:
+        raise SystemExit(f"config: static rollouts need grpo_prompt_len in [1, seq_len - grpo_max_new_tokens = {room}] "
+                         f"(0 takes {room}); got {cfg['grpo_prompt_len']}")
+    if cfg["grpo_beta"] and (cfg["grpo_reference"] or cfg["init_from"]) in ("scratch", "resume"):
+        raise SystemExit("config: grpo_beta > 0 needs a reference checkpoint: init_from, or grpo_reference=DIR")
+    if not Path(cfg["grpo_reward"]).is_dir():
+        try:
+            reward_rule(cfg["grpo_reward"])
+        except ValueError as e:
+            raise SystemExit(f"config: {e}") from None
+
+
+ROLLOUT_KEYS = ("grpo_group", "grpo_loss", "grpo_beta", "grpo_max_new_tokens", "grpo_temperature", "grpo_top_p",
+                "grpo_reward", "grpo_static", "grpo_prompt_len")
+
+
+def setup(cfg, env, loader, resume_from, policy):
+    """objective='grpo': the tokenizer, the stop token, the reward scorer and the sampler of the rollouts; and the
+    generation batch in flight when a checkpoint taken inside one (grpo_iterations > 1) was written."""
+    tok = loader.stream.tok
+    static = cfg["grpo_static"] or env.kind == "xla"  # one compiled rollout: fixed prompt bucket and length
+    if env.kind == "xla" and env.world > 1:
+        raise SystemExit("config: objective='grpo' under XLA runs on one host (multi-host rollouts are not built)")
+    longest = cfg["seq_len"] - 1 + cfg["grpo_max_new_tokens"]  # a prompt and its completion (static: in seq_len)
+    if not static and longest > policy.llm.max_seq_len:
+        raise SystemExit(f"config: seq_len - 1 prompt tokens + grpo_max_new_tokens = {longest} exceed the model's "
+                         f"max_seq_len={policy.llm.max_seq_len}: lower seq_len (longer prompts are dropped)")
+    if static:
+        print0(env, f"grpo: static rollouts, prompts left-padded to {prompt_bucket(cfg)} tokens (longer ones skipped), "
+               f"{cfg['grpo_max_new_tokens']} new tokens, hashed draws")
+    saved = saved_own(resume_from, env) if resume_from else None
+    state = json.loads((resume_from / "state.json").read_text()) if resume_from else {}
+    rollout_config = lambda c: {k: bool(c.get(k)) if k == "grpo_beta" else c.get(k) for k in ROLLOUT_KEYS}  # noqa: E731
+    made_with, now = rollout_config(state.get("config", {})), rollout_config(cfg)
+    changed = [k for k in ROLLOUT_KEYS if made_with[k] != now[k]] if saved is not None else []
+    if changed:  # its rollouts lack reference log-probs, or hold other groups, loss units, samples
+        print0(env, f"resume: the generation batch in {resume_from} was sampled with other {', '.join(changed)}: "
+               f"sampling a new one")
+        saved = None
+    elif resume_from and saved is None and state["iter"] % cfg["grpo_iterations"]:
+        print0(env, f"resume: {resume_from} holds no generation batch for this world size: sampling a new one")
+    device = "cpu" if env.kind == "xla" else env.device
+    return SimpleNamespace(tok=tok, stop=data.stop_token_id(cfg["template"], tok),
+                           score=reward_scorer(cfg, env, policy, tok),
+                           sampler=torch.Generator(device), static=static,
+                           rollouts=rollouts_from_state(saved, env.device) if saved else None)
+
+
+def generation_batch(grpo, raw, micro, ref_model, meter, cfg, env, it):
+    """A new generation batch: each micro-batch's prompts sampled grpo_group times and scored (seeded by rank, step
+    and micro-batch: a step's samples survive a resume)."""
+    env.step_end()  # XLA: what is pending (the first step: the setup's work) stays out of the rollouts' graphs
+    done = []
+    for m, b in enumerate(micro):  # each micro-batch its own seed: its samples whatever the others drew (FSDP2 = DDP)
+        grpo.sampler.manual_seed(cfg["seed"] + 7919 * env.rank + 104729 * it + 1299709 * m)
+        with autocast(env, cfg):
+            done.append(rollout(raw, b, grpo.tok, grpo.stop, cfg, grpo.score, grpo.sampler, ref_model, grpo.static,
+                                   env))
+    env.step_end()  # XLA: the rollouts' last graph apart from the training step's
+    skipped = sum(r["skipped"] for r, _, _ in done)
+    if skipped:
+        print0(env, f"step {it + 1}: {skipped} prompt(s) longer than grpo_prompt_len={prompt_bucket(cfg)} skipped")
+    cut = sum(r["cut"] for r, _, _ in done)
+    if cut:
+        print0(env, f"step {it + 1}: {cut} prompt(s) skipped: their reference answer (the rule's) was cut at "
+               f"seq_len={cfg['seq_len']}")
+    meter.gen_seconds += sum(seconds for _, seconds, _ in done)
+    meter.gen_rows += sum(len(r["ids"]) for r, _, _ in done)
+    grpo.rollouts = [r for r, _, _ in done]
+    return grpo.rollouts

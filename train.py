@@ -9,8 +9,6 @@ Train a LLaVA-style VLM. Configured nanoGPT-style: the defaults below, then a co
 stage 0 trains everything, stage 1 the projector only, stage 2 the projector and the LLM.
 """
 
-import ast
-import builtins
 import json
 import math
 import os
@@ -19,23 +17,22 @@ import shutil
 import signal
 import sys
 import time
-import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
+import config
 import convert
 import data
 import rl
-from checkpoint import (Checkpointer, check_resume_config, checkpoints, newest_good_checkpoint, saved_own,
-                        wait_for_stop_writer)
+from checkpoint import (Checkpointer, check_resume_config, checkpoints, newest_good_checkpoint, wait_for_stop_writer)
 from dpo import (evaluate_preference, pair_objective, preference_loss, reference_model,  # noqa: F401  (tests: train.*)
                  reward_pairs, sequence_logps)
 from evaluation import device_batch, evaluate, final_accuracy
 from lora import LoRAConfig, apply_lora, is_lora_parameter, merge_lora
-from model import DPO_LOSSES, GRPO_LOSSES, VLMConfig, build_model, param_group, vlm_preset
+from model import DPO_LOSSES, VLMConfig, build_model, param_group, vlm_preset
 from parallel import Env, autocast, checkpoint_fn, grad_sync, init_optimizer_state, print0, shard
 
 # -----------------------------------------------------------------------------
@@ -134,40 +131,6 @@ DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isin
 # configuration
 
 
-def _typed(key, value, default):
-    ok = isinstance(value, type(default)) or (isinstance(default, float) and isinstance(value, int)) or \
-        (isinstance(default, list) and isinstance(value, (list, tuple)))
-    if not ok or (isinstance(default, int) and isinstance(value, bool) != isinstance(default, bool)):
-        raise SystemExit(f"config: {key} must be {type(default).__name__}, got {value!r} ({type(value).__name__})")
-    return float(value) if isinstance(default, float) else (list(value) if isinstance(default, list) else value)
-
-
-def run_config_file(arg):
-    """The names config file `arg` assigns. It must be an existing .py file of assignments: YAML's `key: value`
-    parses as a Python annotation and would be silently ignored. Whatever it raises is named with its line."""
-    path = Path(arg)
-    if not path.is_file():
-        raise SystemExit(f"config: {arg}: no such file (arguments are a config file or --key=value)")
-    if path.suffix != ".py":
-        raise SystemExit(f"config: {arg}: a config is a Python file of `key = value` lines (configs/*.py), "
-                         f"not {path.suffix or 'a file without a suffix'}")
-    try:
-        tree = ast.parse(path.read_text(), filename=arg)
-    except (SyntaxError, ValueError, UnicodeDecodeError) as e:
-        raise SystemExit(f"config: {arg}: not valid Python ({e})") from None
-    for node in ast.walk(tree):
-        if isinstance(node, ast.AnnAssign) and node.value is None:
-            raise SystemExit(f"config: {arg}:{node.lineno}: `{ast.unparse(node)}` assigns nothing (YAML? write "
-                             f"key = value)")
-    ns = {}
-    try:
-        exec(builtins.compile(tree, arg, "exec"), ns)  # noqa: S102  trusted Python, as in nanoGPT (`compile` is a key)
-    except Exception as e:  # noqa: BLE001  whatever the file raises: name the file and its line
-        lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == arg]
-        raise SystemExit(f"config: {arg}:{lines[-1] if lines else '?'}: raised {type(e).__name__}: {e}") from None
-    return ns
-
-
 POSITIVE = ("batch_size", "micro_batch_size", "max_iters", "seq_len", "log_interval", "shuffle_block",
             "max_nonfinite_steps", "checkpoint_every")
 NON_NEGATIVE = ("eval_interval", "eval_iters", "ckpt_interval", "keep_last", "num_workers", "pack", "warmup_iters",
@@ -176,27 +139,7 @@ NON_NEGATIVE = ("eval_interval", "eval_iters", "ckpt_interval", "keep_last", "nu
 
 
 def load_config(argv):
-    cfg = dict(DEFAULTS)
-    for arg in argv:
-        if arg.startswith("--"):
-            key, eq, raw = arg[2:].partition("=")
-            if not eq:
-                raise SystemExit(f"config: expected --key=value, got {arg!r}")
-            if key not in cfg:
-                raise SystemExit(f"config: unknown key {key!r} (from {arg!r})")
-            try:
-                value = ast.literal_eval(raw)
-            except (ValueError, SyntaxError):
-                value = raw  # a bare string
-            cfg[key] = _typed(key, value, DEFAULTS[key])
-        else:
-            ns = run_config_file(arg)
-            for key, value in ns.items():
-                if key.startswith("_") or callable(value) or type(value).__name__ == "module":
-                    continue
-                if key not in cfg:
-                    raise SystemExit(f"config: unknown key {key!r} in {arg}")
-                cfg[key] = _typed(key, value, DEFAULTS[key])
+    cfg = config.parse(argv, DEFAULTS)
     for key in POSITIVE + NON_NEGATIVE:
         if cfg[key] < 0 or (cfg[key] == 0 and key in POSITIVE):
             raise SystemExit(f"config: {key} must be {'> 0' if key in POSITIVE else '>= 0'}, got {cfg[key]}")
@@ -250,35 +193,12 @@ def check_objective(cfg):
     if cfg["objective"] in ("dpo", "reward") and cfg["pack"]:
         raise SystemExit(f"config: objective={cfg['objective']!r} reads a pair into two fixed rows: pack must be 0")
     if cfg["objective"] == "grpo":
-        check_grpo(cfg)
+        rl.check_config(cfg)
     if cfg["reward_center_weight"] < 0:
         raise SystemExit(f"config: reward_center_weight must be >= 0, got {cfg['reward_center_weight']}")
     if cfg["objective"] == "dpo" and (cfg["dpo_reference"] or cfg["init_from"]) in ("scratch", "resume"):
         raise SystemExit("config: objective='dpo' needs a reference checkpoint: init_from (the SFT checkpoint the run "
                          "starts from), or dpo_reference=DIR when init_from is 'resume' or 'scratch'")
-
-
-def check_grpo(cfg):
-    if cfg["grpo_loss"] not in GRPO_LOSSES:
-        raise SystemExit(f"config: grpo_loss must be one of {GRPO_LOSSES}, got {cfg['grpo_loss']!r}")
-    if cfg["grpo_group"] < 2 or cfg["grpo_iterations"] < 1 or cfg["grpo_max_new_tokens"] < 1:
-        raise SystemExit(f"config: grpo_group must be >= 2, grpo_iterations and grpo_max_new_tokens >= 1; got "
-                         f"{cfg['grpo_group']}, {cfg['grpo_iterations']}, {cfg['grpo_max_new_tokens']}")
-    if cfg["grpo_beta"] < 0 or cfg["grpo_epsilon"] <= 0 or cfg["grpo_temperature"] <= 0 or not 0 < cfg["grpo_top_p"] <= 1:
-        raise SystemExit("config: grpo_beta must be >= 0, grpo_epsilon and grpo_temperature > 0, grpo_top_p in (0, 1]")
-    if cfg["pack"]:
-        raise SystemExit("config: objective='grpo' samples one prompt a row: pack must be 0")
-    room = cfg["seq_len"] - cfg["grpo_max_new_tokens"]  # static rollouts (grpo_static, XLA) must fit in seq_len
-    if (cfg["grpo_static"] or cfg["device"] == "xla") and not 0 < rl.prompt_bucket(cfg) <= room:
-        raise SystemExit(f"config: static rollouts need grpo_prompt_len in [1, seq_len - grpo_max_new_tokens = {room}] "
-                         f"(0 takes {room}); got {cfg['grpo_prompt_len']}")
-    if cfg["grpo_beta"] and (cfg["grpo_reference"] or cfg["init_from"]) in ("scratch", "resume"):
-        raise SystemExit("config: grpo_beta > 0 needs a reference checkpoint: init_from, or grpo_reference=DIR")
-    if not Path(cfg["grpo_reward"]).is_dir():
-        try:
-            rl.reward_rule(cfg["grpo_reward"])
-        except ValueError as e:
-            raise SystemExit(f"config: {e}") from None
 
 
 def model_config(cfg):
@@ -827,66 +747,6 @@ def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader):
 
 # what a generation batch saved in a checkpoint was made with (grpo_beta: whether it holds reference log-probs);
 # not grpo_reference, which a resume must name when the reference was init_from
-ROLLOUT_KEYS = ("grpo_group", "grpo_loss", "grpo_beta", "grpo_max_new_tokens", "grpo_temperature", "grpo_top_p",
-                "grpo_reward", "grpo_static", "grpo_prompt_len")
-
-
-def grpo_setup(cfg, env, loader, resume_from, policy):
-    """objective='grpo': the tokenizer, the stop token, the reward scorer and the sampler of the rollouts; and the
-    generation batch in flight when a checkpoint taken inside one (grpo_iterations > 1) was written."""
-    tok = loader.stream.tok
-    static = cfg["grpo_static"] or env.kind == "xla"  # one compiled rollout: fixed prompt bucket and length
-    if env.kind == "xla" and env.world > 1:
-        raise SystemExit("config: objective='grpo' under XLA runs on one host (multi-host rollouts are not built)")
-    longest = cfg["seq_len"] - 1 + cfg["grpo_max_new_tokens"]  # a prompt and its completion (static: in seq_len)
-    if not static and longest > policy.llm.max_seq_len:
-        raise SystemExit(f"config: seq_len - 1 prompt tokens + grpo_max_new_tokens = {longest} exceed the model's "
-                         f"max_seq_len={policy.llm.max_seq_len}: lower seq_len (longer prompts are dropped)")
-    if static:
-        print0(env, f"grpo: static rollouts, prompts left-padded to {rl.prompt_bucket(cfg)} tokens (longer ones skipped), "
-               f"{cfg['grpo_max_new_tokens']} new tokens, hashed draws")
-    saved = saved_own(resume_from, env) if resume_from else None
-    state = json.loads((resume_from / "state.json").read_text()) if resume_from else {}
-    rollout_config = lambda c: {k: bool(c.get(k)) if k == "grpo_beta" else c.get(k) for k in ROLLOUT_KEYS}  # noqa: E731
-    made_with, now = rollout_config(state.get("config", {})), rollout_config(cfg)
-    changed = [k for k in ROLLOUT_KEYS if made_with[k] != now[k]] if saved is not None else []
-    if changed:  # its rollouts lack reference log-probs, or hold other groups, loss units, samples
-        print0(env, f"resume: the generation batch in {resume_from} was sampled with other {', '.join(changed)}: "
-               f"sampling a new one")
-        saved = None
-    elif resume_from and saved is None and state["iter"] % cfg["grpo_iterations"]:
-        print0(env, f"resume: {resume_from} holds no generation batch for this world size: sampling a new one")
-    device = "cpu" if env.kind == "xla" else env.device
-    return SimpleNamespace(tok=tok, stop=data.stop_token_id(cfg["template"], tok),
-                           score=rl.reward_scorer(cfg, env, policy, tok),
-                           sampler=torch.Generator(device), static=static,
-                           rollouts=rl.rollouts_from_state(saved, env.device) if saved else None)
-
-
-def grpo_rollouts(grpo, raw, micro, ref_model, meter, cfg, env, it):
-    """A new generation batch: each micro-batch's prompts sampled grpo_group times and scored (seeded by rank, step
-    and micro-batch: a step's samples survive a resume)."""
-    env.step_end()  # XLA: what is pending (the first step: the setup's work) stays out of the rollouts' graphs
-    done = []
-    for m, b in enumerate(micro):  # each micro-batch its own seed: its samples whatever the others drew (FSDP2 = DDP)
-        grpo.sampler.manual_seed(cfg["seed"] + 7919 * env.rank + 104729 * it + 1299709 * m)
-        with autocast(env, cfg):
-            done.append(rl.rollout(raw, b, grpo.tok, grpo.stop, cfg, grpo.score, grpo.sampler, ref_model, grpo.static,
-                                   env))
-    env.step_end()  # XLA: the rollouts' last graph apart from the training step's
-    skipped = sum(r["skipped"] for r, _, _ in done)
-    if skipped:
-        print0(env, f"step {it + 1}: {skipped} prompt(s) longer than grpo_prompt_len={rl.prompt_bucket(cfg)} skipped")
-    cut = sum(r["cut"] for r, _, _ in done)
-    if cut:
-        print0(env, f"step {it + 1}: {cut} prompt(s) skipped: their reference answer (the rule's) was cut at "
-               f"seq_len={cfg['seq_len']}")
-    meter.gen_seconds += sum(seconds for _, seconds, _ in done)
-    meter.gen_rows += sum(len(r["ids"]) for r, _, _ in done)
-    grpo.rollouts = [r for r, _, _ in done]
-    return grpo.rollouts
-
-
 def evaluate_and_log(model, ref_model, val_loader, env, cfg, vision, it, log):
     if cfg["objective"] in ("dpo", "reward"):
         val = evaluate_preference(model, ref_model, val_loader, env, cfg, cfg["eval_iters"], vision)
@@ -918,7 +778,7 @@ def main(argv=None):
     log, log_file = open_log(out, cfg, env)
     poison, poison_weight = injected_faults(env)
     meter = start_meter(raw, cfg, env)
-    grpo = grpo_setup(cfg, env, loader, resume_from, raw.cfg) if cfg["objective"] == "grpo" else None
+    grpo = rl.setup(cfg, env, loader, resume_from, raw.cfg) if cfg["objective"] == "grpo" else None
     trainable = [p for p in raw.parameters() if p.requires_grad]
     batches = iter(loader)
     it = start
@@ -939,7 +799,7 @@ def main(argv=None):
                 lr_now = set_lr(optimizer, it, cfg)
                 micro = [device_batch(b, env, raw.cfg.vision) for b in micro] if grpo is None else micro
                 if grpo is not None:  # the rollouts place what they need from the host batches
-                    micro = grpo_rollouts(grpo, raw, micro, ref_model, meter, cfg, env, it) if fresh else grpo.rollouts
+                    micro = rl.generation_batch(grpo, raw, micro, ref_model, meter, cfg, env, it) if fresh else grpo.rollouts
                 step_loss, count, grad_norm = train_step(model, micro, trainable, env, cfg, poison=it in poison,
                                                          ref_model=ref_model, meter=meter)
                 update_if_finite(optimizer, step_loss, count, grad_norm, meter, env, it, log)
