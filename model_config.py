@@ -1,0 +1,260 @@
+"""
+The model's configs: ViTConfig, LlamaConfig and VLMConfig (the dataclasses a checkpoint's config.json holds, each
+checked when built), and the named presets (vlm_preset) that train.py's `model` names. Split from model.py (over its
+budget), which builds the modules from them and re-exports every name here.
+"""
+
+from dataclasses import asdict, dataclass, field, fields, replace
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from lora import LoRAConfig
+
+def quick_gelu(x):
+    return x * torch.sigmoid(1.702 * x)
+
+
+# the ViT MLP's activation by its HF hidden_act name; gelu_new is the same tanh approximation, written out
+VIT_ACTIVATIONS = {"quick_gelu": quick_gelu, "gelu": F.gelu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+                   "gelu_new": partial(F.gelu, approximate="tanh")}
+
+
+# per-channel image mean and std of each tower kind's pretraining (CLIP's; SigLIP's are 0.5)
+IMAGE_STATS = {"clip": ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)),
+               "siglip": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))}
+
+
+@dataclass
+class ViTConfig:
+    image_size: int = 336
+    patch_size: int = 14
+    dim: int = 1024
+    n_layers: int = 24
+    n_heads: int = 16
+    ffn_dim: int = 4096
+    norm_eps: float = 1e-5
+    act: str = "quick_gelu"  # CLIP's; a key of VIT_ACTIVATIONS ("gelu_pytorch_tanh" for SigLIP)
+    kind: str = "clip"  # "clip": class token + pre-LayerNorm; "siglip": neither, and a bias on the patch conv
+    image_mean: tuple | None = None  # the pixel statistics the tower was trained with; None: its kind's (IMAGE_STATS)
+    image_std: tuple | None = None
+
+    def __post_init__(self):
+        if self.kind not in ("clip", "siglip"):
+            raise ValueError(f"vision kind must be 'clip' or 'siglip', got {self.kind!r}")
+        if self.act not in VIT_ACTIVATIONS:
+            raise ValueError(f"vision act {self.act!r} is not one of {sorted(VIT_ACTIVATIONS)}")
+
+    @property
+    def image_stats(self):  # (mean, std) the images are normalised with, and the pad colour's mean
+        mean, std = IMAGE_STATS[self.kind]
+        return tuple(self.image_mean or mean), tuple(self.image_std or std)
+
+    @property
+    def n_patches(self):
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def n_positions(self):  # tokens out of the tower: the patches, plus CLIP's class token
+        return self.n_patches + (self.kind == "clip")
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 32000
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None  # None: same as n_heads (no GQA)
+    head_dim: int | None = None  # None: dim // n_heads
+    ffn_dim: int = 11008
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # None, or {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"} as Llama 3.1 publishes it
+    rope_scaling: dict | None = None
+    max_seq_len: int = 4096
+    qkv_bias: bool = False  # Qwen2-style bias on wq, wk, wv
+    tie_embeddings: bool = False
+    # Mistral / Qwen2 sliding-window attention: a query sees the last `sliding_window` keys, itself included,
+    # in the layers listed in sliding_layers (None: every layer)
+    sliding_window: int | None = None
+    sliding_layers: list | None = None
+
+    def __post_init__(self):
+        self.n_kv_heads = self.n_kv_heads or self.n_heads
+        self.head_dim = self.head_dim or self.dim // self.n_heads
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+
+
+@dataclass
+class VLMConfig:
+    vision: ViTConfig = field(default_factory=ViTConfig)
+    llm: LlamaConfig = field(default_factory=LlamaConfig)
+    projector: str = "mlp2x_gelu"  # "linear" or "mlp{N}x_gelu"
+    vision_layer: int | list = -2  # hidden state index as in HF (0 = after ln_pre); a list concatenates
+    vision_select: str = "patch"  # "patch" drops token 0, CLIP's CLS (HF "default"); "cls_patch" keeps all (HF "full")
+    image_token_id: int = 32000
+    # "": one view per image (LLaVA-1.5); "anyres": LLaVA-NeXT's base view + grid of tiles; "anyres_max_N":
+    # LLaVA-OneVision's, the grid's features bilinearly reduced to about N tiles' worth (see image_layout)
+    anyres: str = ""
+    grid_pinpoints: list | None = None  # [[height, width], ...] in pixels, multiples of vision.image_size (HF's)
+    video_token_id: int | None = None  # OneVision's <video> placeholder; frames are pooled 2x (see image_layout)
+    lora: LoRAConfig | None = None  # LoRA adapters (see apply_lora): a checkpoint of a LoRA run rebuilds them
+    reward_head: bool = False  # a scalar head beside the LM head, read at each row's last real token (a reward model)
+
+    def __post_init__(self):
+        if isinstance(self.lora, dict):
+            self.lora = _from_dict(LoRAConfig, self.lora, "lora") if self.lora else None
+        if isinstance(self.vision, dict):
+            self.vision = _from_dict(ViTConfig, self.vision, "vision")
+        if isinstance(self.llm, dict):
+            self.llm = _from_dict(LlamaConfig, self.llm, "llm")
+        if self.vision_select not in ("patch", "cls_patch"):
+            raise ValueError(f"vision_select must be 'patch' or 'cls_patch', got {self.vision_select!r}")
+        projector_depth(self.projector)  # validates the name
+        if self.anyres not in ("", "anyres") and not (self.anyres.startswith("anyres_max_")
+                                                      and self.anyres[len("anyres_max_"):].isdigit()):
+            raise ValueError(f"anyres must be '', 'anyres' or 'anyres_max_N' (N an integer), got {self.anyres!r}")
+        size = self.vision.image_size
+        if self.anyres:
+            pins = self.grid_pinpoints or []
+            bad = [p for p in pins if len(p) != 2 or any(int(x) != x or x <= 0 or x % size for x in p)]
+            if not pins or bad:
+                raise ValueError(f"anyres={self.anyres!r} needs grid_pinpoints, [height, width] pairs that are "
+                                 f"multiples of the vision image_size {size}; got {self.grid_pinpoints!r}")
+            self.grid_pinpoints = [[int(h), int(w)] for h, w in pins]
+        side = size // self.vision.patch_size
+        if (self.anyres or self.video_token_id is not None) and self.n_image_tokens != side * side:
+            raise ValueError(f"anyres and video need a square map of {side}x{side} features a tile, but the config "
+                             f"gives {self.n_image_tokens}: a CLIP tower needs vision_select='patch' (HF 'default')")
+
+    @property
+    def vision_layers(self):
+        return list(self.vision_layer) if isinstance(self.vision_layer, (list, tuple)) else [self.vision_layer]
+
+    @property
+    def n_image_tokens(self):
+        return self.vision.n_positions - (self.vision_select == "patch")
+
+    @property
+    def image_taps(self):  # features each placeholder mixes: 4 where a bilinear resize may apply, else 1
+        return 4 if self.anyres.startswith("anyres_max") or self.video_token_id is not None else 1
+
+    def to_dict(self):
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d):
+        return _from_dict(cls, d, "config")
+
+    def with_overrides(self, overrides):
+        """This config with `overrides` merged in ({"llm": {"dim": 256}, "image_token_id": 5}). Fields derived from
+        others follow their inputs unless the override sets them too: head_dim (dim // n_heads) and, where it was
+        n_heads (no GQA), n_kv_heads. The rest (n_patches, n_image_tokens) are computed, never stored."""
+        d = self.to_dict()
+        for key, value in overrides.items():
+            if key == "llm" and isinstance(value, dict):
+                llm = d["llm"]
+                derived = {"head_dim": llm["head_dim"] == llm["dim"] // llm["n_heads"],
+                           "n_kv_heads": llm["n_kv_heads"] == llm["n_heads"]}
+                value = llm | {k: None for k, was_derived in derived.items() if was_derived} | value
+            elif key == "vision" and isinstance(value, dict):
+                value = d["vision"] | value
+            d[key] = value
+        return VLMConfig.from_dict(d)
+
+
+def _from_dict(cls, d, where):
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown {cls.__name__} keys {unknown}; known keys are {sorted(known)}")
+    return cls(**d)
+
+
+def projector_depth(name):
+    if name == "linear":
+        return 1
+    if name.startswith("mlp") and name.endswith("x_gelu") and name[3:-6].isdigit():
+        return int(name[3:-6])
+    raise ValueError(f"unknown projector {name!r}: expected 'linear' or 'mlp{{N}}x_gelu' such as 'mlp2x_gelu'")
+
+
+VIT_PRESETS = {
+    "debug": ViTConfig(image_size=28, patch_size=14, dim=64, n_layers=2, n_heads=4, ffn_dim=256),
+    "clip-vit-l-336": ViTConfig(),  # openai/clip-vit-large-patch14-336
+    "clip-vit-l-224": ViTConfig(image_size=224),
+    # google/siglip-so400m-patch14-384 (27 layers; LLaVA-OneVision/Interleave keep 26), and the fixed-resolution
+    # SigLIP2 of the same shape (google/siglip2-so400m-patch14-384, a SiglipModel in transformers)
+    "siglip-so400m-patch14-384": ViTConfig(image_size=384, patch_size=14, dim=1152, n_layers=27, n_heads=16,
+                                           ffn_dim=4304, norm_eps=1e-6, act="gelu_pytorch_tanh", kind="siglip"),
+    "siglip2-so400m-patch14-384": ViTConfig(image_size=384, patch_size=14, dim=1152, n_layers=27, n_heads=16,
+                                            ffn_dim=4304, norm_eps=1e-6, act="gelu_pytorch_tanh", kind="siglip"),
+}
+LLM_PRESETS = {
+    "debug": LlamaConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192, max_seq_len=512),
+    "vicuna-7b": LlamaConfig(),  # LLaMA-2 7B shapes; vicuna-7b-v1.5
+    "vicuna-13b": LlamaConfig(dim=5120, n_layers=40, n_heads=40, ffn_dim=13824),
+    "tinyllama-1.1b": LlamaConfig(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_dim=5632, max_seq_len=2048),
+    "llama3-8b": LlamaConfig(  # Llama 3.1 8B
+        vocab_size=128256, n_kv_heads=8, ffn_dim=14336, rope_theta=500000.0, max_seq_len=8192,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+    ),
+    "qwen2-0.5b": LlamaConfig(vocab_size=151936, dim=896, n_layers=24, n_heads=14, n_kv_heads=2, ffn_dim=4864,
+                              norm_eps=1e-6, rope_theta=1e6, max_seq_len=32768, qkv_bias=True, tie_embeddings=True),
+    "qwen2-7b": LlamaConfig(vocab_size=152064, dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, ffn_dim=18944,
+                            norm_eps=1e-6, rope_theta=1e6, max_seq_len=32768, qkv_bias=True),
+}
+
+
+def vlm_preset(name):
+    """Named VLM configs. LLaVA-1.5 appends <image> after the 32000 text tokens and pads the vocab to 32064."""
+    if name == "debug":
+        # copies: a caller that edits its config must not change the shared presets (tests do)
+        return VLMConfig(vision=replace(VIT_PRESETS["debug"]), llm=replace(LLM_PRESETS["debug"]), image_token_id=511)
+    if name in ("llava-1.5-7b", "llava-1.5-13b"):
+        llm = LLM_PRESETS["vicuna-7b" if name.endswith("7b") else "vicuna-13b"]
+        llm = LlamaConfig(**{**asdict(llm), "vocab_size": 32064})
+        return VLMConfig(vision=VIT_PRESETS["clip-vit-l-336"], llm=llm, image_token_id=32000)
+    if name == "llava-llama3-8b":
+        llm = LlamaConfig(**{**asdict(LLM_PRESETS["llama3-8b"]), "vocab_size": 128320})
+        return VLMConfig(vision=VIT_PRESETS["clip-vit-l-336"], llm=llm, image_token_id=128256)
+    if name == "llava-interleave-qwen-0.5b":  # llava-hf/llava-interleave-qwen-0.5b-hf: Qwen1.5-0.5B + SigLIP
+        vision = ViTConfig(**{**asdict(VIT_PRESETS["siglip-so400m-patch14-384"]), "n_layers": 26})
+        llm = LlamaConfig(vocab_size=152000, dim=1024, n_layers=24, n_heads=16, ffn_dim=2816, norm_eps=1e-6,
+                          rope_theta=1e6, max_seq_len=32768, qkv_bias=True, tie_embeddings=True)
+        return VLMConfig(vision=vision, llm=llm, vision_layer=-1, vision_select="cls_patch", image_token_id=151646)
+    if name in ("llava-next-vicuna-7b", "llava-next-mistral-7b"):
+        # llava-hf/llava-v1.6-{vicuna,mistral}-7b-hf, as transformers' convert_llava_next_weights_to_hf.py builds
+        # them: CLIP-336, layer -2, "default" (our "patch"), <image> = 32000, vocab 32000 + 2 padded to 64 = 32064,
+        # and LlavaNextConfig's default pinpoints (the v1.6 image processor's). Mistral-7B-Instruct-v0.2: GQA 8,
+        # FFN 14336, rope_theta 1e6, 32k positions, no sliding window (its config.json has sliding_window null).
+        if name.endswith("vicuna-7b"):
+            llm = LlamaConfig(**{**asdict(LLM_PRESETS["vicuna-7b"]), "vocab_size": 32064})
+        else:
+            llm = LlamaConfig(vocab_size=32064, n_kv_heads=8, ffn_dim=14336, rope_theta=1e6, max_seq_len=32768)
+        return VLMConfig(vision=VIT_PRESETS["clip-vit-l-336"], llm=llm, image_token_id=32000, anyres="anyres",
+                         grid_pinpoints=[[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]])
+    if name in ("llava-onevision-qwen2-7b", "llava-onevision-qwen2-0.5b"):
+        # llava-hf/llava-onevision-qwen2-{7b,0.5b}-ov-hf (transformers' LlavaOnevisionConfig defaults and
+        # convert_llava_onevision_weights_to_hf.py): SigLIP so400m less its last layer (26), layer -1, "full" (our
+        # "cls_patch": SigLIP has no CLS, every token kept), anyres_max_9 over the 36 pinpoints 384..2304 step 384,
+        # <image> 151646 and <video> 151647; vocab = Qwen2-*-Instruct's + 2 padded to 64 (152064 -> 152128,
+        # 151936 -> 152000); 0.5B ties its embeddings, 7B does not.
+        vision = ViTConfig(**{**asdict(VIT_PRESETS["siglip-so400m-patch14-384"]), "n_layers": 26})
+        llm = LLM_PRESETS["qwen2-7b" if name.endswith("7b") else "qwen2-0.5b"]
+        llm = LlamaConfig(**{**asdict(llm), "vocab_size": 152128 if name.endswith("7b") else 152000})
+        sides = range(384, 2305, 384)
+        return VLMConfig(vision=vision, llm=llm, vision_layer=-1, vision_select="cls_patch", image_token_id=151646,
+                         video_token_id=151647, anyres="anyres_max_9",
+                         grid_pinpoints=[[h, w] for h in sides for w in sides])
+    if name == "bench":  # TinyLlama-shaped LLM + ViT-L/14-336, the target of bench.py
+        llm = LlamaConfig(**{**asdict(LLM_PRESETS["tinyllama-1.1b"]), "vocab_size": 32064})
+        return VLMConfig(vision=VIT_PRESETS["clip-vit-l-336"], llm=llm, image_token_id=32000)
+    raise ValueError(f"unknown VLM preset {name!r}; known: debug, llava-1.5-7b, llava-1.5-13b, llava-llama3-8b, "
+                     "llava-interleave-qwen-0.5b, llava-next-vicuna-7b, llava-next-mistral-7b, "
+                     "llava-onevision-qwen2-7b, llava-onevision-qwen2-0.5b, bench")
