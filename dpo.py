@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from PIL import Image
+from torch.distributed.fsdp import FSDPModule
 from tqdm import tqdm
 
 import convert
@@ -65,8 +66,8 @@ class AdapterFreeReference:
 
     @torch.no_grad()
     def __call__(self, *args, **kwargs):
-        params = dict(self.policy.named_parameters())
-        trained = {n: params[n].detach().clone() for n in self.start}
+        self.reshard()
+        trained = {n: p.detach().clone() for n, p in self.policy.named_parameters() if n in self.start}
         with adapters_off(self.policy):
             try:
                 self.swap_in(self.start)
@@ -75,11 +76,17 @@ class AdapterFreeReference:
                 self.swap_in(trained)
 
     def swap_in(self, values):
+        self.reshard()
         params = dict(self.policy.named_parameters())
         for n, v in values.items():
             params[n].copy_(v)
-        if values and hasattr(self.policy, "reshard"):  # FSDP2 keeps the root's gathered weights after a forward
-            self.policy.reshard()
+
+    def reshard(self):
+        """FSDP2 keeps the root's gathered weights after a forward (registered in place of its shards): drop them,
+        so that the shards are what we swap and the next forward gathers them anew."""
+        for m in self.policy.modules() if self.start else ():
+            if isinstance(m, FSDPModule):
+                m.reshard()
 
 
 def sequence_logps(model, b):

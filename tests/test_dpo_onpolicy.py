@@ -86,8 +86,9 @@ def test_rejected_is_the_models_own_wrong_answer_and_right_ones_are_dropped_or_k
         if r["id"] not in right:
             assert (pair["rejected"], pair["rejected_from"]) == (said[r["id"]], "greedy")
         else:
-            assert pair["rejected_from"] in ("sampled", "data")
-            assert pair["rejected"] == r["rejected"] if pair["rejected_from"] == "data" else pair["rejected"] != said[r["id"]]
+            assert pair["rejected_from"] in ("sampled", "data")  # a wrong sample, else the data's own rejected
+            expected = r["rejected"] if pair["rejected_from"] == "data" else pair["rejected"]
+            assert pair["rejected"] == expected and pair["rejected"] != said[r["id"]]
     assert sum(got[i]["rejected_from"] == "sampled" for i in right) >= 1
 
 
@@ -104,6 +105,7 @@ def test_bad_pairs_input_is_one_sentence(setup, tmp_path, flag, value, message, 
     with pytest.raises(SystemExit) as e:
         dpo.main(["pairs", *[x for kv in args.items() for x in kv]])
     if message is None:  # argparse's own: a usage line, then the error
-        assert e.value.code == 2 and "error: --samples, --max-new-tokens and --batch-size must be >= 1" in capsys.readouterr().err
+        assert e.value.code == 2 and "error: --samples, --max-new-tokens and --batch-size must be >= 1" in \
+            capsys.readouterr().err
         return
     assert "\n" not in str(e.value.code) and re.search(message, str(e.value.code))
