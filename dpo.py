@@ -8,6 +8,7 @@ rejected...], one image a pair) is data.ShardStream(preference=True).
 import argparse
 import io
 import json
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -248,7 +249,8 @@ def on_policy_pairs(model, stream, template, n_samples=4, temperature=1.0, max_n
 def write_pairs(records_by_split, out, overwrite=False):
     """The records' images and JSON in out/source, packed into preference shards in out (val: the val split)."""
     source = Path(out, "source")
-    (source / "images").mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(source, ignore_errors=True)  # the previous answers' images (--overwrite)
+    (source / "images").mkdir(parents=True)
     rows = []
     for split, records in records_by_split.items():
         for i, rec in enumerate(records):
@@ -263,7 +265,10 @@ def write_pairs(records_by_split, out, overwrite=False):
 
 
 def pairs_command(args):
-    ckpt = Path(args.ckpt)
+    ckpt, out = Path(args.ckpt), Path(args.out)
+    held = sorted(p.name for p in out.glob("*.tar")) if out.is_dir() else []
+    if held and not args.overwrite:  # refused before the answering, not after
+        raise SystemExit(f"pairs: --out {out} already holds a dataset ({held[0]}, ...); pass --overwrite to replace it")
     try:
         model = convert.load_model(ckpt).eval()
         tok = data.Tokenizer(args.tokenizer or ckpt)

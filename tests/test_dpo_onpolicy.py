@@ -96,12 +96,16 @@ def test_rejected_is_the_models_own_wrong_answer_and_right_ones_are_dropped_or_k
     ("--ckpt", "nope", r"pairs: --ckpt \S*nope: cannot load the model and its tokenizer \(.*no config.json"),
     ("--data", "nope", r"\S*nope: no \.nv-meta/\S+, so not a finished dataset"),
     ("--samples", "0", None),
+    ("--out", "held", r"pairs: --out \S*held already holds a dataset \(shard-000000.tar, ...\); pass --overwrite"),
 ])
 def test_bad_pairs_input_is_one_sentence(setup, tmp_path, flag, value, message, capsys):
     root, shapes, _ = setup
     args = {"--ckpt": str(root / "model"), "--data": str(shapes / "preference"), "--out": str(tmp_path / "out"),
             "--template": "llama_3", "--tokenizer": str(shapes / "tokenizer.model")}
-    args[flag] = str(tmp_path / value) if flag in ("--ckpt", "--data") else value
+    args[flag] = str(tmp_path / value) if flag in ("--ckpt", "--data", "--out") else value
+    if value == "held":  # a dataset already there: refused before any answering
+        (tmp_path / "held").mkdir()
+        (tmp_path / "held/shard-000000.tar").write_bytes(b"")
     with pytest.raises(SystemExit) as e:
         dpo.main(["pairs", *[x for kv in args.items() for x in kv]])
     if message is None:  # argparse's own: a usage line, then the error
