@@ -2,7 +2,8 @@
 # (configs/shapes.py, 66.2% on the 2,000 held-out questions), then one round of on-policy DPO, as OneVision-Chat's
 # iterative DPO does: the SFT model answers the training questions (greedy and 3 samples), its own wrong answers
 # are rejected and the right ones chosen; the SFT checkpoint is the frozen reference. With the SFT term (RPO,
-# LLaVA-NeXT's gamma) and lr 3e-4: 71.0%. Pure DPO lowered accuracy here, on-policy (60.7%) or not.
+# LLaVA-NeXT's gamma) and lr 3e-4: 71.0%; but SFT alone on the same chosen answers reaches 71.1%, and pure DPO
+# lowered accuracy here, on-policy (60.7%) or not: the gain is the choice of questions (BENCHMARKS.md).
 #   python data.py shapes --out data/shapes --n 20000 --preference      # shards/ and preference/
 #   python train.py configs/shapes.py --out_dir=out/shapes-sft-250 --max_iters=250 --eval_interval=250
 #   python dpo.py pairs --ckpt out/shapes-sft-250/step-000250 --data data/shapes/preference --out data/shapes/onpolicy
