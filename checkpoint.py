@@ -191,7 +191,11 @@ def train_state(model, raw, optimizer, env):
         groups = [g | {"params": [names[p] for p in g["params"]]} for g in optimizer.param_groups]
     else:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+        from torch.distributed.fsdp import FSDPModule
 
+        for m in model.modules():  # a forward without backward (an evaluation) leaves FSDP2's root gathered: its
+            if isinstance(m, FSDPModule):  # full tensors are then registered, which the optimizer does not hold
+                m.reshard()
         osd = get_optimizer_state_dict(model, optimizer)  # creates the moments of a fresh optimizer (for a load)
         weights, state, groups = get_model_state_dict(model), osd["state"], osd["param_groups"]
     tied = raw.cfg.llm.tie_embeddings

@@ -7,6 +7,7 @@ its budget), which builds the adapters a config names (VLM.__init__).
 
 import math
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -64,6 +65,7 @@ class LoRALinear(nn.Linear):
         self.lora_B = nn.Linear(lora.r, base.out_features, bias=False, **kw)
         self.dropout = nn.Dropout(lora.dropout) if lora.dropout else nn.Identity()
         self.scaling = lora.scaling
+        self.adapter_on = True  # adapters_off turns it off: the layer is then its base nn.Linear
         self.reset_adapter()
 
     @torch.no_grad()
@@ -72,7 +74,24 @@ class LoRALinear(nn.Linear):
         nn.init.zeros_(self.lora_B.weight)
 
     def forward(self, x):
+        if not self.adapter_on:
+            return super().forward(x)
         return super().forward(x) + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
+
+
+@contextmanager
+def adapters_off(model):
+    """Inside the block every LoRALinear of model computes its base layer alone (peft's disable_adapter): the model
+    as it was before its adapters, without a second copy of its weights. Restored on leaving, an exception included."""
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    was_on = [m.adapter_on for m in layers]
+    for m in layers:
+        m.adapter_on = False
+    try:
+        yield model
+    finally:
+        for m, on in zip(layers, was_on, strict=True):
+            m.adapter_on = on
 
 
 def lora_layers(model, lora: LoRAConfig):

@@ -770,7 +770,7 @@ def main(argv=None):
     raw = add_lora(init_model(cfg, env, resume_from), cfg, env, resuming=resume_from is not None)
     model, optimizer = apply_backends(raw, cfg, env)
     needs_reference = cfg["objective"] == "dpo" or cfg["objective"] == "grpo" and cfg["grpo_beta"]
-    ref_model = reference_model(cfg, env) if needs_reference else None
+    ref_model = reference_model(cfg, env, raw) if needs_reference else None
     loader, val_loader, val_stream, stream_args = make_loaders(raw, cfg, env, rows_per_host)
     checkpointer = Checkpointer(env, cfg)
     start = checkpointer.load(resume_from, model, raw, optimizer, loader) if resume_from else 0

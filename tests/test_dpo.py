@@ -433,3 +433,74 @@ def test_pair_rows_are_trl_vision_collator_rows(tmp_path, template):
             mask[n - len(newline):] = False
         assert torch.equal(mask, supervised), (row, mask.int().tolist(), supervised.int().tolist())
         assert (ours["labels"][row, n:] == -100).all()
+
+
+# -----------------------------------------------------------------------------
+# LoRA: the reference is the policy with its adapters off (and the projector it trains in full at its start values)
+
+LORA_DPO = ["--stage=2", "--lora={'r': 4, 'alpha': 8, 'dropout': 0.1, 'targets': ['llm']}", "--lr=3e-3",
+            "--warmup_iters=1", "--max_iters=5", "--eval_interval=5", "--eval_iters=2", "--final_accuracy_samples=0"]
+LOGGED = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+          "logps/rejected", "val_loss", "val_rewards/margins", "val_logps/rejected")
+
+
+def logged(out):
+    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if "loss" in line]
+
+
+def test_lora_dpo_with_adapters_off_equals_the_frozen_copy_reference(shapes_pairs, tmp_path, capsys):
+    from conftest import checkpoint_tensors
+    from safetensors.torch import load_file
+
+    init = debug_init(tmp_path / "init")
+    train.main(dpo_args(shapes_pairs, tmp_path / "off", f"--init_from={init}", *LORA_DPO))
+    assert "dpo: reference model = the policy with its LoRA adapters off and its 4 tensors trained in full" in \
+        capsys.readouterr().out  # the projector's two weights and biases (LLaVA's recipe trains it in full)
+    train.main(dpo_args(shapes_pairs, tmp_path / "copy", f"--init_from={init}", f"--dpo_reference={init}", *LORA_DPO))
+    assert f"dpo: reference model {init} (frozen)" in capsys.readouterr().out
+    off, copy = logged(tmp_path / "off"), logged(tmp_path / "copy")
+    assert [e["step"] for e in off] == [1, 2, 3, 4, 5, 5] and len(off) == len(copy)
+    for want, got in zip(copy, off, strict=True):
+        for k in set(LOGGED) & set(want):
+            assert abs(got[k] - want[k]) <= 1e-6 * max(1.0, abs(want[k])), (want["step"], k, got[k], want[k])
+    assert off[4]["rewards/margins"] > 0 and off[4]["loss"] < math.log(2)
+    # the projector moved: a reference that ran it at its trained values (adapters off alone) would differ
+    before, after = load_file(init / "model.safetensors"), checkpoint_tensors(tmp_path / "off/step-000005", "model.")
+    assert (after["model.projector.fc.0.weight"] - before["projector.fc.0.weight"]).abs().max() > 1e-3
+
+
+def test_adapter_free_reference_restores_the_policy_after_an_exception(shapes_pairs, tmp_path):
+    from dpo import AdapterFreeReference
+    from lora import LoRAConfig, LoRALinear, apply_lora
+
+    model = convert.load_model(debug_init(tmp_path / "init"))
+    apply_lora(model, LoRAConfig(r=2, targets=["llm.attention.wq"]), seed=0)
+    for name, p in model.named_parameters():
+        p.requires_grad_(".lora_" in name or name.startswith("projector."))
+    ref = AdapterFreeReference(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)  # one "step": the adapters' B and the projector leave their start values
+    trained = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(TypeError):
+        ref("not ids", None)
+    assert all(torch.equal(v, trained[k]) for k, v in model.state_dict().items())
+    assert all(m.adapter_on for m in model.modules() if isinstance(m, LoRALinear))
+
+
+@pytest.mark.slow
+def test_lora_dpo_adapters_off_under_torchrun_fsdp_matches_one_process(shapes_pairs, tmp_path):
+    """FSDP2 keeps the root's gathered weights (the projector's among them) after a forward: the reference's swap must
+    reach them, and the policy's next forward must see its trained values again. The evaluation just before the last
+    checkpoint also covers checkpoint.train_state after a forward without backward (it failed with KeyError: 0)."""
+    from test_train import run
+
+    init = debug_init(tmp_path / "init")
+    common = [f"--init_from={init}", *LORA_DPO, "--ckpt_interval=0",  # no dropout: each rank draws its own masks
+              "--lora={'r': 4, 'alpha': 8, 'dropout': 0.0, 'targets': ['llm']}"]
+    run(dpo_args(shapes_pairs, tmp_path / "single", *common))
+    r = run(dpo_args(shapes_pairs, tmp_path / "fsdp", *common, "--parallel=fsdp", "--micro_batch_size=4"), nproc=2)
+    assert "reference model = the policy with its LoRA adapters off" in r.stdout
+    for want, got in zip(logged(tmp_path / "single"), logged(tmp_path / "fsdp"), strict=True):
+        for k in set(LOGGED) & set(want):
+            assert abs(got[k] - want[k]) <= 1e-5 * max(1.0, abs(want[k])), (want["step"], k, got[k], want[k])

@@ -765,3 +765,27 @@ def test_a_reward_rule_that_does_not_return_one_float_a_completion_is_one_senten
                             f"--data_dir={shapes_pairs / 'shards'}", f"--grpo_reward=test_grpo:{rule}", "--max_iters=1",
                             "--batch_size=4", "--micro_batch_size=4", "--grpo_group=2", "--grpo_max_new_tokens=3",
                             "--eval_interval=0", "--ckpt_interval=0", "--final_accuracy_samples=0"))
+
+
+def test_lora_grpo_kl_reference_is_the_policy_with_adapters_off(shapes_pairs, tmp_path, capsys):  # noqa: F811
+    """grpo_beta > 0 with LoRA and no grpo_reference: the policy with its adapters off (and its projector at its
+    start values) gives the frozen copy's rollouts, KL and loss."""
+    import json
+
+    from test_dpo import debug_init, dpo_args
+
+    init = debug_init(tmp_path / "init")
+    common = ["--objective=grpo", f"--data_dir={shapes_pairs / 'shards'}", "--grpo_reward=test_grpo:short_answers",
+              "--batch_size=2", "--micro_batch_size=2", "--grpo_group=3", "--grpo_beta=0.05", "--lr=3e-3",
+              "--warmup_iters=1", "--eval_interval=0", "--final_accuracy_samples=0", "--grpo_max_new_tokens=5",
+              "--max_iters=3", "--stage=2", "--lora={'r': 4, 'alpha': 8, 'targets': ['llm']}", f"--init_from={init}"]
+    train.main(dpo_args(shapes_pairs, tmp_path / "off", *common))
+    assert "grpo: reference model = the policy with its LoRA adapters off" in capsys.readouterr().out
+    train.main(dpo_args(shapes_pairs, tmp_path / "copy", *common, f"--grpo_reference={init}"))
+    read = lambda run: [json.loads(line) for line in (tmp_path / run / "log.jsonl").read_text().splitlines()  # noqa: E731
+                        if "rl/reward" in line]
+    off, copy = read("off"), read("copy")
+    assert len(off) == 3 and any(e["rl/kl"] > 0 for e in off[1:])
+    for want, got in zip(copy, off, strict=True):
+        for k in ("loss", "rl/reward", "rl/kl", "rl/completion_length"):
+            assert abs(got[k] - want[k]) <= 1e-6 * max(1.0, abs(want[k])), (want["step"], k, got[k], want[k])

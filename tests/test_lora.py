@@ -130,6 +130,31 @@ def test_logits_and_adapter_gradients_match_peft(tmp_path, case):
     assert n >= 2 * len([t for t in adapted(twin) if "encoder.layers.1." not in t]) and n >= 8
 
 
+def test_adapters_off_is_peft_disable_adapter_and_is_restored_after_an_exception(tmp_path):
+    from lora import adapters_off
+
+    targets, peft_targets, r, alpha, rslora = CASES["some-llm-and-vit-rslora"]
+    hf = tiny_hf_llava()
+    ours = ours_from_hf(hf, tmp_path / "hf").eval()
+    ids, pixels, _ = image_batch(ours.cfg.n_image_tokens, 511, 512, seq=20)
+    base = ours(ids, pixels)[0].detach()
+    apply_lora(ours, LoRAConfig(r=r, alpha=alpha, targets=targets, rslora=rslora), seed=0)
+    randomize_adapters(ours)
+    twin = peft_twin(hf, ours, peft_targets).eval()
+    adapted = ours(ids, pixels)[0].detach()
+    assert (adapted - base).abs().max() > 1e-2
+    with twin.disable_adapter():
+        theirs = twin(input_ids=ids, pixel_values=pixels).logits
+    with adapters_off(ours), adapters_off(ours):  # nested: the inner exit leaves them off
+        off = ours(ids, pixels)[0]
+        assert torch.equal(ours(ids, pixels)[0], off)
+    assert (off - theirs).abs().max() <= 1e-5 and torch.equal(off, base)  # exactly the model before its adapters
+    assert torch.equal(ours(ids, pixels)[0], adapted)
+    with pytest.raises(RuntimeError, match="mid-forward"), adapters_off(ours):
+        raise RuntimeError("mid-forward")
+    assert torch.equal(ours(ids, pixels)[0], adapted)
+
+
 @pytest.mark.parametrize("mode", ["bf16-weights", "autocast"])
 def test_bf16_logits_agree_with_peft_to_bf16_rounding(tmp_path, mode):
     """In bf16 (weights cast, or fp32 weights under autocast as train.py runs) ours and peft round differently;

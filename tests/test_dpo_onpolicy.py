@@ -1,0 +1,115 @@
+"""dpo.py pairs: on-policy preference pairs (OneVision-Chat's iterative DPO). The model's answers are read back with
+sample.py, a separate path (its own prompt rendering, tokenization and batch), and the data is rewritten so that
+the model answers some questions right: those are dropped, or keep the data's own rejected answer, as documented."""
+
+import json
+import re
+
+import pytest
+import torch
+from shapes import make_shapes
+
+import convert
+import data
+import dpo
+import sample
+from model import build_model, vlm_preset
+from pack import pack
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A random debug model (as a checkpoint) and shapes pairs rewritten so that it answers the even-numbered
+    questions right: their chosen answer is the model's own greedy one, as sample.py gives it."""
+    root = tmp_path_factory.mktemp("onpolicy")
+    shapes = make_shapes(root / "shapes", n=36, seed=1, val_fraction=0.25, preference=True)
+    tok = data.Tokenizer(shapes / "tokenizer.model")
+    cfg = vlm_preset("debug")
+    cfg.llm.vocab_size, cfg.image_token_id = 576, 512
+    assert tok.vocab_size <= cfg.image_token_id
+    model = build_model(cfg, seed=0)
+    with torch.no_grad():  # logit 0 for the ids pairs never samples (the image token, ids past the tokenizer), far
+        model.llm.output.weight[tok.vocab_size :] = 0  # below the top of ~500 random ones: greedy is sample.py's
+    convert.save_model(model, root / "model")
+    records = json.loads((shapes / "preference.json").read_text())
+    return root, shapes, records
+
+
+def greedy_answers(root, shapes, records, capsys):
+    questions = [r["conversations"][0]["value"].replace(data.IMAGE_TAG + "\n", "") for r in records]
+    sample.main(["--ckpt", str(root / "model"), "--tokenizer", str(shapes / "tokenizer.model"), "--template", "llama_3",
+                 "--device", "cpu", "--max-new-tokens", "8", "--image", *[str(shapes / "images" / r["image"])
+                                                                            for r in records], "--prompt", *questions])
+    said = capsys.readouterr().out.split("\n")[:-1]
+    assert len(said) == len(records)
+    return said
+
+
+def pairs(root, shapes, source, out, *extra):
+    dpo.main(["pairs", "--ckpt", str(root / "model"), "--data", str(source), "--out", str(out), "--template", "llama_3",
+              "--tokenizer", str(shapes / "tokenizer.model"), "--batch-size", "5", *extra])
+    return {r["source_id"]: r for r in json.loads((out / "source/pairs.json").read_text())}
+
+
+def test_rejected_is_the_models_own_wrong_answer_and_right_ones_are_dropped_or_keep_the_datas(setup, tmp_path, capsys):
+    root, shapes, records = setup
+    said = dict(zip([r["id"] for r in records], greedy_answers(root, shapes, records, capsys), strict=True))
+    right = set()
+    for i, r in enumerate(records):
+        if i % 2 == 0 and said[r["id"]] and said[r["id"]].lower() != r["chosen"].lower():
+            r["rejected"], r["chosen"] = r["chosen"], said[r["id"]]  # the model's answer is now the right one
+            right.add(r["id"])
+    (tmp_path / "pairs.json").write_text(json.dumps(records))
+    pack(tmp_path / "pairs.json", shapes / "images", tmp_path / "data", val_ids=lambda i: i.startswith("val"))
+    assert len(right) >= 6 and sum(i.startswith("val") for i in right) >= 2
+
+    got = pairs(root, shapes, tmp_path / "data", tmp_path / "greedy", "--samples", "1")
+    for r in records:
+        pair = got.get(r["id"])
+        if r["id"] in right and r["id"].startswith("train"):
+            assert pair is None, r["id"]  # answered right, on-policy only: dropped
+            continue
+        assert pair is not None and pair["chosen"] == r["chosen"] and pair["conversations"] == r["conversations"]
+        expected = (r["rejected"], "data") if r["id"] in right else (said[r["id"]], "greedy")  # val keeps all
+        assert (pair["rejected"], pair["rejected_from"]) == expected, r["id"]
+    assert "pairs: train: 27 questions" in capsys.readouterr().out
+    stream = data.ShardStream(tmp_path / "greedy", shapes / "tokenizer.model", 2, 64, 28, 512, 4, "llama_3",
+                              preference=True, split="val")
+    assert len(stream) == 9 and stream.batch(0)["input_ids"].shape == (4, 64)  # pairs: rows [chosen..., rejected...]
+
+    # sampled answers (temperature 1): a right greedy answer gets a sampled wrong one; --keep-answered keeps the rest
+    got = pairs(root, shapes, tmp_path / "data", tmp_path / "sampled", "--samples", "4", "--keep-answered")
+    assert set(got) == {r["id"] for r in records}
+    for r in records:
+        pair = got[r["id"]]
+        assert pair["rejected"] and pair["rejected"].lower() != pair["chosen"].lower()
+        if r["id"] not in right:
+            assert (pair["rejected"], pair["rejected_from"]) == (said[r["id"]], "greedy")
+        else:
+            assert pair["rejected_from"] in ("sampled", "data")  # a wrong sample, else the data's own rejected
+            expected = r["rejected"] if pair["rejected_from"] == "data" else pair["rejected"]
+            assert pair["rejected"] == expected and pair["rejected"] != said[r["id"]]
+    assert sum(got[i]["rejected_from"] == "sampled" for i in right) >= 1
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--ckpt", "nope", r"pairs: --ckpt \S*nope: cannot load the model and its tokenizer \(.*no config.json"),
+    ("--data", "nope", r"\S*nope: no \.nv-meta/\S+, so not a finished dataset"),
+    ("--samples", "0", None),
+    ("--out", "held", r"pairs: --out \S*held already holds a dataset \(shard-000000.tar, ...\); pass --overwrite"),
+])
+def test_bad_pairs_input_is_one_sentence(setup, tmp_path, flag, value, message, capsys):
+    root, shapes, _ = setup
+    args = {"--ckpt": str(root / "model"), "--data": str(shapes / "preference"), "--out": str(tmp_path / "out"),
+            "--template": "llama_3", "--tokenizer": str(shapes / "tokenizer.model")}
+    args[flag] = str(tmp_path / value) if flag in ("--ckpt", "--data", "--out") else value
+    if value == "held":  # a dataset already there: refused before any answering
+        (tmp_path / "held").mkdir()
+        (tmp_path / "held/shard-000000.tar").write_bytes(b"")
+    with pytest.raises(SystemExit) as e:
+        dpo.main(["pairs", *[x for kv in args.items() for x in kv]])
+    if message is None:  # argparse's own: a usage line, then the error
+        assert e.value.code == 2 and "error: --samples, --max-new-tokens and --batch-size must be >= 1" in \
+            capsys.readouterr().err
+        return
+    assert "\n" not in str(e.value.code) and re.search(message, str(e.value.code))
