@@ -12,10 +12,10 @@
 #   --debug     the debug-size model on the CPU, one step a phase: checks the script, measures nothing
 #   --dry-run   print the commands instead of running them
 #
-# Liger is not in the GPU image (device KINDS.md's package list): carry its wheel, e.g. here
+# Liger may not be installed on the GPU machine (no package index there): bring its wheel, e.g. here
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux2014_x86_64 -d .whl liger-kernel==0.8.5
-# with .whl in run's carry; the script installs .whl/liger_kernel-*.whl into /tmp/site. Without it (or without
+# into the checkout's .whl/; the script installs .whl/liger_kernel-*.whl into /tmp/site. Without it (or without
 # CUDA) the Liger row is reported as skipped, with the reason.
 set -euo pipefail
 
@@ -123,7 +123,7 @@ import torch
 try:
     import liger_kernel  # noqa: F401
 except ImportError as e:
-    print(f"liger-kernel does not import ({e}): carry its wheel in .whl")
+    print(f"liger-kernel does not import ({e}): put its wheel in .whl/")
 else:
     print("" if torch.cuda.is_available() else "no CUDA: Liger kernels are Triton GPU kernels")' 2>&1 | tail -n 1) || true
 if [ -z "$liger_reason" ]; then
