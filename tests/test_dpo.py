@@ -281,28 +281,35 @@ def test_dpo_under_torchrun_ddp_and_fsdp_matches_one_process(shapes_pairs, tmp_p
     assert logged["single"][-1]["rewards/margins"] > 0
 
 
+def tiled_pairs(out, questions):
+    """Preference shards in out/shards for the tile path: 6 scenes resized to the odd sizes of test_xla.SIZES (tiled
+    grids of several shapes), question i % len(questions) of each, the right count chosen, a wrong one rejected."""
+    import numpy as np
+
+    import pack
+    from shapes import NUMBERS, draw_scene, wrong_answer
+    from test_xla import SIZES
+
+    rng, records = np.random.default_rng(0), []
+    (out / "images").mkdir()
+    for i in range(6):
+        img, objects = draw_scene(rng, 48)
+        img.resize(SIZES[i]).save(out / "images" / f"{i}.png")
+        right = NUMBERS[sum(s == "circle" for s, *_ in objects)]
+        records.append({"id": f"p{i}", "image": f"{i}.png", "chosen": right, "rejected": wrong_answer(right, rng),
+                        "conversations": [{"from": "human", "value": f"<image>\n{questions[i % len(questions)]}"}]})
+    (out / "pairs.json").write_text(json.dumps(records))
+    pack.pack(out / "pairs.json", out / "images", out / "shards")
+
+
 def test_tiled_pairs_share_their_tiles_and_match_rows_run_apart(shapes_pairs, tmp_path):
     """The tile path (anyres_max, max_tiles): a pair's tiles are read once and placed in both its rows; the log-probs
     equal those of the rows run with their own copy of the tiles (TRL's layout), and the chosen row is the SFT row."""
-    import numpy as np
-
     import data
-    import pack
     from model import vlm_preset
-    from shapes import NUMBERS, draw_scene, wrong_answer
-    from test_xla import SIZES
     from xla_runs import TILED_MODEL
 
-    rng, records = np.random.default_rng(0), []
-    (tmp_path / "images").mkdir()
-    for i in range(6):
-        img, objects = draw_scene(rng, 48)
-        img.resize(SIZES[i]).save(tmp_path / "images" / f"{i}.png")
-        right = NUMBERS[sum(s == "circle" for s, *_ in objects)]
-        records.append({"id": f"p{i}", "image": f"{i}.png", "chosen": right, "rejected": wrong_answer(right, rng),
-                        "conversations": [{"from": "human", "value": "<image>\nHow many circles are there?"}]})
-    (tmp_path / "pairs.json").write_text(json.dumps(records))
-    pack.pack(tmp_path / "pairs.json", tmp_path / "images", tmp_path / "shards")
+    tiled_pairs(tmp_path, ["How many circles are there?"])
     cfg = vlm_preset("debug").with_overrides(TILED_MODEL)
     stream_args = {"batch_size": 3, "seq_len": 160, "image_size": 28, "image_token_id": 512, "n_image_tokens": 4,
                    "template": "llama_3", "vlm": cfg, "max_tiles": 5, "shuffle_block": 1}

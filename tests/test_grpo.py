@@ -474,27 +474,13 @@ def test_tiled_rollouts_place_each_prompts_tiles_as_the_row_run_alone(shapes_pai
     shifting each row's tile placement with it; every completion's log-probs equal those of its row run alone, unpadded,
     with the placement the loader gave it. The tiles reach generation: other pixels, other samples. Static: prompts
     padded to a bucket below the longest (which is skipped: no completion) and above the others."""
-    import numpy as np
-
     import data
-    import pack
     from model import build_model, vlm_preset
-    from shapes import NUMBERS, draw_scene, wrong_answer
-    from test_xla import SIZES
+    from test_dpo import tiled_pairs
     from xla_runs import TILED_MODEL
 
-    questions = ["How many circles are there?", "Count the circles in this picture, please. How many are there?",
-                 "Circles?"]
-    rng, records = np.random.default_rng(0), []
-    (tmp_path / "images").mkdir()
-    for i in range(6):
-        img, objects = draw_scene(rng, 48)
-        img.resize(SIZES[i]).save(tmp_path / "images" / f"{i}.png")
-        right = NUMBERS[sum(s == "circle" for s, *_ in objects)]
-        records.append({"id": f"p{i}", "image": f"{i}.png", "chosen": right, "rejected": wrong_answer(right, rng),
-                        "conversations": [{"from": "human", "value": f"<image>\n{questions[i % 3]}"}]})
-    (tmp_path / "pairs.json").write_text(json.dumps(records))
-    pack.pack(tmp_path / "pairs.json", tmp_path / "images", tmp_path / "shards")
+    tiled_pairs(tmp_path, ["How many circles are there?",
+                           "Count the circles in this picture, please. How many are there?", "Circles?"])
     cfg = vlm_preset("debug").with_overrides(TILED_MODEL)
     stream = data.ShardStream(tmp_path / "shards", shapes_pairs / "tokenizer.model", batch_size=3, seq_len=160,
                               image_size=28, image_token_id=512, n_image_tokens=4, template="llama_3", vlm=cfg,
