@@ -27,12 +27,13 @@ import config
 import convert
 import data
 import rl
-from checkpoint import (Checkpointer, check_resume_config, checkpoints, newest_good_checkpoint, wait_for_stop_writer)
+from checkpoint import Checkpointer, check_resume_config, checkpoints, newest_good_checkpoint, wait_for_stop_writer
+from config import check_objective, lora_config, model_config  # noqa: F401  (bench.py, data_cli.py, tests: train.*)
 from dpo import (evaluate_preference, pair_objective, preference_loss, reference_model,  # noqa: F401  (tests: train.*)
                  reward_pairs, sequence_logps)
 from evaluation import device_batch, evaluate, final_accuracy
-from lora import LoRAConfig, apply_lora, is_lora_parameter, merge_lora
-from model import DPO_LOSSES, VLMConfig, build_model, param_group, vlm_preset
+from lora import apply_lora, is_lora_parameter, merge_lora
+from model import VLMConfig, build_model, param_group
 from parallel import Env, autocast, checkpoint_fn, grad_sync, init_optimizer_state, print0, shard
 
 # -----------------------------------------------------------------------------
@@ -131,89 +132,8 @@ DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isin
 # configuration
 
 
-POSITIVE = ("batch_size", "micro_batch_size", "max_iters", "seq_len", "log_interval", "shuffle_block",
-            "max_nonfinite_steps", "checkpoint_every")
-NON_NEGATIVE = ("eval_interval", "eval_iters", "ckpt_interval", "keep_last", "num_workers", "pack", "warmup_iters",
-                "lr_decay_iters", "max_tiles", "final_accuracy_samples", "lr", "min_lr", "weight_decay", "grad_clip",
-                "loss_chunk", "peak_flops")
-
-
 def load_config(argv):
-    cfg = config.parse(argv, DEFAULTS)
-    for key in POSITIVE + NON_NEGATIVE:
-        if cfg[key] < 0 or (cfg[key] == 0 and key in POSITIVE):
-            raise SystemExit(f"config: {key} must be {'> 0' if key in POSITIVE else '>= 0'}, got {cfg[key]}")
-    if cfg["eval_interval"] and not cfg["eval_iters"]:
-        raise SystemExit("config: eval_iters must be > 0 when eval_interval is (eval_interval=0 turns evaluation off)")
-    if cfg["template"] not in data.TEMPLATES:
-        raise SystemExit(f"config: unknown template {cfg['template']!r}; choose from {sorted(data.TEMPLATES)}")
-    if cfg["image_mode"] not in ("pad", "crop", "resize"):
-        raise SystemExit(f"config: unknown image_mode {cfg['image_mode']!r}; choose 'pad', 'crop' or 'resize'")
-    if cfg["stage"] not in (0, 1, 2):
-        raise SystemExit(f"config: stage must be 0, 1 or 2, got {cfg['stage']}")
-    if cfg["parallel"] not in ("ddp", "fsdp"):
-        raise SystemExit(f"config: parallel must be 'ddp' or 'fsdp', got {cfg['parallel']!r}")
-    if cfg["dtype"] not in ("float32", "bfloat16"):
-        raise SystemExit(f"config: dtype must be 'float32' or 'bfloat16', got {cfg['dtype']!r}")
-    check_objective(cfg)
-    check_speed_levers(cfg)
-    unknown = set(cfg["lr_scale"]) - {"vision", "projector", "llm"}
-    if unknown:
-        raise SystemExit(f"config: lr_scale has unknown modules {sorted(unknown)}")
-    lora_config(cfg)
-    return cfg
-
-
-def check_speed_levers(cfg):
-    if cfg["checkpoint_policy"] not in ("full", "selective"):
-        raise SystemExit(f"config: checkpoint_policy must be 'full' or 'selective', got {cfg['checkpoint_policy']!r}")
-    if cfg["checkpoint_policy"] == "selective" and cfg["device"] == "xla":
-        raise SystemExit("config: checkpoint_policy='selective' is torch's (CUDA, CPU); torch_xla's checkpoint "
-                         "recomputes whole blocks: use checkpoint_policy='full' under XLA")
-    if cfg["frozen_dtype"] not in ("float32", "bfloat16"):
-        raise SystemExit(f"config: frozen_dtype must be 'float32' or 'bfloat16', got {cfg['frozen_dtype']!r}")
-    if cfg["frozen_dtype"] == "bfloat16" and cfg["dtype"] != "bfloat16":
-        raise SystemExit("config: frozen_dtype='bfloat16' needs dtype='bfloat16' (fp32 compute would meet bf16 weights)")
-    if cfg["frozen_dtype"] == "bfloat16" and cfg["device"] == "xla":
-        raise SystemExit("config: frozen_dtype='bfloat16' is built and tested for torchrun and single-process runs (CUDA, "
-                         "CPU), not under XLA: use frozen_dtype='float32' there")
-
-
-OBJECTIVES = ("sft", "dpo", "reward", "grpo")
-
-
-def check_objective(cfg):
-    if cfg["objective"] not in OBJECTIVES:
-        raise SystemExit(f"config: objective must be one of {OBJECTIVES}, got {cfg['objective']!r}")
-    if cfg["dpo_loss"] not in DPO_LOSSES:
-        raise SystemExit(f"config: dpo_loss must be one of {DPO_LOSSES}, got {cfg['dpo_loss']!r}")
-    if cfg["dpo_beta"] <= 0 or cfg["dpo_sft_weight"] < 0:
-        raise SystemExit(f"config: dpo_beta must be > 0 and dpo_sft_weight >= 0, got {cfg['dpo_beta']}, "
-                         f"{cfg['dpo_sft_weight']}")
-    if cfg["objective"] in ("dpo", "reward") and cfg["pack"]:
-        raise SystemExit(f"config: objective={cfg['objective']!r} reads a pair into two fixed rows: pack must be 0")
-    if cfg["objective"] == "grpo":
-        rl.check_config(cfg)
-    if cfg["reward_center_weight"] < 0:
-        raise SystemExit(f"config: reward_center_weight must be >= 0, got {cfg['reward_center_weight']}")
-    if cfg["objective"] == "dpo" and (cfg["dpo_reference"] or cfg["init_from"]) in ("scratch", "resume"):
-        raise SystemExit("config: objective='dpo' needs a reference checkpoint: init_from (the SFT checkpoint the run "
-                         "starts from), or dpo_reference=DIR when init_from is 'resume' or 'scratch'")
-
-
-def model_config(cfg):
-    """The VLMConfig that init_from='scratch' builds: the preset `model` with `model_overrides` merged in."""
-    try:
-        return vlm_preset(cfg["model"]).with_overrides(cfg["model_overrides"])
-    except (ValueError, TypeError) as e:
-        raise SystemExit(f"config: model_overrides {cfg['model_overrides']!r} do not make a model: {e}") from None
-
-
-def lora_config(cfg):
-    try:
-        return LoRAConfig(**cfg["lora"]) if cfg["lora"] else None
-    except (TypeError, ValueError) as e:
-        raise SystemExit(f"config: lora={cfg['lora']!r}: {str(e).replace('__init__() got an ', '')}") from None
+    return config.check(config.parse(argv, DEFAULTS))
 
 
 def check_tiles(vlm, max_tiles):
@@ -252,7 +172,7 @@ def freeze(model, stage):
 def add_lora(raw, cfg, env, resuming):
     """The config's LoRA on the loaded model: fresh adapters (B = 0: the outputs do not change), or the model's own
     when it holds the same ones (resume, or init_from a LoRA run); other adapters it holds are merged in first."""
-    lora = lora_config(cfg)
+    lora = config.lora_config(cfg)
     if raw.cfg.lora == lora:
         return raw
     if resuming:
@@ -486,8 +406,8 @@ def init_model(cfg, env, resume_from):
         except (convert.ConversionError, OSError, ValueError, KeyError, TypeError) as e:
             raise SystemExit(f"{'resume' if resume_from else 'init_from'} {str(source)!r}: cannot load the model "
                              f"({e})") from None
-    check_tiles(model_config(cfg), cfg["max_tiles"])  # before building: a 7B preset takes minutes to refuse
-    return build_model(model_config(cfg), device=build_on, seed=cfg["seed"])
+    check_tiles(config.model_config(cfg), cfg["max_tiles"])  # before building: a 7B preset takes minutes to refuse
+    return build_model(config.model_config(cfg), device=build_on, seed=cfg["seed"])
 
 
 def apply_backends(raw, cfg, env):
