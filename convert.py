@@ -25,9 +25,12 @@ from pathlib import Path
 import torch
 
 from checkpoint import MANIFEST, is_sharded_checkpoint, load_weights, saved_weights, verify_checkpoint
+from hf_names import (IGNORED, SIGLIP_HEAD, check_complete, drop_siglip_head, drop_tied_head,  # noqa: F401
+                      expected_shapes, hub_name, llama_table, llava_table, memory_name, projector_table, remap,
+                      vit_table)  # convert.*: tests and other programs read them here
 from hf_config import HF_ARCHITECTURES, hf_model_type, llama_config, llava_config, llava_hf_config, read_json, vit_config
 from lora import LORA_SITES, LoRAConfig, is_lora_parameter, merge_lora_state
-from model import VLM, LlamaConfig, Projector, ViTConfig, VLMConfig, build_model, projector_depth, vlm_preset
+from model import LlamaConfig, Projector, ViTConfig, VLMConfig, build_model, vlm_preset
 from processor import (PROCESSOR_FILES, TEMPLATE_NAMES, ExportError, export_tokenizer, has_processor,  # noqa: F401
                        write_processor)  # PROCESSOR_FILES: tests read it as convert.PROCESSOR_FILES
 from weight_files import (SHARD_BYTES, ConversionError, read_weights, say, write_dir, write_safetensors,  # noqa: F401
@@ -37,141 +40,6 @@ from weight_files import (SHARD_BYTES, ConversionError, read_weights, say, write
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
                    "processor_config.json")
-
-
-# -----------------------------------------------------------------------------
-# mapping tables: our name -> their name
-
-
-def vit_table(cfg: ViTConfig, prefix):
-    """CLIPVisionModel names, or SiglipVisionModel's: the same less class token and pre-LayerNorm, plus a conv bias."""
-    t = {"vision.conv1.weight": "embeddings.patch_embedding.weight",
-         "vision.positional_embedding": "embeddings.position_embedding.weight"}
-    if cfg.kind == "clip":
-        t |= {"vision.class_embedding": "embeddings.class_embedding"}
-        t |= {f"vision.ln_pre.{p}": f"pre_layrnorm.{p}" for p in ("weight", "bias")}
-    else:
-        t |= {"vision.conv1.bias": "embeddings.patch_embedding.bias"}
-    t |= {f"vision.ln_post.{p}": f"post_layernorm.{p}" for p in ("weight", "bias")}
-    block = {"ln_1": "layer_norm1", "ln_2": "layer_norm2", "attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj",
-             "attn.wv": "self_attn.v_proj", "attn.wo": "self_attn.out_proj", "mlp.c_fc": "mlp.fc1", "mlp.c_proj": "mlp.fc2"}
-    for i in range(cfg.n_layers):
-        for ours, theirs in block.items():
-            t |= {f"vision.blocks.{i}.{ours}.{p}": f"encoder.layers.{i}.{theirs}.{p}" for p in ("weight", "bias")}
-    return {k: prefix + v for k, v in t.items()}
-
-
-def llama_table(cfg: LlamaConfig, prefix, head):
-    """HF LlamaForCausalLM names under `prefix` (e.g. 'model.'), lm_head at `head`."""
-    t = {"llm.tok_embeddings.weight": "embed_tokens.weight", "llm.norm.weight": "norm.weight"}
-    block = {"attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-             "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
-             "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w2": "mlp.down_proj",
-             "feed_forward.w3": "mlp.up_proj"}
-    for i in range(cfg.n_layers):
-        t |= {f"llm.layers.{i}.{ours}.weight": f"layers.{i}.{theirs}.weight" for ours, theirs in block.items()}
-        if cfg.qkv_bias:
-            t |= {f"llm.layers.{i}.attention.w{x}.bias": f"layers.{i}.self_attn.{x}_proj.bias" for x in "qkv"}
-    t = {k: prefix + v for k, v in t.items()}
-    if not cfg.tie_embeddings:
-        t["llm.output.weight"] = head
-    return t
-
-
-def llava_table(cfg: VLMConfig):
-    """The HF hub layout (llava-hf/*): the one we write and the one other layouts are renamed to. LLaVA-NeXT and
-    OneVision add the newline embedding at the top level."""
-    if cfg.projector != "mlp2x_gelu":
-        raise ConversionError(f"HF {HF_ARCHITECTURES[hf_model_type(cfg)]} holds only mlp2x_gelu projectors, "
-                              f"not {cfg.projector!r}")
-    if cfg.reward_head:
-        raise ConversionError("a reward model (reward_head): no Hugging Face LLaVA class holds its scalar head; load it "
-                              "with convert.load_model (README 'Reward models and RL')")
-    t = vit_table(cfg.vision, "vision_tower.vision_model.")
-    t |= {f"projector.fc.{i}.{p}": f"multi_modal_projector.linear_{i + 1}.{p}" for i in range(2) for p in ("weight", "bias")}
-    if "image_newline" in expected_shapes(cfg):
-        t["image_newline"] = "image_newline"
-    return t | llama_table(cfg.llm, "language_model.model.", "language_model.lm_head.weight")
-
-
-def hub_name(key):
-    """Rename the transformers >= 5.6 and in-memory (model.*) layouts to the hub layout."""
-    if key == "lm_head.weight":
-        return "language_model.lm_head.weight"
-    key = re.sub(r"^model\.language_model\.(?!model\.|lm_head)", "language_model.model.", key)
-    key = re.sub(r"^model\.", "", key)
-    return re.sub(r"^vision_tower\.(?!vision_model\.)", "vision_tower.vision_model.", key)
-
-
-def memory_name(key):
-    """hub_name's inverse: the transformers-5 in-memory name (model.language_model.*, model.vision_tower.*, lm_head),
-    under which peft saves adapters."""
-    if key == "language_model.lm_head.weight":
-        return "lm_head.weight"
-    key = re.sub(r"^language_model\.model\.", "language_model.", key)
-    return "model." + re.sub(r"^vision_tower\.vision_model\.", "vision_tower.", key)
-
-
-def projector_table(cfg: VLMConfig, prefix):
-    """Original LLaVA's nn.Sequential projector: Linear at even indices, GELU between; or one Linear."""
-    if cfg.projector == "linear":
-        return {f"projector.fc.0.{p}": f"{prefix}{p}" for p in ("weight", "bias")}
-    n = projector_depth(cfg.projector)
-    return {f"projector.fc.{i}.{p}": f"{prefix}{2 * i}.{p}" for i in range(n) for p in ("weight", "bias")}
-
-
-def expected_shapes(cfg: VLMConfig):
-    with torch.device("meta"):
-        return {k: tuple(v.shape) for k, v in VLM(cfg).state_dict().items()
-                if not (cfg.llm.tie_embeddings and k == "llm.output.weight")}
-
-
-# buffers older HF checkpoints carry that hold nothing we need
-IGNORED = (r".*\.rotary_emb\.inv_freq$", r".*embeddings\.position_ids$")
-SIGLIP_HEAD = r"^(vision_tower\.vision_model\.)?head\."  # SigLIP's attention-pool head: LLaVA reads no pooled output
-
-
-def drop_siglip_head(state, where):
-    head = [k for k in state if re.match(SIGLIP_HEAD, k)]
-    if head:
-        say(f"{where}: dropping SigLIP's attention-pooling head ({len(head)} tensors); LLaVA models never use it")
-    return {k: v for k, v in state.items() if k not in head}
-
-
-def drop_tied_head(state, cfg: LlamaConfig, embed, head, where):
-    """A tied checkpoint may store lm_head too; transformers ties it to the embedding and ignores it, and so do we."""
-    if cfg.tie_embeddings and head in state and embed in state:
-        if not torch.equal(state[head], state[embed]):
-            say(f"{where}: {head} differs from {embed} although the config ties them; "
-                f"using {embed} for both, as transformers does")
-        state = {k: v for k, v in state.items() if k != head}
-    return state
-
-
-def remap(source, table, shapes, what, ignore=()):
-    """Pick our tensors out of `source` by `table`; raise listing every unconsumed, missing or misshapen key."""
-    ignore = IGNORED + tuple(ignore)
-    missing = sorted(v for v in table.values() if v not in source)
-    used = set(table.values())
-    unconsumed = sorted(k for k in source if k not in used and not any(re.match(p, k) for p in ignore))
-    out = {k: source[v] for k, v in table.items() if v in source}
-    wrong = sorted(f"{table[k]}: got {tuple(t.shape)}, expected {shapes.get(k)}" for k, t in out.items()
-                   if tuple(t.shape) != shapes.get(k))
-    if missing or unconsumed or wrong:
-        lines = [f"{what}: the weights do not fit the model config"]
-        for title, keys in (("missing", missing), ("unconsumed (no place in the model)", unconsumed),
-                            ("shape mismatch", wrong)):
-            if keys:
-                lines.append(f"  {title} ({len(keys)}): " + ", ".join(keys[:20]) + (" ..." if len(keys) > 20 else ""))
-        raise ConversionError("\n".join(lines))
-    return out
-
-
-def check_complete(state, cfg, what):
-    missing = sorted(set(expected_shapes(cfg)) - set(state))
-    if missing:
-        raise ConversionError(f"{what}: no weights for {len(missing)} model tensors: {', '.join(missing[:20])}")
-    return state
 
 
 # -----------------------------------------------------------------------------

@@ -3,7 +3,7 @@ The LLaVA-style vision-language model in one file: a CLIP ViT, a projector and L
 
 No device, distributed or file code lives here (see STYLE.md); train.py and convert.py
 do that. Parameter names follow OpenAI CLIP for the ViT and Meta's reference model.py for
-LLaMA; Hugging Face names exist only in convert.py's mapping tables. The configs and named presets the
+LLaMA; Hugging Face names exist only in hf_names.py's tables. The configs and named presets the
 modules are built from live in model_config.py (every name re-exported here).
 """
 
