@@ -72,12 +72,17 @@ class AdapterFreeReference:
     def __call__(self, *args, **kwargs):
         self.reshard()
         trained = {n: p.detach().clone() for n, p in self.policy.named_parameters() if n in self.start}
+        # autocast keeps its bf16 cast of a trained weight for the rest of the region, keyed by the tensor and blind
+        # to the swap: the reference ran on the policy's projector, or the policy's next forward on the reference's
+        cache = torch.is_autocast_cache_enabled()
+        torch.set_autocast_cache_enabled(False)
         with adapters_off(self.policy):
             try:
                 self.swap_in(self.start)
                 return self.policy(*args, **kwargs)
             finally:
                 self.swap_in(trained)
+                torch.set_autocast_cache_enabled(cache)
 
     def swap_in(self, values):
         self.reshard()
