@@ -287,6 +287,11 @@ def pairs_command(args):
     if template not in data.TEMPLATES:
         raise SystemExit(f"pairs: template {template!r} (the checkpoint's training config has none): pass --template, "
                          f"one of {sorted(data.TEMPLATES)}")
+    vocab, image_id = tok.vocab_size, model.cfg.image_token_id  # as train.py checks them (make_loaders)
+    if image_id < vocab and tok.decode([image_id]) != data.IMAGE_TAG or not vocab <= model.cfg.llm.vocab_size > image_id:
+        raise SystemExit(f"pairs: the tokenizer ({args.tokenizer or ckpt}: {vocab} ids) does not fit --ckpt "
+                         f"{args.ckpt} (vocab {model.cfg.llm.vocab_size}, image token {image_id}): pass the tokenizer "
+                         "the model was trained with")
     if model.cfg.anyres or model.cfg.video_token_id is not None:
         raise SystemExit(f"pairs: --ckpt {args.ckpt}: a tiling (anyres or video) model; pairs generates for one image "
                          "a question")
@@ -306,11 +311,11 @@ def pairs_command(args):
         keep = args.keep_answered or split == "val"  # held-out accuracy is then asked on the same questions
         records[split], counts = on_policy_pairs(model, stream, template, args.samples, args.temperature,
                                                  args.max_new_tokens, args.batch_size, args.seed, keep, args.limit)
-        q = counts.pop("questions")
-        print(f"pairs: {split}: {q} questions, greedy exact match {counts.pop('greedy_right') / max(1, q):.1%}; "
+        q = counts.pop("questions", 0)  # a split with no question, or all dropped, has no counts but its drops
+        print(f"pairs: {split}: {q} questions, greedy exact match {counts.pop('greedy_right', 0) / max(1, q):.1%}; "
               + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
-    if not any(records.values()):
-        raise SystemExit(f"pairs: no pair to write: the model answered every question of {args.data} right")
+    if not any(records.values()):  # the counts printed above say why
+        raise SystemExit(f"pairs: no pair to write from {args.data}: every question was dropped (see the counts above)")
     write_pairs(records, args.out, args.overwrite)
 
 

@@ -113,3 +113,24 @@ def test_bad_pairs_input_is_one_sentence(setup, tmp_path, flag, value, message, 
             capsys.readouterr().err
         return
     assert "\n" not in str(e.value.code) and re.search(message, str(e.value.code))
+
+
+@pytest.mark.parametrize("vocab_size,image_token_id", [(300, 299), (576, 100)])  # too few ids; a text id as image
+def test_pairs_refuses_a_tokenizer_the_model_does_not_read(setup, tmp_path, vocab_size, image_token_id):
+    root, shapes, _ = setup  # it failed inside the embedding (IndexError), or placed the image on a text token
+    cfg = vlm_preset("debug")
+    cfg.llm.vocab_size, cfg.image_token_id = vocab_size, image_token_id
+    convert.save_model(build_model(cfg, seed=0), tmp_path / "model")
+    with pytest.raises(SystemExit, match=r"pairs: the tokenizer \(\S+tokenizer.model: \d+ ids\) does not fit --ckpt"):
+        pairs(tmp_path, shapes, shapes / "preference", tmp_path / "out")
+
+
+def test_pairs_with_every_question_dropped_says_so(setup, tmp_path, capsys):
+    root, shapes, _ = setup  # it said the model had answered every question right
+    cfg = vlm_preset("debug")
+    cfg.llm.vocab_size, cfg.image_token_id, cfg.llm.max_seq_len = 576, 512, 12  # no prompt fits
+    convert.save_model(build_model(cfg, seed=0), tmp_path / "model")
+    with pytest.raises(SystemExit, match="every question was dropped"):
+        pairs(tmp_path, shapes, shapes / "preference", tmp_path / "out")
+    assert "dropped: prompt_beyond_max_seq_len 27" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
