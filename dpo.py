@@ -275,6 +275,7 @@ def write_pairs(records_by_split, out, overwrite=False):
 def pairs_command(args):
     ckpt, out = Path(args.ckpt), Path(args.out)
     held = sorted(p.name for p in out.glob("*.tar")) if out.is_dir() else []
+    held += ["source/"] if (out / "source").exists() else []  # write_pairs replaces it: it may hold someone's images
     if held and not args.overwrite:  # refused before the answering, not after
         raise SystemExit(f"pairs: --out {out} already holds a dataset ({held[0]}, ...); pass --overwrite to replace it")
     try:

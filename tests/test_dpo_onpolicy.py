@@ -97,6 +97,7 @@ def test_rejected_is_the_models_own_wrong_answer_and_right_ones_are_dropped_or_k
     ("--data", "nope", r"\S*nope: no \.nv-meta/\S+, so not a finished dataset"),
     ("--samples", "0", None),
     ("--out", "held", r"pairs: --out \S*held already holds a dataset \(shard-000000.tar, ...\); pass --overwrite"),
+    ("--out", "raw", r"pairs: --out \S*raw already holds a dataset \(source/, ...\); pass --overwrite"),  # was deleted
 ])
 def test_bad_pairs_input_is_one_sentence(setup, tmp_path, flag, value, message, capsys):
     root, shapes, _ = setup
@@ -106,6 +107,8 @@ def test_bad_pairs_input_is_one_sentence(setup, tmp_path, flag, value, message, 
     if value == "held":  # a dataset already there: refused before any answering
         (tmp_path / "held").mkdir()
         (tmp_path / "held/shard-000000.tar").write_bytes(b"")
+    if value == "raw":  # a folder whose source/ holds the user's own images and JSON, and no shards yet
+        (tmp_path / "raw/source/images").mkdir(parents=True)
     with pytest.raises(SystemExit) as e:
         dpo.main(["pairs", *[x for kv in args.items() for x in kv]])
     if message is None:  # argparse's own: a usage line, then the error
