@@ -455,15 +455,17 @@ def logged(out):
     return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if "loss" in line]
 
 
-def test_lora_dpo_with_adapters_off_equals_the_frozen_copy_reference(shapes_pairs, tmp_path, capsys):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: autocast's cast cache (a test below)
+def test_lora_dpo_with_adapters_off_equals_the_frozen_copy_reference(shapes_pairs, tmp_path, capsys, dtype):
     from conftest import checkpoint_tensors
     from safetensors.torch import load_file
 
     init = debug_init(tmp_path / "init")
-    train.main(dpo_args(shapes_pairs, tmp_path / "off", f"--init_from={init}", *LORA_DPO))
+    lora_dpo = [*LORA_DPO, f"--dtype={dtype}"]
+    train.main(dpo_args(shapes_pairs, tmp_path / "off", f"--init_from={init}", *lora_dpo))
     assert "dpo: reference model = the policy with its LoRA adapters off and its 4 tensors trained in full" in \
         capsys.readouterr().out  # the projector's two weights and biases (LLaVA's recipe trains it in full)
-    train.main(dpo_args(shapes_pairs, tmp_path / "copy", f"--init_from={init}", f"--dpo_reference={init}", *LORA_DPO))
+    train.main(dpo_args(shapes_pairs, tmp_path / "copy", f"--init_from={init}", f"--dpo_reference={init}", *lora_dpo))
     assert f"dpo: reference model {init} (frozen)" in capsys.readouterr().out
     off, copy = logged(tmp_path / "off"), logged(tmp_path / "copy")
     assert [e["step"] for e in off] == [1, 2, 3, 4, 5, 5] and len(off) == len(copy)
