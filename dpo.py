@@ -274,6 +274,8 @@ def write_pairs(records_by_split, out, overwrite=False):
 
 def pairs_command(args):
     ckpt, out = Path(args.ckpt), Path(args.out)
+    if out.resolve() == Path(args.data).resolve():  # --overwrite would replace the questions with the answers
+        raise SystemExit(f"pairs: --out {out} is --data; write the pairs elsewhere")
     held = sorted(p.name for p in out.glob("*.tar")) if out.is_dir() else []
     held += ["source/"] if (out / "source").exists() else []  # write_pairs replaces it: it may hold someone's images
     if held and not args.overwrite:  # refused before the answering, not after

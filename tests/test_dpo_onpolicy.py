@@ -98,19 +98,22 @@ def test_rejected_is_the_models_own_wrong_answer_and_right_ones_are_dropped_or_k
     ("--samples", "0", None),
     ("--out", "held", r"pairs: --out \S*held already holds a dataset \(shard-000000.tar, ...\); pass --overwrite"),
     ("--out", "raw", r"pairs: --out \S*raw already holds a dataset \(source/, ...\); pass --overwrite"),  # was deleted
+    ("--out", "data", r"pairs: --out \S*preference is --data; write the pairs elsewhere"),  # even with --overwrite
 ])
 def test_bad_pairs_input_is_one_sentence(setup, tmp_path, flag, value, message, capsys):
     root, shapes, _ = setup
     args = {"--ckpt": str(root / "model"), "--data": str(shapes / "preference"), "--out": str(tmp_path / "out"),
             "--template": "llama_3", "--tokenizer": str(shapes / "tokenizer.model")}
     args[flag] = str(tmp_path / value) if flag in ("--ckpt", "--data", "--out") else value
+    if value == "data":
+        args["--out"] = str(shapes / "preference/")
     if value == "held":  # a dataset already there: refused before any answering
         (tmp_path / "held").mkdir()
         (tmp_path / "held/shard-000000.tar").write_bytes(b"")
     if value == "raw":  # a folder whose source/ holds the user's own images and JSON, and no shards yet
         (tmp_path / "raw/source/images").mkdir(parents=True)
     with pytest.raises(SystemExit) as e:
-        dpo.main(["pairs", *[x for kv in args.items() for x in kv]])
+        dpo.main(["pairs", *[x for kv in args.items() for x in kv], *(["--overwrite"] if value == "data" else [])])
     if message is None:  # argparse's own: a usage line, then the error
         assert e.value.code == 2 and "error: --samples, --max-new-tokens and --batch-size must be >= 1" in \
             capsys.readouterr().err
