@@ -228,7 +228,10 @@ def test_lever_config_errors_name_the_key():
                          (["--frozen_dtype=bfloat16", "--dtype=bfloat16", "--device=xla"], "not under XLA"),
                          (["--checkpoint_policy=matmuls"], "checkpoint_policy must be 'full' or 'selective'"),
                          (["--checkpoint_policy=selective", "--device=xla"], "torch_xla's checkpoint recomputes whole"),
-                         (["--checkpoint_every=0"], "checkpoint_every must be > 0")]:
+                         (["--checkpoint_every=0"], "checkpoint_every must be > 0"),
+                         # they did nothing, silently, without checkpointing on
+                         (["--checkpoint_policy=selective"], "it is off: set activation_checkpointing=True"),
+                         (["--checkpoint_every=2"], "checkpoint_every=2 say how activation_checkpointing")]:
         with pytest.raises(SystemExit, match=message):
             train.load_config(bad)
     with pytest.raises(SystemExit, match="use checkpoint_policy='full' under XLA"):
