@@ -243,8 +243,8 @@ def on_policy_pairs(model, stream, template, n_samples=4, temperature=1.0, max_n
         except data.DropSample as e:
             counts[f"dropped: {str(e).split(' ')[0]}"] += 1
             continue
-        if len(prompt) >= model.cfg.llm.max_seq_len:
-            counts["dropped: prompt_beyond_max_seq_len"] += 1
+        if len(prompt) + max_new_tokens > model.cfg.llm.max_seq_len:  # else it cut every answer of its batch shorter
+            counts["dropped: prompt_and_answer_beyond_max_seq_len"] += 1
             continue
         batch.append((where, conv, blobs, prompt))
         if len(batch) == batch_size:

@@ -138,5 +138,22 @@ def test_pairs_with_every_question_dropped_says_so(setup, tmp_path, capsys):
     convert.save_model(build_model(cfg, seed=0), tmp_path / "model")
     with pytest.raises(SystemExit, match="every question was dropped"):
         pairs(tmp_path, shapes, shapes / "preference", tmp_path / "out")
-    assert "dropped: prompt_beyond_max_seq_len 27" in capsys.readouterr().out
+    assert "dropped: prompt_and_answer_beyond_max_seq_len 27" in capsys.readouterr().out
     assert not (tmp_path / "out").exists()
+
+
+def test_a_long_prompt_does_not_cut_the_answers_of_its_batch(setup, tmp_path, capsys):
+    """Prompts of 23-28 tokens, max_seq_len 33, 8 new tokens: a prompt with no room for 8 is dropped and counted; it
+    made generate stop its whole batch at max_seq_len, so the others' rejected answers were cut short too."""
+    root, shapes, _ = setup
+    long = pairs(root, shapes, shapes / "preference", tmp_path / "long", "--samples", "1", "--batch-size", "16")
+    model = convert.load_model(root / "model")
+    model.cfg.llm.max_seq_len = 33  # the same weights (RoPE's table is only shorter)
+    convert.save_model(model, tmp_path / "model")
+    capsys.readouterr()
+    short = pairs(tmp_path, shapes, shapes / "preference", tmp_path / "short", "--samples", "1", "--batch-size", "16")
+    dropped = re.search(r"pairs: train: 27 questions.*dropped: prompt_and_answer_beyond_max_seq_len (\d+)",
+                        capsys.readouterr().out)
+    assert dropped and 0 < int(dropped[1]) < 27 and 0 < len(short) < len(long)
+    for source_id, pair in short.items():
+        assert pair["rejected"] == long[source_id]["rejected"], source_id
