@@ -291,7 +291,8 @@ def pairs_command(args):
         raise SystemExit(f"pairs: template {template!r} (the checkpoint's training config has none): pass --template, "
                          f"one of {sorted(data.TEMPLATES)}")
     vocab, image_id = tok.vocab_size, model.cfg.image_token_id  # as train.py checks them (make_loaders)
-    if image_id < vocab and tok.decode([image_id]) != data.IMAGE_TAG or not vocab <= model.cfg.llm.vocab_size > image_id:
+    collides = image_id < vocab and tok.decode([image_id]) != data.IMAGE_TAG  # an HF <image> is fine
+    if collides or image_id >= model.cfg.llm.vocab_size or vocab > model.cfg.llm.vocab_size:
         raise SystemExit(f"pairs: the tokenizer ({args.tokenizer or ckpt}: {vocab} ids) does not fit --ckpt "
                          f"{args.ckpt} (vocab {model.cfg.llm.vocab_size}, image token {image_id}): pass the tokenizer "
                          "the model was trained with")
