@@ -455,7 +455,7 @@ def logged(out):
     return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if "loss" in line]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: autocast's cast cache (a test below)
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])  # autocast's cache
 def test_lora_dpo_with_adapters_off_equals_the_frozen_copy_reference(shapes_pairs, tmp_path, capsys, dtype):
     from conftest import checkpoint_tensors
     from safetensors.torch import load_file
