@@ -125,6 +125,10 @@ def check_speed_levers(cfg):
     if cfg["frozen_dtype"] == "bfloat16" and cfg["device"] == "xla":
         raise SystemExit("config: frozen_dtype='bfloat16' is built and tested for torchrun and single-process runs (CUDA, "
                          "CPU), not under XLA: use frozen_dtype='float32' there")
+    if (cfg["checkpoint_policy"] != "full" or cfg["checkpoint_every"] != 1) and not cfg["activation_checkpointing"]:
+        raise SystemExit(f"config: checkpoint_policy={cfg['checkpoint_policy']!r}, checkpoint_every="
+                         f"{cfg['checkpoint_every']} say how activation_checkpointing recomputes, and it is off: set "
+                         "activation_checkpointing=True")
 
 
 OBJECTIVES = ("sft", "dpo", "reward", "grpo")

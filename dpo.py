@@ -72,12 +72,17 @@ class AdapterFreeReference:
     def __call__(self, *args, **kwargs):
         self.reshard()
         trained = {n: p.detach().clone() for n, p in self.policy.named_parameters() if n in self.start}
+        # autocast keeps its bf16 cast of a trained weight for the rest of the region, keyed by the tensor and blind
+        # to the swap: the reference ran on the policy's projector, or the policy's next forward on the reference's
+        cache = torch.is_autocast_cache_enabled()
+        torch.set_autocast_cache_enabled(False)
         with adapters_off(self.policy):
             try:
                 self.swap_in(self.start)
                 return self.policy(*args, **kwargs)
             finally:
                 self.swap_in(trained)
+                torch.set_autocast_cache_enabled(cache)
 
     def swap_in(self, values):
         self.reshard()
@@ -238,8 +243,8 @@ def on_policy_pairs(model, stream, template, n_samples=4, temperature=1.0, max_n
         except data.DropSample as e:
             counts[f"dropped: {str(e).split(' ')[0]}"] += 1
             continue
-        if len(prompt) >= model.cfg.llm.max_seq_len:
-            counts["dropped: prompt_beyond_max_seq_len"] += 1
+        if len(prompt) + max_new_tokens > model.cfg.llm.max_seq_len:  # else it cut every answer of its batch shorter
+            counts["dropped: prompt_and_answer_beyond_max_seq_len"] += 1
             continue
         batch.append((where, conv, blobs, prompt))
         if len(batch) == batch_size:
@@ -269,7 +274,10 @@ def write_pairs(records_by_split, out, overwrite=False):
 
 def pairs_command(args):
     ckpt, out = Path(args.ckpt), Path(args.out)
+    if out.resolve() == Path(args.data).resolve():  # --overwrite would replace the questions with the answers
+        raise SystemExit(f"pairs: --out {out} is --data; write the pairs elsewhere")
     held = sorted(p.name for p in out.glob("*.tar")) if out.is_dir() else []
+    held += ["source/"] if (out / "source").exists() else []  # write_pairs replaces it: it may hold someone's images
     if held and not args.overwrite:  # refused before the answering, not after
         raise SystemExit(f"pairs: --out {out} already holds a dataset ({held[0]}, ...); pass --overwrite to replace it")
     try:
@@ -282,6 +290,12 @@ def pairs_command(args):
     if template not in data.TEMPLATES:
         raise SystemExit(f"pairs: template {template!r} (the checkpoint's training config has none): pass --template, "
                          f"one of {sorted(data.TEMPLATES)}")
+    vocab, image_id = tok.vocab_size, model.cfg.image_token_id  # as train.py checks them (make_loaders)
+    collides = image_id < vocab and tok.decode([image_id]) != data.IMAGE_TAG  # an HF <image> is fine
+    if collides or image_id >= model.cfg.llm.vocab_size or vocab > model.cfg.llm.vocab_size:
+        raise SystemExit(f"pairs: the tokenizer ({args.tokenizer or ckpt}: {vocab} ids) does not fit --ckpt "
+                         f"{args.ckpt} (vocab {model.cfg.llm.vocab_size}, image token {image_id}): pass the tokenizer "
+                         "the model was trained with")
     if model.cfg.anyres or model.cfg.video_token_id is not None:
         raise SystemExit(f"pairs: --ckpt {args.ckpt}: a tiling (anyres or video) model; pairs generates for one image "
                          "a question")
@@ -301,11 +315,11 @@ def pairs_command(args):
         keep = args.keep_answered or split == "val"  # held-out accuracy is then asked on the same questions
         records[split], counts = on_policy_pairs(model, stream, template, args.samples, args.temperature,
                                                  args.max_new_tokens, args.batch_size, args.seed, keep, args.limit)
-        q = counts.pop("questions")
-        print(f"pairs: {split}: {q} questions, greedy exact match {counts.pop('greedy_right') / max(1, q):.1%}; "
+        q = counts.pop("questions", 0)  # a split with no question, or all dropped, has no counts but its drops
+        print(f"pairs: {split}: {q} questions, greedy exact match {counts.pop('greedy_right', 0) / max(1, q):.1%}; "
               + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
-    if not any(records.values()):
-        raise SystemExit(f"pairs: no pair to write: the model answered every question of {args.data} right")
+    if not any(records.values()):  # the counts printed above say why
+        raise SystemExit(f"pairs: no pair to write from {args.data}: every question was dropped (see the counts above)")
     write_pairs(records, args.out, args.overwrite)
 
 

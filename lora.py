@@ -123,8 +123,10 @@ def apply_lora(model, lora: LoRAConfig, seed=None):
 
 
 def lora_merged(weight, lora_A, lora_B, scaling):
-    """W + scaling * B @ A (peft's merge), summed in fp32 and returned in W's dtype."""
-    return (weight.float() + scaling * (lora_B.float() @ lora_A.float())).to(weight.dtype)
+    """W + scaling * B @ A (peft's merge), summed in fp32 and returned in W's dtype, or the adapters' when theirs is
+    wider: a bf16-stored frozen W (frozen_dtype) under fp32 adapters would lose most of a small update to rounding."""
+    merged = weight.float() + scaling * (lora_B.float() @ lora_A.float())
+    return merged.to(torch.promote_types(weight.dtype, lora_A.dtype))
 
 
 @torch.no_grad()

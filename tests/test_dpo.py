@@ -455,15 +455,17 @@ def logged(out):
     return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if "loss" in line]
 
 
-def test_lora_dpo_with_adapters_off_equals_the_frozen_copy_reference(shapes_pairs, tmp_path, capsys):
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])  # autocast's cache
+def test_lora_dpo_with_adapters_off_equals_the_frozen_copy_reference(shapes_pairs, tmp_path, capsys, dtype):
     from conftest import checkpoint_tensors
     from safetensors.torch import load_file
 
     init = debug_init(tmp_path / "init")
-    train.main(dpo_args(shapes_pairs, tmp_path / "off", f"--init_from={init}", *LORA_DPO))
+    lora_dpo = [*LORA_DPO, f"--dtype={dtype}"]
+    train.main(dpo_args(shapes_pairs, tmp_path / "off", f"--init_from={init}", *lora_dpo))
     assert "dpo: reference model = the policy with its LoRA adapters off and its 4 tensors trained in full" in \
         capsys.readouterr().out  # the projector's two weights and biases (LLaVA's recipe trains it in full)
-    train.main(dpo_args(shapes_pairs, tmp_path / "copy", f"--init_from={init}", f"--dpo_reference={init}", *LORA_DPO))
+    train.main(dpo_args(shapes_pairs, tmp_path / "copy", f"--init_from={init}", f"--dpo_reference={init}", *lora_dpo))
     assert f"dpo: reference model {init} (frozen)" in capsys.readouterr().out
     off, copy = logged(tmp_path / "off"), logged(tmp_path / "copy")
     assert [e["step"] for e in off] == [1, 2, 3, 4, 5, 5] and len(off) == len(copy)
@@ -493,6 +495,38 @@ def test_adapter_free_reference_restores_the_policy_after_an_exception(shapes_pa
         ref("not ids", None)
     assert all(torch.equal(v, trained[k]) for k, v in model.state_dict().items())
     assert all(m.adapter_on for m in model.modules() if isinstance(m, LoRALinear))
+
+
+@pytest.mark.parametrize("policy_first", [False, True])  # dpo runs the reference first, grpo after generating
+def test_adapter_free_reference_under_bf16_autocast_is_the_frozen_copy(tmp_path, policy_first):
+    """autocast caches its bf16 cast of a trained (requires_grad) weight for the rest of the region, keyed by the
+    tensor, blind to the in-place swap: the policy ran on the reference's projector, or the reference on the
+    policy's."""
+    from dpo import AdapterFreeReference
+    from lora import LoRAConfig, apply_lora
+
+    init = debug_init(tmp_path / "init")
+    model, frozen = convert.load_model(init), convert.load_model(init).eval()
+    apply_lora(model, LoRAConfig(r=2, targets=["llm"]), seed=0)
+    for name, p in model.named_parameters():
+        p.requires_grad_(".lora_" in name or name.startswith("projector."))
+    ref = AdapterFreeReference(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05 if p.requires_grad else 0)  # a step: B and the projector move
+    ids = torch.randint(0, 500, (2, 10))
+    ids[:, 1:5] = 512  # the image's 4 tokens
+    pixels = torch.randn(2, 3, 28, 28)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        policy_alone = model(ids, pixels)[0]
+        frozen_logits = frozen(ids, pixels)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        if policy_first:
+            model(ids, pixels)
+        ref_logits = ref(ids, pixels)[0]
+        policy_logits = model(ids, pixels)[0]
+    assert torch.equal(ref_logits, frozen_logits)
+    assert torch.equal(policy_logits, policy_alone)
 
 
 @pytest.mark.slow

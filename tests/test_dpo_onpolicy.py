@@ -97,19 +97,63 @@ def test_rejected_is_the_models_own_wrong_answer_and_right_ones_are_dropped_or_k
     ("--data", "nope", r"\S*nope: no \.nv-meta/\S+, so not a finished dataset"),
     ("--samples", "0", None),
     ("--out", "held", r"pairs: --out \S*held already holds a dataset \(shard-000000.tar, ...\); pass --overwrite"),
+    ("--out", "raw", r"pairs: --out \S*raw already holds a dataset \(source/, ...\); pass --overwrite"),  # was deleted
+    ("--out", "data", r"pairs: --out \S*preference is --data; write the pairs elsewhere"),  # even with --overwrite
 ])
 def test_bad_pairs_input_is_one_sentence(setup, tmp_path, flag, value, message, capsys):
     root, shapes, _ = setup
     args = {"--ckpt": str(root / "model"), "--data": str(shapes / "preference"), "--out": str(tmp_path / "out"),
             "--template": "llama_3", "--tokenizer": str(shapes / "tokenizer.model")}
     args[flag] = str(tmp_path / value) if flag in ("--ckpt", "--data", "--out") else value
+    if value == "data":
+        args["--out"] = str(shapes / "preference/")
     if value == "held":  # a dataset already there: refused before any answering
         (tmp_path / "held").mkdir()
         (tmp_path / "held/shard-000000.tar").write_bytes(b"")
+    if value == "raw":  # a folder whose source/ holds the user's own images and JSON, and no shards yet
+        (tmp_path / "raw/source/images").mkdir(parents=True)
     with pytest.raises(SystemExit) as e:
-        dpo.main(["pairs", *[x for kv in args.items() for x in kv]])
+        dpo.main(["pairs", *[x for kv in args.items() for x in kv], *(["--overwrite"] if value == "data" else [])])
     if message is None:  # argparse's own: a usage line, then the error
         assert e.value.code == 2 and "error: --samples, --max-new-tokens and --batch-size must be >= 1" in \
             capsys.readouterr().err
         return
     assert "\n" not in str(e.value.code) and re.search(message, str(e.value.code))
+
+
+@pytest.mark.parametrize("vocab_size,image_token_id", [(300, 299), (576, 100)])  # too few ids; a text id as image
+def test_pairs_refuses_a_tokenizer_the_model_does_not_read(setup, tmp_path, vocab_size, image_token_id):
+    root, shapes, _ = setup  # it failed inside the embedding (IndexError), or placed the image on a text token
+    cfg = vlm_preset("debug")
+    cfg.llm.vocab_size, cfg.image_token_id = vocab_size, image_token_id
+    convert.save_model(build_model(cfg, seed=0), tmp_path / "model")
+    with pytest.raises(SystemExit, match=r"pairs: the tokenizer \(\S+tokenizer.model: \d+ ids\) does not fit --ckpt"):
+        pairs(tmp_path, shapes, shapes / "preference", tmp_path / "out")
+
+
+def test_pairs_with_every_question_dropped_says_so(setup, tmp_path, capsys):
+    root, shapes, _ = setup  # it said the model had answered every question right
+    cfg = vlm_preset("debug")
+    cfg.llm.vocab_size, cfg.image_token_id, cfg.llm.max_seq_len = 576, 512, 12  # no prompt fits
+    convert.save_model(build_model(cfg, seed=0), tmp_path / "model")
+    with pytest.raises(SystemExit, match="every question was dropped"):
+        pairs(tmp_path, shapes, shapes / "preference", tmp_path / "out")
+    assert "dropped: prompt_and_answer_beyond_max_seq_len 27" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_long_prompt_does_not_cut_the_answers_of_its_batch(setup, tmp_path, capsys):
+    """Prompts of 23-28 tokens, max_seq_len 33, 8 new tokens: a prompt with no room for 8 is dropped and counted; it
+    made generate stop its whole batch at max_seq_len, so the others' rejected answers were cut short too."""
+    root, shapes, _ = setup
+    long = pairs(root, shapes, shapes / "preference", tmp_path / "long", "--samples", "1", "--batch-size", "16")
+    model = convert.load_model(root / "model")
+    model.cfg.llm.max_seq_len = 33  # the same weights (RoPE's table is only shorter)
+    convert.save_model(model, tmp_path / "model")
+    capsys.readouterr()
+    short = pairs(tmp_path, shapes, shapes / "preference", tmp_path / "short", "--samples", "1", "--batch-size", "16")
+    dropped = re.search(r"pairs: train: 27 questions.*dropped: prompt_and_answer_beyond_max_seq_len (\d+)",
+                        capsys.readouterr().out)
+    assert dropped and 0 < int(dropped[1]) < 27 and 0 < len(short) < len(long)
+    for source_id, pair in short.items():
+        assert pair["rejected"] == long[source_id]["rejected"], source_id

@@ -228,7 +228,10 @@ def test_lever_config_errors_name_the_key():
                          (["--frozen_dtype=bfloat16", "--dtype=bfloat16", "--device=xla"], "not under XLA"),
                          (["--checkpoint_policy=matmuls"], "checkpoint_policy must be 'full' or 'selective'"),
                          (["--checkpoint_policy=selective", "--device=xla"], "torch_xla's checkpoint recomputes whole"),
-                         (["--checkpoint_every=0"], "checkpoint_every must be > 0")]:
+                         (["--checkpoint_every=0"], "checkpoint_every must be > 0"),
+                         # they did nothing, silently, without checkpointing on
+                         (["--checkpoint_policy=selective"], "it is off: set activation_checkpointing=True"),
+                         (["--checkpoint_every=2"], "checkpoint_every=2 say how activation_checkpointing")]:
         with pytest.raises(SystemExit, match=message):
             train.load_config(bad)
     with pytest.raises(SystemExit, match="use checkpoint_policy='full' under XLA"):
@@ -450,3 +453,36 @@ def test_the_7b_bench_config_is_issue_24s_row_and_bench_levers_runs():
                                                                                            True, True)
     r = forkserver.run([sys.executable, str(ROOT / "bench.py"), "levers"], os.environ | {"OMP_NUM_THREADS": "1"}, cwd=ROOT)
     assert r.returncode == 0 and "13.82 GB" in r.stdout and r.stdout.count("\n|") == 10, r.stdout + r.stderr
+
+
+def test_a_bf16_frozen_lora_checkpoint_merges_its_small_update_in_fp32(tmp_path):
+    """to-hf --merge-lora of a frozen_dtype='bfloat16' LoRA run: the merged weight (W in bf16, a small update from
+    fp32 adapters) rounded back to bf16 lost about a third of an update 1/200 of W's size; the exported model must
+    be the adapted one the run trained."""
+    from lora import adapters_off, merge_lora_state
+
+    cfg = vlm_preset("debug")
+    cfg.vision.image_size, cfg.vision.patch_size, cfg.llm.vocab_size, cfg.image_token_id = 28, 14, 576, 512
+    model = build_model(cfg, seed=0)
+    lora = LoRAConfig(r=4, alpha=8, targets=["llm"])
+    apply_lora(model, lora, seed=0)
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "lora_B"):
+                m.lora_B.weight.normal_(std=5e-5)
+    train.freeze(model, 2)
+    train.store_frozen(model, torch.bfloat16)
+    merged = merge_lora_state(model.state_dict(), lora)
+    assert merged["llm.layers.0.attention.wq.weight"].dtype == torch.float32
+    plain = build_model(vlm_preset("debug").with_overrides({"vision": {"image_size": 28, "patch_size": 14},
+                                                            "llm": {"vocab_size": 576}, "image_token_id": 512}),
+                        init=False)
+    plain.load_state_dict(merged)
+    ids, pixels, _ = image_batch(cfg.n_image_tokens, 512, 512, batch=2, seq=20)
+    with torch.no_grad():
+        adapted = model.float().eval()(ids, pixels)[0]  # the bf16-stored base read in fp32, as the run computed it
+        with adapters_off(model):
+            base = model(ids, pixels)[0]
+        got = plain.eval()(ids, pixels)[0]
+    update = (adapted - base).abs().max()
+    assert update > 1e-4 and (got - adapted).abs().max() < 1e-2 * update  # in bf16: ~30%
