@@ -7,6 +7,7 @@ into the answer's tokens and the end-of-turn token after it. Two checkpoints: wh
 """
 
 import argparse
+import json
 import sys
 from collections import Counter
 from pathlib import Path
@@ -61,6 +62,16 @@ def answers(ckpt, data_dir, n, batch_size=50):
     return out
 
 
+def cached(ckpt, a):
+    if not a.cache:
+        return answers(ckpt, a.data, a.n)
+    path = Path(a.cache, str(Path(ckpt).resolve()).strip("/").replace("/", "+") + f"-{a.n}.json")
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(answers(ckpt, a.data, a.n)))
+    return [(t, s, {k: tuple(v) for k, v in o.items()}) for t, s, o in json.loads(path.read_text())]
+
+
 def summary(name, res):
     right = sum(s.lower() == t.lower() for t, s, _ in res)
     in_set = sum(s in o for _, s, o in res)
@@ -79,8 +90,9 @@ def main():
     p.add_argument("after")
     p.add_argument("--data", default="data/shapes/shards")
     p.add_argument("--n", type=int, default=2000)
+    p.add_argument("--cache", help="a folder to keep each checkpoint's answers in (the 'before' one is asked often)")
     a = p.parse_args()
-    before, after = answers(a.before, a.data, a.n), answers(a.after, a.data, a.n)
+    before, after = (cached(ckpt, a) for ckpt in (a.before, a.after))
     summary("before", before)
     summary("after", after)
     moves = Counter()
