@@ -105,8 +105,18 @@ def sequence_logps(model, b):
     return -row_loss, (b["labels"][:, 1:] != -100).sum(dim=1)
 
 
+def without_last_label(labels):
+    """labels (rows, T) with each row's last supervised one set to -100 (a row with none is unchanged)."""
+    at = torch.arange(labels.shape[1], device=labels.device)
+    last = (at * (labels != -100)).amax(dim=1, keepdim=True)  # (rows, 1)
+    return torch.where((at == last) & (labels != -100), -100, labels)
+
+
 def preference_loss(model, ref_model, b, cfg):
-    """Rows [chosen..., rejected...] with one image a pair; the reference is frozen."""
+    """Rows [chosen..., rejected...] with one image a pair; the reference is frozen. dpo_end_of_turn=False: each
+    row's last supervised token (the end of turn after the answer, in both sides of a pair) is left out."""
+    if not cfg["dpo_end_of_turn"]:
+        b = b | {"labels": without_last_label(b["labels"])}
     with torch.no_grad():  # the reference first: AdapterFreeReference swaps weights the policy's graph would hold
         ref_logps, _ = sequence_logps(ref_model, b)
     logps, n_tokens = sequence_logps(model, b)

@@ -106,6 +106,7 @@ objective = "sft"  # 'sft' (next-token loss) or 'dpo' (against a frozen referenc
 dpo_beta = 0.1
 dpo_loss = "sigmoid"  # 'sigmoid' (DPO), 'ipo' (length-normalised, as TRL), 'hinge'
 dpo_sft_weight = 0.0  # + this x the chosen answers' token NLL (LLaVA-NeXT's gamma; TRL's "sft" loss)
+dpo_end_of_turn = True  # False: an answer's log-prob leaves out its end-of-turn token (its last supervised one)
 dpo_reference = ""  # the reference checkpoint; '' is init_from (name it when resuming: init_from is then 'resume')
 # objective='reward' (README "Reward models and RL"): a scalar head on the same preference shards, Bradley-Terry loss
 reward_margin = 0.0  # -log sigmoid(r_chosen - r_rejected - margin)

@@ -545,3 +545,42 @@ def test_lora_dpo_adapters_off_under_torchrun_fsdp_matches_one_process(shapes_pa
     for want, got in zip(logged(tmp_path / "single"), logged(tmp_path / "fsdp"), strict=True):
         for k in set(LOGGED) & set(want):
             assert abs(got[k] - want[k]) <= 1e-5 * max(1.0, abs(want[k])), (want["step"], k, got[k], want[k])
+
+
+@pytest.mark.parametrize("template", ["llama_3", "chatml", "vicuna_v1"])
+def test_dpo_end_of_turn_off_leaves_exactly_the_answer_tokens(tmp_path, template):
+    """dpo_end_of_turn=False: of each pair row's supervised tokens, the one left out is the template's end of turn
+    (chat.stop_token_id: <|eot_id|>, <|im_end|>, </s>) and what stays decodes to the answer's own text."""
+    from PIL import Image
+    from test_data import bpe_tokenizer
+
+    import data
+    import dpo
+    import pack
+
+    bpe_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|begin_of_text|>",
+                                                                "eos_token": "<|endoftext|>"}))
+    tok = data.Tokenizer(tmp_path / "tokenizer.json")  # noqa: F811  not the byte-level fixture
+    (tmp_path / "images").mkdir()
+    pairs = [("What is it?", "A cat.", "Black."), ("Color?", "black", "It is a cat. A black cat.")]
+    records = []
+    for i, (question, chosen, rejected) in enumerate(pairs):
+        Image.new("RGB", (28, 28 + 5 * i), (40 * i, 90, 200)).save(tmp_path / "images" / f"{i}.png")
+        records.append({"id": f"p{i}", "image": f"{i}.png", "chosen": chosen, "rejected": rejected,
+                        "conversations": [{"from": "human", "value": "<image>\n" + question}]})
+    (tmp_path / "pairs.json").write_text(json.dumps(records))
+    pack.pack(tmp_path / "pairs.json", tmp_path / "images", tmp_path / "shards")
+    stream = data.ShardStream(tmp_path / "shards", tok, batch_size=2, seq_len=256, image_size=28, image_token_id=
+                              tok.vocab_size, n_image_tokens=4, template=template, shuffle_block=1, preference=True)
+    b = stream.batch(0)
+    order = [json.loads(stream.read(s)[1]["json"])["id"] for s in b["sample_id"].tolist()]
+    answers = [dict(zip([r["id"] for r in records], records))[i][side] for side in ("chosen", "rejected") for i in order]
+    labels = dpo.without_last_label(b["labels"])
+    stop = data.stop_token_id(template, tok)
+    for row, answer in enumerate(answers):
+        before, after = b["labels"][row] != -100, labels[row] != -100
+        gone = (before & ~after).nonzero().flatten().tolist()
+        assert len(gone) == 1 and b["input_ids"][row, gone[0]] == stop and gone[0] == before.nonzero().max()
+        assert tok.decode(b["input_ids"][row][after].tolist()).strip() == answer
+    assert torch.equal(dpo.without_last_label(torch.full((2, 5), -100)), torch.full((2, 5), -100))
