@@ -113,7 +113,7 @@ def test_dpo_loss_metrics_and_gradients_match_trl(tmp_path, loss_type, sft_weigh
 
     vit_images = []
     policy.vision.register_forward_hook(lambda module, args, out: vit_images.append(args[0].shape[0]))
-    run = {"dpo_beta": beta, "dpo_loss": loss_type, "dpo_sft_weight": sft_weight}
+    run = dict(train.DEFAULTS) | {"dpo_beta": beta, "dpo_loss": loss_type, "dpo_sft_weight": sft_weight}
     loss, metrics = train.preference_loss(policy.train(), ref.eval(), our_batch(pairs, pixels, seq_len=37), run)
     loss.backward()
     policy.loss_chunk = ref.loss_chunk = 24  # the chunked head, as loss_chunk > 0 trains: the same loss
