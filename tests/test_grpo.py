@@ -223,17 +223,26 @@ def test_grpo_loop_logs_its_metrics(shapes_pairs, tmp_path, reward):  # noqa: F8
     assert logged[1]["rl/kl"] > 0  # the second step reuses the rollouts after one update: ratio and KL move
 
 
+def small_model_and_stream(dataset, batch_size, seq_len):
+    """The debug VLM at 28 px (4 image tokens) and the shapes SFT stream it reads: the rollout tests' setup."""
+    import data
+    from model import vlm_preset
+
+    cfg = vlm_preset("debug").with_overrides({"vision": {"image_size": 28, "patch_size": 14},
+                                             "llm": {"vocab_size": 576}, "image_token_id": 512})
+    return cfg, data.ShardStream(dataset / "shards", dataset / "tokenizer.model", split="train",
+                                 batch_size=batch_size, seq_len=seq_len, image_size=28, image_token_id=512,
+                                 n_image_tokens=4, template="llama_3")
+
+
 def test_one_grpo_update_moves_probability_towards_positive_advantages(shapes_pairs):  # noqa: F811
     """A rollout from a shapes batch, one small SGD step on rl_loss: sum_i A_i (log-prob_i after - before) > 0 (the
     policy gradient's first-order effect), and the completions' stop token and suppressed ids are as sampled."""
     import data
-    from model import build_model, vlm_preset
+    from model import build_model
 
-    cfg = vlm_preset("debug").with_overrides({"vision": {"image_size": 28, "patch_size": 14},
-                                             "llm": {"vocab_size": 576}, "image_token_id": 512})
+    cfg, stream = small_model_and_stream(shapes_pairs, batch_size=4, seq_len=48)
     model = build_model(cfg, seed=0)
-    stream = data.ShardStream(shapes_pairs / "shards", shapes_pairs / "tokenizer.model", split="train", batch_size=4,
-                              seq_len=48, image_size=28, image_token_id=512, n_image_tokens=4, template="llama_3")
     b = stream.batch(0)
     stop = data.stop_token_id("llama_3", stream.tok)
     run = dict(train.DEFAULTS) | {"grpo_group": 4, "grpo_max_new_tokens": 6}
@@ -265,13 +274,10 @@ def test_a_static_rollout_trains_on_its_skipped_rows_as_if_they_were_absent(shap
     padding. Those rows must weigh nothing: the loss per unit, its KL, clip ratio and entropy, and the reward metrics
     equal those of the kept rows alone (taken out of the same rollout and scored as an eager rollout would be)."""
     import data
-    from model import build_model, vlm_preset
+    from model import build_model
 
-    cfg = vlm_preset("debug").with_overrides({"vision": {"image_size": 28, "patch_size": 14},
-                                             "llm": {"vocab_size": 576}, "image_token_id": 512})
+    cfg, stream = small_model_and_stream(shapes_pairs, batch_size=8, seq_len=48)
     model, reference = build_model(cfg, seed=0), build_model(cfg, seed=1)
-    stream = data.ShardStream(shapes_pairs / "shards", shapes_pairs / "tokenizer.model", split="train", batch_size=8,
-                              seq_len=48, image_size=28, image_token_id=512, n_image_tokens=4, template="llama_3")
     b = stream.batch(1)
     lengths = sorted(len(p) for _, p, _ in rl.prompts_of(b))
     bucket = next(n for n in lengths if n < lengths[-1])  # the shortest prompts fit, the longest do not
@@ -528,13 +534,10 @@ def test_rows_the_loader_dropped_are_generated_from_padding_and_weigh_nothing(sh
     rollouts: every row is still generated (under FSDP2 every rank must run generate's collectives), a dropped one
     from padding, and it weighs nothing: no completion tokens, no units, no gradient."""
     import data
-    from model import build_model, vlm_preset
+    from model import build_model
 
-    cfg = vlm_preset("debug").with_overrides({"vision": {"image_size": 28, "patch_size": 14},
-                                             "llm": {"vocab_size": 576}, "image_token_id": 512})
+    cfg, stream = small_model_and_stream(shapes_pairs, batch_size=4, seq_len=48)
     model = build_model(cfg, seed=0)
-    stream = data.ShardStream(shapes_pairs / "shards", shapes_pairs / "tokenizer.model", split="train", batch_size=4,
-                              seq_len=48, image_size=28, image_token_id=512, n_image_tokens=4, template="llama_3")
     b = stream.batch(0)
     b["labels"][dropped] = -100  # as the loader leaves a dropped sample
     stop = data.stop_token_id("llama_3", stream.tok)
@@ -700,13 +703,10 @@ def test_a_reference_answer_cut_at_seq_len_is_not_a_rules_reference(shapes_pairs
     reward a completion that stops there. A rule reward skips (and counts) those rows; a reward model, which never
     reads the reference, keeps them. Answers that end with the stop token are kept either way."""
     import data
-    from model import build_model, vlm_preset
+    from model import build_model
 
-    cfg = vlm_preset("debug").with_overrides({"vision": {"image_size": 28, "patch_size": 14},
-                                             "llm": {"vocab_size": 576}, "image_token_id": 512})
+    cfg, stream = small_model_and_stream(shapes_pairs, batch_size=8, seq_len=26)
     model = build_model(cfg, seed=0)
-    stream = data.ShardStream(shapes_pairs / "shards", shapes_pairs / "tokenizer.model", split="train", batch_size=8,
-                              seq_len=26, image_size=28, image_token_id=512, n_image_tokens=4, template="llama_3")
     stop = data.stop_token_id("llama_3", stream.tok)
     b = next(stream.batch(k) for k in range(20) if any(stop not in a for _, _, a in rl.prompts_of(stream.batch(k))))
     cut = {r for r, _, a in rl.prompts_of(b) if stop not in a}
