@@ -16,10 +16,14 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
-from lora import (LORA_SITES, LoRAConfig, LoRALinear, apply_lora, is_lora_parameter, lora_layers,  # noqa: F401
-                  lora_merged, merge_lora, merge_lora_state)  # model.X for callers that build models with adapters
-from model_config import (IMAGE_STATS, LLM_PRESETS, VIT_ACTIVATIONS, VIT_PRESETS, LlamaConfig, ViTConfig,  # noqa: F401
-                          VLMConfig, projector_depth, quick_gelu, vlm_preset)  # model.X: the configs are the model's
+from lora import LoRALinear, apply_lora  # model.X for callers that build models with adapters
+from model_config import (
+    VIT_ACTIVATIONS,
+    LlamaConfig,
+    ViTConfig,
+    VLMConfig,  # model.X: the configs are the model's
+    projector_depth,
+)
 
 # -----------------------------------------------------------------------------
 # the CLIP vision tower

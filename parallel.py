@@ -18,6 +18,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from lora import is_lora_parameter
+from model import param_group
+
 AXES = ("dp", "fsdp", "tp")
 BATCH = ("dp", "fsdp")  # the batch dimension of inputs and activations is split over both data axes
 
@@ -373,3 +376,91 @@ def place_like(t, name, env):
     t = t.to(env.device)
     xs.mark_sharding(t, env.mesh, param_spec(name, t.dim()))
     return t
+
+
+def freeze(model, stage):
+    """requires_grad by stage. ViT blocks above the selected layer and ln_post never reach the loss: frozen too.
+    A part with LoRA adapters trains them alone."""
+    trained = {0: ("vision", "projector", "llm"), 1: ("projector",), 2: ("projector", "llm")}[stage]
+    n = model.cfg.vision.n_layers
+    top = max(i if i >= 0 else n + 1 + i for i in model.cfg.vision_layers)
+    adapted = {param_group(name) for name, _ in model.named_parameters() if is_lora_parameter(name)}
+    for name, p in model.named_parameters():
+        unused = name.startswith("vision.ln_post") or (name.startswith("vision.blocks.") and int(name.split(".")[2]) >= top)
+        in_full = param_group(name) not in adapted or is_lora_parameter(name)
+        p.requires_grad_(param_group(name) in trained and not unused and in_full)
+
+
+def set_checkpointing(model, fn, every=1):
+    """fn recomputes blocks 0, k, 2k, ... of each tower in backward (k = every); the others keep their activations."""
+    for tower, blocks in ((model.vision, model.vision.blocks), (model.llm, model.llm.layers)):
+        chosen = {id(b) for b in list(blocks)[::every]}
+        tower.checkpoint = fn if fn is None or every == 1 else \
+            (lambda block, *args, chosen=chosen: fn(block, *args) if id(block) in chosen else block(*args))
+
+
+def store_frozen(model, dtype):
+    """Frozen weights and biases of the Linear and Conv2d layers kept in `dtype` (bf16): the copy autocast makes of
+    them at every use, made once, and their fp32 originals dropped. Embeddings, norms and the ViT's positional and
+    class embeddings stay fp32: autocast does not cast them (the token embedding starts the fp32 residual stream)."""
+    for p in frozen_matmul_weights(model):
+        p.data = p.data.to(dtype)
+
+
+def frozen_matmul_weights(model):
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}  # and a tied output
+    return [p for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)) for p in (m.weight, m.bias)
+            if p is not None and not p.requires_grad and id(p) not in embeddings]
+
+
+def use_flex_attention(packed, device_kind, compiled, seq_len):
+    """FlexAttention for packed rows needs CUDA and compiled blocks. Its kernels failed to compile on an H100 (torch
+    2.11) for 96-token rows but ran for 128, 256 and 2048: whole 128-token blocks only, else SDPA with a dense mask."""
+    return packed and device_kind == "cuda" and compiled and seq_len % 128 == 0
+
+
+def compile_blocks(model):
+    for block in list(model.vision.blocks) + list(model.llm.layers):
+        block.compile()
+
+
+def make_optimizer(raw, cfg, env):
+    groups = {}
+    for name, p in raw.named_parameters():
+        if p.requires_grad:
+            module, decay = param_group(name), p.dim() >= 2  # no weight decay on norms, biases, image_newline
+            g = groups.setdefault((module, decay), {"params": [], "lr_scale": cfg["lr_scale"][module],
+                                                    "weight_decay": cfg["weight_decay"] if decay else 0.0})
+            g["params"].append(p)
+    kw = {"fused": True} if env.kind == "cuda" else {"foreach": True} if env.kind == "cpu" else {}
+    return torch.optim.AdamW(list(groups.values()), lr=cfg["lr"], betas=(cfg["beta1"], cfg["beta2"]), **kw)
+
+
+def flops_per_sample(raw, stage, seq_tokens, n_tiles=1):
+    """Model FLOPs of one sample (fwd + bwd) with n_tiles ViT views, README's formula: 6N trained, 4N frozen with
+    gradients flowing through, 2N frozen with nothing upstream to train; attention 12*L*d*T (fwd+bwd), halved when
+    causal."""
+    cfg = raw.cfg
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    adapters = lambda m: sum(p.numel() for n, p in m.named_parameters() if is_lora_parameter(n))  # noqa: E731
+    vit_lora, llm_lora = adapters(raw.vision.blocks), adapters(raw.llm)  # LoRA: 6N, its frozen base 4N
+    vit_tokens = cfg.vision.n_patches + 1
+    vit_mult = 4 if vit_lora else 6 if stage == 0 else 2
+    vit_attention = (vit_mult * 2) * cfg.vision.n_layers * cfg.vision.dim * vit_tokens**2
+    vit = ((vit_mult * (count(raw.vision.blocks) - vit_lora) + 6 * vit_lora) * vit_tokens + vit_attention) * n_tiles
+    proj = 6 * count(raw.projector) * cfg.n_image_tokens * n_tiles
+    llm_params = count(raw.llm) - raw.llm.tok_embeddings.weight.numel() * (not cfg.llm.tie_embeddings)
+    llm_mult = 4 if llm_lora else 6 if stage in (0, 2) else 4
+    llm = (llm_mult * (llm_params - llm_lora) + 6 * llm_lora) * seq_tokens + \
+        6 * cfg.llm.n_layers * cfg.llm.n_heads * cfg.llm.head_dim * seq_tokens**2
+    return vit + proj + llm
+
+
+def known_peak_flops(env):
+    if env.kind != "cuda":
+        return 0.0
+    name = torch.cuda.get_device_name(env.device)
+    for key, peak in (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L4", 121e12), ("A10", 125e12)):
+        if key in name:
+            return peak
+    return 0.0

@@ -13,10 +13,11 @@ import json
 import sys
 from pathlib import Path
 
-import data
+import chat
+import images
 
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.jinja")
-TEMPLATE_NAMES = sorted(data.TEMPLATES)
+TEMPLATE_NAMES = sorted(chat.TEMPLATES)
 VIDEO_TAG = "<video>"  # OneVision's video placeholder (LlavaOnevisionProcessor's default)
 
 
@@ -24,7 +25,7 @@ class ExportError(ValueError):
     pass
 
 
-def image_processor_config(size, mode, mean=data.CLIP_MEAN, std=data.CLIP_STD):
+def image_processor_config(size, mode, mean=images.CLIP_MEAN, std=images.CLIP_STD):
     """HF's image processor for data.load_image's modes: 'crop' = shortest edge then centre crop (CLIP's),
     'resize' = squash to size x size, 'pad' = LlavaImageProcessor's pad to square with the mean colour first."""
     square, shortest = {"height": size, "width": size}, {"shortest_edge": size}
@@ -42,35 +43,35 @@ def chat_template(template, bos=None, eos=None, bos_added=False, after_tag=""):
     exactly. Text goes in as string expressions: HF renders with trim_blocks, which would eat a newline after a
     tag. after_tag follows each <image>, <video> and a leading BOS that text follows (see template_strings)."""
     lit = lambda text: "{{ " + json.dumps(text) + " }}"  # noqa: E731
-    published = inspect.signature(data.TEMPLATES[template]).parameters
+    published = inspect.signature(chat.TEMPLATES[template]).parameters
     bos = published["bos"].default if bos is None else bos
     eos = published["eos"].default if eos is None else eos
     tags = "" if not after_tag else "".join(f" | replace({json.dumps(t)}, {json.dumps(t + after_tag)})"
-                                            for t in (data.IMAGE_TAG, VIDEO_TAG))
+                                            for t in (chat.IMAGE_TAG, VIDEO_TAG))
     lead = lambda rest: "" if bos_added or not bos else bos + (after_tag if rest else "")  # noqa: E731
     # llama_2 and llama_3 trim every message; LLaVA's preprocessing trims a message around its one image
-    probe = "".join(t for t, _ in data.TEMPLATES[template]([{"from": "human", "value": "\n\x02\n"},
+    probe = "".join(t for t, _ in chat.TEMPLATES[template]([{"from": "human", "value": "\n\x02\n"},
                                                              {"from": "gpt", "value": "\n\x03\n"}]))
     trim = " | trim" if "\n\x03\n" not in probe else ""
     one_tag = "(m.content | selectattr('type', 'in', ['image', 'video']) | list | length) == 1"
     content = ("{% if m.content is string %}{{ m.content" + trim + tags + " }}{% else %}{% for c in m.content %}"
-               "{% if c.type == 'image' %}" + lit(data.IMAGE_TAG + after_tag + "\n") + "{% elif c.type == 'video' %}"
+               "{% if c.type == 'image' %}" + lit(chat.IMAGE_TAG + after_tag + "\n") + "{% elif c.type == 'video' %}"
                + lit(VIDEO_TAG + after_tag + "\n") + "{% endif %}{% endfor %}{% for c in m.content %}"
                "{% if c.type == 'text' %}{% if " + one_tag + " %}{{ c.text | trim }}{% else %}{{ c.text" + trim
                + " }}{% endif %}{% endif %}{% endfor %}{% endif %}")
     if template == "plain":  # stage 1: the image, then the caption; questions are not shown
         first_answer = "(messages | selectattr('role', 'equalto', 'assistant') | list)[:1]"
-        return (lit(lead("") + data.IMAGE_TAG) + "{% for m in " + first_answer + " %}" + lit(after_tag) + content
+        return (lit(lead("") + chat.IMAGE_TAG) + "{% for m in " + first_answer + " %}" + lit(after_tag) + content
                 + lit("\n") + "{% endfor %}")
     marks = ["\x01Q1\x01", "\x01A1\x01", "\x01Q2\x01", "\x01A2\x01"]
     conv = [{"from": r, "value": m} for r, m in zip(["human", "gpt"] * 2, marks)]
-    text = "".join(t for t, _ in data.TEMPLATES[template](conv, bos=bos, eos=eos))
+    text = "".join(t for t, _ in chat.TEMPLATES[template](conv, bos=bos, eos=eos))
     cuts = [text.index(m) for m in marks]
     first, user_end, turn_sep, _, last = [text[a:b] for a, b in zip([0] + [c + len(m) for c, m in zip(cuts, marks)],
                                                                       cuts + [len(text)])]
     generation = text[: text.index(marks[1])].rstrip(" ")  # data.generation_prompt's cut
     # a system message: its text in place of the template's default (cut from a rendering with a system marker)
-    with_system = "".join(t for t, _ in data.TEMPLATES[template]([{"from": "system", "value": "\x01S\x01"}] + conv,
+    with_system = "".join(t for t, _ in chat.TEMPLATES[template]([{"from": "system", "value": "\x01S\x01"}] + conv,
                                                                  bos=bos, eos=eos))
     before_system, after_system = with_system[: with_system.index(marks[0])].split("\x01S\x01")
     if bos and first.startswith(bos):
@@ -134,11 +135,11 @@ def has_processor(directory):
 
 
 def write_processor(cfg, directory, template, image_mode, tokenizer=None):
-    if template not in data.TEMPLATES or image_mode not in ("pad", "crop", "resize"):
+    if template not in chat.TEMPLATES or image_mode not in ("pad", "crop", "resize"):
         raise ExportError(f"cannot write a processor for template {template!r} and image mode {image_mode!r}")
     extra = 1 if cfg.vision.kind == "clip" else 0  # LlavaProcessor: patches + this, - 1 for "default"
     image = image_processor_config(cfg.vision.image_size, image_mode, *cfg.vision.image_stats)
-    settings = {"processor_class": "LlavaProcessor", "image_token": data.IMAGE_TAG, "patch_size": cfg.vision.patch_size,
+    settings = {"processor_class": "LlavaProcessor", "image_token": chat.IMAGE_TAG, "patch_size": cfg.vision.patch_size,
                 "vision_feature_select_strategy": "default" if cfg.vision_select == "patch" else "full",
                 "num_additional_image_tokens": extra}
     if cfg.anyres:
@@ -202,10 +203,10 @@ def export_tokenizer(directory, image_id, video_id=None, template=None):
         print(f"convert: {directory}: no tokenizer.json or tokenizer.model beside the weights; the export has no "
               "tokenizer", file=sys.stderr)
         return None
-    tok = data.Tokenizer(directory)
+    tok = chat.Tokenizer(directory)
     config_path = directory / "tokenizer_config.json"
     config = json.loads(config_path.read_text()) if config_path.exists() else {}
-    tags = {data.IMAGE_TAG: image_id} | ({VIDEO_TAG: video_id} if video_id is not None else {})
+    tags = {chat.IMAGE_TAG: image_id} | ({VIDEO_TAG: video_id} if video_id is not None else {})
     if tok.sp is None:
         new = add_to_tokenizer_json(directory / "tokenizer.json", tags)
         if "added_tokens_decoder" in config:  # transformers reads this list too: keep the two alike
@@ -256,7 +257,7 @@ def sentencepiece_config(tok, config, tags, where):
 
 def writes_bos(template):
     conv = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]
-    return "\x04" in "".join(t for t, _ in data.TEMPLATES[template](conv, bos="\x04"))
+    return "\x04" in "".join(t for t, _ in chat.TEMPLATES[template](conv, bos="\x04"))
 
 
 def without_bos(post, bos):
@@ -276,7 +277,7 @@ def write_generation_config(directory, tok, template):
     path = Path(directory, "generation_config.json")
     generation = json.loads(path.read_text()) if path.exists() else {}
     before = generation.get("eos_token_id")
-    stops = ([data.stop_token_id(template, tok)] if template else []) + [tok.eos_id]
+    stops = ([chat.stop_token_id(template, tok)] if template else []) + [tok.eos_id]
     stops += before if isinstance(before, list) else [before]
     stops = list(dict.fromkeys(i for i in stops if i is not None and i >= 0))
     generation |= {"bos_token_id": tok.bos_id if tok.bos_id >= 0 else None, "pad_token_id": tok.pad_id,

@@ -13,8 +13,10 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-import convert
-import data
+import chat
+import checkpoint
+import images
+import weight_files
 from checkpoint import saved_own
 from model import GRPO_LOSSES, group_advantages, grpo_loss, left_pad
 from parallel import autocast, gathered_for_generation, print0, shard
@@ -110,7 +112,7 @@ def rollout(raw, b, tok, stop, cfg, score, generator, ref_model=None, static=Fal
     prompt_ids, prompt_mask = left_pad([p for _, p, _ in asked], tok.pad_id, bucket)
     prompt_ids, prompt_mask = place(prompt_ids.repeat_interleave(G, 0)), place(prompt_mask.repeat_interleave(G, 0))
     pixels = place(b["pixel_values"][torch.tensor([r for r, _, _ in asked]).repeat_interleave(G)])
-    pixels, device = data.normalize_images(pixels, *raw.cfg.vision.image_stats), prompt_ids.device
+    pixels, device = images.normalize_images(pixels, *raw.cfg.vision.image_stats), prompt_ids.device
     suppress = torch.arange(raw.cfg.llm.vocab_size, device=device)
     placeholders = [t for t in (raw.cfg.image_token_id, raw.cfg.video_token_id) if t is not None]
     suppress = (suppress >= tok.vocab_size) | torch.isin(suppress, torch.tensor(placeholders, device=device))
@@ -130,8 +132,8 @@ def rollout(raw, b, tok, stop, cfg, score, generator, ref_model=None, static=Fal
     is_stop = (new == stop).long()
     completion_mask = (is_stop.cumsum(1) - is_stop == 0).long() * valid[:, None]  # up to and including the first stop
     host = new if env is None else env.to_host(new)  # the rollout's one transfer from the device
-    texts = [data.decode_answer(tok, row, stop) for row in host.tolist()]
-    answers = [data.decode_answer(tok, a, stop) for _, _, a in asked for _ in range(G)]
+    texts = [chat.decode_answer(tok, row, stop) for row in host.tolist()]
+    answers = [chat.decode_answer(tok, a, stop) for _, _, a in asked for _ in range(G)]
     ids, mask = torch.cat([prompt_ids, new], 1), torch.cat([prompt_mask, completion_mask], 1)
     C = new.shape[1]
     tiles = {k: F.pad(v, (0, 0, 0, C)) for k, v in tiles.items()}  # (B * G, T + C, taps): nothing in the completions
@@ -219,7 +221,7 @@ def check_judge(spec, judge, policy, tok):
                          f"({', '.join(differ)}: the reward model's first)")
     if any((Path(spec) / name).exists() for name in ("tokenizer.model", "tokenizer.json")):
         try:
-            judge_tok = data.Tokenizer(spec)
+            judge_tok = chat.Tokenizer(spec)
         except Exception as e:  # noqa: BLE001  sentencepiece and tokenizers raise many kinds for a bogus file
             raise SystemExit(f"grpo_reward {spec!r}: cannot load its tokenizer ({type(e).__name__}: {e})") from None
         if judge_tok.vocab_size != tok.vocab_size or judge_tok.encode(PROBE) != tok.encode(PROBE):
@@ -246,8 +248,8 @@ def reward_scorer(cfg, env, policy, tok):
             return rewards
         return score
     try:
-        judge = convert.load_model(spec, device=env.device).requires_grad_(False).eval()
-    except (convert.ConversionError, OSError, ValueError, KeyError, TypeError) as e:
+        judge = checkpoint.load_model(spec, device=env.device).requires_grad_(False).eval()
+    except (weight_files.ConversionError, OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"grpo_reward {spec!r}: cannot load the reward model ({e})") from None
     if judge.reward_head is None:
         raise SystemExit(f"grpo_reward {spec!r}: the checkpoint has no reward head (train one with objective='reward')")
@@ -316,7 +318,7 @@ def setup(cfg, env, loader, resume_from, policy):
     elif resume_from and saved is None and state["iter"] % cfg["grpo_iterations"]:
         print0(env, f"resume: {resume_from} holds no generation batch for this world size: sampling a new one")
     device = "cpu" if env.kind == "xla" else env.device
-    return SimpleNamespace(tok=tok, stop=data.stop_token_id(cfg["template"], tok),
+    return SimpleNamespace(tok=tok, stop=chat.stop_token_id(cfg["template"], tok),
                            score=reward_scorer(cfg, env, policy, tok),
                            sampler=torch.Generator(device), static=static,
                            rollouts=rollouts_from_state(saved, env.device) if saved else None)

@@ -10,6 +10,10 @@ import torch
 from conftest import tiny_hf_llava
 from test_dpo import EOS, IMAGE, N_IMAGE_TOKENS, PAD, our_model, shapes_pairs, word_level_processor  # noqa: F401
 
+import chat
+import checkpoint
+import config
+import images
 import rl
 import train
 from model import group_advantages, grpo_loss
@@ -109,7 +113,8 @@ def short_answers(completions, answers):
 
 
 def test_generate_never_samples_suppressed_tokens():
-    from model import build_model, vlm_preset
+    from model import build_model
+    from model_config import vlm_preset
 
     cfg = vlm_preset("debug").with_overrides({"llm": {"vocab_size": 64}, "image_token_id": 60})
     model = build_model(cfg, seed=0)
@@ -166,7 +171,8 @@ def test_static_generation_on_xla_compiles_the_same_graphs_whatever_the_length_a
 
 def test_logits_to_keep_are_the_last_positions_logits():
     """RL's log-probs read only the completion's logits (HF's logits_to_keep): (B, k, vocab), not (B, T, vocab)."""
-    from model import build_model, vlm_preset
+    from model import build_model
+    from model_config import vlm_preset
 
     model = build_model(vlm_preset("debug").with_overrides({"llm": {"vocab_size": 64}, "image_token_id": 60}), seed=0)
     ids = torch.randint(1, 60, (3, 11), generator=torch.Generator().manual_seed(0))
@@ -178,33 +184,33 @@ def test_logits_to_keep_are_the_last_positions_logits():
 
 
 def test_prompts_are_cut_where_the_answer_starts(tmp_path):
-    import data
+    import loader
     from shapes import make_shapes
 
     make_shapes(tmp_path, n=24, seed=0, val_fraction=0.2)
-    stream = data.ShardStream(tmp_path / "shards", tmp_path / "tokenizer.model", split="train", batch_size=8, seq_len=48,
+    stream = loader.ShardStream(tmp_path / "shards", tmp_path / "tokenizer.model", split="train", batch_size=8, seq_len=48,
                               image_size=28, image_token_id=512, n_image_tokens=4, template="llama_3")
     b = stream.batch(0)
-    stop = data.stop_token_id("llama_3", stream.tok)
+    stop = chat.stop_token_id("llama_3", stream.tok)
     for r, prompt, answer in rl.prompts_of(b):
-        conv, image = data.sample_conversation(stream.read(int(b["sample_id"][r]))[1])
-        want_prompt, want_answer = data.prompt_and_answer(conv, image is not None, "llama_3", stream.tok, 512, 4)
-        assert prompt == list(want_prompt) and data.decode_answer(stream.tok, answer, stop) == want_answer.strip()
+        conv, image = loader.sample_conversation(stream.read(int(b["sample_id"][r]))[1])
+        want_prompt, want_answer = chat.prompt_and_answer(conv, image is not None, "llama_3", stream.tok, 512, 4)
+        assert prompt == list(want_prompt) and chat.decode_answer(stream.tok, answer, stop) == want_answer.strip()
 
 
 @pytest.mark.parametrize("reward", ["rule", "reward_model"])
 def test_grpo_loop_logs_its_metrics(shapes_pairs, tmp_path, reward):  # noqa: F811
     import json
 
-    import convert
-    from model import build_model
     from test_dpo import debug_init, dpo_args
+
+    from model import build_model
 
     init = debug_init(tmp_path / "init")
     spec = "test_grpo:short_answers"
     if reward == "reward_model":
-        judge = build_model(convert.load_model(init).cfg.with_overrides({"reward_head": True}), seed=5)
-        convert.save_model(judge, tmp_path / "judge")
+        judge = build_model(checkpoint.load_model(init).cfg.with_overrides({"reward_head": True}), seed=5)
+        checkpoint.save_model(judge, tmp_path / "judge")
         spec = str(tmp_path / "judge")
     steps = 4 if reward == "rule" else 2
     train.main(dpo_args(shapes_pairs, tmp_path / "out", f"--init_from={init}", "--objective=grpo",
@@ -225,12 +231,12 @@ def test_grpo_loop_logs_its_metrics(shapes_pairs, tmp_path, reward):  # noqa: F8
 
 def small_model_and_stream(dataset, batch_size, seq_len):
     """The debug VLM at 28 px (4 image tokens) and the shapes SFT stream it reads: the rollout tests' setup."""
-    import data
-    from model import vlm_preset
+    import loader
+    from model_config import vlm_preset
 
     cfg = vlm_preset("debug").with_overrides({"vision": {"image_size": 28, "patch_size": 14},
                                              "llm": {"vocab_size": 576}, "image_token_id": 512})
-    return cfg, data.ShardStream(dataset / "shards", dataset / "tokenizer.model", split="train",
+    return cfg, loader.ShardStream(dataset / "shards", dataset / "tokenizer.model", split="train",
                                  batch_size=batch_size, seq_len=seq_len, image_size=28, image_token_id=512,
                                  n_image_tokens=4, template="llama_3")
 
@@ -238,14 +244,13 @@ def small_model_and_stream(dataset, batch_size, seq_len):
 def test_one_grpo_update_moves_probability_towards_positive_advantages(shapes_pairs):  # noqa: F811
     """A rollout from a shapes batch, one small SGD step on rl_loss: sum_i A_i (log-prob_i after - before) > 0 (the
     policy gradient's first-order effect), and the completions' stop token and suppressed ids are as sampled."""
-    import data
     from model import build_model
 
     cfg, stream = small_model_and_stream(shapes_pairs, batch_size=4, seq_len=48)
     model = build_model(cfg, seed=0)
     b = stream.batch(0)
-    stop = data.stop_token_id("llama_3", stream.tok)
-    run = dict(train.DEFAULTS) | {"grpo_group": 4, "grpo_max_new_tokens": 6}
+    stop = chat.stop_token_id("llama_3", stream.tok)
+    run = dict(config.DEFAULTS) | {"grpo_group": 4, "grpo_max_new_tokens": 6}
     score = lambda texts, answers, *_: torch.tensor(short_answers(texts, answers))  # noqa: E731
     r, _, texts = rl.rollout(model, b, stream.tok, stop, run, score, torch.Generator().manual_seed(0))
     new = r["ids"][:, -r["completion_mask"].shape[1]:]
@@ -273,7 +278,6 @@ def test_a_static_rollout_trains_on_its_skipped_rows_as_if_they_were_absent(shap
     """Static rollouts keep every row: a prompt longer than the bucket (and a row the loader dropped) is generated from
     padding. Those rows must weigh nothing: the loss per unit, its KL, clip ratio and entropy, and the reward metrics
     equal those of the kept rows alone (taken out of the same rollout and scored as an eager rollout would be)."""
-    import data
     from model import build_model
 
     cfg, stream = small_model_and_stream(shapes_pairs, batch_size=8, seq_len=48)
@@ -281,10 +285,10 @@ def test_a_static_rollout_trains_on_its_skipped_rows_as_if_they_were_absent(shap
     b = stream.batch(1)
     lengths = sorted(len(p) for _, p, _ in rl.prompts_of(b))
     bucket = next(n for n in lengths if n < lengths[-1])  # the shortest prompts fit, the longest do not
-    run = dict(train.DEFAULTS) | {"grpo_group": 3, "grpo_max_new_tokens": 6, "grpo_prompt_len": bucket,
+    run = dict(config.DEFAULTS) | {"grpo_group": 3, "grpo_max_new_tokens": 6, "grpo_prompt_len": bucket,
                                   "grpo_loss": kind, "grpo_beta": 0.1, "grpo_iterations": 2}
     score = lambda texts, answers, *_: torch.tensor(short_answers(texts, answers))  # noqa: E731
-    stop = data.stop_token_id("llama_3", stream.tok)
+    stop = chat.stop_token_id("llama_3", stream.tok)
     r, _, texts = rl.rollout(model, b, stream.tok, stop, run, score, torch.Generator().manual_seed(0), reference,
                              static=True)
     kept = r["mask"][:, bucket - 1] == 1  # a row with a prompt ends it with a real token
@@ -326,8 +330,8 @@ def test_grpo_config_errors_are_one_sentence(tmp_path, extra, message):
 def test_rl_configs_parse():
     from conftest import ROOT
 
-    assert train.load_config([str(ROOT / "configs/grpo_shapes.py")])["objective"] == "grpo"
-    assert train.load_config([str(ROOT / "configs/reward_shapes.py")])["objective"] == "reward"
+    assert config.load_config([str(ROOT / "configs/grpo_shapes.py")])["objective"] == "grpo"
+    assert config.load_config([str(ROOT / "configs/reward_shapes.py")])["objective"] == "reward"
 
 
 def test_grpo_onevision_config_is_trls_recipe():
@@ -339,8 +343,8 @@ def test_grpo_onevision_config_is_trls_recipe():
     from trl import GRPOConfig
 
     trl = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
-    cfg = train.load_config([str(ROOT / "configs/grpo_onevision.py")])
-    train.check_objective(cfg)
+    cfg = config.load_config([str(ROOT / "configs/grpo_onevision.py")])
+    config.check_objective(cfg)
     ours = {"loss_type": "grpo_loss", "beta": "grpo_beta", "num_generations": "grpo_group", "temperature":
             "grpo_temperature", "top_p": "grpo_top_p", "epsilon": "grpo_epsilon", "num_iterations": "grpo_iterations",
             "max_completion_length": "grpo_max_new_tokens", "learning_rate": "lr", "weight_decay": "weight_decay",
@@ -351,7 +355,7 @@ def test_grpo_onevision_config_is_trls_recipe():
     assert cfg["batch_size"] * cfg["grpo_group"] == 8 * trl["per_device_train_batch_size"]  # on 8 GPUs
     assert (cfg["model"], cfg["template"], cfg["parallel"], cfg["min_lr"]) == ("llava-onevision-qwen2-7b", "chatml",
                                                                                "fsdp", 0.0)
-    from model import vlm_preset
+    from model_config import vlm_preset
 
     assert cfg["seq_len"] + cfg["grpo_max_new_tokens"] <= vlm_preset(cfg["model"]).llm.max_seq_len
 
@@ -396,18 +400,16 @@ def test_grpo_under_torchrun_fsdp_matches_ddp_and_resumes_exactly(shapes_pairs, 
     from test_dpo import debug_init, dpo_args
     from test_train import run
 
-    import convert
     from model import build_model
 
-    import data
 
-    policy = convert.load_model(debug_init(tmp_path / "random"))
-    stop = data.stop_token_id("llama_3", data.Tokenizer(shapes_pairs / "tokenizer.model"))
+    policy = checkpoint.load_model(debug_init(tmp_path / "random"))
+    stop = chat.stop_token_id("llama_3", chat.Tokenizer(shapes_pairs / "tokenizer.model"))
     with torch.no_grad():  # the stop token likely at about half the positions: completions of different lengths, so
         policy.llm.output.weight[stop] *= 10  # FSDP2's ranks, which decode every step, must end where DDP's stop
-    convert.save_model(policy, init := tmp_path / "init")
+    checkpoint.save_model(policy, init := tmp_path / "init")
     judge = build_model(policy.cfg.with_overrides({"reward_head": True}), seed=5)
-    convert.save_model(judge, tmp_path / "judge")  # a random reward model: rewards that differ within a group
+    checkpoint.save_model(judge, tmp_path / "judge")  # a random reward model: rewards that differ within a group
     common = [f"--grpo_reward={tmp_path / 'judge'}", "--objective=grpo", f"--data_dir={shapes_pairs / 'shards'}",
               "--batch_size=4", "--micro_batch_size=1", "--grpo_group=3", "--grpo_beta=0.05",
               f"--grpo_reference={init}", "--grpo_iterations=2", "--lr=1e-4", "--warmup_iters=1",
@@ -480,20 +482,22 @@ def test_tiled_rollouts_place_each_prompts_tiles_as_the_row_run_alone(shapes_pai
     shifting each row's tile placement with it; every completion's log-probs equal those of its row run alone, unpadded,
     with the placement the loader gave it. The tiles reach generation: other pixels, other samples. Static: prompts
     padded to a bucket below the longest (which is skipped: no completion) and above the others."""
-    import data
-    from model import build_model, vlm_preset
     from test_dpo import tiled_pairs
     from xla_runs import TILED_MODEL
+
+    import loader
+    from model import build_model
+    from model_config import vlm_preset
 
     tiled_pairs(tmp_path, ["How many circles are there?",
                            "Count the circles in this picture, please. How many are there?", "Circles?"])
     cfg = vlm_preset("debug").with_overrides(TILED_MODEL)
-    stream = data.ShardStream(tmp_path / "shards", shapes_pairs / "tokenizer.model", batch_size=3, seq_len=160,
+    stream = loader.ShardStream(tmp_path / "shards", shapes_pairs / "tokenizer.model", batch_size=3, seq_len=160,
                               image_size=28, image_token_id=512, n_image_tokens=4, template="llama_3", vlm=cfg,
                               max_tiles=5, shuffle_block=1)
     model = build_model(cfg, seed=0).eval()
-    stop = data.stop_token_id("llama_3", stream.tok)
-    run = dict(train.DEFAULTS) | {"grpo_group": 2, "grpo_max_new_tokens": 5, "grpo_beta": 0.1, "grpo_iterations": 2}
+    stop = chat.stop_token_id("llama_3", stream.tok)
+    run = dict(config.DEFAULTS) | {"grpo_group": 2, "grpo_max_new_tokens": 5, "grpo_beta": 0.1, "grpo_iterations": 2}
     lengths = sorted({len(p) for k in range(2) for _, p, _ in rl.prompts_of(stream.batch(k))})
     bucket = lengths[-1] - 1  # the longest prompts are skipped, the others padded by 1 or more beyond their batch's
     if static:
@@ -501,7 +505,7 @@ def test_tiled_rollouts_place_each_prompts_tiles_as_the_row_run_alone(shapes_pai
     score = lambda texts, answers, *_: torch.tensor(short_answers(texts, answers))  # noqa: E731
     for k in range(2):
         b = stream.batch(k)  # the loader's host batch, as train.py hands it to rollout (which normalises the pixels)
-        pixels = data.normalize_images(b["pixel_values"], *cfg.vision.image_stats)
+        pixels = images.normalize_images(b["pixel_values"], *cfg.vision.image_stats)
         asked = rl.prompts_of(b)
         assert len({len(p) for _, p, _ in asked}) > 1  # prompts of different lengths: left padding moves the tiles
         r, _, _ = rl.rollout(model, b, stream.tok, stop, run, score, torch.Generator().manual_seed(k), ref_model=model,
@@ -533,15 +537,14 @@ def test_rows_the_loader_dropped_are_generated_from_padding_and_weigh_nothing(sh
     """A micro-batch whose prompts the loader dropped (too long for seq_len: no labels), all or some, outside static
     rollouts: every row is still generated (under FSDP2 every rank must run generate's collectives), a dropped one
     from padding, and it weighs nothing: no completion tokens, no units, no gradient."""
-    import data
     from model import build_model
 
     cfg, stream = small_model_and_stream(shapes_pairs, batch_size=4, seq_len=48)
     model = build_model(cfg, seed=0)
     b = stream.batch(0)
     b["labels"][dropped] = -100  # as the loader leaves a dropped sample
-    stop = data.stop_token_id("llama_3", stream.tok)
-    run = dict(train.DEFAULTS) | {"grpo_group": 3, "grpo_max_new_tokens": 6, "grpo_beta": 0.1, "grpo_iterations": 2}
+    stop = chat.stop_token_id("llama_3", stream.tok)
+    run = dict(config.DEFAULTS) | {"grpo_group": 3, "grpo_max_new_tokens": 6, "grpo_beta": 0.1, "grpo_iterations": 2}
     score = lambda texts, answers, *_: torch.tensor(short_answers(texts, answers))  # noqa: E731
     r, _, texts = rl.rollout(model, b, stream.tok, stop, run, score, torch.Generator().manual_seed(0), model)
     gone = torch.zeros(4, dtype=torch.bool)
@@ -618,14 +621,14 @@ def test_a_reward_model_that_reads_ids_or_images_unlike_the_policy_is_refused(sh
     reward model of another width reads them as the policy does and is accepted."""
     import shutil
 
-    import convert
-    from model import build_model
-    from shapes import train_tokenizer
     from test_dpo import debug_init, dpo_args
 
+    from model import build_model
+    from shapes import train_tokenizer
+
     init = debug_init(tmp_path / "init")
-    policy = convert.load_model(init).cfg
-    convert.save_model(build_model(policy.with_overrides({"reward_head": True} | (judge if judge != "tokenizer" else {})),
+    policy = checkpoint.load_model(init).cfg
+    checkpoint.save_model(build_model(policy.with_overrides({"reward_head": True} | (judge if judge != "tokenizer" else {})),
                                    seed=5), tmp_path / "judge")
     if judge == "tokenizer":
         texts = [f"{w} {n} {w[::-1]}" for n in range(200) for w in ("alpha", "beta", "gamma", "delta")]
@@ -640,7 +643,7 @@ def test_a_reward_model_that_reads_ids_or_images_unlike_the_policy_is_refused(sh
         train.main(args)
     if judge == "tokenizer":  # a narrower reward model with the run's tokenizer: accepted
         shutil.rmtree(tmp_path / "judge")
-        convert.save_model(build_model(policy.with_overrides({"reward_head": True, "llm": {"dim": 32, "n_heads": 2,
+        checkpoint.save_model(build_model(policy.with_overrides({"reward_head": True, "llm": {"dim": 32, "n_heads": 2,
                                                                                          "n_kv_heads": 2}}), seed=5),
                            tmp_path / "judge")
         shutil.copy(shapes_pairs / "tokenizer.model", tmp_path / "judge")
@@ -650,13 +653,13 @@ def test_a_reward_model_that_reads_ids_or_images_unlike_the_policy_is_refused(sh
 def test_rollouts_past_the_models_max_seq_len_are_refused_at_setup(shapes_pairs, tmp_path):  # noqa: F811
     """A model of max_seq_len 30 and seq_len 30: prompts of up to 29 tokens plus 8 new ones do not fit the model;
     one sentence at setup, not a ValueError from generate at the first long prompt."""
-    import convert
-    from model import build_model
     from test_dpo import debug_init, dpo_args
 
-    model = convert.load_model(debug_init(tmp_path / "init"))
+    from model import build_model
+
+    model = checkpoint.load_model(debug_init(tmp_path / "init"))
     model.cfg.llm.max_seq_len = 30
-    convert.save_model(build_model(model.cfg, seed=0), tmp_path / "short")
+    checkpoint.save_model(build_model(model.cfg, seed=0), tmp_path / "short")
     args = dpo_args(shapes_pairs, tmp_path / "out", f"--init_from={tmp_path / 'short'}", "--objective=grpo",
                     f"--data_dir={shapes_pairs / 'shards'}", "--grpo_reward=exact_match", "--max_iters=2",
                     "--batch_size=8", "--micro_batch_size=8", "--grpo_group=2", "--grpo_max_new_tokens=8",
@@ -702,17 +705,16 @@ def test_a_reference_answer_cut_at_seq_len_is_not_a_rules_reference(shapes_pairs
     """seq_len 26: a prompt of 25 tokens keeps one answer token of two (the word, not <|eot_id|>): exact_match would
     reward a completion that stops there. A rule reward skips (and counts) those rows; a reward model, which never
     reads the reference, keeps them. Answers that end with the stop token are kept either way."""
-    import data
     from model import build_model
 
     cfg, stream = small_model_and_stream(shapes_pairs, batch_size=8, seq_len=26)
     model = build_model(cfg, seed=0)
-    stop = data.stop_token_id("llama_3", stream.tok)
+    stop = chat.stop_token_id("llama_3", stream.tok)
     b = next(stream.batch(k) for k in range(20) if any(stop not in a for _, _, a in rl.prompts_of(stream.batch(k))))
     cut = {r for r, _, a in rl.prompts_of(b) if stop not in a}
     whole = {r for r, _, a in rl.prompts_of(b) if stop in a}
     assert cut and whole
-    run = dict(train.DEFAULTS) | {"grpo_group": 2, "grpo_max_new_tokens": 4,
+    run = dict(config.DEFAULTS) | {"grpo_group": 2, "grpo_max_new_tokens": 4,
                                   "grpo_reward": "exact_match" if reward == "rule" else str(tmp_path)}
     seen = []
     score = lambda texts, answers, *_: seen.extend(answers) or torch.zeros(len(texts))  # noqa: E731
