@@ -40,7 +40,7 @@ TOKENIZERS = {
                                "pad_token": "<|endoftext|>", "added_tokens_decoder": {
                                    str(i): {"content": t, "special": True} for i, t in enumerate(QWEN2_SPECIALS)}}, None),
 }
-TEMPLATES = {"sp": ["vicuna_v1", "llama_2", "plain"], "sp-markers": ["llama_3", "vicuna_v1", "plain"],
+TEMPLATES = {"sp": ["vicuna_v1", "llama_2", "plain"], "sp-markers": ["llama_3", "vicuna_v1", "llama_2", "plain"],
              "llama3": ["llama_3", "vicuna_v1", "llama_2", "plain"], "llama3-chatml": ["chatml", "llama_3"],
              "qwen2": ["chatml", "vicuna_v1", "plain"]}
 IMAGE_SIZE = (333, 500)  # (width, height) of the photo: not a multiple of anything
@@ -125,7 +125,8 @@ def llava_checkpoints(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(TOKENIZERS))
 def test_processor_on_the_chat_template_gives_the_ids_training_uses(llava_checkpoints, tmp_path, name):
-    """For every template the tokenizer can write: processor(text=apply_chat_template(chat), images=...) gives the
+    """For every template the tokenizer can write: processor(text=apply_chat_template(chat), images=...), from the
+    export's tokenizer.json with a sentencepiece tokenizer.model taken away, gives the
     ids data.encode_conversation trains on (one BOS, <image> expanded at the model's id), the generation prompt
     gives sample.py's ids, and the tokenizer and generation config stop on the template's end of turn and our EOS."""
     from transformers import AutoProcessor, GenerationConfig
@@ -135,6 +136,8 @@ def test_processor_on_the_chat_template_gives_the_ids_training_uses(llava_checkp
     for template in TEMPLATES[TOKENIZERS[name][0]]:
         out = tmp_path / template
         convert.main(["to-hf", "--ckpt", str(ckpt), "--out", str(out), "--template", template, "--image-mode", "pad"])
+        assert (out / "tokenizer.json").exists()
+        (out / "tokenizer.model").unlink(missing_ok=True)  # a sentencepiece export loads from tokenizer.json alone
         processor = AutoProcessor.from_pretrained(out)
         assert processor.tokenizer.convert_tokens_to_ids(chat.IMAGE_TAG) == cfg.image_token_id
         for conv in CONVERSATIONS[:1] if template == "plain" else CONVERSATIONS:
@@ -167,6 +170,25 @@ class StopAt:
             scores = torch.full_like(scores, -float("inf"))
             scores[:, self.token] = 0
         return scores
+
+
+@pytest.mark.parametrize("name", ["sp", "sp-shapes"])
+def test_processor_loads_where_transformers_cannot_convert_sentencepiece(llava_checkpoints, tmp_path, monkeypatch, name):
+    """With transformers' slow->fast conversion raising, as it does under protobuf 6 (lmms-eval's environment), the
+    sentencepiece export still opens in AutoProcessor, because loading it converts nothing, and gives training's ids."""
+    from test_tokenizer_json import block_conversion
+    from transformers import AutoProcessor
+
+    root, checkpoints = llava_checkpoints
+    ckpt, tok, cfg = checkpoints[name]
+    template = "llama_3" if name == "sp-shapes" else "vicuna_v1"
+    convert.main(["to-hf", "--ckpt", str(ckpt), "--out", str(tmp_path / "hf"), "--template", template])
+    block_conversion(monkeypatch)
+    processor = AutoProcessor.from_pretrained(tmp_path / "hf")
+    conv = CONVERSATIONS[1]
+    theirs = processor(text=processor.apply_chat_template(messages_of(conv)), images=image(), return_tensors="pt")
+    ids, _, _ = chat.encode_conversation(conv, True, template, tok, 1024, cfg.image_token_id, cfg.n_image_tokens)
+    assert theirs.input_ids[0].tolist() == ids and ids.count(cfg.image_token_id) == cfg.n_image_tokens
 
 
 @pytest.mark.parametrize("kind", ["llava", "llava_next", "llava_onevision"])
