@@ -80,7 +80,10 @@ def llava_to_hf(ckpt_dir, out, template=None, image_mode=None, merge_lora=False)
         write_weights(hub, tmp)
         Path(tmp, "config.json").write_text(json.dumps(llava_hf_config(cfg), indent=2))
         copy_tokenizer(ckpt_dir, tmp)
-        tokenizer = export_tokenizer(tmp, cfg.image_token_id, cfg.video_token_id, template)
+        try:
+            tokenizer = export_tokenizer(tmp, cfg.image_token_id, cfg.video_token_id, template)
+        except ExportError as e:  # name the checkpoint's tokenizer files, not their copies in the temporary folder
+            raise ExportError(str(e).replace(str(tmp), str(ckpt_dir))) from None
         if not carried:
             write_processor(cfg, tmp, template, image_mode, tokenizer)
     return write_dir(out, fill)

@@ -6,6 +6,8 @@ and apply_chat_template, sentencepiece's own encode, transformers' LlamaTokenize
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 from test_templates import CORPUS
@@ -182,6 +184,33 @@ def test_a_load_that_cannot_convert_never_converts(models, tmp_path, monkeypatch
         AutoTokenizer.from_pretrained(tmp_path / "model-only")
 
 
+NO_CONVERTERS = """import json, sys
+for name in ("sentencepiece", "google", "google.protobuf", "tiktoken"):
+    sys.modules[name] = None  # cannot be imported
+from transformers import AutoTokenizer
+try:
+    AutoTokenizer.from_pretrained(sys.argv[2])
+    model_only = "loaded"
+except Exception as e:
+    model_only = type(e).__name__
+print(json.dumps([AutoTokenizer.from_pretrained(sys.argv[1])(sys.argv[3]).input_ids, model_only]))
+"""
+
+
+def test_the_export_loads_where_sentencepiece_protobuf_and_tiktoken_cannot_be_imported(models, tmp_path):
+    """A fresh interpreter in which none of the converters' libraries imports: the export opens in AutoTokenizer
+    with training's ids, where tokenizer.model alone cannot be opened."""
+    tok, _ = export(models, "bpe", False, tmp_path / "export")
+    (tmp_path / "model-only").mkdir()
+    shutil.copy(tmp_path / "export/tokenizer.model", tmp_path / "model-only")
+    text = "USER: Où est le chat ?</s>ASSISTANT:  sous la table, 2 fois\n"
+    run = subprocess.run([sys.executable, "-c", NO_CONVERTERS, str(tmp_path / "export"), str(tmp_path / "model-only"),
+                          text], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ids, model_only = json.loads(run.stdout.splitlines()[-1])
+    assert ids == [tok.bos_id] + tok.encode(text) and model_only != "loaded"
+
+
 def test_carried_through_from_hf_the_export_is_written_again_alike(models, tmp_path):
     """to-hf, then from-hf (which carries every tokenizer file into our checkpoint), then to-hf again: training still
     reads tokenizer.model with the same legacy flag, and the second tokenizer.json is the first."""
@@ -201,9 +230,20 @@ def test_carried_through_from_hf_the_export_is_written_again_alike(models, tmp_p
 def test_a_tokenizer_whose_fast_and_slow_ids_disagree_is_refused(models, tmp_path):
     """A model with no dummy prefix over NFKC, under legacy=False: after a special token training encodes "\\n..." as
     " ..." (the newline folded into a space it keeps), at the start of the text as "..." (stripped); one tokenizer.json
-    cannot do both, so the export is refused in one sentence and writes no tokenizer.json."""
-    with pytest.raises(processor.ExportError) as refused:
-        export(models, "no-prefix", False, tmp_path / "tok")
-    message = str(refused.value)
-    assert "tokenizer.model" in message and message.endswith("disagree") and "\n" not in message
-    assert not (tmp_path / "tok/tokenizer.json").exists()
+    cannot do both, so to-hf refuses in one sentence naming the checkpoint's tokenizer.model, and writes nothing."""
+    import convert
+    from checkpoint import save_model
+    from model import build_model
+    from model_config import vlm_preset
+
+    shutil.copytree(models["no-prefix"], tmp_path / "tok")
+    (tmp_path / "tok/tokenizer_config.json").write_text(json.dumps({"legacy": False}))
+    tok = chat.Tokenizer(tmp_path / "tok")
+    cfg = vlm_preset("debug").with_overrides({"image_token_id": tok.vocab_size, "llm": {"vocab_size": 448}})
+    save_model(build_model(cfg, seed=0), tmp_path / "ckpt", tokenizer_dir=tmp_path / "tok")
+    with pytest.raises(SystemExit) as refused:
+        convert.main(["to-hf", "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf"), "--template", "llama_2",
+                      "--image-mode", "pad"])
+    message = str(refused.value.code)
+    assert message.startswith(f"convert: error: {tmp_path / 'ckpt/tokenizer.model'}: ") and message.endswith("disagree")
+    assert "\n" not in message and not (tmp_path / "hf").exists()
