@@ -77,7 +77,8 @@ def without_model(directory):
                                            ("no-prefix", True)])  # no-prefix, legacy=False: refused (below)
 def test_tokenizer_json_alone_gives_trainings_ids_on_odd_text(models, tmp_path, recipe, legacy):
     """Spaces at either end and in runs, newlines, digits, accents, CJK, emoji, alone and around each special token:
-    the fast tokenizer from tokenizer.json, tokenizer.model removed, gives chat.Tokenizer's ids (the BOS prepended)."""
+    the fast tokenizer from tokenizer.json, tokenizer.model removed, gives chat.Tokenizer's ids (the BOS prepended),
+    and decodes ids to sentencepiece's text."""
     from transformers import AutoTokenizer
 
     tok, _ = export(models, recipe, legacy, tmp_path / "tok")
@@ -86,6 +87,9 @@ def test_tokenizer_json_alone_gives_trainings_ids_on_odd_text(models, tmp_path, 
     for text in TEXTS + [a + special + b for special in tok.specials for a, b in zip(TEXTS, TEXTS[3:])]:
         assert hf(text, add_special_tokens=False).input_ids == tok.encode(text), text
         assert hf(text).input_ids == [tok.bos_id] + tok.encode(text), text
+    if recipe != "no-prefix":  # answers read back as sample.py prints them (sentencepiece writes an unknown as " ⁇ ")
+        for text in TEXTS + ["A cat.</s>", "Two.</s> Three"]:
+            assert hf.decode(tok.encode(text), skip_special_tokens=True) == tok.decode(tok.encode(text)), text
     if legacy and recipe != "no-prefix":  # text that starts with sentencepiece's own space mark (under legacy=False
         # tokenizer.json gives one "▁" where training gives two: its normalizer cannot tell a chunk's place)
         assert hf("\u2581mark", add_special_tokens=False).input_ids == tok.encode("\u2581mark")
