@@ -308,7 +308,7 @@ def bench_train(args):
         with torch.device("meta"):
             raw = build_model(model_cfg, device="meta", init=False)
     env = type("E", (), {"kind": device.type, "device": device})()
-    peak = args.peak_flops or parallel.known_peak_flops(env)
+    peak = args.peak_flops or env.peak_flops()
     # HF always takes a sample a row; ours the same, or packed rows with --pack; a variant may take other rows
     batches = {kind: synthetic_batches(raw.cfg, seq_len, v["batch"], real, n=4, pack=args.pack)
                for kind, v in variants.items()}
@@ -618,7 +618,7 @@ def bench_checkpoint(args):
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
-    optimizer = parallel.make_optimizer(raw, cfg_run, env)
+    optimizer = parallel.make_optimizer(raw, env, 1e-4, (0.9, 0.95), 0.0, {"vision": 1, "projector": 1, "llm": 1})
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     optimizer.step()  # the moments exist

@@ -118,7 +118,9 @@ def test_bf16_frozen_base_under_fp32_lora_adapters(tmp_path):
     wq = bf16_base.llm.layers[0].attention.wq
     assert wq.weight.dtype == torch.bfloat16 and wq.lora_A.weight.dtype == wq.lora_B.weight.dtype == torch.float32
     assert wq.lora_A.weight.requires_grad and not wq.weight.requires_grad
-    optimizer = parallel.make_optimizer(bf16_base, dict(config.DEFAULTS), parallel.Env({"device": "cpu"}))
+    d = config.DEFAULTS
+    optimizer = parallel.make_optimizer(bf16_base, parallel.Env({"device": "cpu"}), d["lr"], (d["beta1"], d["beta2"]),
+                                        d["weight_decay"], d["lr_scale"])
     assert all(p.dtype == torch.float32 for g in optimizer.param_groups for p in g["params"])
     ref_loss, ref_grads = loss_and_grads(fp32_base, ids, pixels, labels, amp=True)
     loss, grads = loss_and_grads(bf16_base, ids, pixels, labels, amp=True)

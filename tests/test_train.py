@@ -15,6 +15,7 @@ import torch
 from conftest import ROOT, checkpoint_bytes, checkpoint_tensors
 from safetensors.torch import load_file
 
+import chat
 import checkpoint
 import config
 import evaluation
@@ -295,8 +296,8 @@ def test_trained_checkpoint_converts_to_hf_and_transformers_agrees(shapes, singl
     processor = AutoProcessor.from_pretrained(tmp_path / "hf")
     image = Image.new("RGB", (333, 500), (200, 40, 40))
     assert hf(**processor(images=image, text="<image>\nWhat is at the top?", return_tensors="pt")).logits.shape[1] > 4
-    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is at the top?"}]}]
-    inputs = processor(text=processor.apply_chat_template(chat, add_generation_prompt=True), images=image)
+    conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is at the top?"}]}]
+    inputs = processor(text=processor.apply_chat_template(conversation, add_generation_prompt=True), images=image)
     tok = chat.Tokenizer(shapes / "tokenizer.model")
     assert inputs.input_ids[0] == chat.tokenize([(chat.generation_prompt("llama_3", "<image>\nWhat is at the top?", tok),
                                                   False)], tok, 512, 4)[0]
