@@ -3,7 +3,7 @@ Preference training for train.py (objective='dpo', and 'reward': a reward model 
 reference, each row's completion log-prob, the pair losses and their held-out pass. The losses themselves
 (`dpo_loss`, `reward_loss`) are beside the token loss in model.py; the data (pairs as rows [chosen...,
 rejected...], one image a pair) is data.ShardStream(preference=True). And a program: on-policy pairs, the model's
-own wrong answers as the rejected side (README "Preference training (DPO)"):
+own wrong answers as the rejected side (docs/post-training.md "DPO"):
 
     python dpo.py pairs --ckpt out/shapes-sft-250/step-000250 --data data/shapes/preference --out data/shapes/onpolicy
 """

@@ -463,7 +463,7 @@ def make_optimizer(raw, env, lr, betas, weight_decay, lr_scale):
 
 
 def flops_per_sample(raw, stage, seq_tokens, n_tiles=1):
-    """Model FLOPs of one sample (fwd + bwd) with n_tiles ViT views, README's formula: 6N trained, 4N frozen with
+    """Model FLOPs of one sample (fwd + bwd) with n_tiles ViT views, docs/training.md "MFU": 6N trained, 4N frozen with
     gradients flowing through, 2N frozen with nothing upstream to train; attention 12*L*d*T (fwd+bwd), halved when
     causal."""
     cfg = raw.cfg

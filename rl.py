@@ -1,5 +1,5 @@
 """
-On-policy RL for train.py's objective='grpo' (README "Reward models and RL"): the prompts of an SFT micro-batch,
+On-policy RL for train.py's objective='grpo' (docs/post-training.md): the prompts of an SFT micro-batch,
 G samples each from VLM.generate, rewards from a rule or a reward model, group-normalised advantages; then the
 clipped policy loss (model.grpo_loss) on each optimisation step that reuses the generation batch.
 """

@@ -22,7 +22,6 @@ import train
 from lora import LoRAConfig, LoRALinear, apply_lora, merge_lora
 from model import build_model
 from model_config import vlm_preset
-from shapes import make_shapes
 
 # our layer -> transformers-5's module, written out here (not taken from convert.py)
 HF_NAMES = [(r"llm\.layers\.(\d+)\.attention\.w([qkvo])", r"model.language_model.layers.\1.self_attn.\2_proj"),
@@ -407,10 +406,8 @@ LR_SCALE = "--lr_scale={'vision': 1.0, 'projector': 0.1, 'llm': 1.0}"  # LLaVA's
 
 
 @pytest.fixture(scope="module")
-def shapes(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shapes")
-    make_shapes(out, n=400, seed=0, val_fraction=0.1)
-    return out
+def shapes(shapes_data):
+    return shapes_data(n=400, seed=0, val_fraction=0.1)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ import parallel
 from lora import LoRAConfig, apply_lora, merge_lora
 from model import build_model
 from model_config import vlm_preset
-from shapes import make_shapes
 
 
 def ours_from_hf(hf, path):
@@ -151,10 +150,8 @@ def losses(out):
 
 
 @pytest.fixture(scope="module")
-def shapes(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shapes")
-    make_shapes(out, n=200, seed=1, val_fraction=0.1)
-    return out
+def shapes(shapes_data):
+    return shapes_data(n=200, seed=1, val_fraction=0.1)
 
 
 @pytest.mark.slow

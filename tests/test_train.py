@@ -24,14 +24,11 @@ import loader
 import train
 from model import build_model
 from model_config import vlm_preset
-from shapes import make_shapes
 
 
 @pytest.fixture(scope="module")
-def shapes(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shapes")
-    make_shapes(out, n=400, seed=0, val_fraction=0.1)
-    return out
+def shapes(shapes_data):
+    return shapes_data(n=400, seed=0, val_fraction=0.1)
 
 
 def args(shapes, out, *extra):
@@ -415,10 +412,8 @@ def test_tiled_answer_accuracy_gives_the_single_image_answers(shapes, single_run
 
 
 @pytest.fixture(scope="module")
-def shapes2(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shapes2")
-    make_shapes(out, n=120, seed=0, val_fraction=0.1, images=2)
-    return out
+def shapes2(shapes_data):
+    return shapes_data(n=120, seed=0, val_fraction=0.1, images=2)
 
 
 def multi_args(shapes2, out, *extra):
