@@ -50,10 +50,7 @@ def adapted(peft_model):
 
 def ours_from_hf(hf, path):
     hf.save_pretrained(path)
-    state, cfg = hf_names.llava_from_hf(path)
-    model = build_model(cfg, init=False)
-    model.load_state_dict(state, strict=not cfg.llm.tie_embeddings)
-    return model
+    return checkpoint.load_model(path)
 
 
 def randomize_adapters(model, seed=0, std=0.3):

@@ -17,7 +17,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import checkpoint
 import config
-import hf_names
 import parallel
 from lora import LoRAConfig, apply_lora, merge_lora
 from model import build_model
@@ -26,10 +25,7 @@ from model_config import vlm_preset
 
 def ours_from_hf(hf, path):
     hf.save_pretrained(path)
-    state, cfg = hf_names.llava_from_hf(path)
-    model = build_model(cfg, init=False)
-    model.load_state_dict(state, strict=not cfg.llm.tie_embeddings)
-    return model
+    return checkpoint.load_model(path)
 
 
 def copy_of(model):
