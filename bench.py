@@ -613,7 +613,7 @@ def bench_checkpoint(args):
                                                       "n_layers": n_layers}})
     with torch.device("meta"):
         raw = VLM(cfg)
-    model = parallel.shard(raw, env, cfg_run) if env.distributed else raw
+    model = parallel.shard(raw, env) if env.distributed else raw
     model.to_empty(device="cpu")
     with torch.no_grad():
         for p in model.parameters():

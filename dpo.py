@@ -50,7 +50,7 @@ def reference_model(cfg, env, policy=None):
         raise SystemExit(f"{cfg['objective']} reference {str(source)!r}: cannot load the model ({e})") from None
     ref.loss_chunk, ref.recompute = cfg["loss_chunk"], checkpoint_fn(env.kind)  # its log-probs as the policy's
     print0(env, f"{cfg['objective']}: reference model {source} (frozen)")
-    return ref if env.distributed and env.kind != "xla" and cfg["parallel"] == "ddp" else shard(ref, env, cfg)
+    return ref if env.distributed and env.kind != "xla" and env.parallel == "ddp" else shard(ref, env)
 
 
 def trained_adapters(policy):
@@ -137,7 +137,7 @@ def evaluate_preference(model, ref_model, val_loader, env, cfg, n_batches, visio
         if i == n_batches:
             break
         b = device_batch(batch, env, vision)
-        with autocast(env, cfg):
+        with autocast(env):
             loss, metrics = pair_loss(model, b, cfg, ref_model)
         for k, v in ({"loss": loss} | metrics).items():
             sums[k] = sums.get(k, 0.0) + v

@@ -31,7 +31,7 @@ def evaluate(model, val_loader, env, cfg, n_batches, vision):
         if i == n_batches:
             break
         b = device_batch(batch, env, vision)
-        with autocast(env, cfg):
+        with autocast(env):
             _, loss = model(b["input_ids"], b["pixel_values"], b["labels"], "sum", b.get("position_ids"),
                             image_index=b.get("image_index"), image_weight=b.get("image_weight"))
         total += loss
@@ -69,7 +69,7 @@ def answer_accuracy(raw, stream, env, cfg, n, show=5, batch_size=32):
                   if image is not None else blank for _, _, image, _ in batch]
         pixels = normalize_images(torch.stack(images).to(env.device), *raw.cfg.vision.image_stats) \
             if stream.image_token_id in ids else None
-        with autocast(env, cfg):
+        with autocast(env):
             out = raw.generate(ids.to(env.device), pixels, max_new_tokens=max_new, eos_id=stop,
                                attention_mask=mask.to(env.device)).tolist()
         for tokens, (_, answer, _, question) in zip(out, batch):
@@ -112,7 +112,7 @@ def tiled_answer_accuracy(raw, stream, env, cfg, n, show=5):
                 b["image_index"][r, :start], b["image_weight"][r, :start]
         rows = torch.tensor([r for r, _, _ in asked])
         pixels = normalize_images(b["pixel_values"][rows].to(env.device), *raw.cfg.vision.image_stats)
-        with autocast(env, cfg):
+        with autocast(env):
             out = raw.generate(ids.to(env.device), pixels, max_new_tokens=max_new, eos_id=stop,
                                attention_mask=mask.to(env.device), image_index=index.to(env.device),
                                image_weight=weight.to(env.device)).tolist()
@@ -134,7 +134,8 @@ def final_accuracy(raw, val_stream, stream_args, env, cfg):
     if env.kind == "xla":  # token-by-token generation would recompile at every length: answer on the host
         asker = build_model(raw.cfg, device="cpu", init=False)
         asker.load_state_dict({k: v.cpu() for k, v in raw.state_dict().items()})
-        asker_env = SimpleNamespace(kind="cpu", device=torch.device("cpu"), distributed=False)
+        asker_env = SimpleNamespace(kind="cpu", device=torch.device("cpu"), distributed=False, bf16=env.bf16,
+                                    parallel=env.parallel)
     # FSDP2: the whole model gathered on every rank, which then answers its own questions with no collective
     with gathered_for_generation(asker, whole=True):
         if cfg["max_tiles"]:  # the questions as the loader tiles and places their images, one sample a row

@@ -34,6 +34,8 @@ class Env:
         if kind not in ("cpu", "cuda", "xla"):
             raise SystemExit(f"config: device must be '', 'cpu', 'cuda' or 'xla', got {kind!r}")
         self.kind, self.mesh = kind, None
+        # under torchrun: 'ddp' or 'fsdp'; bf16: bf16 compute over fp32 master weights (FSDP2's policy, else autocast)
+        self.parallel, self.bf16 = cfg.get("parallel", "ddp"), cfg.get("dtype", "float32") == "bfloat16"
         if kind == "xla":
             import torch_xla
             import torch_xla.runtime as xr
@@ -202,19 +204,19 @@ def _xla_checkpoint(fn, *args):
     return torch_xla.utils.checkpoint.checkpoint(fn.__call__ if block else fn, *args)
 
 
-def shard(model, env, cfg):
+def shard(model, env):
     if env.kind == "xla":
         return shard_spmd(model, env)
     if not env.distributed:
         return model
-    if cfg["parallel"] == "ddp":
+    if env.parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(model, device_ids=[env.local_rank] if env.kind == "cuda" else None)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if cfg["dtype"] == "bfloat16" else MixedPrecisionPolicy()
+        if env.bf16 else MixedPrecisionPolicy()
     for block in list(model.vision.blocks) + list(model.llm.layers):
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
@@ -250,18 +252,18 @@ def gathered_for_generation(model, whole=False):
             block.reshard()
 
 
-def autocast(env, cfg):
+def autocast(env):
     # FSDP casts parameters itself; DDP, single-process and XLA runs keep fp32 weights and use autocast
-    if cfg["dtype"] == "bfloat16" and not (env.distributed and cfg["parallel"] == "fsdp"):
+    if env.bf16 and not (env.distributed and env.parallel == "fsdp"):
         return torch.autocast(env.kind, dtype=torch.bfloat16)
     return nullcontext()
 
 
-def grad_sync(model, env, cfg, last):
+def grad_sync(model, env, last):
     """Skip the gradient all-reduce on all but the last accumulation micro-step."""
-    if env.distributed and cfg["parallel"] == "ddp" and not last:
+    if env.distributed and env.parallel == "ddp" and not last:
         return model.no_sync()
-    if env.distributed and cfg["parallel"] == "fsdp":
+    if env.distributed and env.parallel == "fsdp":
         model.set_requires_gradient_sync(last)
     return nullcontext()
 

@@ -253,8 +253,8 @@ def reward_scorer(cfg, env, policy, tok):
     if judge.reward_head is None:
         raise SystemExit(f"grpo_reward {spec!r}: the checkpoint has no reward head (train one with objective='reward')")
     check_judge(spec, judge, policy, tok)
-    if env.distributed and env.kind != "xla" and cfg["parallel"] == "fsdp":
-        judge = shard(judge, env, cfg)  # as the policy and the reference: each rank holds its shards
+    if env.distributed and env.kind != "xla" and env.parallel == "fsdp":
+        judge = shard(judge, env)  # as the policy and the reference: each rank holds its shards
     print0(env, f"grpo: rewards from the reward model {spec}")
     return lambda texts, answers, ids, mask, pixels, tiles: judge(ids, pixels, attention_mask=mask, reward=True,
                                                                   **tiles)[1]
@@ -350,7 +350,7 @@ def generation_batch(grpo, raw, micro, ref_model, meter, cfg, env, it):
     done = []
     for m, b in enumerate(micro):  # each micro-batch its own seed: its samples whatever the others drew (FSDP2 = DDP)
         grpo.sampler.manual_seed(cfg["seed"] + 7919 * env.rank + 104729 * it + 1299709 * m)
-        with autocast(env, cfg):
+        with autocast(env):
             done.append(rollout(raw, b, grpo.tok, grpo.stop, cfg, grpo.score, grpo.sampler, ref_model, grpo.static,
                                    env))
     env.step_end()  # XLA: the rollouts' last graph apart from the training step's

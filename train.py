@@ -228,7 +228,7 @@ def apply_backends(raw, cfg, env, objective):
     set_checkpointing(raw, block_fn if cfg["activation_checkpointing"] else None, cfg["checkpoint_every"])
     if cfg["compile"]:
         compile_blocks(raw)
-    model = shard(raw, env, cfg)
+    model = shard(raw, env)
     optimizer = make_optimizer(raw, env, cfg["lr"], (cfg["beta1"], cfg["beta2"]), cfg["weight_decay"], cfg["lr_scale"])
     init_optimizer_state(raw, optimizer, env)
     n_trained = sum(p.numel() for p in raw.parameters() if p.requires_grad)
@@ -404,7 +404,7 @@ def forward_backward(model, b, env, cfg, scale, objective, poison=False, ref_mod
     """One micro-step's summed loss; backward runs outside autocast. Inside it, autocast's weight-cast cache
     (global, cleared when a thread leaves its outermost autocast) handed torch_xla's checkpoint recompute, on the
     autograd thread, the casts its no-grad forward had cached: the first block recomputed (the last) lost its grads."""
-    with autocast(env, cfg):
+    with autocast(env):
         loss, micro_metrics = objective.loss(model, b, cfg, ref_model)
     for k, v in micro_metrics.items():
         metrics[k] = metrics.get(k, 0.0) + v
@@ -427,7 +427,7 @@ def train_step(model, micro, trainable, env, cfg, objective, poison=False, ref_m
     count = env.all_sum(sum(objective.units(b) for b in micro).float())
     step_loss = torch.zeros((), device=env.device)
     for i, b in enumerate(micro):
-        with grad_sync(model, env, cfg, i == len(micro) - 1):
+        with grad_sync(model, env, i == len(micro) - 1):
             loss = forward_backward(model, b, env, cfg, env.replicas / count.clamp(min=1), objective, poison=poison,
                                     ref_model=ref_model, metrics=meter.dpo if meter else {})
         step_loss += loss.detach()

@@ -21,6 +21,7 @@ import config
 import evaluation
 import images
 import loader
+import parallel
 import train
 from model import build_model
 from model_config import vlm_preset
@@ -367,12 +368,11 @@ def test_samples_that_do_not_fit_a_packed_batch_are_counted(shapes, tmp_path):
 
 def test_final_accuracy_pass_batches_questions_without_changing_answers(shapes, single_run):
     """Left-padded batches of val questions (5 a batch: the last batch is short) give the answers asked one by one."""
-    from types import SimpleNamespace
 
     model = checkpoint.load_model(single_run / "step-000020")
     s = loader.ShardStream(shapes / "shards", shapes / "tokenizer.model", batch_size=2, seq_len=48, image_size=28,
                          image_token_id=512, n_image_tokens=4, template="llama_3", split="val")
-    env = SimpleNamespace(kind="cpu", device=torch.device("cpu"), distributed=False)
+    env = parallel.Env({"device": "cpu"})
     cfg = {"template": "llama_3", "dtype": "float32"}
     alone = evaluation.answer_accuracy(model, s, env, cfg, 12, show=12, batch_size=1)
     batched = evaluation.answer_accuracy(model, s, env, cfg, 12, show=12, batch_size=5)
@@ -395,14 +395,13 @@ def test_one_tile_a_row_trains_as_the_single_image_path(shapes, single_run, tmp_
 def test_tiled_answer_accuracy_gives_the_single_image_answers(shapes, single_run):
     """The tile path's accuracy pass cuts the loader's rows at the answer and left-pads image_index with them: the
     same greedy answers as the single-image pass, which tokenizes the questions itself."""
-    from types import SimpleNamespace
 
     model = checkpoint.load_model(single_run / "step-000020")
     common = dict(batch_size=5, seq_len=48, image_size=28, image_token_id=512, n_image_tokens=4, template="llama_3",
                   split="val")
     legacy = loader.ShardStream(shapes / "shards", shapes / "tokenizer.model", **common)
     tiled = loader.ShardStream(shapes / "shards", shapes / "tokenizer.model", **common, vlm=model.cfg, max_tiles=1)
-    env = SimpleNamespace(kind="cpu", device=torch.device("cpu"), distributed=False)
+    env = parallel.Env({"device": "cpu"})
     cfg = {"template": "llama_3", "dtype": "float32"}
     n = len(legacy)  # every val question: the tile pass asks them in the loader's shuffled order
     want = evaluation.answer_accuracy(model, legacy, env, cfg, n, show=n)

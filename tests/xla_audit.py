@@ -82,7 +82,7 @@ def step(mesh_shape, fsdpv2):
         net = SpmdFullyShardedDataParallel(model, mesh=env.mesh, auto_wrap_policy=policy, shard_output=lambda o, m: None)
         model = net.module
     else:
-        net = parallel.shard(model, env, cfg)
+        net = parallel.shard(model, env)
     optimizer = parallel.make_optimizer(model, env, cfg["lr"], (cfg["beta1"], cfg["beta2"]), cfg["weight_decay"],
                                          cfg["lr_scale"])
     parallel.init_optimizer_state(model, optimizer, env)
