@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 
 import chat
-import images
+from images import load_image, normalize_images
 import loader
 from model import build_model, left_pad
 from parallel import autocast, gathered_for_generation, print0
@@ -19,7 +19,7 @@ def device_batch(batch, env, vision):
     loader as uint8 (4x fewer bytes). With max_tiles they are (B, max_tiles, 3, S, S) and image_index/image_weight
     say where each tile's features go."""
     b = env.to_device(batch)
-    return b | {"pixel_values": images.normalize_images(b["pixel_values"], *vision.image_stats)}
+    return b | {"pixel_values": normalize_images(b["pixel_values"], *vision.image_stats)}
 
 
 @torch.no_grad()
@@ -31,7 +31,7 @@ def evaluate(model, val_loader, env, cfg, n_batches, vision):
         if i == n_batches:
             break
         b = device_batch(batch, env, vision)
-        with autocast(env, cfg):
+        with autocast(env):
             _, loss = model(b["input_ids"], b["pixel_values"], b["labels"], "sum", b.get("position_ids"),
                             image_index=b.get("image_index"), image_weight=b.get("image_weight"))
         total += loss
@@ -65,11 +65,11 @@ def answer_accuracy(raw, stream, env, cfg, n, show=5, batch_size=32):
         batch = asked[first : first + batch_size]
         ids, mask = left_pad([prompt for prompt, *_ in batch], tok.pad_id)
         blank = torch.zeros(3, stream.image_size, stream.image_size, dtype=torch.uint8)
-        images = [images.load_image(image, stream.image_size, stream.image_mode, mean=stream.image_mean)
+        images = [load_image(image, stream.image_size, stream.image_mode, mean=stream.image_mean)
                   if image is not None else blank for _, _, image, _ in batch]
-        pixels = images.normalize_images(torch.stack(images).to(env.device), *raw.cfg.vision.image_stats) \
+        pixels = normalize_images(torch.stack(images).to(env.device), *raw.cfg.vision.image_stats) \
             if stream.image_token_id in ids else None
-        with autocast(env, cfg):
+        with autocast(env):
             out = raw.generate(ids.to(env.device), pixels, max_new_tokens=max_new, eos_id=stop,
                                attention_mask=mask.to(env.device)).tolist()
         for tokens, (_, answer, _, question) in zip(out, batch):
@@ -111,8 +111,8 @@ def tiled_answer_accuracy(raw, stream, env, cfg, n, show=5):
             index[i, ids.shape[1] - start :], weight[i, ids.shape[1] - start :] = \
                 b["image_index"][r, :start], b["image_weight"][r, :start]
         rows = torch.tensor([r for r, _, _ in asked])
-        pixels = images.normalize_images(b["pixel_values"][rows].to(env.device), *raw.cfg.vision.image_stats)
-        with autocast(env, cfg):
+        pixels = normalize_images(b["pixel_values"][rows].to(env.device), *raw.cfg.vision.image_stats)
+        with autocast(env):
             out = raw.generate(ids.to(env.device), pixels, max_new_tokens=max_new, eos_id=stop,
                                attention_mask=mask.to(env.device), image_index=index.to(env.device),
                                image_weight=weight.to(env.device)).tolist()
@@ -134,7 +134,8 @@ def final_accuracy(raw, val_stream, stream_args, env, cfg):
     if env.kind == "xla":  # token-by-token generation would recompile at every length: answer on the host
         asker = build_model(raw.cfg, device="cpu", init=False)
         asker.load_state_dict({k: v.cpu() for k, v in raw.state_dict().items()})
-        asker_env = SimpleNamespace(kind="cpu", device=torch.device("cpu"), distributed=False)
+        asker_env = SimpleNamespace(kind="cpu", device=torch.device("cpu"), distributed=False, bf16=env.bf16,
+                                    parallel=env.parallel)
     # FSDP2: the whole model gathered on every rank, which then answers its own questions with no collective
     with gathered_for_generation(asker, whole=True):
         if cfg["max_tiles"]:  # the questions as the loader tiles and places their images, one sample a row

@@ -10,6 +10,7 @@ collectives from the sharding annotations below, and each host reads its own par
 import functools
 import os
 import re
+import resource
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 
@@ -33,6 +34,8 @@ class Env:
         if kind not in ("cpu", "cuda", "xla"):
             raise SystemExit(f"config: device must be '', 'cpu', 'cuda' or 'xla', got {kind!r}")
         self.kind, self.mesh = kind, None
+        # under torchrun: 'ddp' or 'fsdp'; bf16: bf16 compute over fp32 master weights (FSDP2's policy, else autocast)
+        self.parallel, self.bf16 = cfg.get("parallel", "ddp"), cfg.get("dtype", "float32") == "bfloat16"
         if kind == "xla":
             import torch_xla
             import torch_xla.runtime as xr
@@ -86,6 +89,31 @@ class Env:
             import torch_xla
 
             torch_xla.sync()
+
+    def optimizer_kwargs(self):
+        return {"fused": True} if self.kind == "cuda" else {"foreach": True} if self.kind == "cpu" else {}
+
+    def peak_flops(self):
+        """The bf16 dense peak of a known GPU, per device; 0 elsewhere (no MFU)."""
+        if self.kind != "cuda":
+            return 0.0
+        name = torch.cuda.get_device_name(self.device)
+        known = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L4", 121e12), ("A10", 125e12))
+        return next((peak for key, peak in known if key in name), 0.0)
+
+    def peak_memory_gib(self):
+        """The device's peak allocation (CUDA), else the process's peak resident memory."""
+        if self.kind == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**30
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+    def compiles(self):
+        """XLA's compile count so far (a count that grows after warm-up means the step recompiles); None elsewhere."""
+        if self.kind != "xla":
+            return None
+        import torch_xla.debug.metrics as met
+
+        return (met.metric_data("CompileTime") or [0])[0]
 
     def all_sum(self, t):
         if self.distributed:
@@ -176,19 +204,19 @@ def _xla_checkpoint(fn, *args):
     return torch_xla.utils.checkpoint.checkpoint(fn.__call__ if block else fn, *args)
 
 
-def shard(model, env, cfg):
+def shard(model, env):
     if env.kind == "xla":
         return shard_spmd(model, env)
     if not env.distributed:
         return model
-    if cfg["parallel"] == "ddp":
+    if env.parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(model, device_ids=[env.local_rank] if env.kind == "cuda" else None)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if cfg["dtype"] == "bfloat16" else MixedPrecisionPolicy()
+        if env.bf16 else MixedPrecisionPolicy()
     for block in list(model.vision.blocks) + list(model.llm.layers):
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
@@ -224,18 +252,18 @@ def gathered_for_generation(model, whole=False):
             block.reshard()
 
 
-def autocast(env, cfg):
+def autocast(env):
     # FSDP casts parameters itself; DDP, single-process and XLA runs keep fp32 weights and use autocast
-    if cfg["dtype"] == "bfloat16" and not (env.distributed and cfg["parallel"] == "fsdp"):
+    if env.bf16 and not (env.distributed and env.parallel == "fsdp"):
         return torch.autocast(env.kind, dtype=torch.bfloat16)
     return nullcontext()
 
 
-def grad_sync(model, env, cfg, last):
+def grad_sync(model, env, last):
     """Skip the gradient all-reduce on all but the last accumulation micro-step."""
-    if env.distributed and cfg["parallel"] == "ddp" and not last:
+    if env.distributed and env.parallel == "ddp" and not last:
         return model.no_sync()
-    if env.distributed and cfg["parallel"] == "fsdp":
+    if env.distributed and env.parallel == "fsdp":
         model.set_requires_gradient_sync(last)
     return nullcontext()
 
@@ -424,20 +452,20 @@ def compile_blocks(model):
         block.compile()
 
 
-def make_optimizer(raw, cfg, env):
+def make_optimizer(raw, env, lr, betas, weight_decay, lr_scale):
+    """AdamW over the trained parameters, a group per module (lr_scale: its multiplier) and per decay."""
     groups = {}
     for name, p in raw.named_parameters():
         if p.requires_grad:
             module, decay = param_group(name), p.dim() >= 2  # no weight decay on norms, biases, image_newline
-            g = groups.setdefault((module, decay), {"params": [], "lr_scale": cfg["lr_scale"][module],
-                                                    "weight_decay": cfg["weight_decay"] if decay else 0.0})
+            g = groups.setdefault((module, decay), {"params": [], "lr_scale": lr_scale[module],
+                                                    "weight_decay": weight_decay if decay else 0.0})
             g["params"].append(p)
-    kw = {"fused": True} if env.kind == "cuda" else {"foreach": True} if env.kind == "cpu" else {}
-    return torch.optim.AdamW(list(groups.values()), lr=cfg["lr"], betas=(cfg["beta1"], cfg["beta2"]), **kw)
+    return torch.optim.AdamW(list(groups.values()), lr=lr, betas=betas, **env.optimizer_kwargs())
 
 
 def flops_per_sample(raw, stage, seq_tokens, n_tiles=1):
-    """Model FLOPs of one sample (fwd + bwd) with n_tiles ViT views, README's formula: 6N trained, 4N frozen with
+    """Model FLOPs of one sample (fwd + bwd) with n_tiles ViT views, docs/training.md "MFU": 6N trained, 4N frozen with
     gradients flowing through, 2N frozen with nothing upstream to train; attention 12*L*d*T (fwd+bwd), halved when
     causal."""
     cfg = raw.cfg
@@ -455,12 +483,3 @@ def flops_per_sample(raw, stage, seq_tokens, n_tiles=1):
         6 * cfg.llm.n_layers * cfg.llm.n_heads * cfg.llm.head_dim * seq_tokens**2
     return vit + proj + llm
 
-
-def known_peak_flops(env):
-    if env.kind != "cuda":
-        return 0.0
-    name = torch.cuda.get_device_name(env.device)
-    for key, peak in (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L4", 121e12), ("A10", 125e12)):
-        if key in name:
-            return peak
-    return 0.0

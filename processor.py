@@ -2,7 +2,7 @@
 The Hugging Face processor files convert.py's to-hf writes beside the weights, so that AutoProcessor
 preprocesses exactly as llavax trained: the image processor for data.py's image mode, LlavaProcessor's
 settings, a chat template rendering data.py's template, and tokenizer files holding <image> and the special
-tokens data.Tokenizer reads.
+tokens chat.Tokenizer reads.
 
 Split from convert.py (weights and formats) because it is a separate concern: it reads data.py, not model
 weights, and follows transformers' processor formats rather than checkpoint layouts.
@@ -27,7 +27,7 @@ class ExportError(ValueError):
 
 
 def image_processor_config(size, mode, mean=images.CLIP_MEAN, std=images.CLIP_STD):
-    """HF's image processor for data.load_image's modes: 'crop' = shortest edge then centre crop (CLIP's),
+    """HF's image processor for images.load_image's modes: 'crop' = shortest edge then centre crop (CLIP's),
     'resize' = squash to size x size, 'pad' = LlavaImageProcessor's pad to square with the mean colour first."""
     square, shortest = {"height": size, "width": size}, {"shortest_edge": size}
     return {"image_processor_type": "LlavaImageProcessor" if mode == "pad" else "CLIPImageProcessor",
@@ -112,7 +112,7 @@ def anyres_processor_configs(cfg, image, settings):
 
 
 def template_strings(tokenizer):
-    """chat_template's keywords for an exported tokenizer (data.Tokenizer, whether HF's prepends the BOS): its own
+    """chat_template's keywords for an exported tokenizer (chat.Tokenizer, whether HF's prepends the BOS): its own
     BOS and EOS, no BOS where the tokenizer adds one (llava-hf's convention: the processor tokenizes the rendered
     prompt with special tokens on, and a written BOS would be a second one). A sentencepiece model with legacy=False
     puts no dummy-prefix space after a special token, where training starts a new chunk after <image> (and after

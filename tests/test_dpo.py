@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from conftest import tiny_hf_llava
+from conftest import assert_same_logs, run_log, tiny_hf_llava, train_on_xla
 from test_pack import tok  # noqa: F401  the byte-level tokenizer fixture
 
 import chat
@@ -212,12 +212,8 @@ def test_preference_records_pack_audit_and_load_as_pair_rows(tmp_path, tok, caps
 
 
 @pytest.fixture(scope="module")
-def shapes_pairs(tmp_path_factory):
-    from shapes import make_shapes
-
-    out = tmp_path_factory.mktemp("shapes_pairs")
-    make_shapes(out, n=240, seed=0, val_fraction=0.1, preference=True)
-    return out
+def shapes_pairs(shapes_data):
+    return shapes_data(n=240, seed=0, val_fraction=0.1, preference=True)
 
 
 def dpo_args(shapes, out, *extra):
@@ -362,30 +358,17 @@ def test_shapes_pairs_reject_a_wrong_answer_of_the_same_kind(shapes_pairs):
 def test_dpo_on_xla_spmd_compiles_once_and_matches_cpu_eager(shapes_pairs, tmp_path):
     """torch_xla SPMD on 4 CPU devices (fsdp 4): the pair rows and the reference shard like any batch and model;
     after the first two steps (the second sees AdamW's step count) every step reuses the compiled graphs."""
-    import subprocess
-    import sys
 
-    from conftest import ROOT
     from test_train import run
 
     init = debug_init(tmp_path / "init")
     common = [f"--init_from={init}", "--max_iters=6", "--eval_interval=0", "--ckpt_interval=0", "--lr=2e-3",
               "--seq_len=40"]  # a few pairs drop (answer_beyond_seq_len): still one graph
     run(dpo_args(shapes_pairs, tmp_path / "cpu", *common))
-    env = os.environ | {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "OMP_NUM_THREADS": "1",
-                        "XLA_FLAGS": "--xla_backend_optimization_level=0"}
-    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *dpo_args(shapes_pairs, tmp_path / "xla", *common,
-                                                                          "--device=xla")],
-                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    cpu, xla = ([json.loads(line) for line in (tmp_path / name / "log.jsonl").read_text().splitlines()]
-                for name in ("cpu", "xla"))
+    train_on_xla(dpo_args(shapes_pairs, tmp_path / "xla", *common))
+    cpu, xla = run_log(tmp_path / "cpu"), run_log(tmp_path / "xla")
     assert len(cpu) == len(xla) == 6
-    for want, got in zip(cpu, xla):
-        for k in ("loss", "rewards/margins", "logps/chosen"):
-            assert abs(got[k] - want[k]) <= 1e-4 * max(1.0, abs(want[k])), (want["step"], k, got[k], want[k])
-    compiles = [e["xla_compiles"] for e in xla]
-    assert compiles[1] == compiles[-1], compiles
+    assert_same_logs(cpu, xla, ("loss", "rewards/margins", "logps/chosen"))
 
 
 @pytest.mark.parametrize("template", ["llama_3", "chatml"])

@@ -19,8 +19,8 @@ import checkpoint
 import config
 import evaluation
 import loader
+import parallel
 import model
-import train
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +186,7 @@ def test_held_out_questions_longer_than_the_model_are_counted_and_skipped(shapes
     model_cfg = config.model_config(cfg)
     model_cfg.llm.max_seq_len = limit
     raw = model.build_model(model_cfg, seed=0)
-    env = train.SimpleNamespace(kind="cpu", device=torch.device("cpu"), distributed=False)
+    env = parallel.Env({"device": "cpu"})
     acc, shown, asked, too_long = evaluation.answer_accuracy(raw, stream, env, cfg, 10)
     assert too_long == sum(n + 8 > limit for n in lengths) > 0 and asked == 10 - too_long
 

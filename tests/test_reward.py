@@ -134,11 +134,8 @@ def test_reward_model_on_xla_spmd_compiles_once_and_matches_cpu_eager(tmp_path):
     """torch_xla SPMD on 4 CPU devices (fsdp 4): the reward head's gather at each row's last real token and the
     Bradley-Terry loss shard like any batch and model; losses and accuracy equal CPU eager's, and after the second step
     (AdamW's step count) every step reuses the compiled graphs."""
-    import os
-    import subprocess
-    import sys
 
-    from conftest import ROOT
+    from conftest import assert_same_logs, run_log, train_on_xla
     from test_dpo import dpo_args
     from test_train import run
 
@@ -149,18 +146,8 @@ def test_reward_model_on_xla_spmd_compiles_once_and_matches_cpu_eager(tmp_path):
     common = [f"--init_from={init}", "--objective=reward", "--max_iters=5", "--eval_interval=0", "--ckpt_interval=0",
               "--lr=2e-3", "--reward_center_weight=0.01", "--seq_len=40"]  # some pairs drop: still one graph
     run(dpo_args(tmp_path / "shapes", tmp_path / "cpu", *common))
-    env = os.environ | {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "OMP_NUM_THREADS": "1",
-                        "XLA_FLAGS": "--xla_backend_optimization_level=0"}
-    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *dpo_args(tmp_path / "shapes", tmp_path / "xla",
-                                                                          *common, "--device=xla")],
-                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    cpu, xla = ([json.loads(line) for line in (tmp_path / name / "log.jsonl").read_text().splitlines()]
-                for name in ("cpu", "xla"))
+    train_on_xla(dpo_args(tmp_path / "shapes", tmp_path / "xla", *common))
+    cpu, xla = run_log(tmp_path / "cpu"), run_log(tmp_path / "xla")
     assert len(cpu) == len(xla) == 5
-    for want, got in zip(cpu, xla):
-        for k in ("loss", "reward/accuracy", "reward/margin", "reward/chosen"):
-            assert abs(got[k] - want[k]) <= 1e-4 * max(1.0, abs(want[k])), (want["step"], k, got[k], want[k])
+    assert_same_logs(cpu, xla, ("loss", "reward/accuracy", "reward/margin", "reward/chosen"))
     assert len({e["loss"] for e in cpu}) > 1  # the head trained
-    compiles = [e["xla_compiles"] for e in xla]
-    assert compiles[1] == compiles[-1], compiles

@@ -21,17 +21,15 @@ import config
 import evaluation
 import images
 import loader
+import parallel
 import train
 from model import build_model
 from model_config import vlm_preset
-from shapes import make_shapes
 
 
 @pytest.fixture(scope="module")
-def shapes(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shapes")
-    make_shapes(out, n=400, seed=0, val_fraction=0.1)
-    return out
+def shapes(shapes_data):
+    return shapes_data(n=400, seed=0, val_fraction=0.1)
 
 
 def args(shapes, out, *extra):
@@ -296,8 +294,8 @@ def test_trained_checkpoint_converts_to_hf_and_transformers_agrees(shapes, singl
     processor = AutoProcessor.from_pretrained(tmp_path / "hf")
     image = Image.new("RGB", (333, 500), (200, 40, 40))
     assert hf(**processor(images=image, text="<image>\nWhat is at the top?", return_tensors="pt")).logits.shape[1] > 4
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is at the top?"}]}]
-    inputs = processor(text=processor.apply_chat_template(messages, add_generation_prompt=True), images=image)
+    conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is at the top?"}]}]
+    inputs = processor(text=processor.apply_chat_template(conversation, add_generation_prompt=True), images=image)
     tok = chat.Tokenizer(shapes / "tokenizer.model")
     assert inputs.input_ids[0] == chat.tokenize([(chat.generation_prompt("llama_3", "<image>\nWhat is at the top?", tok),
                                                   False)], tok, 512, 4)[0]
@@ -370,12 +368,11 @@ def test_samples_that_do_not_fit_a_packed_batch_are_counted(shapes, tmp_path):
 
 def test_final_accuracy_pass_batches_questions_without_changing_answers(shapes, single_run):
     """Left-padded batches of val questions (5 a batch: the last batch is short) give the answers asked one by one."""
-    from types import SimpleNamespace
 
     model = checkpoint.load_model(single_run / "step-000020")
     s = loader.ShardStream(shapes / "shards", shapes / "tokenizer.model", batch_size=2, seq_len=48, image_size=28,
                          image_token_id=512, n_image_tokens=4, template="llama_3", split="val")
-    env = SimpleNamespace(kind="cpu", device=torch.device("cpu"), distributed=False)
+    env = parallel.Env({"device": "cpu"})
     cfg = {"template": "llama_3", "dtype": "float32"}
     alone = evaluation.answer_accuracy(model, s, env, cfg, 12, show=12, batch_size=1)
     batched = evaluation.answer_accuracy(model, s, env, cfg, 12, show=12, batch_size=5)
@@ -398,14 +395,13 @@ def test_one_tile_a_row_trains_as_the_single_image_path(shapes, single_run, tmp_
 def test_tiled_answer_accuracy_gives_the_single_image_answers(shapes, single_run):
     """The tile path's accuracy pass cuts the loader's rows at the answer and left-pads image_index with them: the
     same greedy answers as the single-image pass, which tokenizes the questions itself."""
-    from types import SimpleNamespace
 
     model = checkpoint.load_model(single_run / "step-000020")
     common = dict(batch_size=5, seq_len=48, image_size=28, image_token_id=512, n_image_tokens=4, template="llama_3",
                   split="val")
     legacy = loader.ShardStream(shapes / "shards", shapes / "tokenizer.model", **common)
     tiled = loader.ShardStream(shapes / "shards", shapes / "tokenizer.model", **common, vlm=model.cfg, max_tiles=1)
-    env = SimpleNamespace(kind="cpu", device=torch.device("cpu"), distributed=False)
+    env = parallel.Env({"device": "cpu"})
     cfg = {"template": "llama_3", "dtype": "float32"}
     n = len(legacy)  # every val question: the tile pass asks them in the loader's shuffled order
     want = evaluation.answer_accuracy(model, legacy, env, cfg, n, show=n)
@@ -415,10 +411,8 @@ def test_tiled_answer_accuracy_gives_the_single_image_answers(shapes, single_run
 
 
 @pytest.fixture(scope="module")
-def shapes2(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shapes2")
-    make_shapes(out, n=120, seed=0, val_fraction=0.1, images=2)
-    return out
+def shapes2(shapes_data):
+    return shapes_data(n=120, seed=0, val_fraction=0.1, images=2)
 
 
 def multi_args(shapes2, out, *extra):

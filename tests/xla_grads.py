@@ -35,10 +35,10 @@ def micro_step(env, cfg, mcfg, b, stage, checkpointing, packed):
     parallel.freeze(model, stage)
     model.loss_chunk, model.recompute = (40 if packed else 0), parallel.checkpoint_fn(env.kind)
     parallel.set_checkpointing(model, parallel.checkpoint_fn(env.kind) if checkpointing else None)
-    model = parallel.shard(model, env, cfg)
+    model = parallel.shard(model, env)
     b = env.to_device(b)
     count = (b["labels"][:, 1:] != -100).sum().float()
-    return train.forward_backward(model, b, env, cfg, 1 / count).detach(), model
+    return train.forward_backward(model, b, env, cfg, 1 / count, train.OBJECTIVES["sft"]).detach(), model
 
 
 def read(loss, model):
