@@ -4,6 +4,7 @@ both legacy settings; loading it converts nothing, so it works where transformer
 (protobuf 6); a tokenizer whose fast and slow ids cannot agree is refused. References: transformers' AutoTokenizer
 and apply_chat_template, sentencepiece's own encode, transformers' LlamaTokenizer built from tokenizer.model."""
 
+import importlib
 import json
 import shutil
 import subprocess
@@ -160,8 +161,10 @@ def test_tokenizer_json_agrees_with_sentencepiece_and_transformers_own_conversio
 def block_conversion(monkeypatch):
     """transformers' slow->fast conversion raises, as under protobuf 6: its sentencepiece route, the protobuf import,
     and the TikToken fallback that then misreads tokenizer.model."""
-    import transformers.convert_slow_tokenizer as conversion
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    # the module itself: transformers' package attribute of that name becomes the function once it has been used
+    conversion = importlib.import_module("transformers.convert_slow_tokenizer")
 
     def incompatible(*args, **kwargs):
         raise TypeError("Detected incompatible Protobuf Gencode/Runtime versions when loading sentencepiece_model.proto")
