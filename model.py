@@ -406,14 +406,33 @@ def reward_loss(rewards, n_tokens, margin=0.0, center_weight=0.0):
 
 
 GRPO_LOSSES = ("grpo", "dapo", "dr_grpo")
+GRPO_SCALES = ("group", "batch", "none")
 
 
-def group_advantages(rewards, group_size):
-    """GRPO's advantages (r - group mean) / (group std + 1e-4) over consecutive groups of group_size completions of a
-    prompt (TRL's scale_rewards='group': the unbiased std, so a group of equal rewards gets 0)."""
+def group_advantages(rewards, group_size, scale="group", valid=None, batch_std=None):
+    """GRPO's advantages over consecutive groups of group_size completions of a prompt: r - the group mean, divided by
+    (std + 1e-4) as TRL 1.16's scale_rewards says: "group" the group's std (a group of equal rewards gets 0), "batch"
+    the std of every reward given (valid (B,): only the rows with a prompt; batch_std: one computed over the whole
+    generation batch, see rl.batch_std), "none" no division (Dr. GRPO). Every std is the unbiased one, as TRL's."""
+    if scale not in GRPO_SCALES:
+        raise ValueError(f"group_advantages scale {scale!r}: expected one of {GRPO_SCALES}")
     grouped = rewards.float().view(-1, group_size)  # (prompts, G)
-    advantages = (grouped - grouped.mean(dim=1, keepdim=True)) / (grouped.std(dim=1, keepdim=True) + 1e-4)
-    return advantages.flatten()
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale == "none":
+        return centred.flatten()
+    if scale == "group":
+        std = grouped.std(dim=1, keepdim=True)
+    else:
+        std = masked_std(rewards.float(), torch.ones_like(rewards.float()) if valid is None else valid.float()) \
+            if batch_std is None else batch_std
+    return (centred / (std + 1e-4)).flatten()
+
+
+def masked_std(x, weights):
+    """The unbiased std of the x whose weight is 1 (0 when fewer than two)."""
+    n = weights.sum()
+    mean = (x * weights).sum() / n.clamp(min=1)
+    return (((x - mean) ** 2 * weights).sum() / (n - 1).clamp(min=1)).sqrt()
 
 
 def grpo_loss(logps, old_logps, advantages, mask, kind="dapo", epsilon=0.2, epsilon_high=None, beta=0.0,
