@@ -18,7 +18,7 @@ import checkpoint
 import images
 import weight_files
 from checkpoint import saved_own
-from model import GRPO_LOSSES, GRPO_SCALES, group_advantages, grpo_loss, left_pad
+from model import GRPO_LOSSES, GRPO_SCALES, KL_ESTIMATORS, group_advantages, grpo_loss, left_pad
 from parallel import autocast, gathered_for_generation, print0, shard
 
 
@@ -53,6 +53,14 @@ def completion_logps(model, ids, attention_mask, pixel_values, n_completion, tem
     logprobs = (logits[:, :-1].float() / temperature).log_softmax(-1)  # position t predicts t + 1
     token_logps = logprobs.gather(-1, ids[:, -n_completion:, None]).squeeze(-1)
     return token_logps, -(logprobs.exp() * logprobs).sum(-1)
+
+
+def completion_values(value_model, ids, attention_mask, pixel_values, n_completion, tiles=None):
+    """PPO's value estimates (B, C) for the last C = n_completion tokens of ids: the value model read where each token
+    is predicted (the state before it), the positions completion_logps reads; EasyLM's and TRL's layout."""
+    _, values = value_model(ids, pixel_values, attention_mask=attention_mask, values=True,
+                            logits_to_keep=n_completion + 1, **(tiles or {}))
+    return values[:, :-1]
 
 
 def prompts_of(b):
@@ -293,9 +301,38 @@ def check_config(cfg):
             raise SystemExit(f"config: {e}") from None
 
 
+def check_ppo_config(cfg, replicas=1):
+    """objective='ppo': its keys in train.py's config, each error one sentence. replicas: the ranks (1 under SPMD, whose
+    micro_batch_size is global), when known: a mini-batch is whole micro-steps of micro_batch_size x replicas."""
+    if not (0 <= cfg["ppo_gamma"] <= 1 and 0 <= cfg["ppo_lam"] <= 1):
+        raise SystemExit(f"config: ppo_gamma and ppo_lam must lie in [0, 1], got {cfg['ppo_gamma']}, {cfg['ppo_lam']}")
+    mini = cfg["ppo_mini_batch_size"] or cfg["batch_size"]
+    if mini < 0 or cfg["batch_size"] % mini:
+        raise SystemExit(f"config: ppo_mini_batch_size={cfg['ppo_mini_batch_size']} must divide the rollout batch "
+                         f"batch_size={cfg['batch_size']} (each mini-batch is one optimizer step; 0: the whole batch)")
+    if mini % (cfg["micro_batch_size"] * replicas):
+        raise SystemExit(f"config: ppo_mini_batch_size={mini} must be a multiple of micro_batch_size x ranks = "
+                         f"{cfg['micro_batch_size']} x {replicas}")
+    if cfg["ppo_kl_estimator"] not in KL_ESTIMATORS:
+        raise SystemExit(f"config: ppo_kl_estimator must be one of {KL_ESTIMATORS}, got {cfg['ppo_kl_estimator']!r}")
+    if cfg["ppo_epochs"] < 1 or cfg["ppo_clip"] <= 0 or cfg["ppo_clip_value"] <= 0 or cfg["ppo_kl_coef"] < 0 or \
+            cfg["ppo_vf_coef"] < 0 or cfg["ppo_missing_end_penalty"] < 0:
+        raise SystemExit("config: ppo_epochs must be >= 1, ppo_clip and ppo_clip_value > 0, ppo_kl_coef, ppo_vf_coef "
+                         "and ppo_missing_end_penalty >= 0")
+    if not cfg["grpo_reward"]:
+        raise SystemExit("config: objective='ppo' needs a reward: grpo_reward = a rule ('exact_match', "
+                         "'module:function') or a reward-model checkpoint directory")
+    value = cfg["ppo_value_init"] or (cfg["grpo_reward"] if Path(cfg["grpo_reward"]).is_dir() else "")
+    if not value:
+        raise SystemExit(f"config: objective='ppo' needs a value model to start from: ppo_value_init = a reward-model "
+                         f"checkpoint directory (grpo_reward {cfg['grpo_reward']!r} is a rule, not one)")
+    if not Path(value).is_dir():
+        raise SystemExit(f"config: ppo_value_init {value!r}: no such checkpoint directory")
+
+
 LATER_KEYS = {"grpo_scale_rewards": "group"}  # what a checkpoint written before the key existed was made with
-ROLLOUT_KEYS = ("grpo_group", "grpo_loss", "grpo_scale_rewards", "grpo_beta", "grpo_max_new_tokens", "grpo_temperature", "grpo_top_p",
-                "grpo_reward", "grpo_static", "grpo_prompt_len")
+ROLLOUT_KEYS = ("grpo_group", "grpo_loss", "grpo_scale_rewards", "grpo_beta", "grpo_max_new_tokens", "grpo_temperature",
+                "grpo_top_p", "grpo_reward", "grpo_static", "grpo_prompt_len")
 
 
 def setup(cfg, env, loader, resume_from, policy):
