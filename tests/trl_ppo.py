@@ -7,7 +7,9 @@ in train(); its batch_generation is replaced by the fixed completions and the sa
 perturbed: an older policy, so ratios clip), and the rollout's values are perturbed the same way (so the value clip
 binds). Everything else is TRL's own code: the reference and value forward passes, the reward model's score at the
 last token, the missing-EOS penalty, the KL estimators, reward whitening, GAE, advantage whitening, both losses and the
-logged statistics, recorded by wrapping its helpers (masked_whiten, forward, get_reward) and its log.
+logged statistics, recorded by wrapping its helpers (masked_whiten, forward, get_reward) and its log. Transcribed from
+its train(), not called: returns = raw advantages + values zeroed past the extra token, the entropy formula applied to
+its recorded logits, and approxkl's mean over every slot (padding's zeros included).
 
 usage: python tests/trl_ppo.py SIDE_DIR OUT_JSON
 """
@@ -61,12 +63,11 @@ def main(side, out):
 
     import checkpoint
     import hf_names
-    import model as ppo
+    import model
     import rl
-    from model import build_model
 
     # ---- the models: policy, reference, value and reward, each a tiny LLaVA; the last two with a scalar head
-    tmp = Path(tempfile.mkdtemp())
+    tmp = out.parent / "models"
     hf, ours = {}, {}
     for seed, name in enumerate(("policy", "reference", "value", "reward")):
         hf[name] = tiny_hf_llava(seed=seed)
@@ -77,7 +78,7 @@ def main(side, out):
             torch.nn.init.normal_(hf[name].score.bias, std=0.5)
             cfg = cfg.with_overrides({"reward_head": True})
             state |= {"reward_head.weight": hf[name].score.weight.detach(), "reward_head.bias": hf[name].score.bias.detach()}
-        ours[name] = build_model(cfg, init=False)
+        ours[name] = model.build_model(cfg, init=False)
         ours[name].load_state_dict(state)
         ours[name].eval()
     checkpoint.save_model(ours["value"], tmp / "value_ckpt")  # the value model starts from a reward-model checkpoint
@@ -100,11 +101,11 @@ def main(side, out):
     row_of = {tuple(q.tolist()): i for i, q in enumerate(queries)}
     rows = lambda ids: [row_of[tuple(q.tolist())] for q in ids[:, :P]]  # noqa: E731  TRL shuffles the prompts
 
-    for model in hf.values():  # TRL passes ids alone: the LlavaModel inside each takes its prompt's pixels
-        def with_pixels(*args, inner=model.model.forward, **kw):
+    for llava in hf.values():  # TRL passes ids alone: the LlavaModel inside each takes its prompt's pixels
+        def with_pixels(*args, inner=llava.model.forward, **kw):
             kw.pop("pixel_values", None)
             return inner(*args, pixel_values=pixels[rows(kw["input_ids"])], **kw)
-        model.model.forward = with_pixels
+        llava.model.forward = with_pixels
 
     from datasets import Dataset
     from trl.experimental.ppo import PPOConfig, PPOTrainer
@@ -113,7 +114,7 @@ def main(side, out):
     record = {}
     real_forward, real_get_reward, real_whiten = trl_ppo.forward, trl_ppo.get_reward, trl_ppo.masked_whiten
 
-    def batch_generation(model, queries, *_):  # the fixed completions, and the logits of an older policy
+    def batch_generation(policy, queries, *_):  # the fixed completions, and the logits of an older policy
         order = rows(queries)
         record["order"], record["completions"] = order, completions[order]
         query_responses = torch.cat([queries, completions[order]], 1)
@@ -121,22 +122,22 @@ def main(side, out):
         record["old_logits"] = logits + 0.5 * logit_noise[order]
         return query_responses, record["old_logits"]
 
-    def get_reward(model, query_responses, pad_token_id, context_length):
-        logits, final, lengths = real_get_reward(model, query_responses, pad_token_id, context_length)
-        if model is hf["value"]:  # the rollout's values, from an older value model
+    def get_reward(scorer, query_responses, pad_token_id, context_length):
+        logits, final, lengths = real_get_reward(scorer, query_responses, pad_token_id, context_length)
+        if scorer is hf["value"]:  # the rollout's values, from an older value model
             logits = logits + 0.3 * value_noise[rows(query_responses), :, None]
             record["old_values"] = logits[:, context_length - 1 : -1, 0]
         else:
             record["rm_scores"] = final
         return logits, final, lengths
 
-    def forward(model, query_responses, pad_token_id):
-        out = real_forward(model, query_responses, pad_token_id)
-        if isinstance(out, tuple):  # the training forward: policy and value
-            record["train_logits"] = out[0].logits[:, P - 1 : -1] / (TEMPERATURE + 1e-7)
-            record["train_values"] = out[1][:, P - 1 : -1, 0]
+    def forward(net, query_responses, pad_token_id):
+        outputs = real_forward(net, query_responses, pad_token_id)
+        if isinstance(outputs, tuple):  # the training forward: policy and value
+            record["train_logits"] = outputs[0].logits[:, P - 1 : -1] / (TEMPERATURE + 1e-7)
+            record["train_values"] = outputs[1][:, P - 1 : -1, 0]
             record["train_order"] = rows(query_responses)
-        return out
+        return outputs
 
     def masked_whiten(values, mask, shift_mean=True):
         whitened = real_whiten(values, mask, shift_mean)
@@ -161,20 +162,20 @@ def main(side, out):
             rm = ours["reward"](ids, pixels[order], attention_mask=attention, reward=True)[1]
         old_logps = record["old_logits"].log_softmax(-1).gather(-1, completions[order, :, None]).squeeze(-1)
         old_values = values + 0.3 * value_noise[order, P - 1 : -1]
-        scores = ppo.ppo_score(rm, ended, missing_end_penalty=1.5)
+        scores = model.ppo_score(rm, ended, missing_end_penalty=1.5)
         mask_p1 = torch.maximum(mask, torch.nn.functional.pad(mask, (1, 0))[:, :C])  # TRL's ~padding_mask_p1
         got = {"mask": mask, "mask_p1": mask_p1, "logps": logps, "entropy": entropy, "values": values, "rm": rm,
                "scores": scores}
         for layout, value_mask in (("trl", mask_p1), ("easylm", mask)):
             # TRL's padding log-probs are equal (INVALID_LOGPROB): no KL at its extra token
             old, ref = old_logps.masked_fill(mask == 0, 1.0), ref_logps.masked_fill(mask == 0, 1.0)
-            rewards, kl = ppo.ppo_rewards(old, ref, scores, value_mask, 0.3, settings["kl_estimator"])
+            rewards, kl = model.ppo_rewards(old, ref, scores, value_mask, 0.3, settings["kl_estimator"])
             if settings["whiten_rewards"]:
-                rewards = ppo.masked_whiten(rewards, value_mask, shift_mean=False)
-            advantages, returns = ppo.gae(rewards, old_values, value_mask, settings["gamma"], settings["lam"])
-            advantages = ppo.masked_whiten(advantages, mask)
-            policy_loss, policy_metrics = ppo.ppo_policy_loss(logps, old, advantages, mask, 0.2)
-            value_loss, value_metrics = ppo.ppo_value_loss(values, old_values, returns, value_mask, 0.2)
+                rewards = model.masked_whiten(rewards, value_mask, shift_mean=False)
+            advantages, returns = model.gae(rewards, old_values, value_mask, settings["gamma"], settings["lam"])
+            advantages = model.masked_whiten(advantages, mask)
+            policy_loss, policy_metrics = model.ppo_policy_loss(logps, old, advantages, mask, 0.2)
+            value_loss, value_metrics = model.ppo_value_loss(values, old_values, returns, value_mask, 0.2)
             got[layout] = {"rewards": rewards, "kl": kl, "advantages": advantages, "returns": returns,
                            "policy_loss": policy_loss, "value_loss": value_loss} | policy_metrics | value_metrics
         return got
@@ -182,11 +183,11 @@ def main(side, out):
     results = {}
     tok = word_level_processor().tokenizer
     data = Dataset.from_list([{"input_ids": q.tolist()} for q in queries])
-    initial = {name: {k: v.clone() for k, v in model.state_dict().items()} for name, model in hf.items()}
+    initial = {name: {k: v.clone() for k, v in llava.state_dict().items()} for name, llava in hf.items()}
     for case, settings in CASES.items():
         record.clear()
-        for name, model in hf.items():  # train() took an optimizer step on the policy and the value model
-            model.load_state_dict(initial[name])
+        for name, llava in hf.items():  # train() took an optimizer step on the policy and the value model
+            llava.load_state_dict(initial[name])
         args = PPOConfig(str(tmp / case), per_device_train_batch_size=B, gradient_accumulation_steps=1,
                          num_mini_batches=1, num_ppo_epochs=1, total_episodes=B, local_rollout_forward_batch_size=B,
                          response_length=C, stop_token_id=EOS, temperature=TEMPERATURE, missing_eos_penalty=1.5,
