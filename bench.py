@@ -6,11 +6,11 @@ Benchmarks. Figures go to BENCHMARKS.md with the command, date and machine.
     python bench.py train [--size bench|debug] [--stage 1|2] [--peer hf] [--pack] [--compile] [--loss-chunk N]
     python bench.py data [--shards DIR]        # decode + preprocess images/s per core, ours vs webdataset + PIL
     python bench.py xla                        # computed per-device memory of the 7B recipes on TPU pods
-    python bench.py levers                     # computed memory, predicted speed of issue 24's levers (7B, H100)
+    python bench.py levers                     # computed memory, predicted speed of the speed levers (7B, H100)
     python bench.py checkpoint --ranks 4 [--gib 1.2] [--out DIR]   # sharded checkpoint: time blocked, rank 0's memory
 
 `train` times full training steps (forward, backward, AdamW) on random weights and synthetic
-batches after warm-up, and reports tokens/s, samples/s, MFU (README's formula), peak memory and
+batches after warm-up, and reports tokens/s, samples/s, MFU (docs/training.md "MFU"), peak memory and
 the padding share. With --peer hf it builds transformers.LlavaForConditionalGeneration with the
 same weights (through convert.py), the same batches, optimizer, precision and SDPA attention, and
 prints ours/HF. The two alternate in phases (ours, HF, ours, HF), one model in memory at a time. --peer hf-liger
@@ -178,7 +178,7 @@ def phase_figures(raw, stage, r, bs, n_rows, seq_len, peak):
     s = r["seconds_per_step"]
     samples = sum(len(b["lengths"]) for b in bs) / len(bs)  # per step
     real_tokens = sum(sum(b["lengths"]) for b in bs) / len(bs)
-    # useful FLOPs: each sample at its own length (README's formula); padding does no useful work
+    # useful FLOPs: each sample at its own length (docs/training.md "MFU"); padding does no useful work
     flops = sum(parallel.flops_per_sample(raw, stage, n) for b in bs for n in b["lengths"]) / len(bs)
     return {"tokens_per_s": n_rows * seq_len / s, "real_tokens_per_s": real_tokens / s, "samples_per_s": samples / s,
             "samples_per_step": samples, "padding_share": 1 - real_tokens / (n_rows * seq_len),
@@ -308,7 +308,7 @@ def bench_train(args):
         with torch.device("meta"):
             raw = build_model(model_cfg, device="meta", init=False)
     env = type("E", (), {"kind": device.type, "device": device})()
-    peak = args.peak_flops or parallel.known_peak_flops(env)
+    peak = args.peak_flops or env.peak_flops()
     # HF always takes a sample a row; ours the same, or packed rows with --pack; a variant may take other rows
     batches = {kind: synthetic_batches(raw.cfg, seq_len, v["batch"], real, n=4, pack=args.pack)
                for kind, v in variants.items()}
@@ -463,11 +463,11 @@ def print_xla_memory():
 
 
 # -----------------------------------------------------------------------------
-# levers (issue 24): computed memory of frozen_dtype and of the checkpointing settings, and predicted speed
+# levers: computed memory of frozen_dtype and of the checkpointing settings, and predicted speed
 
 H100_GIB = 79.6  # 81,559 MiB as nvidia-smi shows an H100 80GB HBM3
-BASELINE_7B_STAGE1 = 18.0  # samples/s, LLaVA-1.5-7B stage 1, 8 x 2048, full checkpointing, H100 (issue 24, measured)
-CAST_SHARE = 0.014  # of its GPU time in the bf16 casts of frozen weights (issue 24's profile)
+BASELINE_7B_STAGE1 = 18.0  # samples/s, LLaVA-1.5-7B stage 1, 8 x 2048, full checkpointing, H100 (measured)
+CAST_SHARE = 0.014  # of its GPU time in the bf16 casts of frozen weights (measured profile)
 
 
 def kept_bytes(c, policy, trained):
@@ -528,7 +528,7 @@ def print_levers():
     print("|---|---|---|---|---|---|")
     for label, frozen, policy, every, rows in [
             ("today: fp32 frozen, full checkpointing", "float32", "full", 1, 8),
-            ("today without checkpointing (issue 24: out of memory)", "float32", "none", 1, 8),
+            ("today without checkpointing (out of memory)", "float32", "none", 1, 8),
             ("bf16 frozen, full checkpointing", "bfloat16", "full", 1, 8),
             ("bf16 frozen, every other block checkpointed", "bfloat16", "full", 2, 8),
             ("bf16 frozen, selective checkpointing", "bfloat16", "selective", 1, 8),
@@ -618,7 +618,7 @@ def bench_checkpoint(args):
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
-    optimizer = parallel.make_optimizer(raw, cfg_run, env)
+    optimizer = parallel.make_optimizer(raw, env, 1e-4, (0.9, 0.95), 0.0, {"vision": 1, "projector": 1, "llm": 1})
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     optimizer.step()  # the moments exist
@@ -681,14 +681,14 @@ def main(argv=None):
     d.add_argument("--workdir", default="out/bench-data")
     d.add_argument("--size", type=int, default=336)
     d.add_argument("--n", type=int, default=400)
-    sub.add_parser("xla", help="computed per-device memory of the LLaVA-1.5-7B TPU recipes (README table)")
-    sub.add_parser("levers", help="computed memory and predicted speed of issue 24's levers for LLaVA-1.5-7B")
+    sub.add_parser("xla", help="computed per-device memory of the LLaVA-1.5-7B TPU recipes (docs/recipes.md)")
+    sub.add_parser("levers", help="computed memory and predicted speed of the speed levers for LLaVA-1.5-7B")
     c = sub.add_parser("checkpoint", help="a sharded checkpoint's blocked time, commit time and rank 0's extra memory")
     c.add_argument("--ranks", type=int, default=1)
     c.add_argument("--gib", type=float, default=1.2, help="weights + AdamW moments, GiB")
     c.add_argument("--saves", type=int, default=3)
     c.add_argument("--out", default="out/bench-checkpoint")
-    c.add_argument("--recipes", action="store_true", help="print the computed table for the README recipes instead")
+    c.add_argument("--recipes", action="store_true", help="print the computed table of docs/recipes.md instead")
     args = p.parse_args(argv)
     if args.cmd == "checkpoint":
         return print_checkpoint_recipes() if args.recipes else bench_checkpoint(args)

@@ -339,7 +339,7 @@ def place_image_tags(conv, tag, n):
     """The conversation with its images where chat templates put them: n untagged images (LLaVA's records may omit
     the tag) as n tags at the front of the first user turn, as transformers' llava-hf templates render
     [{"type": "image"}, ..., {"type": "text"}]; so do tags written in a system turn (llavax's pack put an untagged
-    image there before issue 21), which no chat template renders. Written tags elsewhere stay. No user turn: one
+    image there in older versions), which no chat template renders. Written tags elsewhere stay. No user turn: one
     holding only the tags goes before the first answer."""
     conv = [dict(t) for t in conv]  # other keys a turn carries (a preference pair's "rejected") stay
     n_front = 0 if any(tag in t["value"] for t in conv) else n

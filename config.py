@@ -50,7 +50,7 @@ min_lr = 5e-5
 warmup_iters = 100
 lr_decay_iters = 0  # 0: max_iters
 lr_scale = {"vision": 1.0, "projector": 1.0, "llm": 1.0}  # per-module multipliers
-lora = {}  # {} off; else LoRA adapters {"r", "alpha", "dropout", "targets", "rslora"} (README "LoRA")
+lora = {}  # {} off; else LoRA adapters {"r", "alpha", "dropout", "targets", "rslora"} (docs/training.md "LoRA")
 weight_decay = 0.01
 beta1 = 0.9
 beta2 = 0.95
@@ -82,14 +82,14 @@ frozen_dtype = "float32"  # 'bfloat16' (with dtype='bfloat16'): frozen Linear/Co
 loss_chunk = 0  # > 0: cross-entropy over this many positions at a time, never the full fp32 logits
 peak_flops = 0.0  # per device, for MFU; 0 uses the bf16 dense peak of a known GPU
 seed = 0
-# preference training (README "Preference training (DPO)"): rows of chosen and rejected answers from preference shards
+# preference training (docs/post-training.md "DPO"): rows of chosen and rejected answers from preference shards
 objective = "sft"  # 'sft' (next-token loss) or 'dpo' (against a frozen reference: the init_from checkpoint)
 dpo_beta = 0.1
 dpo_loss = "sigmoid"  # 'sigmoid' (DPO), 'ipo' (length-normalised, as TRL), 'hinge'
 dpo_sft_weight = 0.0  # + this x the chosen answers' token NLL (LLaVA-NeXT's gamma; TRL's "sft" loss)
 dpo_end_of_turn = True  # False: an answer's log-prob leaves out its end-of-turn token (its last supervised one)
 dpo_reference = ""  # the reference checkpoint; '' is init_from (name it when resuming: init_from is then 'resume')
-# objective='reward' (README "Reward models and RL"): a scalar head on the same preference shards, Bradley-Terry loss
+# objective='reward' (docs/post-training.md): a scalar head on the same preference shards, Bradley-Terry loss
 reward_margin = 0.0  # -log sigmoid(r_chosen - r_rejected - margin)
 reward_center_weight = 0.0  # + this x (r_chosen + r_rejected)^2: rewards stay near 0 (TRL's center_rewards_coefficient)
 # objective='grpo': prompts from SFT shards, grpo_group samples each; batch_size and micro_batch_size count prompts

@@ -3,7 +3,7 @@ Preference training for train.py (objective='dpo', and 'reward': a reward model 
 reference, each row's completion log-prob, the pair losses and their held-out pass. The losses themselves
 (`dpo_loss`, `reward_loss`) are beside the token loss in model.py; the data (pairs as rows [chosen...,
 rejected...], one image a pair) is data.ShardStream(preference=True). And a program: on-policy pairs, the model's
-own wrong answers as the rejected side (README "Preference training (DPO)"):
+own wrong answers as the rejected side (docs/post-training.md "DPO"):
 
     python dpo.py pairs --ckpt out/shapes-sft-250/step-000250 --data data/shapes/preference --out data/shapes/onpolicy
 """
@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 import chat
 import checkpoint
-import images
+from images import load_image, normalize_images
 import loader
 import weight_files
 from evaluation import device_batch
@@ -127,8 +127,9 @@ def preference_loss(model, ref_model, b, cfg):
 
 
 @torch.no_grad()
-def evaluate_preference(model, ref_model, val_loader, env, cfg, n_batches, vision):
-    """Validation loss and metrics (dpo or reward) on the same held-out pairs every time."""
+def evaluate_preference(model, ref_model, val_loader, env, cfg, n_batches, vision, pair_loss):
+    """Validation loss and metrics (pair_loss(model, b, cfg, ref_model): dpo or reward) on the same held-out pairs
+    every time."""
     model.eval()
     sums, n = {}, 0
     val_loader.position = 0
@@ -137,7 +138,7 @@ def evaluate_preference(model, ref_model, val_loader, env, cfg, n_batches, visio
             break
         b = device_batch(batch, env, vision)
         with autocast(env, cfg):
-            loss, metrics = pair_objective(model, ref_model, b, cfg)
+            loss, metrics = pair_loss(model, b, cfg, ref_model)
         for k, v in ({"loss": loss} | metrics).items():
             sums[k] = sums.get(k, 0.0) + v
         n += 1
@@ -157,10 +158,6 @@ def reward_pairs(model, b, cfg):
                        image_index=b.get("image_index"), image_weight=b.get("image_weight"))
     return reward_loss(rewards, supervised[:, 1:].sum(dim=1), cfg["reward_margin"], cfg["reward_center_weight"])
 
-
-def pair_objective(model, ref_model, b, cfg):
-    """The loss of a batch of pairs: objective='reward' (Bradley-Terry on the reward head) or 'dpo'."""
-    return reward_pairs(model, b, cfg) if cfg["objective"] == "reward" else preference_loss(model, ref_model, b, cfg)
 
 
 # -----------------------------------------------------------------------------
@@ -186,9 +183,9 @@ def model_answers(model, questions, stream, template, n_samples, temperature, ma
     tok, cfg, stop = stream.tok, model.cfg, chat.stop_token_id(template, stream.tok)
     ids, mask = left_pad([prompt for prompt, _ in questions], tok.pad_id)
     blank = torch.zeros(3, stream.image_size, stream.image_size, dtype=torch.uint8)  # rows without an image
-    images = [blank if blob is None else images.load_image(blob, stream.image_size, stream.image_mode,
+    images = [blank if blob is None else load_image(blob, stream.image_size, stream.image_mode,
                                                          mean=stream.image_mean) for _, blob in questions]
-    pixels = images.normalize_images(torch.stack(images), *cfg.vision.image_stats)
+    pixels = normalize_images(torch.stack(images), *cfg.vision.image_stats)
     pixels = pixels if (ids == cfg.image_token_id).any() else None
     suppress = torch.arange(cfg.llm.vocab_size)
     suppress = (suppress >= tok.vocab_size) | (suppress == cfg.image_token_id)  # as GRPO samples (rl.rollout)

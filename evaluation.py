@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import torch
 
 import chat
-import images
+from images import load_image, normalize_images
 import loader
 from model import build_model, left_pad
 from parallel import autocast, gathered_for_generation, print0
@@ -19,7 +19,7 @@ def device_batch(batch, env, vision):
     loader as uint8 (4x fewer bytes). With max_tiles they are (B, max_tiles, 3, S, S) and image_index/image_weight
     say where each tile's features go."""
     b = env.to_device(batch)
-    return b | {"pixel_values": images.normalize_images(b["pixel_values"], *vision.image_stats)}
+    return b | {"pixel_values": normalize_images(b["pixel_values"], *vision.image_stats)}
 
 
 @torch.no_grad()
@@ -65,9 +65,9 @@ def answer_accuracy(raw, stream, env, cfg, n, show=5, batch_size=32):
         batch = asked[first : first + batch_size]
         ids, mask = left_pad([prompt for prompt, *_ in batch], tok.pad_id)
         blank = torch.zeros(3, stream.image_size, stream.image_size, dtype=torch.uint8)
-        images = [images.load_image(image, stream.image_size, stream.image_mode, mean=stream.image_mean)
+        images = [load_image(image, stream.image_size, stream.image_mode, mean=stream.image_mean)
                   if image is not None else blank for _, _, image, _ in batch]
-        pixels = images.normalize_images(torch.stack(images).to(env.device), *raw.cfg.vision.image_stats) \
+        pixels = normalize_images(torch.stack(images).to(env.device), *raw.cfg.vision.image_stats) \
             if stream.image_token_id in ids else None
         with autocast(env, cfg):
             out = raw.generate(ids.to(env.device), pixels, max_new_tokens=max_new, eos_id=stop,
@@ -111,7 +111,7 @@ def tiled_answer_accuracy(raw, stream, env, cfg, n, show=5):
             index[i, ids.shape[1] - start :], weight[i, ids.shape[1] - start :] = \
                 b["image_index"][r, :start], b["image_weight"][r, :start]
         rows = torch.tensor([r for r, _, _ in asked])
-        pixels = images.normalize_images(b["pixel_values"][rows].to(env.device), *raw.cfg.vision.image_stats)
+        pixels = normalize_images(b["pixel_values"][rows].to(env.device), *raw.cfg.vision.image_stats)
         with autocast(env, cfg):
             out = raw.generate(ids.to(env.device), pixels, max_new_tokens=max_new, eos_id=stop,
                                attention_mask=mask.to(env.device), image_index=index.to(env.device),

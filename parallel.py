@@ -10,6 +10,7 @@ collectives from the sharding annotations below, and each host reads its own par
 import functools
 import os
 import re
+import resource
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 
@@ -86,6 +87,31 @@ class Env:
             import torch_xla
 
             torch_xla.sync()
+
+    def optimizer_kwargs(self):
+        return {"fused": True} if self.kind == "cuda" else {"foreach": True} if self.kind == "cpu" else {}
+
+    def peak_flops(self):
+        """The bf16 dense peak of a known GPU, per device; 0 elsewhere (no MFU)."""
+        if self.kind != "cuda":
+            return 0.0
+        name = torch.cuda.get_device_name(self.device)
+        known = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L4", 121e12), ("A10", 125e12))
+        return next((peak for key, peak in known if key in name), 0.0)
+
+    def peak_memory_gib(self):
+        """The device's peak allocation (CUDA), else the process's peak resident memory."""
+        if self.kind == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**30
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+    def compiles(self):
+        """XLA's compile count so far (a count that grows after warm-up means the step recompiles); None elsewhere."""
+        if self.kind != "xla":
+            return None
+        import torch_xla.debug.metrics as met
+
+        return (met.metric_data("CompileTime") or [0])[0]
 
     def all_sum(self, t):
         if self.distributed:
@@ -424,20 +450,20 @@ def compile_blocks(model):
         block.compile()
 
 
-def make_optimizer(raw, cfg, env):
+def make_optimizer(raw, env, lr, betas, weight_decay, lr_scale):
+    """AdamW over the trained parameters, a group per module (lr_scale: its multiplier) and per decay."""
     groups = {}
     for name, p in raw.named_parameters():
         if p.requires_grad:
             module, decay = param_group(name), p.dim() >= 2  # no weight decay on norms, biases, image_newline
-            g = groups.setdefault((module, decay), {"params": [], "lr_scale": cfg["lr_scale"][module],
-                                                    "weight_decay": cfg["weight_decay"] if decay else 0.0})
+            g = groups.setdefault((module, decay), {"params": [], "lr_scale": lr_scale[module],
+                                                    "weight_decay": weight_decay if decay else 0.0})
             g["params"].append(p)
-    kw = {"fused": True} if env.kind == "cuda" else {"foreach": True} if env.kind == "cpu" else {}
-    return torch.optim.AdamW(list(groups.values()), lr=cfg["lr"], betas=(cfg["beta1"], cfg["beta2"]), **kw)
+    return torch.optim.AdamW(list(groups.values()), lr=lr, betas=betas, **env.optimizer_kwargs())
 
 
 def flops_per_sample(raw, stage, seq_tokens, n_tiles=1):
-    """Model FLOPs of one sample (fwd + bwd) with n_tiles ViT views, README's formula: 6N trained, 4N frozen with
+    """Model FLOPs of one sample (fwd + bwd) with n_tiles ViT views, docs/training.md "MFU": 6N trained, 4N frozen with
     gradients flowing through, 2N frozen with nothing upstream to train; attention 12*L*d*T (fwd+bwd), halved when
     causal."""
     cfg = raw.cfg
@@ -455,12 +481,3 @@ def flops_per_sample(raw, stage, seq_tokens, n_tiles=1):
         6 * cfg.llm.n_layers * cfg.llm.n_heads * cfg.llm.head_dim * seq_tokens**2
     return vit + proj + llm
 
-
-def known_peak_flops(env):
-    if env.kind != "cuda":
-        return 0.0
-    name = torch.cuda.get_device_name(env.device)
-    for key, peak in (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L4", 121e12), ("A10", 125e12)):
-        if key in name:
-            return peak
-    return 0.0

@@ -2,7 +2,7 @@
 The Hugging Face processor files convert.py's to-hf writes beside the weights, so that AutoProcessor
 preprocesses exactly as llavax trained: the image processor for data.py's image mode, LlavaProcessor's
 settings, a chat template rendering data.py's template, and tokenizer files holding <image> and the special
-tokens data.Tokenizer reads.
+tokens chat.Tokenizer reads.
 
 Split from convert.py (weights and formats) because it is a separate concern: it reads data.py, not model
 weights, and follows transformers' processor formats rather than checkpoint layouts.
@@ -26,7 +26,7 @@ class ExportError(ValueError):
 
 
 def image_processor_config(size, mode, mean=images.CLIP_MEAN, std=images.CLIP_STD):
-    """HF's image processor for data.load_image's modes: 'crop' = shortest edge then centre crop (CLIP's),
+    """HF's image processor for images.load_image's modes: 'crop' = shortest edge then centre crop (CLIP's),
     'resize' = squash to size x size, 'pad' = LlavaImageProcessor's pad to square with the mean colour first."""
     square, shortest = {"height": size, "width": size}, {"shortest_edge": size}
     return {"image_processor_type": "LlavaImageProcessor" if mode == "pad" else "CLIPImageProcessor",
@@ -111,7 +111,7 @@ def anyres_processor_configs(cfg, image, settings):
 
 
 def template_strings(tokenizer):
-    """chat_template's keywords for an exported tokenizer (data.Tokenizer, whether HF's prepends the BOS): its own
+    """chat_template's keywords for an exported tokenizer (chat.Tokenizer, whether HF's prepends the BOS): its own
     BOS and EOS, no BOS where the tokenizer adds one (llava-hf's convention: the processor tokenizes the rendered
     prompt with special tokens on, and a written BOS would be a second one). A sentencepiece model with legacy=False
     puts no dummy-prefix space after a special token, where training starts a new chunk after <image> (and after
@@ -195,9 +195,9 @@ def export_tokenizer(directory, image_id, video_id=None, template=None):
     """Make the tokenizer files in `directory` what transformers loads as the tokenizer llavax trained with:
     <image> (and <video>) at the model's ids, in tokenizer.json or, for a sentencepiece-only tokenizer.model, in
     tokenizer_config.json's added_tokens_decoder (transformers converts the model to a fast tokenizer on load);
-    bos/eos/pad and sentencepiece's legacy flag as data.Tokenizer reads them, written out even where the source had
+    bos/eos/pad and sentencepiece's legacy flag as chat.Tokenizer reads them, written out even where the source had
     no tokenizer_config.json; generation_config.json stopping on the template's end of turn and the EOS.
-    Returns (data.Tokenizer, whether the HF tokenizer prepends the BOS itself), or None without a tokenizer."""
+    Returns (chat.Tokenizer, whether the HF tokenizer prepends the BOS itself), or None without a tokenizer."""
     directory = Path(directory)
     if not any((directory / n).exists() for n in ("tokenizer.json", "tokenizer.model")):
         print(f"convert: {directory}: no tokenizer.json or tokenizer.model beside the weights; the export has no "
@@ -244,7 +244,7 @@ def add_to_tokenizer_json(path, tags):
 def sentencepiece_config(tok, config, tags, where):
     """tokenizer_config.json for transformers' LlamaTokenizer over a sentencepiece model: the tags, and the template
     markers the model holds as user-defined pieces (shapes.py's <|eot_id|>...), which are special tokens to
-    data.Tokenizer and which transformers splits the text at only as added tokens; data.Tokenizer's legacy flag."""
+    chat.Tokenizer and which transformers splits the text at only as added tokens; chat.Tokenizer's legacy flag."""
     decoder = config.get("added_tokens_decoder", {})
     known = {tok.sp.id_to_piece(i): i for i in range(tok.vocab_size)} | {t["content"]: int(i) for i, t in decoder.items()}
     new = register_tags(where, known, tags, tok.vocab_size)

@@ -1,5 +1,5 @@
 """
-On-policy RL for train.py's objective='grpo' (README "Reward models and RL"): the prompts of an SFT micro-batch,
+On-policy RL for train.py's objective='grpo' (docs/post-training.md): the prompts of an SFT micro-batch,
 G samples each from VLM.generate, rewards from a rule or a reward model, group-normalised advantages; then the
 clipped policy loss (model.grpo_loss) on each optimisation step that reuses the generation batch.
 """
@@ -8,7 +8,6 @@ import importlib
 import json
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -335,37 +334,57 @@ ROLLOUT_KEYS = ("grpo_group", "grpo_loss", "grpo_scale_rewards", "grpo_beta", "g
                 "grpo_top_p", "grpo_reward", "grpo_static", "grpo_prompt_len")
 
 
-def setup(cfg, env, loader, resume_from, policy):
-    """objective='grpo': the tokenizer, the stop token, the reward scorer and the sampler of the rollouts; and the
-    generation batch in flight when a checkpoint taken inside one (grpo_iterations > 1) was written."""
-    tok = loader.stream.tok
-    static = cfg["grpo_static"] or env.kind == "xla"  # one compiled rollout: fixed prompt bucket and length
-    if env.kind == "xla" and env.world > 1:
-        raise SystemExit("config: objective='grpo' under XLA runs on one host (multi-host rollouts are not built)")
-    longest = cfg["seq_len"] - 1 + cfg["grpo_max_new_tokens"]  # a prompt and its completion (static: in seq_len)
-    if not static and longest > policy.llm.max_seq_len:
-        raise SystemExit(f"config: seq_len - 1 prompt tokens + grpo_max_new_tokens = {longest} exceed the model's "
-                         f"max_seq_len={policy.llm.max_seq_len}: lower seq_len (longer prompts are dropped)")
-    if static:
-        print0(env, f"grpo: static rollouts, prompts left-padded to {prompt_bucket(cfg)} tokens (longer ones skipped), "
-               f"{cfg['grpo_max_new_tokens']} new tokens, hashed draws")
-    saved = saved_own(resume_from, env) if resume_from else None
-    state = json.loads((resume_from / "state.json").read_text()) if resume_from else {}
-    rollout_config = lambda c: {k: bool(c.get(k)) if k == "grpo_beta" else c.get(k, LATER_KEYS.get(k))  # noqa: E731
-                                for k in ROLLOUT_KEYS}
-    made_with, now = rollout_config(state.get("config", {})), rollout_config(cfg)
-    changed = [k for k in ROLLOUT_KEYS if made_with[k] != now[k]] if saved is not None else []
-    if changed:  # its rollouts lack reference log-probs, or hold other groups, loss units, samples
-        print0(env, f"resume: the generation batch in {resume_from} was sampled with other {', '.join(changed)}: "
-               f"sampling a new one")
-        saved = None
-    elif resume_from and saved is None and state["iter"] % cfg["grpo_iterations"]:
-        print0(env, f"resume: {resume_from} holds no generation batch for this world size: sampling a new one")
-    device = "cpu" if env.kind == "xla" else env.device
-    return SimpleNamespace(tok=tok, stop=chat.stop_token_id(cfg["template"], tok),
-                           score=reward_scorer(cfg, env, policy, tok),
-                           sampler=torch.Generator(device), static=static,
-                           rollouts=rollouts_from_state(saved, env.device) if saved else None)
+class GenerationBatches:
+    """What a GRPO step trains on: a generation batch, sampled from the loader's prompts every grpo_iterations steps
+    and reused in between (train.ReadBatches is the other objectives'). Set up with the tokenizer, the stop token, the
+    reward scorer and the sampler of the rollouts, and the generation batch in flight when a checkpoint taken inside
+    one (grpo_iterations > 1) was written."""
+
+    def __init__(self, cfg, env, loader, resume_from, raw):
+        self.cfg, self.env = cfg, env
+        policy = raw.cfg
+        tok = loader.stream.tok
+        static = cfg["grpo_static"] or env.kind == "xla"  # one compiled rollout: fixed prompt bucket and length
+        if env.kind == "xla" and env.world > 1:
+            raise SystemExit("config: objective='grpo' under XLA runs on one host (multi-host rollouts are not built)")
+        longest = cfg["seq_len"] - 1 + cfg["grpo_max_new_tokens"]  # a prompt and its completion (static: in seq_len)
+        if not static and longest > policy.llm.max_seq_len:
+            raise SystemExit(f"config: seq_len - 1 prompt tokens + grpo_max_new_tokens = {longest} exceed the model's "
+                             f"max_seq_len={policy.llm.max_seq_len}: lower seq_len (longer prompts are dropped)")
+        if static:
+            print0(env, f"grpo: static rollouts, prompts left-padded to {prompt_bucket(cfg)} tokens (longer ones skipped), "
+                   f"{cfg['grpo_max_new_tokens']} new tokens, hashed draws")
+        saved = saved_own(resume_from, env) if resume_from else None
+        state = json.loads((resume_from / "state.json").read_text()) if resume_from else {}
+        rollout_config = lambda c: {k: bool(c.get(k)) if k == "grpo_beta" else c.get(k, LATER_KEYS.get(k))  # noqa: E731
+                                    for k in ROLLOUT_KEYS}
+        made_with, now = rollout_config(state.get("config", {})), rollout_config(cfg)
+        changed = [k for k in ROLLOUT_KEYS if made_with[k] != now[k]] if saved is not None else []
+        if changed:  # its rollouts lack reference log-probs, or hold other groups, loss units, samples
+            print0(env, f"resume: the generation batch in {resume_from} was sampled with other {', '.join(changed)}: "
+                   f"sampling a new one")
+            saved = None
+        elif resume_from and saved is None and state["iter"] % cfg["grpo_iterations"]:
+            print0(env, f"resume: {resume_from} holds no generation batch for this world size: sampling a new one")
+        device = "cpu" if env.kind == "xla" else env.device
+        self.tok, self.stop, self.static = tok, chat.stop_token_id(cfg["template"], tok), static
+        self.score, self.sampler = reward_scorer(cfg, env, policy, tok), torch.Generator(device)
+        self.rollouts = rollouts_from_state(saved, env.device) if saved else None
+
+    def fresh(self, it):
+        return it % self.cfg["grpo_iterations"] == 0 or self.rollouts is None
+
+    def prepare(self, micro, raw, ref_model, meter, it):
+        """The step's generation batch: a new one from the host batches when they are fresh, else the one in hand."""
+        return generation_batch(self, raw, micro, ref_model, meter, self.cfg, self.env, it) if micro else self.rollouts
+
+    def skipped(self, fresh):
+        if fresh:  # a skipped step leaves no generation batch for the steps after it: the next one samples
+            self.rollouts = None
+
+    def in_flight(self, it):
+        """The generation batch the next step reuses, for a checkpoint taken inside it."""
+        return rollouts_state(self.rollouts) if it % self.cfg["grpo_iterations"] and self.rollouts else None
 
 
 def generation_batch(grpo, raw, micro, ref_model, meter, cfg, env, it):

@@ -15,7 +15,7 @@ Several images and/or prompts run as one left-padded batch: N images with one pr
 with N prompts, or N of each paired in order; one answer is printed per line. --together asks each
 prompt about all the images at once (one <image> each, in order; put the tags in the prompt to place
 them), --video about the images as the frames of one video. A LLaVA-NeXT / OneVision model (anyres) tiles
-each image as its training loader does (data.tiled_prompt).
+each image as its training loader does (loader.tiled_prompt).
 """
 
 import argparse
@@ -103,7 +103,7 @@ def main(argv=None):
 
 def tiled_batch(args, cfg, template, tok):
     """(ids, mask, pixel_values (B, n_slots, 3, S, S), {image_index, image_weight}) for a tiling model, or for
-    --together / --video: each row as the tiled training loader would build it (data.tiled_prompt)."""
+    --together / --video: each row as the tiled training loader would build it (loader.tiled_prompt)."""
     from anyres import place_images
 
     blobs = []

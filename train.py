@@ -12,7 +12,6 @@ stage 0 trains everything, stage 1 the projector only, stage 2 the projector and
 import json
 import math
 import os
-import resource
 import shutil
 import signal
 import sys
@@ -30,14 +29,14 @@ import rl
 import weight_files
 from checkpoint import Checkpointer, check_resume_config, checkpoints, newest_good_checkpoint, wait_for_stop_writer
 from config import check_tiles, load_config
-from dpo import evaluate_preference, pair_objective, reference_model
+from dpo import evaluate_preference, preference_loss, reference_model, reward_pairs
 from evaluation import device_batch, evaluate, final_accuracy
 from loader import Loader, ShardStream
 from lora import apply_lora, is_lora_parameter, merge_lora
 from model import build_model
 from model_config import VLMConfig
 from parallel import (Env, autocast, checkpoint_fn, compile_blocks, flops_per_sample, freeze, frozen_matmul_weights,
-                      grad_sync, init_optimizer_state, known_peak_flops, make_optimizer, print0, set_checkpointing,
+                      grad_sync, init_optimizer_state, make_optimizer, print0, set_checkpointing,
                       shard, store_frozen, use_flex_attention)
 
 # -----------------------------------------------------------------------------
@@ -214,10 +213,10 @@ def init_model(cfg, env, resume_from):
     return build_model(config.model_config(cfg), device=build_on, seed=cfg["seed"])
 
 
-def apply_backends(raw, cfg, env):
+def apply_backends(raw, cfg, env, objective):
     """(the model the step runs, its optimizer): freeze -> activation checkpointing -> compile -> shard."""
     freeze(raw, cfg["stage"])
-    if cfg["objective"] == "reward":
+    if objective.reward_head:
         add_reward_head(raw, cfg["seed"])
     raw.loss_chunk, raw.recompute = cfg["loss_chunk"], checkpoint_fn(env.kind)
     raw.llm.flex_attention = use_flex_attention(cfg["pack"] > 0, env.kind, cfg["compile"], cfg["seq_len"])
@@ -230,7 +229,7 @@ def apply_backends(raw, cfg, env):
     if cfg["compile"]:
         compile_blocks(raw)
     model = shard(raw, env, cfg)
-    optimizer = make_optimizer(raw, cfg, env)
+    optimizer = make_optimizer(raw, env, cfg["lr"], (cfg["beta1"], cfg["beta2"]), cfg["weight_decay"], cfg["lr_scale"])
     init_optimizer_state(raw, optimizer, env)
     n_trained = sum(p.numel() for p in raw.parameters() if p.requires_grad)
     print0(env, f"model: {sum(p.numel() for p in raw.parameters()) / 1e6:.2f}M parameters, {n_trained / 1e6:.2f}M "
@@ -238,7 +237,7 @@ def apply_backends(raw, cfg, env):
     return model, optimizer
 
 
-def make_loaders(raw, cfg, env, rows_per_host):
+def make_loaders(raw, cfg, env, rows_per_host, pairs):
     """(train loader, val loader or None, val stream or None, the streams' arguments), the sequence length and the
     image token checked against the model and the tokenizer."""
     check_tiles(raw.cfg, cfg["max_tiles"])
@@ -250,7 +249,7 @@ def make_loaders(raw, cfg, env, rows_per_host):
                    "image_mean": raw.cfg.vision.image_stats[0]}
     if cfg["max_tiles"]:  # tiles and placement by the model's config (anyres, grid_pinpoints, image_layout)
         stream_args |= {"vlm": raw.cfg, "max_tiles": cfg["max_tiles"]}
-    stream_args["preference"] = cfg["objective"] in ("dpo", "reward")  # rows [chosen..., rejected...], an image a pair
+    stream_args["preference"] = pairs  # rows [chosen..., rejected...], an image a pair
     try:
         loader = Loader(ShardStream(cfg["data_dir"], split="train", **stream_args), cfg["num_workers"])
     except (OSError, ValueError) as e:
@@ -320,7 +319,7 @@ def start_meter(raw, cfg, env):
     if env.kind == "xla":
         meter.nonfinite_run, meter.nonfinite_worst, meter.nonfinite_total = (
             torch.zeros((), dtype=torch.long, device=env.device) for _ in range(3))
-    meter.peak = cfg["peak_flops"] or known_peak_flops(env)
+    meter.peak = cfg["peak_flops"] or env.peak_flops()
     meter.loss_sum, meter.tokens_sum = torch.zeros((), device=env.device), torch.zeros((), device=env.device)
     meter.t_last, meter.data_wait = time.perf_counter(), 0.0
     meter.rows_done, meter.dropped = 0, 0
@@ -337,22 +336,78 @@ def start_meter(raw, cfg, env):
 
 
 # -----------------------------------------------------------------------------
+# the objective, chosen once: its loss, the units a step's loss is divided by, its held-out pass
+
+
+def token_loss(model, b, cfg, ref_model):
+    _, loss = model(b["input_ids"], b["pixel_values"], b["labels"], "sum", b.get("position_ids"),
+                    image_index=b.get("image_index"), image_weight=b.get("image_weight"))
+    return loss, {}
+
+
+def held_out_loss(model, ref_model, val_loader, env, cfg, vision, loss):
+    return {"val_loss": evaluate(model, val_loader, env, cfg, cfg["eval_iters"], vision)}
+
+
+def held_out_pairs(model, ref_model, val_loader, env, cfg, vision, loss):
+    return evaluate_preference(model, ref_model, val_loader, env, cfg, cfg["eval_iters"], vision, loss)
+
+
+class ReadBatches:
+    """sft, dpo, reward: every step reads its micro-batches from the loader and places them on the device (GRPO's
+    counterpart, rl.GenerationBatches, samples completions from them and keeps them for grpo_iterations steps)."""
+
+    def __init__(self, cfg, env, loader, resume_from, raw):
+        self.env, self.vision = env, raw.cfg.vision
+
+    def fresh(self, it):
+        return True
+
+    def prepare(self, micro, raw, ref_model, meter, it):
+        return [device_batch(b, self.env, self.vision) for b in micro]
+
+    def skipped(self, fresh):
+        pass
+
+    def in_flight(self, it):
+        return None
+
+
+supervised_tokens = lambda b: (b["labels"][:, 1:] != -100).sum()  # noqa: E731  sft: a sum over them
+per_micro_batch = lambda b: torch.ones((), device=b["labels"].device)  # noqa: E731  a mean over the micro-batch's pairs
+dpo_loss = lambda model, b, cfg, ref_model: preference_loss(model, ref_model, b, cfg)  # noqa: E731
+reward_loss = lambda model, b, cfg, ref_model: reward_pairs(model, b, cfg)  # noqa: E731  Bradley-Terry on the head
+grpo_loss = lambda model, b, cfg, ref_model: rl.rl_loss(model, b, cfg)  # noqa: E731
+completion_units = lambda b: b["units"]  # noqa: E731  completion tokens (dapo), completions (grpo) or slots (dr_grpo)
+# loss(model, micro-batch, cfg, reference) -> (summed loss, metrics); units(micro-batch): what a step's loss is
+# divided by; evaluate: the held-out pass; batches: what a step trains on; pairs: the loader reads preference rows
+# [chosen..., rejected...]; reward_head: a scalar head on the LLM; answers: it generates (final accuracy);
+# reference(cfg): it needs the frozen reference model
+OBJECTIVES = {
+    "sft": SimpleNamespace(loss=token_loss, units=supervised_tokens, evaluate=held_out_loss, batches=ReadBatches,
+                           pairs=False, reward_head=False, answers=True, reference=lambda cfg: False),
+    "dpo": SimpleNamespace(loss=dpo_loss, units=per_micro_batch, evaluate=held_out_pairs, batches=ReadBatches,
+                           pairs=True, reward_head=False, answers=True, reference=lambda cfg: True),
+    "reward": SimpleNamespace(loss=reward_loss, units=per_micro_batch, evaluate=held_out_pairs, batches=ReadBatches,
+                              pairs=True, reward_head=True, answers=False, reference=lambda cfg: False),
+    "grpo": SimpleNamespace(loss=grpo_loss, units=completion_units, evaluate=held_out_loss,
+                            batches=rl.GenerationBatches, pairs=False, reward_head=False, answers=True,
+                            reference=lambda cfg: bool(cfg["grpo_beta"])),
+}
+
+
+# -----------------------------------------------------------------------------
 # the loop
 
 
-def forward_backward(model, b, env, cfg, scale, poison=False, ref_model=None, metrics=None):
+def forward_backward(model, b, env, cfg, scale, objective, poison=False, ref_model=None, metrics=None):
     """One micro-step's summed loss; backward runs outside autocast. Inside it, autocast's weight-cast cache
     (global, cleared when a thread leaves its outermost autocast) handed torch_xla's checkpoint recompute, on the
     autograd thread, the casts its no-grad forward had cached: the first block recomputed (the last) lost its grads."""
     with autocast(env, cfg):
-        if cfg["objective"] != "sft":  # dpo, reward: the mean over the micro-batch's pairs; grpo: its summed loss
-            loss, pair_metrics = rl.rl_loss(model, b, cfg) if cfg["objective"] == "grpo" else \
-                pair_objective(model, ref_model, b, cfg)
-            for k, v in pair_metrics.items():
-                metrics[k] = metrics.get(k, 0.0) + v
-        else:
-            _, loss = model(b["input_ids"], b["pixel_values"], b["labels"], "sum", b.get("position_ids"),
-                            image_index=b.get("image_index"), image_weight=b.get("image_weight"))
+        loss, micro_metrics = objective.loss(model, b, cfg, ref_model)
+    for k, v in micro_metrics.items():
+        metrics[k] = metrics.get(k, 0.0) + v
     loss = loss * float("nan") if poison else loss  # tests only (LLAVAX_TEST_NONFINITE)
     (loss * scale).backward()
     return loss
@@ -365,26 +420,18 @@ def set_lr(optimizer, it, cfg):
     return lr_now
 
 
-def loss_units(b, cfg):
-    """What a step's loss is divided by, summed over micro-steps and ranks: supervised tokens (sft, whose loss is a
-    sum over them), or micro-batches (dpo, whose loss is already a mean over the micro-batch's pairs)."""
-    if cfg["objective"] == "grpo":  # completion tokens (dapo), completions (grpo) or completion slots (dr_grpo)
-        return b["units"]
-    return (b["labels"][:, 1:] != -100).sum() if cfg["objective"] == "sft" else torch.ones((), device=b["labels"].device)
-
-
-def train_step(model, micro, trainable, env, cfg, poison=False, ref_model=None, meter=None):
+def train_step(model, micro, trainable, env, cfg, objective, poison=False, ref_model=None, meter=None):
     """(summed loss, loss units over all ranks, gradient norm) of one step's micro-batches, gradients accumulated
-    and clipped. The loss is a sum over supervised tokens (dpo: pair means) divided by their count over all
-    micro-steps and ranks; DDP and FSDP average gradients over ranks, hence the factor world."""
-    count = env.all_sum(sum(loss_units(b, cfg) for b in micro).float())
+    and clipped. The loss is a sum over the objective's units (sft: supervised tokens; dpo: pair means) divided by
+    their count over all micro-steps and ranks; DDP and FSDP average gradients over ranks, hence the factor world."""
+    count = env.all_sum(sum(objective.units(b) for b in micro).float())
     step_loss = torch.zeros((), device=env.device)
     for i, b in enumerate(micro):
         with grad_sync(model, env, cfg, i == len(micro) - 1):
-            loss = forward_backward(model, b, env, cfg, env.replicas / count.clamp(min=1), poison=poison,
-                                    ref_model=ref_model, metrics=meter.dpo if meter else None)
+            loss = forward_backward(model, b, env, cfg, env.replicas / count.clamp(min=1), objective, poison=poison,
+                                    ref_model=ref_model, metrics=meter.dpo if meter else {})
         step_loss += loss.detach()
-    if cfg["objective"] != "sft":  # grpo: a micro-batch without prompts has no metrics (zeros), it does not count
+    if meter:  # grpo: a micro-batch without prompts has no metrics (zeros), it does not count
         meter.dpo_micro += sum(1 for b in micro if b.get("asked", 1))
     grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf"))
     return step_loss, count, grad_norm
@@ -436,16 +483,13 @@ def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader):
     steps = rows_done / cfg["batch_size"]
     tok_s = rows_done * cfg["seq_len"] / dt
     flops = meter.row_flops * rows_done / dt
-    mem = torch.cuda.max_memory_allocated(env.device) / 2**30 if env.kind == "cuda" else \
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    mem = env.peak_memory_gib()
     event = {"step": it, "loss": None if math.isnan(loss_val) else loss_val, "lr": lr_now, "grad_norm": gn.item(),
              "tokens_per_s": tok_s,
              "samples_per_s": rows_done * meter.per_row / dt, "mfu": flops / (peak * env.n_devices) if peak else None,
              "data_wait": meter.data_wait / dt, "peak_mem_gib": mem, "dropped_samples": dropped}
-    if env.kind == "xla":  # a count that grows after warm-up means the step recompiles: see README
-        import torch_xla.debug.metrics as met
-
-        event["xla_compiles"] = (met.metric_data("CompileTime") or [0])[0]
+    if env.compiles() is not None:  # a count that grows after warm-up means the step recompiles: see README
+        event["xla_compiles"] = env.compiles()
     if meter.gen_rows:  # grpo: generation and training throughput apart
         event |= {"gen_samples_per_s": meter.gen_rows / meter.gen_seconds,
                   "train_samples_per_s": rows_done * cfg["grpo_group"] / max(dt - meter.gen_seconds, 1e-9)}
@@ -462,24 +506,17 @@ def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader):
            f"{tok_s:,.0f} tok/s, {event['samples_per_s']:.1f} samples/s, MFU {mfu}, data wait "
            f"{100 * event['data_wait']:.1f}%, peak mem {mem:.2f} GiB ({steps:.0f} steps in {dt:.1f}s)"
            + (f", {dropped} samples dropped (see data: lines)" if dropped else "")
-           + (f", {event['xla_compiles']} XLA compiles so far" if env.kind == "xla" else ""))
+           + (f", {event['xla_compiles']} XLA compiles so far" if "xla_compiles" in event else ""))
     log(event)
     meter.loss_sum.zero_()
     meter.tokens_sum.zero_()
     meter.t_last, meter.data_wait, meter.rows_done, meter.dropped = time.perf_counter(), 0.0, 0, 0
 
 
-# what a generation batch saved in a checkpoint was made with (grpo_beta: whether it holds reference log-probs);
-# not grpo_reference, which a resume must name when the reference was init_from
-def evaluate_and_log(model, ref_model, val_loader, env, cfg, vision, it, log):
-    if cfg["objective"] in ("dpo", "reward"):
-        val = evaluate_preference(model, ref_model, val_loader, env, cfg, cfg["eval_iters"], vision)
-        print0(env, f"step {it}: " + ", ".join(f"{k} {v:.4f}" for k, v in val.items()))
-        log({"step": it} | val)
-    else:
-        val = evaluate(model, val_loader, env, cfg, cfg["eval_iters"], vision)
-        print0(env, f"step {it}: val loss {val:.4f}")
-        log({"step": it, "val_loss": val})
+def evaluate_and_log(model, ref_model, val_loader, env, cfg, vision, objective, it, log):
+    val = objective.evaluate(model, ref_model, val_loader, env, cfg, vision, objective.loss)
+    print0(env, f"step {it}: " + ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in val.items()))
+    log({"step": it} | val)
 
 
 def main(argv=None):
@@ -492,24 +529,24 @@ def main(argv=None):
     torch.manual_seed(cfg["seed"])
     resume_from = resume_point(out, cfg, env)
     raw = add_lora(init_model(cfg, env, resume_from), cfg, env, resuming=resume_from is not None)
-    model, optimizer = apply_backends(raw, cfg, env)
-    needs_reference = cfg["objective"] == "dpo" or cfg["objective"] == "grpo" and cfg["grpo_beta"]
-    ref_model = reference_model(cfg, env, raw) if needs_reference else None
-    loader, val_loader, val_stream, stream_args = make_loaders(raw, cfg, env, rows_per_host)
+    objective = OBJECTIVES[cfg["objective"]]
+    model, optimizer = apply_backends(raw, cfg, env, objective)
+    ref_model = reference_model(cfg, env, raw) if objective.reference(cfg) else None
+    loader, val_loader, val_stream, stream_args = make_loaders(raw, cfg, env, rows_per_host, objective.pairs)
     checkpointer = Checkpointer(env, cfg)
     start = checkpointer.load(resume_from, model, raw, optimizer, loader) if resume_from else 0
     stop = stop_on_signal(env)
     log, log_file = open_log(out, cfg, env)
     poison, poison_weight = injected_faults(env)
     meter = start_meter(raw, cfg, env)
-    grpo = rl.setup(cfg, env, loader, resume_from, raw.cfg) if cfg["objective"] == "grpo" else None
+    steps = objective.batches(cfg, env, loader, resume_from, raw)
     trainable = [p for p in raw.parameters() if p.requires_grad]
     batches = iter(loader)
     it = start
     try:
         while it < cfg["max_iters"]:
             t0 = time.perf_counter()
-            fresh = grpo is None or it % cfg["grpo_iterations"] == 0 or grpo.rollouts is None  # grpo: new rollouts
+            fresh = steps.fresh(it)  # grpo: False while the generation batch is reused
             micro = [next(batches) for _ in range(grad_accum)] if fresh else []
             meter.data_wait += time.perf_counter() - t0
             meter.dropped += sum(int(b["dropped"].sum()) for b in micro)  # CPU tensors: no device sync
@@ -517,15 +554,12 @@ def main(argv=None):
             if skipped:  # the batch is consumed, nothing trains; a checkpoint due here is still written
                 print0(env, f"step {it}: skipped (skip_steps); its {cfg['batch_size']} samples are consumed")
                 log({"step": it, "skipped": True})
-                if grpo is not None and fresh:  # grpo: no generation batch for the steps after it, the next one samples
-                    grpo.rollouts = None
+                steps.skipped(fresh)
             else:
                 lr_now = set_lr(optimizer, it, cfg)
-                micro = [device_batch(b, env, raw.cfg.vision) for b in micro] if grpo is None else micro
-                if grpo is not None:  # the rollouts place what they need from the host batches
-                    micro = rl.generation_batch(grpo, raw, micro, ref_model, meter, cfg, env, it) if fresh else grpo.rollouts
-                step_loss, count, grad_norm = train_step(model, micro, trainable, env, cfg, poison=it in poison,
-                                                         ref_model=ref_model, meter=meter)
+                micro = steps.prepare(micro, raw, ref_model, meter, it)
+                step_loss, count, grad_norm = train_step(model, micro, trainable, env, cfg, objective,
+                                                         poison=it in poison, ref_model=ref_model, meter=meter)
                 update_if_finite(optimizer, step_loss, count, grad_norm, meter, env, it, log)
                 optimizer.zero_grad(set_to_none=True)
                 env.step_end()
@@ -541,14 +575,13 @@ def main(argv=None):
                 log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader)
             evaluate_now = cfg["eval_interval"] and (it % cfg["eval_interval"] == 0 or it == cfg["max_iters"])
             if not skipped and val_loader and evaluate_now:
-                evaluate_and_log(model, ref_model, val_loader, env, cfg, raw.cfg.vision, it, log)
+                evaluate_and_log(model, ref_model, val_loader, env, cfg, raw.cfg.vision, objective, it, log)
                 meter.t_last = time.perf_counter()
             checkpointer.poll()
             stopping = env.agree(stop["requested"])
             if stopping or (cfg["ckpt_interval"] and it % cfg["ckpt_interval"] == 0) or it == cfg["max_iters"]:
-                in_flight = grpo is not None and it % cfg["grpo_iterations"] and grpo.rollouts  # the next step's
                 checkpointer.save(out / f"step-{it:06d}", model, raw, optimizer, loader, it, stop=stopping,
-                                  own=rl.rollouts_state(grpo.rollouts) if in_flight else None)
+                                  own=steps.in_flight(it))  # grpo: the generation batch the next step reuses
                 print0(env, f"step {it}: checkpoint {out / f'step-{it:06d}'}" + ("" if stopping else " (writing)"))
                 meter.t_last = time.perf_counter()
             if stopping:
@@ -560,7 +593,7 @@ def main(argv=None):
     checkpointer.wait()  # the last checkpoint committed before anything reads it
 
     if it >= cfg["max_iters"]:
-        if cfg["final_accuracy_samples"] and val_stream is not None and cfg["objective"] != "reward":
+        if cfg["final_accuracy_samples"] and val_stream is not None and objective.answers:
             log({"step": it, "accuracy": final_accuracy(raw, val_stream, stream_args, env, cfg)})
         if env.master:
             (out / "DONE").write_text(json.dumps({"step": it}))  # the babysitter's completion marker

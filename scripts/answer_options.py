@@ -1,5 +1,5 @@
 """
-Where a shapes model's answers go (BENCHMARKS.md "On-policy pairs", the pure-DPO diagnosis): for each held-out
+Where a shapes model's answers go (docs/notes/dpo-shapes.md, the pure-DPO diagnosis): for each held-out
 question its greedy answer and the log-prob of every answer of the question's kind (shapes.ANSWER_SETS), split
 into the answer's tokens and the end-of-turn token after it. Two checkpoints: where the greedy answers moved.
 

@@ -109,3 +109,21 @@ def checkpoint_bytes(step_dir, prefix="model."):
     tensors = checkpoint_tensors(step_dir, prefix)
     return b"".join(k.encode() + tensors[k].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
                     for k in sorted(tensors))
+
+
+@pytest.fixture(scope="session")
+def shapes_data(tmp_path_factory):
+    """shapes_data(n, seed=0, val_fraction=0.1, ...): the shapes demo's data (shapes.make_shapes) in a folder, drawn once
+    a session for each set of arguments."""
+    from shapes import make_shapes
+
+    made = {}
+
+    def draw(**kw):
+        key = tuple(sorted(kw.items()))
+        if key not in made:
+            made[key] = tmp_path_factory.mktemp("shapes")
+            make_shapes(made[key], **kw)
+        return made[key]
+
+    return draw

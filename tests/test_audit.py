@@ -50,10 +50,8 @@ def run_audit(capsys, *args):
 
 
 @pytest.fixture(scope="module")
-def shapes(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shapes")
-    make_shapes(out, n=40, seed=3, val_fraction=0.25)
-    return out
+def shapes(shapes_data):
+    return shapes_data(n=40, seed=3, val_fraction=0.25)
 
 
 def webdataset_samples(shards):

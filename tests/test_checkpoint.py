@@ -20,14 +20,11 @@ from test_train import args, free_port, losses, run, torchrun_workers
 import checkpoint
 import convert
 from loader import Loader, ShardStream
-from shapes import make_shapes
 
 
 @pytest.fixture(scope="module")
-def shapes(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shapes")
-    make_shapes(out, n=400, seed=0, val_fraction=0.1)
-    return out
+def shapes(shapes_data):
+    return shapes_data(n=400, seed=0, val_fraction=0.1)
 
 
 def resumed_unchanged(shapes, src, dst, nproc, *extra):

@@ -18,7 +18,6 @@ import chat
 import images
 import pack
 from loader import Loader, ShardStream
-from shapes import make_shapes
 
 # -----------------------------------------------------------------------------
 # fixtures: a small LLaVA-format dataset with every kind of bad record
@@ -140,10 +139,8 @@ def test_energon_opens_packed_folder_as_vqa_without_prepare(tmp_path, llava_json
 
 
 @pytest.fixture(scope="module")
-def shapes(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shapes")
-    make_shapes(out, n=240, seed=0, val_fraction=0.25)
-    return out
+def shapes(shapes_data):
+    return shapes_data(n=240, seed=0, val_fraction=0.25)
 
 
 def stream(shapes, **kw):

@@ -212,12 +212,8 @@ def test_preference_records_pack_audit_and_load_as_pair_rows(tmp_path, tok, caps
 
 
 @pytest.fixture(scope="module")
-def shapes_pairs(tmp_path_factory):
-    from shapes import make_shapes
-
-    out = tmp_path_factory.mktemp("shapes_pairs")
-    make_shapes(out, n=240, seed=0, val_fraction=0.1, preference=True)
-    return out
+def shapes_pairs(shapes_data):
+    return shapes_data(n=240, seed=0, val_fraction=0.1, preference=True)
 
 
 def dpo_args(shapes, out, *extra):

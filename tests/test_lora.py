@@ -22,7 +22,6 @@ import train
 from lora import LoRAConfig, LoRALinear, apply_lora, merge_lora
 from model import build_model
 from model_config import vlm_preset
-from shapes import make_shapes
 
 # our layer -> transformers-5's module, written out here (not taken from convert.py)
 HF_NAMES = [(r"llm\.layers\.(\d+)\.attention\.w([qkvo])", r"model.language_model.layers.\1.self_attn.\2_proj"),
@@ -51,10 +50,7 @@ def adapted(peft_model):
 
 def ours_from_hf(hf, path):
     hf.save_pretrained(path)
-    state, cfg = hf_names.llava_from_hf(path)
-    model = build_model(cfg, init=False)
-    model.load_state_dict(state, strict=not cfg.llm.tie_embeddings)
-    return model
+    return checkpoint.load_model(path)
 
 
 def randomize_adapters(model, seed=0, std=0.3):
@@ -407,10 +403,8 @@ LR_SCALE = "--lr_scale={'vision': 1.0, 'projector': 0.1, 'llm': 1.0}"  # LLaVA's
 
 
 @pytest.fixture(scope="module")
-def shapes(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shapes")
-    make_shapes(out, n=400, seed=0, val_fraction=0.1)
-    return out
+def shapes(shapes_data):
+    return shapes_data(n=400, seed=0, val_fraction=0.1)
 
 
 @pytest.fixture(scope="module")

@@ -17,20 +17,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import checkpoint
 import config
-import hf_names
 import parallel
 from lora import LoRAConfig, apply_lora, merge_lora
 from model import build_model
 from model_config import vlm_preset
-from shapes import make_shapes
 
 
 def ours_from_hf(hf, path):
     hf.save_pretrained(path)
-    state, cfg = hf_names.llava_from_hf(path)
-    model = build_model(cfg, init=False)
-    model.load_state_dict(state, strict=not cfg.llm.tie_embeddings)
-    return model
+    return checkpoint.load_model(path)
 
 
 def copy_of(model):
@@ -118,7 +113,9 @@ def test_bf16_frozen_base_under_fp32_lora_adapters(tmp_path):
     wq = bf16_base.llm.layers[0].attention.wq
     assert wq.weight.dtype == torch.bfloat16 and wq.lora_A.weight.dtype == wq.lora_B.weight.dtype == torch.float32
     assert wq.lora_A.weight.requires_grad and not wq.weight.requires_grad
-    optimizer = parallel.make_optimizer(bf16_base, dict(config.DEFAULTS), parallel.Env({"device": "cpu"}))
+    d = config.DEFAULTS
+    optimizer = parallel.make_optimizer(bf16_base, parallel.Env({"device": "cpu"}), d["lr"], (d["beta1"], d["beta2"]),
+                                        d["weight_decay"], d["lr_scale"])
     assert all(p.dtype == torch.float32 for g in optimizer.param_groups for p in g["params"])
     ref_loss, ref_grads = loss_and_grads(fp32_base, ids, pixels, labels, amp=True)
     loss, grads = loss_and_grads(bf16_base, ids, pixels, labels, amp=True)
@@ -149,10 +146,8 @@ def losses(out):
 
 
 @pytest.fixture(scope="module")
-def shapes(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shapes")
-    make_shapes(out, n=200, seed=1, val_fraction=0.1)
-    return out
+def shapes(shapes_data):
+    return shapes_data(n=200, seed=1, val_fraction=0.1)
 
 
 @pytest.mark.slow

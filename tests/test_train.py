@@ -15,6 +15,7 @@ import torch
 from conftest import ROOT, checkpoint_bytes, checkpoint_tensors
 from safetensors.torch import load_file
 
+import chat
 import checkpoint
 import config
 import evaluation
@@ -23,14 +24,11 @@ import loader
 import train
 from model import build_model
 from model_config import vlm_preset
-from shapes import make_shapes
 
 
 @pytest.fixture(scope="module")
-def shapes(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shapes")
-    make_shapes(out, n=400, seed=0, val_fraction=0.1)
-    return out
+def shapes(shapes_data):
+    return shapes_data(n=400, seed=0, val_fraction=0.1)
 
 
 def args(shapes, out, *extra):
@@ -295,8 +293,8 @@ def test_trained_checkpoint_converts_to_hf_and_transformers_agrees(shapes, singl
     processor = AutoProcessor.from_pretrained(tmp_path / "hf")
     image = Image.new("RGB", (333, 500), (200, 40, 40))
     assert hf(**processor(images=image, text="<image>\nWhat is at the top?", return_tensors="pt")).logits.shape[1] > 4
-    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is at the top?"}]}]
-    inputs = processor(text=processor.apply_chat_template(chat, add_generation_prompt=True), images=image)
+    conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is at the top?"}]}]
+    inputs = processor(text=processor.apply_chat_template(conversation, add_generation_prompt=True), images=image)
     tok = chat.Tokenizer(shapes / "tokenizer.model")
     assert inputs.input_ids[0] == chat.tokenize([(chat.generation_prompt("llama_3", "<image>\nWhat is at the top?", tok),
                                                   False)], tok, 512, 4)[0]
@@ -414,10 +412,8 @@ def test_tiled_answer_accuracy_gives_the_single_image_answers(shapes, single_run
 
 
 @pytest.fixture(scope="module")
-def shapes2(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shapes2")
-    make_shapes(out, n=120, seed=0, val_fraction=0.1, images=2)
-    return out
+def shapes2(shapes_data):
+    return shapes_data(n=120, seed=0, val_fraction=0.1, images=2)
 
 
 def multi_args(shapes2, out, *extra):

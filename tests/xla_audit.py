@@ -83,7 +83,8 @@ def step(mesh_shape, fsdpv2):
         model = net.module
     else:
         net = parallel.shard(model, env, cfg)
-    optimizer = parallel.make_optimizer(model, cfg, env)
+    optimizer = parallel.make_optimizer(model, env, cfg["lr"], (cfg["beta1"], cfg["beta2"]), cfg["weight_decay"],
+                                         cfg["lr_scale"])
     parallel.init_optimizer_state(model, optimizer, env)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 4000, (ROWS, SEQ), generator=g)
@@ -92,7 +93,7 @@ def step(mesh_shape, fsdpv2):
     b = env.to_device(b)  # batch-sharded over (dp, fsdp) for both
     torch_xla.sync()
     count = (b["labels"][:, 1:] != -100).sum().float()
-    train.forward_backward(net, b, env, cfg, 1 / count)
+    train.forward_backward(net, b, env, cfg, 1 / count, train.OBJECTIVES["sft"])
     torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
     optimizer.step()
     torch_xla.sync()

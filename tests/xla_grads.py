@@ -38,7 +38,7 @@ def micro_step(env, cfg, mcfg, b, stage, checkpointing, packed):
     model = parallel.shard(model, env, cfg)
     b = env.to_device(b)
     count = (b["labels"][:, 1:] != -100).sum().float()
-    return train.forward_backward(model, b, env, cfg, 1 / count).detach(), model
+    return train.forward_backward(model, b, env, cfg, 1 / count, train.OBJECTIVES["sft"]).detach(), model
 
 
 def read(loss, model):
