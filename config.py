@@ -96,7 +96,9 @@ reward_center_weight = 0.0  # + this x (r_chosen + r_rejected)^2: rewards stay n
 grpo_group = 4  # completions a prompt (TRL's num_generations)
 grpo_loss = "dapo"  # 'dapo' (token sum / the step's completion tokens: TRL's default), 'grpo', 'dr_grpo'
 grpo_beta = 0.0  # k3 KL to the reference (grpo_reference, else init_from); 0: no reference (TRL's default)
-grpo_epsilon = 0.2  # the ratio is clipped to [1 - epsilon, 1 + epsilon]
+grpo_epsilon = 0.2  # the ratio is clipped to [1 - epsilon, 1 + epsilon_high]
+grpo_epsilon_high = 0.0  # DAPO's clip-higher (0.28 in its paper); 0: grpo_epsilon
+grpo_scale_rewards = "group"  # r - group mean divided by the group's std, the generation batch's ('batch') or 1 ('none')
 grpo_iterations = 1  # optimisation steps on each generation batch (TRL's num_iterations); > 1 uses the importance ratio
 grpo_max_new_tokens = 8
 grpo_temperature = 1.0
@@ -108,6 +110,21 @@ grpo_prompt_len = 0  # static rollouts' prompt bucket (0: seq_len - grpo_max_new
 # FSDP2: True keeps every block gathered from the first decoding step to the last (TRL's ds3_gather_for_generation, on
 # by default there): fast, but the whole model on each rank. False gathers each block again at every step (less memory)
 grpo_gather_for_generation = False
+# objective='ppo' (EasyLM's llama_train_ppo; TRL <= 1.12's defaults): rollouts as GRPO's grpo_* keys make them
+ppo_value_init = ""  # the value model: a reward-model checkpoint, its head read at every token; '' = grpo_reward's
+ppo_kl_coef = 0.05  # per-token reward -kl_coef x KL(policy || reference), the score added at the last token
+ppo_kl_estimator = "k1"  # 'k1' logp - ref_logp, 'k3' (rho - 1) - log rho
+ppo_reward_gain = 1.0  # score = gain x reward + bias - ppo_missing_end_penalty when a completion has no end of turn
+ppo_reward_bias = 0.0
+ppo_missing_end_penalty = 0.0
+ppo_gamma = 1.0  # GAE
+ppo_lam = 0.95
+ppo_whiten_rewards = False
+ppo_epochs = 4  # passes over each rollout batch (batch_size prompts)
+ppo_mini_batch_size = 0  # prompts an optimizer step; 0: the whole rollout batch
+ppo_clip = 0.2
+ppo_clip_value = 0.2
+ppo_vf_coef = 0.1
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, list, dict))}
 
 

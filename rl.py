@@ -17,7 +17,7 @@ import checkpoint
 import images
 import weight_files
 from checkpoint import saved_own
-from model import GRPO_LOSSES, group_advantages, grpo_loss, left_pad
+from model import GRPO_LOSSES, GRPO_SCALES, KL_ESTIMATORS, group_advantages, grpo_loss, left_pad
 from parallel import autocast, gathered_for_generation, print0, shard
 
 
@@ -52,6 +52,14 @@ def completion_logps(model, ids, attention_mask, pixel_values, n_completion, tem
     logprobs = (logits[:, :-1].float() / temperature).log_softmax(-1)  # position t predicts t + 1
     token_logps = logprobs.gather(-1, ids[:, -n_completion:, None]).squeeze(-1)
     return token_logps, -(logprobs.exp() * logprobs).sum(-1)
+
+
+def completion_values(value_model, ids, attention_mask, pixel_values, n_completion, tiles=None):
+    """PPO's value estimates (B, C) for the last C = n_completion tokens of ids: the value model read where each token
+    is predicted (the state before it), the positions completion_logps reads; EasyLM's and TRL's layout."""
+    _, values = value_model(ids, pixel_values, attention_mask=attention_mask, values=True,
+                            logits_to_keep=n_completion + 1, **(tiles or {}))
+    return values[:, :-1]
 
 
 def prompts_of(b):
@@ -138,8 +146,9 @@ def rollout(raw, b, tok, stop, cfg, score, generator, ref_model=None, static=Fal
     tiles = {k: F.pad(v, (0, 0, 0, C)) for k, v in tiles.items()}  # (B * G, T + C, taps): nothing in the completions
     rewards = score(texts, answers, ids, mask, pixels, tiles).float().to(device)  # (B * G,)
     gen_seconds = time.perf_counter() - t0
-    r = {"ids": ids, "mask": mask, "pixel_values": pixels, "completion_mask": completion_mask,
-         "advantages": group_advantages(rewards, G), "old_logps": None, "ref_logps": None,
+    r = {"ids": ids, "mask": mask, "pixel_values": pixels, "completion_mask": completion_mask, "rewards": rewards,
+         "advantages": group_advantages(rewards, G, cfg["grpo_scale_rewards"], valid), "old_logps": None,
+         "ref_logps": None,
          "skipped": n_asked - n_cut - sum(1 for _, p, _ in asked if p), "cut": n_cut,
          "asked": sum(1 for _, p, _ in asked if p)} | tiles
     if cfg["grpo_iterations"] > 1:  # the sampling policy's log-probs, for the ratio after the first update
@@ -189,7 +198,7 @@ def rl_loss(model, r, cfg):
                                       cfg["grpo_temperature"], tiles_of(r))
     old = logps.detach() if r["old_logps"] is None else r["old_logps"]  # one update a generation batch: ratio 1
     loss, metrics = grpo_loss(logps, old, r["advantages"], r["completion_mask"], cfg["grpo_loss"], cfg["grpo_epsilon"],
-                              beta=cfg["grpo_beta"], ref_logps=r["ref_logps"],
+                              cfg["grpo_epsilon_high"] or None, beta=cfg["grpo_beta"], ref_logps=r["ref_logps"],
                               max_completion_length=cfg["grpo_max_new_tokens"])
     m = r["completion_mask"]
     metrics = {f"rl/{k}": v for k, v in metrics.items()} | r["metrics"]
@@ -272,6 +281,10 @@ def check_config(cfg):
                          f"{cfg['grpo_group']}, {cfg['grpo_iterations']}, {cfg['grpo_max_new_tokens']}")
     if cfg["grpo_beta"] < 0 or cfg["grpo_epsilon"] <= 0 or cfg["grpo_temperature"] <= 0 or not 0 < cfg["grpo_top_p"] <= 1:
         raise SystemExit("config: grpo_beta must be >= 0, grpo_epsilon and grpo_temperature > 0, grpo_top_p in (0, 1]")
+    if cfg["grpo_scale_rewards"] not in GRPO_SCALES:
+        raise SystemExit(f"config: grpo_scale_rewards must be one of {GRPO_SCALES}, got {cfg['grpo_scale_rewards']!r}")
+    if cfg["grpo_epsilon_high"] < 0:
+        raise SystemExit(f"config: grpo_epsilon_high must be >= 0 (0: grpo_epsilon), got {cfg['grpo_epsilon_high']}")
     if cfg["pack"]:
         raise SystemExit("config: objective='grpo' samples one prompt a row: pack must be 0")
     room = cfg["seq_len"] - cfg["grpo_max_new_tokens"]  # static rollouts (grpo_static, XLA) must fit in seq_len
@@ -287,8 +300,38 @@ def check_config(cfg):
             raise SystemExit(f"config: {e}") from None
 
 
-ROLLOUT_KEYS = ("grpo_group", "grpo_loss", "grpo_beta", "grpo_max_new_tokens", "grpo_temperature", "grpo_top_p",
-                "grpo_reward", "grpo_static", "grpo_prompt_len")
+def check_ppo_config(cfg, replicas=1):
+    """objective='ppo': its keys in train.py's config, each error one sentence. replicas: the ranks (1 under SPMD, whose
+    micro_batch_size is global), when known: a mini-batch is whole micro-steps of micro_batch_size x replicas."""
+    if not (0 <= cfg["ppo_gamma"] <= 1 and 0 <= cfg["ppo_lam"] <= 1):
+        raise SystemExit(f"config: ppo_gamma and ppo_lam must lie in [0, 1], got {cfg['ppo_gamma']}, {cfg['ppo_lam']}")
+    mini = cfg["ppo_mini_batch_size"] or cfg["batch_size"]
+    if mini < 0 or cfg["batch_size"] % mini:
+        raise SystemExit(f"config: ppo_mini_batch_size={cfg['ppo_mini_batch_size']} must divide the rollout batch "
+                         f"batch_size={cfg['batch_size']} (each mini-batch is one optimizer step; 0: the whole batch)")
+    if mini % (cfg["micro_batch_size"] * replicas):
+        raise SystemExit(f"config: ppo_mini_batch_size={mini} must be a multiple of micro_batch_size x ranks = "
+                         f"{cfg['micro_batch_size']} x {replicas}")
+    if cfg["ppo_kl_estimator"] not in KL_ESTIMATORS:
+        raise SystemExit(f"config: ppo_kl_estimator must be one of {KL_ESTIMATORS}, got {cfg['ppo_kl_estimator']!r}")
+    if cfg["ppo_epochs"] < 1 or cfg["ppo_clip"] <= 0 or cfg["ppo_clip_value"] <= 0 or cfg["ppo_kl_coef"] < 0 or \
+            cfg["ppo_vf_coef"] < 0 or cfg["ppo_missing_end_penalty"] < 0:
+        raise SystemExit("config: ppo_epochs must be >= 1, ppo_clip and ppo_clip_value > 0, ppo_kl_coef, ppo_vf_coef "
+                         "and ppo_missing_end_penalty >= 0")
+    if not cfg["grpo_reward"]:
+        raise SystemExit("config: objective='ppo' needs a reward: grpo_reward = a rule ('exact_match', "
+                         "'module:function') or a reward-model checkpoint directory")
+    value = cfg["ppo_value_init"] or (cfg["grpo_reward"] if Path(cfg["grpo_reward"]).is_dir() else "")
+    if not value:
+        raise SystemExit(f"config: objective='ppo' needs a value model to start from: ppo_value_init = a reward-model "
+                         f"checkpoint directory (grpo_reward {cfg['grpo_reward']!r} is a rule, not one)")
+    if not Path(value).is_dir():
+        raise SystemExit(f"config: ppo_value_init {value!r}: no such checkpoint directory")
+
+
+LATER_KEYS = {"grpo_scale_rewards": "group"}  # what a checkpoint written before the key existed was made with
+ROLLOUT_KEYS = ("grpo_group", "grpo_loss", "grpo_scale_rewards", "grpo_beta", "grpo_max_new_tokens", "grpo_temperature",
+                "grpo_top_p", "grpo_reward", "grpo_static", "grpo_prompt_len")
 
 
 class GenerationBatches:
@@ -313,7 +356,8 @@ class GenerationBatches:
                    f"{cfg['grpo_max_new_tokens']} new tokens, hashed draws")
         saved = saved_own(resume_from, env) if resume_from else None
         state = json.loads((resume_from / "state.json").read_text()) if resume_from else {}
-        rollout_config = lambda c: {k: bool(c.get(k)) if k == "grpo_beta" else c.get(k) for k in ROLLOUT_KEYS}  # noqa: E731
+        rollout_config = lambda c: {k: bool(c.get(k)) if k == "grpo_beta" else c.get(k, LATER_KEYS.get(k))  # noqa: E731
+                                    for k in ROLLOUT_KEYS}
         made_with, now = rollout_config(state.get("config", {})), rollout_config(cfg)
         changed = [k for k in ROLLOUT_KEYS if made_with[k] != now[k]] if saved is not None else []
         if changed:  # its rollouts lack reference log-probs, or hold other groups, loss units, samples
@@ -364,4 +408,18 @@ def generation_batch(grpo, raw, micro, ref_model, meter, cfg, env, it):
     meter.gen_seconds += sum(seconds for _, seconds, _ in done)
     meter.gen_rows += sum(len(r["ids"]) for r, _, _ in done)
     grpo.rollouts = [r for r, _, _ in done]
+    if cfg["grpo_scale_rewards"] == "batch":  # TRL divides by the std of the whole generation batch, every rank's
+        std = batch_std(grpo.rollouts, env.all_sum)
+        for r in grpo.rollouts:
+            r["advantages"] = group_advantages(r["rewards"], cfg["grpo_group"], "batch", batch_std=std)
     return grpo.rollouts
+
+
+def batch_std(rollouts, all_sum):
+    """The unbiased std of the rewards of a generation batch's rows with a prompt, over its micro-batches (rollout's
+    dicts) and, through all_sum, every rank's (two passes: rewards far from 0 lose nothing to cancellation)."""
+    valid = [r["mask"][:, -r["completion_mask"].shape[1] - 1].float() for r in rollouts]  # the prompt's last token
+    total = lambda f: all_sum(torch.stack([(v * f(r["rewards"])).sum() for v, r in zip(valid, rollouts)]).sum())  # noqa: E731
+    n = total(torch.ones_like)
+    mean = total(lambda x: x) / n.clamp(min=1)
+    return (total(lambda x: (x - mean) ** 2) / (n - 1).clamp(min=1)).sqrt()

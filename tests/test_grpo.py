@@ -23,17 +23,17 @@ os.environ["USE_TORCH_XLA"] = "0"  # TRL would otherwise import torch_xla and mo
 G, C = 3, 6  # completions a prompt, completion slots
 
 
-def trl_grpo(model, loss_type, beta, tmp_path):
+def trl_grpo(model, loss_type, beta, tmp_path, n_prompts=2, rewards=None, **settings):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
     processor = word_level_processor()
     args = GRPOConfig(str(tmp_path / "trl"), loss_type=loss_type, beta=beta, epsilon=0.2, num_generations=G,
-                      per_device_train_batch_size=2 * G, max_completion_length=C, report_to=[], use_cpu=True,
-                      bf16=False, temperature=1.0)
-    data = Dataset.from_list([{"prompt": "x", "image": [[0]]}] * 2)
-    trainer = GRPOTrainer(model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
-                          train_dataset=data, processing_class=processor)
+                      per_device_train_batch_size=n_prompts * G, max_completion_length=C, report_to=[], use_cpu=True,
+                      bf16=False, temperature=1.0, **settings)
+    data = Dataset.from_list([{"prompt": "x", "image": [[0]]}] * n_prompts)
+    reward_fn = lambda completions, **kw: rewards.tolist() if rewards is not None else [0.0] * len(completions)  # noqa: E731
+    trainer = GRPOTrainer(model, reward_funcs=reward_fn, args=args, train_dataset=data, processing_class=processor)
     trainer.current_gradient_accumulation_steps = 1  # set by training_step, which we do not run
     trainer.model.train()
     return trainer
@@ -58,9 +58,11 @@ def rollout(seed=0):
     return prompts, completions, completion_mask, rewards, pixels, g
 
 
-@pytest.mark.parametrize("loss_type,beta", [("grpo", 0.0), ("dapo", 0.0), ("grpo", 0.04), ("dapo", 0.1),
-                                            ("dr_grpo", 0.04)])
-def test_grpo_loss_matches_trl_compute_loss(tmp_path, loss_type, beta):
+@pytest.mark.parametrize("loss_type,beta,epsilon_high", [("grpo", 0.0, None), ("dapo", 0.0, None), ("grpo", 0.04, None),
+                                                         ("dapo", 0.1, None), ("dr_grpo", 0.04, None),
+                                                         ("dapo", 0.0, 0.28), ("grpo", 0.04, 0.25)])
+def test_grpo_loss_matches_trl_compute_loss(tmp_path, loss_type, beta, epsilon_high):
+    """epsilon_high: DAPO's clip-higher, TRL's epsilon_high, reached through the config key grpo_epsilon_high."""
     from trl.trainer.utils import nanstd
 
     hf = tiny_hf_llava(seed=0)
@@ -78,7 +80,8 @@ def test_grpo_loss_matches_trl_compute_loss(tmp_path, loss_type, beta):
     want = (rewards - grouped.mean(1).repeat_interleave(G)) / (nanstd(grouped, dim=1).repeat_interleave(G) + 1e-4)
     assert torch.allclose(advantages, want, atol=1e-6) and advantages[3:5].abs().max() > 0.1
 
-    trainer = trl_grpo(str(tmp_path / "policy"), loss_type, beta, tmp_path)  # a path: TRL loads its reference too
+    trainer = trl_grpo(str(tmp_path / "policy"), loss_type, beta, tmp_path, epsilon_high=epsilon_high)  # a path: TRL
+    # loads its reference too
     inputs = {"prompt_ids": prompts, "prompt_mask": torch.ones_like(prompts), "completion_ids": completions,
               "completion_mask": completion_mask, "advantages": advantages, "old_per_token_logps": old,
               "ref_per_token_logps": ref, "num_items_in_batch": completion_mask.sum(), "pixel_values": pixels,
@@ -87,15 +90,58 @@ def test_grpo_loss_matches_trl_compute_loss(tmp_path, loss_type, beta):
 
     policy.train()
     new, entropy = rl.completion_logps(policy, ids, mask, pixels, C)
-    loss, metrics = grpo_loss(new, old, advantages, completion_mask, loss_type, epsilon=0.2, beta=beta, ref_logps=ref,
-                              max_completion_length=C)
+    loss, metrics = grpo_loss(new, old, advantages, completion_mask, loss_type, epsilon=0.2, epsilon_high=epsilon_high,
+                              beta=beta, ref_logps=ref, max_completion_length=C)
     assert abs(loss.item() - trl_loss.item()) <= 1e-5 * max(1.0, abs(trl_loss.item())), (loss.item(), trl_loss.item())
     logged = {k: v[-1] for k, v in trainer._metrics["train"].items()}
     assert abs(metrics["clip_ratio"].item() - logged["clip_ratio/region_mean"]) < 1e-6, logged
     assert metrics["clip_ratio"] > 0
+    if epsilon_high:  # some ratios lie between the two upper bounds, so clip-higher changes the loss
+        ratio, positive = (new - old).exp(), advantages[:, None] > 0
+        assert ((ratio > 1.2) & (ratio <= 1 + epsilon_high) & positive & (completion_mask > 0)).any()
+        symmetric, _ = grpo_loss(new, old, advantages, completion_mask, loss_type, epsilon=0.2, beta=beta,
+                                 ref_logps=ref, max_completion_length=C)
+        assert abs(symmetric.item() - loss.item()) > 1e-4
+        cfg = config.DEFAULTS | {"grpo_loss": loss_type, "grpo_beta": beta, "grpo_epsilon_high": epsilon_high,
+                                 "grpo_max_new_tokens": C}
+        r = {"ids": ids, "mask": mask, "pixel_values": pixels, "completion_mask": completion_mask, "metrics": {},
+             "advantages": advantages, "old_logps": old, "ref_logps": ref}
+        summed, _ = rl.rl_loss(policy, r, cfg)  # the config key reaches grpo_loss
+        units = completion_mask.sum() if loss_type == "dapo" else len(ids)
+        assert abs(summed.item() / units - trl_loss.item()) <= 1e-5 * max(1.0, abs(trl_loss.item()))
     assert abs((entropy * completion_mask).sum().item() / completion_mask.sum().item() - logged["entropy"]) < 1e-4
     if beta:
         assert abs(metrics["kl"].item() - logged["kl"]) < 1e-5
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_group_advantages_match_trl_scale_rewards(tmp_path, scale):
+    """TRL 1.16's own _generate_and_score_completions (its generation replaced by fixed completions, its reward function
+    returning fixed rewards: a tie, a group of equal rewards, rewards far from 0) gives the advantages group_advantages
+    gives with that scale_rewards; 'batch' also when the generation batch comes as two micro-batches, one with a group
+    of padding rows (a static rollout's rows without a prompt) whose rewards must not count (rl.batch_std)."""
+    hf = tiny_hf_llava(seed=0)
+    hf.save_pretrained(tmp_path / "policy")
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.5, 0.5, 0.5, 2.0, -1.0, 0.25, 31.0, 30.5, 31.25])
+    trainer = trl_grpo(str(tmp_path / "policy"), "dapo", 0.0, tmp_path, n_prompts=4, rewards=rewards,
+                       scale_rewards=scale)
+    completions = [[5, 6, EOS], [7, EOS], [8, 9, 10, EOS]] * 4
+    trainer._generate = lambda prompts: ([[3, 4]] * len(prompts), completions, None, ["y"] * len(prompts), None, {},
+                                         None, None)
+    trl_advantages = trainer._generate_and_score_completions([{"prompt": "x"}] * len(rewards))["advantages"]
+
+    advantages = group_advantages(rewards, G, scale)
+    assert torch.allclose(advantages, trl_advantages, atol=1e-5, rtol=1e-6), (advantages, trl_advantages)
+    assert (advantages[3:6] == 0).all() and advantages.abs().max() > 0.1
+    if scale == "batch":
+        pad = torch.tensor([100.0, -100.0, 7.0])
+        rows = [torch.cat([rewards[:6], pad]), rewards[6:]]
+        micro = [{"rewards": r, "completion_mask": torch.ones(len(r), 2),
+                  "mask": torch.cat([torch.ones(len(r), 1), torch.ones(len(r), 2)], 1)} for r in rows]
+        micro[0]["mask"][6:, 0] = 0  # the padding rows: no prompt
+        std = rl.batch_std(micro, lambda t: t)
+        split = torch.cat([group_advantages(r["rewards"], G, "batch", batch_std=std) for r in micro])
+        assert torch.allclose(torch.cat([split[:6], split[9:]]), trl_advantages, atol=1e-5, rtol=1e-6)
 
 
 def test_grpo_loss_rejects_an_unknown_kind():
@@ -319,6 +365,8 @@ def test_a_static_rollout_trains_on_its_skipped_rows_as_if_they_were_absent(shap
     (["--grpo_static=True", "--grpo_prompt_len=41"], "static rollouts need grpo_prompt_len in \\[1, seq_len - grpo_"),
     (["--device=xla", "--grpo_max_new_tokens=48"], "static rollouts need grpo_prompt_len in \\[1, .* = 0\\]"),
     (["--grpo_beta=0.1", "--init_from=scratch"], "grpo_beta > 0 needs a reference checkpoint"),
+    (["--grpo_scale_rewards=std"], "grpo_scale_rewards must be one of \\('group', 'batch', 'none'\\), got 'std'"),
+    (["--grpo_epsilon_high=-0.1"], "grpo_epsilon_high must be >= 0"),
 ])
 def test_grpo_config_errors_are_one_sentence(tmp_path, extra, message):
     from test_dpo import dpo_args
@@ -360,20 +408,21 @@ def test_grpo_onevision_config_is_trls_recipe():
     assert cfg["seq_len"] + cfg["grpo_max_new_tokens"] <= vlm_preset(cfg["model"]).llm.max_seq_len
 
 
-@pytest.mark.parametrize("iterations,stop", [(1, 2), (2, 3)])
-def test_grpo_resumes_exactly(shapes_pairs, tmp_path, iterations, stop):  # noqa: F811
+@pytest.mark.parametrize("iterations,stop,scale", [(1, 2, "group"), (2, 3, "batch")])
+def test_grpo_resumes_exactly(shapes_pairs, tmp_path, iterations, stop, scale):  # noqa: F811
     """4 steps straight, or `stop` then a resume for the rest: the same rollouts (sampler seeded by step), rewards and
-    loss; stopped inside a generation batch (grpo_iterations 2, step 3), the resume trains on the saved rollouts."""
+    loss; stopped inside a generation batch (grpo_iterations 2, step 3), the resume trains on the saved rollouts (with
+    grpo_scale_rewards='batch', two micro-batches: their advantages divided by the whole generation batch's std)."""
     import json
 
     from test_dpo import debug_init, dpo_args
 
     init = debug_init(tmp_path / "init")
     common = ["--objective=grpo", f"--data_dir={shapes_pairs / 'shards'}", "--grpo_reward=test_grpo:short_answers",
-              "--batch_size=2", "--micro_batch_size=2", "--grpo_group=3", "--grpo_beta=0.05",
-              f"--grpo_reference={init}", "--lr=3e-3", "--warmup_iters=1", "--lr_decay_iters=4", "--eval_interval=0",
-              "--final_accuracy_samples=0", "--grpo_max_new_tokens=5", "--ckpt_interval=2",
-              f"--grpo_iterations={iterations}"]
+              "--batch_size=2", f"--micro_batch_size={2 if scale == 'group' else 1}", "--grpo_group=3",
+              "--grpo_beta=0.05", f"--grpo_reference={init}", "--lr=3e-3", "--warmup_iters=1", "--lr_decay_iters=4",
+              "--eval_interval=0", "--final_accuracy_samples=0", "--grpo_max_new_tokens=5", "--ckpt_interval=2",
+              f"--grpo_iterations={iterations}", f"--grpo_scale_rewards={scale}"]
     train.main(dpo_args(shapes_pairs, tmp_path / "straight", f"--init_from={init}", "--max_iters=4", *common))
     train.main(dpo_args(shapes_pairs, tmp_path / "resumed", f"--init_from={init}", f"--max_iters={stop}", *common))
     train.main(dpo_args(shapes_pairs, tmp_path / "resumed", "--init_from=resume", "--max_iters=4", *common))
@@ -656,7 +705,8 @@ def test_rollouts_past_the_models_max_seq_len_are_refused_at_setup(shapes_pairs,
         train.main(args)
 
 
-@pytest.mark.parametrize("change", ["--grpo_beta=0.05", "--grpo_loss=grpo", "--grpo_group=4", "--grpo_reference"])
+@pytest.mark.parametrize("change", ["--grpo_beta=0.05", "--grpo_loss=grpo", "--grpo_group=4", "--grpo_scale_rewards=none",
+                                    "--grpo_reference"])
 def test_a_resume_that_changes_how_rollouts_are_made_samples_a_new_generation_batch(shapes_pairs,  # noqa: F811
                                                                                    tmp_path, capsys, change):
     """Stopped inside a generation batch (grpo_iterations 2, step 3) and resumed with another grpo_beta (the saved
