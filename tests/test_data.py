@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import forkserver
 import numpy as np
@@ -130,7 +131,8 @@ def test_energon_opens_packed_folder_as_vqa_without_prepare(tmp_path, llava_json
         assert type(sample).__name__ == "VQASample" and sample.image.shape[0] == 3
         seen[sample.context] = sample.answers
     assert seen == {r["conversations"][0]["value"].split("\n", 1)[1]: r["conversations"][1]["value"] for r in with_images}
-    lint = subprocess.run([str(ROOT / ".venv/bin/energon"), "lint", str(tmp_path / "shards")], capture_output=True)
+    energon = Path(sys.executable).parent / "energon"  # the venv's, wherever the checkout is
+    lint = subprocess.run([str(energon), "lint", str(tmp_path / "shards")], capture_output=True)
     assert lint.returncode == 0, lint.stderr[-2000:]
 
 
