@@ -24,6 +24,7 @@ import argparse
 import gc
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -38,6 +39,7 @@ import parallel
 from chat import IMAGE_TAG
 from hf_config import llava_hf_config
 from hf_names import llava_table
+from weight_files import write_weights
 from images import CLIP_MEAN, CLIP_STD, load_image, normalize_images
 from loader import pack_rows, packed_batch
 from model import build_model
@@ -100,15 +102,15 @@ def synthetic_batches(cfg, seq_len, rows, real_tokens, n, pack=False, seed=0):
 
 def hf_model(raw, device):
     """transformers' LLaVA with our weights, by convert.py's name table."""
-    from transformers import LlavaConfig, LlavaForConditionalGeneration
+    from transformers import LlavaForConditionalGeneration
 
-    hf_cfg = LlavaConfig.from_dict(llava_hf_config(raw.cfg))
-    model = LlavaForConditionalGeneration._from_config(hf_cfg, attn_implementation="sdpa", dtype=torch.float32)
-    table = llava_table(raw.cfg)
-    tied = raw.cfg.llm.tie_embeddings
-    model.load_state_dict({table[k]: v for k, v in raw.state_dict().items() if not (tied and k == "llm.output.weight")},
-                          strict=not tied)
-    return model.float().to(device)
+    table, tied = llava_table(raw.cfg), raw.cfg.llm.tie_embeddings
+    with tempfile.TemporaryDirectory() as d:  # the hub layout, as convert.py's to-hf writes it
+        write_weights({table[k]: v.detach().cpu() for k, v in raw.state_dict().items()
+                       if not (tied and k == "llm.output.weight")}, d)
+        Path(d, "config.json").write_text(json.dumps(llava_hf_config(raw.cfg)))
+        return LlavaForConditionalGeneration.from_pretrained(d, attn_implementation="sdpa",
+                                                             dtype=torch.float32).to(device)
 
 
 def hf_freeze(model, stage):
@@ -307,8 +309,7 @@ def bench_train(args):
     else:  # ours alone: each phase makes its weights on the device; this one only counts parameters (FLOPs)
         with torch.device("meta"):
             raw = build_model(model_cfg, device="meta", init=False)
-    env = type("E", (), {"kind": device.type, "device": device})()
-    peak = args.peak_flops or env.peak_flops()
+    peak = args.peak_flops or parallel.Env({"device": device.type}).peak_flops()
     # HF always takes a sample a row; ours the same, or packed rows with --pack; a variant may take other rows
     batches = {kind: synthetic_batches(raw.cfg, seq_len, v["batch"], real, n=4, pack=args.pack)
                for kind, v in variants.items()}
