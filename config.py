@@ -14,6 +14,7 @@ import data
 import rl
 from lora import LoRAConfig
 from model import DPO_LOSSES, vlm_preset
+from parallel import ATTENTION, PALLAS, pallas_refusal
 
 
 def parse(argv, defaults):
@@ -80,7 +81,7 @@ def run_config_file(arg):
 # the values checked
 
 POSITIVE = ("batch_size", "micro_batch_size", "max_iters", "seq_len", "log_interval", "shuffle_block",
-            "max_nonfinite_steps", "checkpoint_every")
+            "max_nonfinite_steps", "checkpoint_every", "attention_block")
 NON_NEGATIVE = ("eval_interval", "eval_iters", "ckpt_interval", "keep_last", "num_workers", "pack", "warmup_iters",
                 "lr_decay_iters", "max_tiles", "final_accuracy_samples", "lr", "min_lr", "weight_decay", "grad_clip",
                 "loss_chunk", "peak_flops")
@@ -113,6 +114,10 @@ def check(cfg):
 
 
 def check_speed_levers(cfg):
+    if cfg["attention"] not in ATTENTION:
+        raise SystemExit(f"config: attention must be one of {ATTENTION}, got {cfg['attention']!r}")
+    if cfg["attention"] in PALLAS and cfg["device"] != "xla":
+        raise SystemExit(pallas_refusal(cfg["attention"], f"device={cfg['device']!r}"))
     if cfg["checkpoint_policy"] not in ("full", "selective"):
         raise SystemExit(f"config: checkpoint_policy must be 'full' or 'selective', got {cfg['checkpoint_policy']!r}")
     if cfg["checkpoint_policy"] == "selective" and cfg["device"] == "xla":

@@ -34,7 +34,7 @@ from dpo import (evaluate_preference, pair_objective, preference_loss, reference
 from evaluation import device_batch, evaluate, final_accuracy
 from lora import apply_lora, is_lora_parameter, merge_lora
 from model import VLMConfig, build_model, param_group
-from parallel import Env, autocast, checkpoint_fn, grad_sync, init_optimizer_state, print0, shard
+from parallel import Env, attention_kernel, autocast, checkpoint_fn, grad_sync, init_optimizer_state, print0, shard
 
 # -----------------------------------------------------------------------------
 # config: typed defaults; configs/*.py and --key=value may change only these keys
@@ -99,6 +99,11 @@ checkpoint_policy = "full"  # 'selective': keep the matmul and attention outputs
 checkpoint_every = 1  # k: checkpoint blocks 0, k, 2k, ... of each tower; the others keep all their activations
 frozen_dtype = "float32"  # 'bfloat16' (with dtype='bfloat16'): frozen Linear/Conv weights stored in bf16, never cast
 loss_chunk = 0  # > 0: cross-entropy over this many positions at a time, never the full fp32 logits
+# 'dense': SDPA (packed rows: a (B, 1, T, T) mask, or FlexAttention on CUDA with compile); 'blockwise': an online
+# softmax over key blocks, memory linear in seq_len on every device (XLA: one compiled loop); 'flash', 'splash':
+# torch_xla's Pallas kernels (TPU only, not verified in llavax's tests)
+attention = "dense"
+attention_block = 512  # keys a step of attention='blockwise'
 peak_flops = 0.0  # per device, for MFU; 0 uses the bf16 dense peak of a known GPU
 seed = 0
 # preference training (README "Preference training (DPO)"): rows of chosen and rejected answers from preference shards
@@ -417,7 +422,11 @@ def apply_backends(raw, cfg, env):
     if cfg["objective"] == "reward":
         add_reward_head(raw, cfg["seed"])
     raw.loss_chunk, raw.recompute = cfg["loss_chunk"], checkpoint_fn(env.kind)
-    raw.llm.flex_attention = use_flex_attention(cfg["pack"] > 0, env.kind, cfg["compile"], cfg["seq_len"])
+    raw.llm.flex_attention = cfg["attention"] == "dense" and use_flex_attention(cfg["pack"] > 0, env.kind, cfg["compile"],
+                                                                                cfg["seq_len"])
+    window = raw.cfg.llm.sliding_window
+    raw.llm.attention_kernel = attention_kernel(cfg["attention"], cfg["attention_block"], env,
+                                                window if window and window < cfg["seq_len"] else None)
     if cfg["frozen_dtype"] == "bfloat16":
         n = sum(p.numel() for p in frozen_matmul_weights(raw))
         store_frozen(raw, torch.bfloat16)
