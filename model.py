@@ -265,8 +265,9 @@ def blockwise_attention(q, k, v, segments=None, window=None, block=512, scan=loo
     segments (B, T) numbers the samples of packed rows (a query sees only its own sample's keys); window: a query
     sees the `window` keys up to itself (Qwen2's sliding window). Keys are visited `block` at a time (T need not be
     a multiple); scan(fn, init, xs) runs the loop: torch_xla's compiles it to one XLA While, so the program's size
-    does not grow with T. Backward recomputes each block's scores from the saved log-sum-exp."""
-    return BlockwiseAttention.apply(q, k, v, segments, window, block, scan)
+    does not grow with T. Backward recomputes each block's scores from the saved log-sum-exp. Every block is computed,
+    masked or not (static shapes): twice the FLOPs of a kernel that skips them, as the Pallas ones do."""
+    return BlockwiseAttention.apply(q, k, v, segments, window, min(block, q.shape[2]), scan)
 
 
 def _visible(q_seg, q_at, k_seg, k_at, window):
@@ -277,15 +278,15 @@ def _visible(q_seg, q_at, k_seg, k_at, window):
 
 def _forward_block(carry, kv):
     # the scanned step: every tensor it reads comes in the carry or the block (torch_xla's scan traces it alone)
-    q, q_seg, q_at, window, m, l, acc = carry
+    q, q_seg, q_at, window, top, total, acc = carry  # each query's running maximum score, sum of exp and output
     k, v, k_seg, k_at = kv
     visible = _visible(q_seg, q_at, k_seg, k_at, window)
     s = torch.where(visible, (q @ k.transpose(-1, -2)).float(), MASKED)  # (B, Hkv, R, block)
-    m_new = torch.maximum(m, s.amax(dim=-1))
-    p = torch.where(visible, torch.exp(s - m_new[..., None]), 0.0)
-    rescale = torch.exp(m - m_new)  # the running sums were taken against the old maximum
+    new_top = torch.maximum(top, s.amax(dim=-1))
+    p = torch.where(visible, torch.exp(s - new_top[..., None]), 0.0)
+    rescale = torch.exp(top - new_top)  # the running sums were taken against the old maximum
     acc = acc * rescale[..., None] + (p.to(v.dtype) @ v).float()
-    return (q, q_seg, q_at, window, m_new, l * rescale + p.sum(dim=-1), acc), ()
+    return (q, q_seg, q_at, window, new_top, total * rescale + p.sum(dim=-1), acc), ()
 
 
 def _backward_block(carry, kv):
@@ -319,12 +320,11 @@ class BlockwiseAttention(torch.autograd.Function):
         ks, vs = (F.pad(x, (0, 0, 0, pad)).view(B, n_kv, n_blocks, block, hd).permute(2, 0, 1, 3, 4) for x in (k, v))
         span = torch.tensor(float(window or n_blocks * block + 1), device=q.device)  # no window: every earlier key
         R = rep * T
-        m = torch.full((B, n_kv, R), MASKED, device=q.device)
-        init = (qg, q_seg, q_at, span, m, torch.zeros(B, n_kv, R, device=q.device),
-                torch.zeros(B, n_kv, R, hd, device=q.device))
-        (*_, m, l, acc), _ = scan(_forward_block, init, (ks, vs, k_seg, k_at))
-        out = (acc / l[..., None]).to(q.dtype)  # (B, Hkv, R, hd)
-        ctx.save_for_backward(qg, ks, vs, k_seg, k_at, q_seg, q_at, span, out, m + torch.log(l))
+        init = (qg, q_seg, q_at, span, torch.full((B, n_kv, R), MASKED, device=q.device),
+                torch.zeros(B, n_kv, R, device=q.device), torch.zeros(B, n_kv, R, hd, device=q.device))
+        (*_, top, total, acc), _ = scan(_forward_block, init, (ks, vs, k_seg, k_at))
+        out = (acc / total[..., None]).to(q.dtype)  # (B, Hkv, R, hd)
+        ctx.save_for_backward(qg, ks, vs, k_seg, k_at, q_seg, q_at, span, out, top + torch.log(total))
         ctx.scan, ctx.shape = scan, q.shape
         return out.view(B, H, T, hd)
 

@@ -3,7 +3,7 @@ test_xla_attention.py: python tests/xla_attention.py DUMP_DIR OUT.json (XLA_FLAG
 
 - parity: a tiny VLM's loss and every gradient, blockwise on XLA (mesh 1x2x2: rows over fsdp, heads over tp) against
   the dense SDPA path on CPU eager, in fp32: causal, packed rows of odd lengths, GQA, Qwen2's sliding window, T not a
-  multiple of the block;
+  multiple of the block, under torch_xla's activation checkpointing;
 - memory: the per-device peak of the compiled train step (XLA's buffer assignment, as tests/xla_audit.py reads it) of
   a 1-layer model at T = 2k..16k, blockwise and dense (compiled, never run);
 - compiles: five steps whose packing and tiles differ, one compiled program;
@@ -11,7 +11,6 @@ test_xla_attention.py: python tests/xla_attention.py DUMP_DIR OUT.json (XLA_FLAG
 """
 
 import json
-import re
 import sys
 import time
 from pathlib import Path
@@ -27,13 +26,16 @@ from model import build_model, vlm_preset  # noqa: E402
 from xla_audit import peak_bytes  # noqa: E402
 
 TINY_VISION = {"image_size": 28, "patch_size": 14, "dim": 32, "n_layers": 1, "n_heads": 2, "ffn_dim": 64}
-# (name, llm overrides, T, block, packed): 300 tokens are not a multiple of any block; windowed layer 1 only
+# (name, llm overrides, T, block, packed, torch_xla's activation checkpointing): 300 tokens are not a multiple of any
+# block; the window is in layer 1 only
+WINDOW = {"n_heads": 4, "n_kv_heads": 2, "sliding_window": 45, "sliding_layers": [1]}
 PARITY = [
-    ("causal", {"n_heads": 4, "n_kv_heads": 4}, 300, 128, False),
-    ("packed", {"n_heads": 4, "n_kv_heads": 4}, 300, 128, True),
-    ("gqa", {"n_heads": 4, "n_kv_heads": 2}, 300, 64, True),
-    ("window", {"n_heads": 4, "n_kv_heads": 2, "sliding_window": 45, "sliding_layers": [1]}, 300, 64, True),
-    ("one_block", {"n_heads": 4, "n_kv_heads": 1}, 100, 128, True),
+    ("causal", {"n_heads": 4, "n_kv_heads": 4}, 300, 128, False, False),
+    ("packed", {"n_heads": 4, "n_kv_heads": 4}, 300, 128, True, False),
+    ("gqa", {"n_heads": 4, "n_kv_heads": 2}, 300, 64, True, False),
+    ("window", WINDOW, 300, 64, True, False),
+    ("one_block", {"n_heads": 4, "n_kv_heads": 1}, 100, 128, True, False),
+    ("checkpointed", WINDOW, 300, 64, True, True),
 ]
 MEMORY_T = (2048, 4096, 8192, 16384)
 MEMORY_LLM = {"vocab_size": 256, "dim": 64, "n_layers": 1, "n_heads": 2, "n_kv_heads": 1, "ffn_dim": 128,
@@ -71,12 +73,13 @@ def loss_and_grads(model, b):
 
 def parity(env_xla):
     results = {}
-    for name, llm, T, block, packed in PARITY:
+    for name, llm, T, block, packed, checkpointed in PARITY:
         mcfg = model_config(llm)
         b = packed_rows(4, T, seed=len(results), packed=packed)
         cpu = build_model(mcfg, seed=0)
         loss_cpu = loss_and_grads(cpu, b)
         xla = build_model(mcfg, seed=0)
+        train.set_checkpointing(xla, parallel.checkpoint_fn("xla") if checkpointed else None)
         parallel.shard_spmd(xla, env_xla)
         xla.llm.attention_kernel = parallel.attention_kernel("blockwise", block, env_xla)
         loss_xla = loss_and_grads(xla, env_xla.to_device(b))
