@@ -8,6 +8,7 @@ collectives from the sharding annotations below, and each host reads its own par
 """
 
 import functools
+import importlib.util
 import os
 import re
 from contextlib import contextmanager, nullcontext
@@ -202,11 +203,9 @@ def attention_kernel(kind, block, env, window=None):
         device = f"an XLA {xr.device_type()} device"
     if device != "an XLA TPU device":
         raise SystemExit(pallas_refusal(kind, device))
-    try:
-        import jax  # noqa: F401  the Pallas kernels are JAX's, called from torch_xla
-    except ImportError:
-        raise SystemExit(f"config: attention={kind!r} needs torch_xla's Pallas extra: pip install "
-                         f"'torch_xla[pallas]' (jax, jaxlib)") from None
+    if importlib.util.find_spec("jax") is None:  # found, not imported: torch_xla must hold the TPU before JAX does
+        raise SystemExit(f"config: attention={kind!r} needs torch_xla's Pallas extra (the kernels are JAX's): pip "
+                         f"install 'torch_xla[pallas]' (jax, jaxlib)")
     if kind == "flash" and window:
         raise SystemExit(f"config: attention='flash' has no sliding window, and this model's is {window} tokens, "
                          f"shorter than its rows: use attention='splash' or 'blockwise'")
