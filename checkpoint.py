@@ -37,9 +37,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
-from model import VLM, VLMConfig
+from hf_config import HF_ARCHITECTURES
+from hf_names import expected_shapes, llava_from_hf, remap
+from model import VLM, build_model
+from model_config import VLMConfig
 from parallel import print0
-from weight_files import write_safetensors
+from weight_files import SHARD_BYTES, ConversionError, read_weights, write_dir, write_safetensors, write_weights
 
 MANIFEST = "manifest.json"
 WRITER_PID = ".stop-writer.pid"  # in out_dir while rank 0's detached stop-checkpoint writer runs
@@ -487,8 +490,11 @@ class Checkpointer:
             for g, saved in zip(optimizer.param_groups, groups):
                 g.update({k: v for k, v in saved.items() if k != "params"})
         else:
-            from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                                 set_optimizer_state_dict)
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+                set_optimizer_state_dict,
+            )
 
             set_model_state_dict(model, weights, options=StateDictOptions(strict=not raw.cfg.llm.tie_embeddings))
             set_optimizer_state_dict(model, optimizer, {"state": moments, "param_groups": groups})
@@ -594,3 +600,68 @@ def check_resume_config(path, cfg, env):
         raise SystemExit(f"resume: {path} was trained with other {', '.join(refused)} (see above); these set the "
                          f"data order, the batches or the model. Resume with the same values, list the keys in "
                          f"--allow_config_change=[...] to accept the change, or start a new out_dir")
+
+
+# tokenizer and processor files travel with the weights (from-hf carries an HF directory's through to ours)
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
+                   "processor_config.json")
+
+
+def copy_tokenizer(src, dst):
+    for name in TOKENIZER_FILES:
+        if src and Path(src, name).exists():
+            shutil.copy(Path(src, name), Path(dst, name))
+
+
+def save_checkpoint(state, cfg: VLMConfig, out, tokenizer_dir=None, overwrite=False, shard_bytes=SHARD_BYTES):
+    def fill(tmp):
+        write_weights(state, tmp, shard_bytes=shard_bytes)
+        Path(tmp, "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        copy_tokenizer(tokenizer_dir, tmp)
+    return write_dir(out, fill, overwrite)
+
+
+def save_model(model, ckpt_dir, tokenizer_dir=None, overwrite=False, shard_bytes=SHARD_BYTES):
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()
+             if not (model.cfg.llm.tie_embeddings and k == "llm.output.weight")}
+    return save_checkpoint(state, model.cfg, ckpt_dir, tokenizer_dir, overwrite, shard_bytes)
+
+
+def read_checkpoint(ckpt_dir, lazy=False):
+    """(state dict, VLMConfig) from our directory (a training step's shards included), or from an HF LLaVA
+    directory converted in memory. lazy: a training step's tensors are read when written (one at a time)."""
+    path = Path(ckpt_dir, "config.json")
+    if re.fullmatch(r"\..+\.tmp-\d+", Path(ckpt_dir).name):
+        raise ConversionError(f"{ckpt_dir}: the temporary folder of a write that was killed (incomplete); use the "
+                              f"finished directory, or run the conversion again")
+    if not path.exists():
+        raise ConversionError(f"{ckpt_dir}: no config.json; not a llavax or HF LLaVA checkpoint directory")
+    try:
+        raw = json.loads(path.read_text())
+    except ValueError as e:
+        raise ConversionError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConversionError(f"{path}: not a config (a JSON object), got {type(raw).__name__}")
+    if raw.get("model_type") in HF_ARCHITECTURES:
+        return llava_from_hf(ckpt_dir)
+    try:
+        cfg = VLMConfig.from_dict(raw)
+    except (TypeError, ValueError) as e:
+        raise ConversionError(f"{path}: not a llavax config ({e})") from None
+    if is_sharded_checkpoint(ckpt_dir):  # a training step: DCP's shards of every rank, checked before they are read
+        damaged = verify_checkpoint(ckpt_dir) if Path(ckpt_dir, MANIFEST).exists() else None
+        if damaged:
+            raise ConversionError(f"{ckpt_dir}: not a complete training checkpoint: {damaged}")
+        state = saved_weights(ckpt_dir) if lazy else load_weights(ckpt_dir)
+    else:
+        state = read_weights(ckpt_dir)
+    shapes = expected_shapes(cfg)
+    return remap(state, {k: k for k in shapes}, shapes, str(ckpt_dir)), cfg
+
+
+def load_model(ckpt_dir, device="cpu", dtype=torch.float32):
+    state, cfg = read_checkpoint(ckpt_dir)
+    model = build_model(cfg, device=device, init=False)
+    model.load_state_dict(state, strict=not cfg.llm.tie_embeddings)
+    return model.to(dtype)

@@ -16,10 +16,14 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
-from lora import (LORA_SITES, LoRAConfig, LoRALinear, apply_lora, is_lora_parameter, lora_layers,  # noqa: F401
-                  lora_merged, merge_lora, merge_lora_state)  # model.X for callers that build models with adapters
-from model_config import (IMAGE_STATS, LLM_PRESETS, VIT_ACTIVATIONS, VIT_PRESETS, LlamaConfig, ViTConfig,  # noqa: F401
-                          VLMConfig, projector_depth, quick_gelu, vlm_preset)  # model.X: the configs are the model's
+from lora import LoRALinear, apply_lora  # model.X for callers that build models with adapters
+from model_config import (
+    VIT_ACTIVATIONS,
+    LlamaConfig,
+    ViTConfig,
+    VLMConfig,  # model.X: the configs are the model's
+    projector_depth,
+)
 
 # -----------------------------------------------------------------------------
 # the CLIP vision tower
@@ -513,14 +517,33 @@ def reward_loss(rewards, n_tokens, margin=0.0, center_weight=0.0):
 
 
 GRPO_LOSSES = ("grpo", "dapo", "dr_grpo")
+GRPO_SCALES = ("group", "batch", "none")
 
 
-def group_advantages(rewards, group_size):
-    """GRPO's advantages (r - group mean) / (group std + 1e-4) over consecutive groups of group_size completions of a
-    prompt (TRL's scale_rewards='group': the unbiased std, so a group of equal rewards gets 0)."""
+def group_advantages(rewards, group_size, scale="group", valid=None, batch_std=None):
+    """GRPO's advantages over consecutive groups of group_size completions of a prompt: r - the group mean, divided by
+    (std + 1e-4) as TRL 1.16's scale_rewards says: "group" the group's std (a group of equal rewards gets 0), "batch"
+    the std of every reward given (valid (B,): only the rows with a prompt; batch_std: one computed over the whole
+    generation batch, see rl.batch_std), "none" no division (Dr. GRPO). Every std is the unbiased one, as TRL's."""
+    if scale not in GRPO_SCALES:
+        raise ValueError(f"group_advantages scale {scale!r}: expected one of {GRPO_SCALES}")
     grouped = rewards.float().view(-1, group_size)  # (prompts, G)
-    advantages = (grouped - grouped.mean(dim=1, keepdim=True)) / (grouped.std(dim=1, keepdim=True) + 1e-4)
-    return advantages.flatten()
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale == "none":
+        return centred.flatten()
+    if scale == "group":
+        std = grouped.std(dim=1, keepdim=True)
+    else:
+        std = masked_std(rewards.float(), torch.ones_like(rewards.float()) if valid is None else valid.float()) \
+            if batch_std is None else batch_std
+    return (centred / (std + 1e-4)).flatten()
+
+
+def masked_std(x, weights):
+    """The unbiased std of the x whose weight is 1 (0 when fewer than two)."""
+    n = weights.sum()
+    mean = (x * weights).sum() / n.clamp(min=1)
+    return (((x - mean) ** 2 * weights).sum() / (n - 1).clamp(min=1)).sqrt()
 
 
 def grpo_loss(logps, old_logps, advantages, mask, kind="dapo", epsilon=0.2, epsilon_high=None, beta=0.0,
@@ -553,6 +576,103 @@ def grpo_loss(logps, old_logps, advantages, mask, kind="dapo", epsilon=0.2, epsi
     low, high = (ratio < 1 - epsilon) & (A < 0), (ratio > clipped) & (A > 0)  # where the clip stopped the gradient
     metrics["clip_ratio"] = ((low | high).to(mask.dtype) * mask).sum().detach() / mask.sum().clamp(min=1)
     return loss, metrics
+
+
+# -----------------------------------------------------------------------------
+# PPO over completion tokens (B, C), as EasyLM's llama_train_ppo and TRL <= 1.12's PPOTrainer compute it: the rollout's
+# log-probs, reference log-probs and values fixed, mask (B, C) 1 at each completion's tokens (a prefix of its row)
+
+KL_ESTIMATORS = ("k1", "k3")
+
+
+def ppo_score(rewards, ended, gain=1.0, bias=0.0, missing_end_penalty=0.0):
+    """Each completion's score (B,): gain x its reward (a reward model's or a rule's) + bias, minus missing_end_penalty
+    where it has no end of turn (ended (B,) False). TRL subtracts its missing_eos_penalty so; EasyLM sets such a
+    reward to -10 before gain and bias."""
+    return gain * rewards.float() + bias - missing_end_penalty * (~ended.bool()).float()
+
+
+def ppo_rewards(logps, ref_logps, scores, mask, kl_coef, estimator="k1"):
+    """Per-token rewards (B, C): -kl_coef x the KL estimate to the reference at each completion token (k1: logp -
+    ref_logp; k3: (rho - 1) - log rho, rho = p_ref / p: unbiased and >= 0), plus the score (B,) at the last token.
+    Returns (rewards, kl), both 0 outside mask."""
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"ppo_rewards estimator {estimator!r}: expected one of {KL_ESTIMATORS}")
+    mask = mask.float()
+    log_rho = ref_logps.float() - logps.float()
+    kl = (-log_rho if estimator == "k1" else (torch.exp(log_rho) - 1) - log_rho) * mask
+    last = (mask * torch.arange(1, mask.shape[1] + 1, device=mask.device)).argmax(dim=1)  # (B,)
+    at_last = F.one_hot(last, mask.shape[1]).float() * mask  # (B, C); a row without completion tokens scores nowhere
+    return -kl_coef * kl + scores.float()[:, None] * at_last, kl
+
+
+def gae(rewards, values, mask, gamma=1.0, lam=0.95):
+    """Generalised advantage estimation: delta_t = r_t + gamma V_(t+1) - V_t, A_t = delta_t + gamma lam A_(t+1), with r
+    and V 0 outside mask (after the last token the episode has ended: nothing to bootstrap). Returns (advantages,
+    returns = A + V), 0 outside mask. One step a position from the end, as EasyLM and TRL: C ops, static shapes."""
+    mask = mask.float()
+    rewards, values = rewards.float() * mask, values.float() * mask
+    next_value = next_advantage = torch.zeros_like(values[:, 0])
+    advantages = []
+    for t in reversed(range(values.shape[1])):
+        next_advantage = rewards[:, t] + gamma * next_value - values[:, t] + gamma * lam * next_advantage
+        next_value = values[:, t]
+        advantages.append(next_advantage)
+    advantages = torch.stack(advantages[::-1], dim=1) * mask
+    return advantages, advantages + values
+
+
+def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
+    """(x - mean) / sqrt(var + eps) with the mean and unbiased variance of x where mask is 1 (one pair for the whole
+    tensor: give it the whole rollout batch), 0 elsewhere; shift_mean=False adds the mean back (rewards keep their
+    level). TRL's masked_whiten (eps 1e-8); EasyLM's whiten has eps 1e-6."""
+    mask = mask.float()
+    n = mask.sum()
+    mean = (x * mask).sum() / n.clamp(min=1)
+    var = ((x - mean) ** 2 * mask).sum() / (n - 1).clamp(min=1)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    return (whitened if shift_mean else whitened + mean) * mask
+
+
+def ppo_policy_loss(logps, old_logps, advantages, mask, clip=0.2, n_tokens=None):
+    """PPO's clipped surrogate max(-A rho, -A clip(rho, 1 - clip, 1 + clip)), rho = exp(logps - old_logps), summed over
+    mask and divided by n_tokens (default: this batch's tokens, a token mean). Metrics (token means, detached):
+    policy_clipfrac, where the clipped term is the larger; approx_kl, 0.5 (logps - old_logps)^2."""
+    mask = mask.float()
+    log_rho = logps.float() - old_logps.float()
+    rho = torch.exp(log_rho)
+    unclipped, clipped = -advantages * rho, -advantages * torch.clamp(rho, 1 - clip, 1 + clip)
+    loss = (torch.max(unclipped, clipped) * mask).sum() / (mask.sum().clamp(min=1) if n_tokens is None else n_tokens)
+    token_mean = lambda x: (x.detach().float() * mask).sum() / mask.sum().clamp(min=1)  # noqa: E731
+    return loss, {"policy_clipfrac": token_mean(clipped > unclipped), "approx_kl": token_mean(0.5 * log_rho**2)}
+
+
+def ppo_value_loss(values, old_values, returns, mask, clip=0.2, n_tokens=None):
+    """0.5 max((V - R)^2, (V_old + clip(V - V_old, -clip, clip) - R)^2) summed over mask, divided by n_tokens (default:
+    this batch's tokens). Metric value_clipfrac: the share of tokens where the clipped term is the larger."""
+    mask = mask.float()
+    values = values.float()
+    clipped = old_values + torch.clamp(values - old_values, -clip, clip)
+    unclipped_loss, clipped_loss = (values - returns) ** 2, (clipped - returns) ** 2
+    loss = 0.5 * (torch.max(unclipped_loss, clipped_loss) * mask).sum() / \
+        (mask.sum().clamp(min=1) if n_tokens is None else n_tokens)
+    return loss, {"value_clipfrac": ((clipped_loss > unclipped_loss).float() * mask).sum() / mask.sum().clamp(min=1)}
+
+
+def ppo_loss(logps, old_logps, values, old_values, advantages, returns, mask, clip=0.2, clip_value=0.2, vf_coef=0.1,
+             n_tokens=None):
+    """The policy loss + vf_coef x the value loss (see ppo_policy_loss, ppo_value_loss), and their metrics."""
+    policy, metrics = ppo_policy_loss(logps, old_logps, advantages, mask, clip, n_tokens)
+    value, value_metrics = ppo_value_loss(values, old_values, returns, mask, clip_value, n_tokens)
+    return policy + vf_coef * value, metrics | value_metrics | {"policy_loss": policy.detach(),
+                                                                "value_loss": value.detach()}
+
+
+def explained_variance(values, returns, mask):
+    """1 - Var(R - V) / Var(R) over mask: 1 when the values predict the returns, <= 0 when no better than their mean."""
+    mask = mask.float()
+    var = lambda x: masked_std(x.float(), mask) ** 2  # noqa: E731
+    return 1 - var(returns - values) / var(returns).clamp(min=1e-12)
 
 
 # -----------------------------------------------------------------------------
@@ -660,14 +780,17 @@ class VLM(nn.Module):
         return torch.where(is_image[..., None], placed, h)
 
     def forward(self, input_ids, pixel_values=None, labels=None, loss_reduction="mean", position_ids=None,
-                image_index=None, image_weight=None, attention_mask=None, reward=False, logits_to_keep=0):
+                image_index=None, image_weight=None, attention_mask=None, reward=False, logits_to_keep=0,
+                values=False):
         """Logits (B, T, vocab) and, with labels aligned to input_ids (-100 = ignore), the next-token loss: the mean
         over supervised tokens, their sum with loss_reduction="sum" (train.py divides by a global count), each
         row's sum (B,) with "row" (DPO), or per position (B, T) with "none". position_ids (B, T) packs several
         samples into a row (see Llama.forward).
         image_index, image_weight (B, T, taps): tiled images, several a row (see place_features).
         attention_mask (B, T), 0 at padding on either side (positions count from each row's first real token);
-        reward=True returns (None, rewards (B,)): the reward head read at each row's last real token.
+        reward=True returns (None, rewards (B,)): the reward head read at each row's last real token; values=True
+        (PPO's value model) returns (None, values (B, T)): the same head read at every position (the last
+        logits_to_keep > 0 only).
         logits_to_keep > 0 (no labels): only the last logits_to_keep positions' logits, as HF's (RL: a completion's)."""
         packed = position_ids is not None
         if image_index is None:
@@ -677,6 +800,8 @@ class VLM(nn.Module):
         h = self.llm(h, position_ids=position_ids, pad=None if attention_mask is None else attention_mask == 0)
         if reward:
             return None, self.read_reward(h, attention_mask)
+        if values:
+            return None, self.read_values(h[:, -logits_to_keep:] if logits_to_keep else h)
         if labels is None:
             return self.llm.output(h[:, -logits_to_keep:] if logits_to_keep else h), None
         targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # (B, T): position t predicts token t + 1
@@ -700,6 +825,13 @@ class VLM(nn.Module):
         last = (torch.arange(T, device=h.device) * attention_mask).amax(dim=1) if attention_mask is not None else \
             torch.full(h.shape[:1], T - 1, device=h.device)  # (B,)
         return self.reward_head(h[torch.arange(h.shape[0], device=h.device), last]).squeeze(-1).float()  # (B,)
+
+    def read_values(self, h):
+        """A value model's estimate at every position (B, T): the reward head of the reward-model checkpoint it starts
+        from (as EasyLM, TRL and LLaVA-RLHF initialise it) read at each token instead of the last."""
+        if self.reward_head is None:
+            raise ValueError("forward(values=True) needs a model built with reward_head=True (a reward-model checkpoint)")
+        return self.reward_head(h).squeeze(-1).float()
 
     @torch.no_grad()
     def generate(self, input_ids, pixel_values=None, max_new_tokens=32, temperature=0.0, top_p=1.0,

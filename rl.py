@@ -1,5 +1,5 @@
 """
-On-policy RL for train.py's objective='grpo' (README "Reward models and RL"): the prompts of an SFT micro-batch,
+On-policy RL for train.py's objective='grpo' (docs/post-training.md): the prompts of an SFT micro-batch,
 G samples each from VLM.generate, rewards from a rule or a reward model, group-normalised advantages; then the
 clipped policy loss (model.grpo_loss) on each optimisation step that reuses the generation batch.
 """
@@ -8,15 +8,16 @@ import importlib
 import json
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
-import convert
-import data
+import chat
+import checkpoint
+import images
+import weight_files
 from checkpoint import saved_own
-from model import GRPO_LOSSES, group_advantages, grpo_loss, left_pad
+from model import GRPO_LOSSES, GRPO_SCALES, KL_ESTIMATORS, group_advantages, grpo_loss, left_pad
 from parallel import autocast, gathered_for_generation, print0, shard
 
 
@@ -51,6 +52,14 @@ def completion_logps(model, ids, attention_mask, pixel_values, n_completion, tem
     logprobs = (logits[:, :-1].float() / temperature).log_softmax(-1)  # position t predicts t + 1
     token_logps = logprobs.gather(-1, ids[:, -n_completion:, None]).squeeze(-1)
     return token_logps, -(logprobs.exp() * logprobs).sum(-1)
+
+
+def completion_values(value_model, ids, attention_mask, pixel_values, n_completion, tiles=None):
+    """PPO's value estimates (B, C) for the last C = n_completion tokens of ids: the value model read where each token
+    is predicted (the state before it), the positions completion_logps reads; EasyLM's and TRL's layout."""
+    _, values = value_model(ids, pixel_values, attention_mask=attention_mask, values=True,
+                            logits_to_keep=n_completion + 1, **(tiles or {}))
+    return values[:, :-1]
 
 
 def prompts_of(b):
@@ -110,7 +119,7 @@ def rollout(raw, b, tok, stop, cfg, score, generator, ref_model=None, static=Fal
     prompt_ids, prompt_mask = left_pad([p for _, p, _ in asked], tok.pad_id, bucket)
     prompt_ids, prompt_mask = place(prompt_ids.repeat_interleave(G, 0)), place(prompt_mask.repeat_interleave(G, 0))
     pixels = place(b["pixel_values"][torch.tensor([r for r, _, _ in asked]).repeat_interleave(G)])
-    pixels, device = data.normalize_images(pixels, *raw.cfg.vision.image_stats), prompt_ids.device
+    pixels, device = images.normalize_images(pixels, *raw.cfg.vision.image_stats), prompt_ids.device
     suppress = torch.arange(raw.cfg.llm.vocab_size, device=device)
     placeholders = [t for t in (raw.cfg.image_token_id, raw.cfg.video_token_id) if t is not None]
     suppress = (suppress >= tok.vocab_size) | torch.isin(suppress, torch.tensor(placeholders, device=device))
@@ -130,15 +139,16 @@ def rollout(raw, b, tok, stop, cfg, score, generator, ref_model=None, static=Fal
     is_stop = (new == stop).long()
     completion_mask = (is_stop.cumsum(1) - is_stop == 0).long() * valid[:, None]  # up to and including the first stop
     host = new if env is None else env.to_host(new)  # the rollout's one transfer from the device
-    texts = [data.decode_answer(tok, row, stop) for row in host.tolist()]
-    answers = [data.decode_answer(tok, a, stop) for _, _, a in asked for _ in range(G)]
+    texts = [chat.decode_answer(tok, row, stop) for row in host.tolist()]
+    answers = [chat.decode_answer(tok, a, stop) for _, _, a in asked for _ in range(G)]
     ids, mask = torch.cat([prompt_ids, new], 1), torch.cat([prompt_mask, completion_mask], 1)
     C = new.shape[1]
     tiles = {k: F.pad(v, (0, 0, 0, C)) for k, v in tiles.items()}  # (B * G, T + C, taps): nothing in the completions
     rewards = score(texts, answers, ids, mask, pixels, tiles).float().to(device)  # (B * G,)
     gen_seconds = time.perf_counter() - t0
-    r = {"ids": ids, "mask": mask, "pixel_values": pixels, "completion_mask": completion_mask,
-         "advantages": group_advantages(rewards, G), "old_logps": None, "ref_logps": None,
+    r = {"ids": ids, "mask": mask, "pixel_values": pixels, "completion_mask": completion_mask, "rewards": rewards,
+         "advantages": group_advantages(rewards, G, cfg["grpo_scale_rewards"], valid), "old_logps": None,
+         "ref_logps": None,
          "skipped": n_asked - n_cut - sum(1 for _, p, _ in asked if p), "cut": n_cut,
          "asked": sum(1 for _, p, _ in asked if p)} | tiles
     if cfg["grpo_iterations"] > 1:  # the sampling policy's log-probs, for the ratio after the first update
@@ -188,7 +198,7 @@ def rl_loss(model, r, cfg):
                                       cfg["grpo_temperature"], tiles_of(r))
     old = logps.detach() if r["old_logps"] is None else r["old_logps"]  # one update a generation batch: ratio 1
     loss, metrics = grpo_loss(logps, old, r["advantages"], r["completion_mask"], cfg["grpo_loss"], cfg["grpo_epsilon"],
-                              beta=cfg["grpo_beta"], ref_logps=r["ref_logps"],
+                              cfg["grpo_epsilon_high"] or None, beta=cfg["grpo_beta"], ref_logps=r["ref_logps"],
                               max_completion_length=cfg["grpo_max_new_tokens"])
     m = r["completion_mask"]
     metrics = {f"rl/{k}": v for k, v in metrics.items()} | r["metrics"]
@@ -219,7 +229,7 @@ def check_judge(spec, judge, policy, tok):
                          f"({', '.join(differ)}: the reward model's first)")
     if any((Path(spec) / name).exists() for name in ("tokenizer.model", "tokenizer.json")):
         try:
-            judge_tok = data.Tokenizer(spec)
+            judge_tok = chat.Tokenizer(spec)
         except Exception as e:  # noqa: BLE001  sentencepiece and tokenizers raise many kinds for a bogus file
             raise SystemExit(f"grpo_reward {spec!r}: cannot load its tokenizer ({type(e).__name__}: {e})") from None
         if judge_tok.vocab_size != tok.vocab_size or judge_tok.encode(PROBE) != tok.encode(PROBE):
@@ -246,14 +256,14 @@ def reward_scorer(cfg, env, policy, tok):
             return rewards
         return score
     try:
-        judge = convert.load_model(spec, device=env.device).requires_grad_(False).eval()
-    except (convert.ConversionError, OSError, ValueError, KeyError, TypeError) as e:
+        judge = checkpoint.load_model(spec, device=env.device).requires_grad_(False).eval()
+    except (weight_files.ConversionError, OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"grpo_reward {spec!r}: cannot load the reward model ({e})") from None
     if judge.reward_head is None:
         raise SystemExit(f"grpo_reward {spec!r}: the checkpoint has no reward head (train one with objective='reward')")
     check_judge(spec, judge, policy, tok)
-    if env.distributed and env.kind != "xla" and cfg["parallel"] == "fsdp":
-        judge = shard(judge, env, cfg)  # as the policy and the reference: each rank holds its shards
+    if env.distributed and env.kind != "xla" and env.parallel == "fsdp":
+        judge = shard(judge, env)  # as the policy and the reference: each rank holds its shards
     print0(env, f"grpo: rewards from the reward model {spec}")
     return lambda texts, answers, ids, mask, pixels, tiles: judge(ids, pixels, attention_mask=mask, reward=True,
                                                                   **tiles)[1]
@@ -271,6 +281,10 @@ def check_config(cfg):
                          f"{cfg['grpo_group']}, {cfg['grpo_iterations']}, {cfg['grpo_max_new_tokens']}")
     if cfg["grpo_beta"] < 0 or cfg["grpo_epsilon"] <= 0 or cfg["grpo_temperature"] <= 0 or not 0 < cfg["grpo_top_p"] <= 1:
         raise SystemExit("config: grpo_beta must be >= 0, grpo_epsilon and grpo_temperature > 0, grpo_top_p in (0, 1]")
+    if cfg["grpo_scale_rewards"] not in GRPO_SCALES:
+        raise SystemExit(f"config: grpo_scale_rewards must be one of {GRPO_SCALES}, got {cfg['grpo_scale_rewards']!r}")
+    if cfg["grpo_epsilon_high"] < 0:
+        raise SystemExit(f"config: grpo_epsilon_high must be >= 0 (0: grpo_epsilon), got {cfg['grpo_epsilon_high']}")
     if cfg["pack"]:
         raise SystemExit("config: objective='grpo' samples one prompt a row: pack must be 0")
     room = cfg["seq_len"] - cfg["grpo_max_new_tokens"]  # static rollouts (grpo_static, XLA) must fit in seq_len
@@ -286,40 +300,91 @@ def check_config(cfg):
             raise SystemExit(f"config: {e}") from None
 
 
-ROLLOUT_KEYS = ("grpo_group", "grpo_loss", "grpo_beta", "grpo_max_new_tokens", "grpo_temperature", "grpo_top_p",
-                "grpo_reward", "grpo_static", "grpo_prompt_len")
+def check_ppo_config(cfg, replicas=1):
+    """objective='ppo': its keys in train.py's config, each error one sentence. replicas: the ranks (1 under SPMD, whose
+    micro_batch_size is global), when known: a mini-batch is whole micro-steps of micro_batch_size x replicas."""
+    if not (0 <= cfg["ppo_gamma"] <= 1 and 0 <= cfg["ppo_lam"] <= 1):
+        raise SystemExit(f"config: ppo_gamma and ppo_lam must lie in [0, 1], got {cfg['ppo_gamma']}, {cfg['ppo_lam']}")
+    mini = cfg["ppo_mini_batch_size"] or cfg["batch_size"]
+    if mini < 0 or cfg["batch_size"] % mini:
+        raise SystemExit(f"config: ppo_mini_batch_size={cfg['ppo_mini_batch_size']} must divide the rollout batch "
+                         f"batch_size={cfg['batch_size']} (each mini-batch is one optimizer step; 0: the whole batch)")
+    if mini % (cfg["micro_batch_size"] * replicas):
+        raise SystemExit(f"config: ppo_mini_batch_size={mini} must be a multiple of micro_batch_size x ranks = "
+                         f"{cfg['micro_batch_size']} x {replicas}")
+    if cfg["ppo_kl_estimator"] not in KL_ESTIMATORS:
+        raise SystemExit(f"config: ppo_kl_estimator must be one of {KL_ESTIMATORS}, got {cfg['ppo_kl_estimator']!r}")
+    if cfg["ppo_epochs"] < 1 or cfg["ppo_clip"] <= 0 or cfg["ppo_clip_value"] <= 0 or cfg["ppo_kl_coef"] < 0 or \
+            cfg["ppo_vf_coef"] < 0 or cfg["ppo_missing_end_penalty"] < 0:
+        raise SystemExit("config: ppo_epochs must be >= 1, ppo_clip and ppo_clip_value > 0, ppo_kl_coef, ppo_vf_coef "
+                         "and ppo_missing_end_penalty >= 0")
+    if not cfg["grpo_reward"]:
+        raise SystemExit("config: objective='ppo' needs a reward: grpo_reward = a rule ('exact_match', "
+                         "'module:function') or a reward-model checkpoint directory")
+    value = cfg["ppo_value_init"] or (cfg["grpo_reward"] if Path(cfg["grpo_reward"]).is_dir() else "")
+    if not value:
+        raise SystemExit(f"config: objective='ppo' needs a value model to start from: ppo_value_init = a reward-model "
+                         f"checkpoint directory (grpo_reward {cfg['grpo_reward']!r} is a rule, not one)")
+    if not Path(value).is_dir():
+        raise SystemExit(f"config: ppo_value_init {value!r}: no such checkpoint directory")
 
 
-def setup(cfg, env, loader, resume_from, policy):
-    """objective='grpo': the tokenizer, the stop token, the reward scorer and the sampler of the rollouts; and the
-    generation batch in flight when a checkpoint taken inside one (grpo_iterations > 1) was written."""
-    tok = loader.stream.tok
-    static = cfg["grpo_static"] or env.kind == "xla"  # one compiled rollout: fixed prompt bucket and length
-    if env.kind == "xla" and env.world > 1:
-        raise SystemExit("config: objective='grpo' under XLA runs on one host (multi-host rollouts are not built)")
-    longest = cfg["seq_len"] - 1 + cfg["grpo_max_new_tokens"]  # a prompt and its completion (static: in seq_len)
-    if not static and longest > policy.llm.max_seq_len:
-        raise SystemExit(f"config: seq_len - 1 prompt tokens + grpo_max_new_tokens = {longest} exceed the model's "
-                         f"max_seq_len={policy.llm.max_seq_len}: lower seq_len (longer prompts are dropped)")
-    if static:
-        print0(env, f"grpo: static rollouts, prompts left-padded to {prompt_bucket(cfg)} tokens (longer ones skipped), "
-               f"{cfg['grpo_max_new_tokens']} new tokens, hashed draws")
-    saved = saved_own(resume_from, env) if resume_from else None
-    state = json.loads((resume_from / "state.json").read_text()) if resume_from else {}
-    rollout_config = lambda c: {k: bool(c.get(k)) if k == "grpo_beta" else c.get(k) for k in ROLLOUT_KEYS}  # noqa: E731
-    made_with, now = rollout_config(state.get("config", {})), rollout_config(cfg)
-    changed = [k for k in ROLLOUT_KEYS if made_with[k] != now[k]] if saved is not None else []
-    if changed:  # its rollouts lack reference log-probs, or hold other groups, loss units, samples
-        print0(env, f"resume: the generation batch in {resume_from} was sampled with other {', '.join(changed)}: "
-               f"sampling a new one")
-        saved = None
-    elif resume_from and saved is None and state["iter"] % cfg["grpo_iterations"]:
-        print0(env, f"resume: {resume_from} holds no generation batch for this world size: sampling a new one")
-    device = "cpu" if env.kind == "xla" else env.device
-    return SimpleNamespace(tok=tok, stop=data.stop_token_id(cfg["template"], tok),
-                           score=reward_scorer(cfg, env, policy, tok),
-                           sampler=torch.Generator(device), static=static,
-                           rollouts=rollouts_from_state(saved, env.device) if saved else None)
+LATER_KEYS = {"grpo_scale_rewards": "group"}  # what a checkpoint written before the key existed was made with
+ROLLOUT_KEYS = ("grpo_group", "grpo_loss", "grpo_scale_rewards", "grpo_beta", "grpo_max_new_tokens", "grpo_temperature",
+                "grpo_top_p", "grpo_reward", "grpo_static", "grpo_prompt_len")
+
+
+class GenerationBatches:
+    """What a GRPO step trains on: a generation batch, sampled from the loader's prompts every grpo_iterations steps
+    and reused in between (train.ReadBatches is the other objectives'). Set up with the tokenizer, the stop token, the
+    reward scorer and the sampler of the rollouts, and the generation batch in flight when a checkpoint taken inside
+    one (grpo_iterations > 1) was written."""
+
+    def __init__(self, cfg, env, loader, resume_from, raw):
+        self.cfg, self.env = cfg, env
+        policy = raw.cfg
+        tok = loader.stream.tok
+        static = cfg["grpo_static"] or env.kind == "xla"  # one compiled rollout: fixed prompt bucket and length
+        if env.kind == "xla" and env.world > 1:
+            raise SystemExit("config: objective='grpo' under XLA runs on one host (multi-host rollouts are not built)")
+        longest = cfg["seq_len"] - 1 + cfg["grpo_max_new_tokens"]  # a prompt and its completion (static: in seq_len)
+        if not static and longest > policy.llm.max_seq_len:
+            raise SystemExit(f"config: seq_len - 1 prompt tokens + grpo_max_new_tokens = {longest} exceed the model's "
+                             f"max_seq_len={policy.llm.max_seq_len}: lower seq_len (longer prompts are dropped)")
+        if static:
+            print0(env, f"grpo: static rollouts, prompts left-padded to {prompt_bucket(cfg)} tokens (longer ones skipped), "
+                   f"{cfg['grpo_max_new_tokens']} new tokens, hashed draws")
+        saved = saved_own(resume_from, env) if resume_from else None
+        state = json.loads((resume_from / "state.json").read_text()) if resume_from else {}
+        rollout_config = lambda c: {k: bool(c.get(k)) if k == "grpo_beta" else c.get(k, LATER_KEYS.get(k))  # noqa: E731
+                                    for k in ROLLOUT_KEYS}
+        made_with, now = rollout_config(state.get("config", {})), rollout_config(cfg)
+        changed = [k for k in ROLLOUT_KEYS if made_with[k] != now[k]] if saved is not None else []
+        if changed:  # its rollouts lack reference log-probs, or hold other groups, loss units, samples
+            print0(env, f"resume: the generation batch in {resume_from} was sampled with other {', '.join(changed)}: "
+                   f"sampling a new one")
+            saved = None
+        elif resume_from and saved is None and state["iter"] % cfg["grpo_iterations"]:
+            print0(env, f"resume: {resume_from} holds no generation batch for this world size: sampling a new one")
+        device = "cpu" if env.kind == "xla" else env.device
+        self.tok, self.stop, self.static = tok, chat.stop_token_id(cfg["template"], tok), static
+        self.score, self.sampler = reward_scorer(cfg, env, policy, tok), torch.Generator(device)
+        self.rollouts = rollouts_from_state(saved, env.device) if saved else None
+
+    def fresh(self, it):
+        return it % self.cfg["grpo_iterations"] == 0 or self.rollouts is None
+
+    def prepare(self, micro, raw, ref_model, meter, it):
+        """The step's generation batch: a new one from the host batches when they are fresh, else the one in hand."""
+        return generation_batch(self, raw, micro, ref_model, meter, self.cfg, self.env, it) if micro else self.rollouts
+
+    def skipped(self, fresh):
+        if fresh:  # a skipped step leaves no generation batch for the steps after it: the next one samples
+            self.rollouts = None
+
+    def in_flight(self, it):
+        """The generation batch the next step reuses, for a checkpoint taken inside it."""
+        return rollouts_state(self.rollouts) if it % self.cfg["grpo_iterations"] and self.rollouts else None
 
 
 def generation_batch(grpo, raw, micro, ref_model, meter, cfg, env, it):
@@ -329,7 +394,7 @@ def generation_batch(grpo, raw, micro, ref_model, meter, cfg, env, it):
     done = []
     for m, b in enumerate(micro):  # each micro-batch its own seed: its samples whatever the others drew (FSDP2 = DDP)
         grpo.sampler.manual_seed(cfg["seed"] + 7919 * env.rank + 104729 * it + 1299709 * m)
-        with autocast(env, cfg):
+        with autocast(env):
             done.append(rollout(raw, b, grpo.tok, grpo.stop, cfg, grpo.score, grpo.sampler, ref_model, grpo.static,
                                    env))
     env.step_end()  # XLA: the rollouts' last graph apart from the training step's
@@ -343,4 +408,18 @@ def generation_batch(grpo, raw, micro, ref_model, meter, cfg, env, it):
     meter.gen_seconds += sum(seconds for _, seconds, _ in done)
     meter.gen_rows += sum(len(r["ids"]) for r, _, _ in done)
     grpo.rollouts = [r for r, _, _ in done]
+    if cfg["grpo_scale_rewards"] == "batch":  # TRL divides by the std of the whole generation batch, every rank's
+        std = batch_std(grpo.rollouts, env.all_sum)
+        for r in grpo.rollouts:
+            r["advantages"] = group_advantages(r["rewards"], cfg["grpo_group"], "batch", batch_std=std)
     return grpo.rollouts
+
+
+def batch_std(rollouts, all_sum):
+    """The unbiased std of the rewards of a generation batch's rows with a prompt, over its micro-batches (rollout's
+    dicts) and, through all_sum, every rank's (two passes: rewards far from 0 lose nothing to cancellation)."""
+    valid = [r["mask"][:, -r["completion_mask"].shape[1] - 1].float() for r in rollouts]  # the prompt's last token
+    total = lambda f: all_sum(torch.stack([(v * f(r["rewards"])).sum() for v, r in zip(valid, rollouts)]).sum())  # noqa: E731
+    n = total(torch.ones_like)
+    mean = total(lambda x: x) / n.clamp(min=1)
+    return (total(lambda x: (x - mean) ** 2) / (n - 1).clamp(min=1)).sqrt()

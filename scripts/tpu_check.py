@@ -28,9 +28,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import config  # noqa: E402
 import parallel  # noqa: E402
 import train  # noqa: E402
-from model import build_model, vlm_preset  # noqa: E402
+from model import build_model  # noqa: E402
+from model_config import vlm_preset  # noqa: E402
 
 KERNELS = ("dense", "blockwise", "flash", "splash")
 LENGTHS = {"tpu": (2048, 8192, 32768), "cpu": (320,)}
@@ -164,7 +166,7 @@ def parallel_hbm(env):
 # 2-4. the recipes through train.py
 
 
-def recipe_args(config, preset, shapes, out, rows, cpu):
+def recipe_args(recipe, preset, shapes, out, rows, cpu):
     """train.py's arguments: the recipe, 2 layers deep (--cpu: 1 and tiny), on the shapes samples, a row a device."""
     vlm = vlm_preset(preset)
     if cpu:  # the recipe's kind of model (tower, GQA, anyres, video token) at tiny widths and 28 px tiles
@@ -179,7 +181,7 @@ def recipe_args(config, preset, shapes, out, rows, cpu):
         overrides, shape = {"llm": {"n_layers": 2}, "vision": {"n_layers": 2}}, []
     # the bounded attention these lengths need: splash where the Pallas kernels are (a TPU with jax), else blockwise
     attention = "splash" if not cpu and importlib.util.find_spec("jax") else "blockwise"
-    return [str(ROOT / config), f"--model={preset}", f"--model_overrides={overrides!r}", "--init_from=scratch",
+    return [str(ROOT / recipe), f"--model={preset}", f"--model_overrides={overrides!r}", "--init_from=scratch",
             "--device=xla", "--mesh=[1,-1,1]", f"--data_dir={shapes / 'shards'}",
             f"--tokenizer={shapes / 'tokenizer.model'}", f"--out_dir={out}", f"--batch_size={rows}",
             f"--micro_batch_size={rows}", "--warmup_iters=1", "--lr_decay_iters=4", "--log_interval=1",
@@ -197,41 +199,41 @@ def check_recipes(verdict, env, cpu, work):
     shapes = work / "shapes"
     make_shapes(shapes, n=120, seed=0, val_fraction=0.1)
     rows, resumable = env.n_devices, "configs/onevision_qwen2_7b.py"
-    for config, preset in RECIPES.items():
+    for recipe, preset in RECIPES.items():
         # OneVision's run saves step 2, for the checkpoint check (a save compiles nothing: local shards are written)
-        saves = ["--ckpt_interval=2", "--keep_last=5"] if config == resumable else ["--ckpt_interval=0"]
+        saves = ["--ckpt_interval=2", "--keep_last=5"] if recipe == resumable else ["--ckpt_interval=0"]
         try:
             start = time.perf_counter()
-            train.main(recipe_args(config, preset, shapes, work / Path(config).stem, rows, cpu) + ["--max_iters=3", *saves])
-            seconds, log = time.perf_counter() - start, losses(work / Path(config).stem)
+            train.main(recipe_args(recipe, preset, shapes, work / Path(recipe).stem, rows, cpu) + ["--max_iters=3", *saves])
+            seconds, log = time.perf_counter() - start, losses(work / Path(recipe).stem)
         except (Exception, SystemExit) as e:  # noqa: BLE001  the verdict names it; the other checks still run
-            verdict.add("recipe step", config, failure(e), "FAIL")
+            verdict.add("recipe step", recipe, failure(e), "FAIL")
             continue
         finite = len(log) == 3 and all(math.isfinite(e["loss"]) for e in log)
-        verdict.add("recipe step", f"{config} ({preset}, {'1 layer, tiny' if cpu else '2 layers'})",
+        verdict.add("recipe step", f"{recipe} ({preset}, {'1 layer, tiny' if cpu else '2 layers'})",
                     "losses " + " ".join(f"{e['loss']:.4f}" for e in log) + f"; 3 steps in {seconds:.0f} s with compiles",
                     "PASS" if finite else "FAIL")
         compiles = [e["xla_compiles"] for e in log]
         # steps 1 and 2 compile (the second sees AdamW's state), then one program whatever the packing and tiles
-        verdict.add("compiles after warm-up", config, f"running total after each step: {compiles}",
+        verdict.add("compiles after warm-up", recipe, f"running total after each step: {compiles}",
                     "PASS" if len(compiles) == 3 and compiles[1] == compiles[2] else "FAIL")
     check_checkpoint(verdict, work, shapes, rows, cpu, resumable)
 
 
-def check_checkpoint(verdict, work, shapes, rows, cpu, config):
+def check_checkpoint(verdict, work, shapes, rows, cpu, recipe):
     """A run resumes the recipe run's step 2 and trains step 3 again: the same loss."""
-    saved, resumed = work / Path(config).stem, work / "resumed"
+    saved, resumed = work / Path(recipe).stem, work / "resumed"
     try:
         resumed.mkdir()
         shutil.copytree(saved / "step-000002", resumed / "step-000002")
-        train.main(recipe_args(config, RECIPES[config], shapes, resumed, rows, cpu) +
+        train.main(recipe_args(recipe, RECIPES[recipe], shapes, resumed, rows, cpu) +
                    ["--max_iters=3", "--ckpt_interval=0", "--init_from=resume"])
         straight, again = losses(saved)[-1], losses(resumed)[-1]
     except (Exception, SystemExit) as e:  # noqa: BLE001
-        verdict.add("checkpoint", config, failure(e), "FAIL")
+        verdict.add("checkpoint", recipe, failure(e), "FAIL")
         return
     same = again["step"] == straight["step"] == 3 and abs(again["loss"] - straight["loss"]) <= 1e-4 * abs(straight["loss"])
-    verdict.add("checkpoint", f"{config}: saved at step 2, resumed", f"step 3's loss {again['loss']:.6f}, without the "
+    verdict.add("checkpoint", f"{recipe}: saved at step 2, resumed", f"step 3's loss {again['loss']:.6f}, without the "
                 f"stop {straight['loss']:.6f}", "PASS" if same else "FAIL")
 
 
@@ -248,7 +250,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = train.load_config(["--device=xla", "--mesh=[1,-1,1]"])
+    cfg = config.load_config(["--device=xla", "--mesh=[1,-1,1]"])
     env = parallel.Env(cfg)
     verdict = Verdict()
     print(f"tpu_check: {env.n_devices} XLA devices ({'CPU, dry run' if args.cpu else 'TPU'})", flush=True)

@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from conftest import ROOT, start_in_background, wait_for_background
 
-import train
-from model import blockwise_attention, build_model, vlm_preset
+import config
+from model import blockwise_attention, build_model
+from model_config import vlm_preset
 from xla_attention import MEMORY_T, PARITY, packed_rows
 
 
@@ -96,9 +97,9 @@ def test_pallas_kernels_are_refused_off_a_tpu_in_one_sentence(kind):
     with pytest.raises(SystemExit, match=rf"^config: attention='{kind}' is torch_xla's Pallas kernel, which runs only on "
                                          r"a TPU \(device='xla' on a TPU VM\), not on device='cpu': use "
                                          r"attention='blockwise' \(bounded memory on every device\) or 'dense'$"):
-        train.load_config([f"--attention={kind}", "--device=cpu"])
+        config.load_config([f"--attention={kind}", "--device=cpu"])
     with pytest.raises(SystemExit, match="attention must be one of"):
-        train.load_config(["--attention=ring"])
+        config.load_config(["--attention=ring"])
 
 
 # -----------------------------------------------------------------------------
