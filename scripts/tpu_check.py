@@ -2,14 +2,17 @@
 
 1. attention: SDPA ('dense') against attention='blockwise' and torch_xla's Pallas kernels ('flash', 'splash') on one
    Qwen2-7B decoder layer at 2k, 8k and 32k tokens a row, one row a chip, bf16: the loss and every gradient against
-   dense (blockwise where dense cannot fit), within 1e-2; the compiled program's peak memory a chip; the step time;
+   dense (blockwise where dense cannot fit), within 1e-2 (the gradients' relative norm over every parameter); the
+   compiled program's peak memory a chip (the device's peak so far where no buffer assignment is dumped); the step
+   time; dense is not run where its T x T scores cannot fit a chip;
 2. one training step of each TPU recipe (LLaVA-1.5 stage 1, LLaVA-NeXT-7B, OneVision-7B) at their real widths and
    lengths, 2 layers deep, through train.py itself on a few synthetic shapes samples;
 3. the compile count after warm-up, as the batches' packing and tiles vary;
 4. a checkpoint saved at step 2 and resumed: step 3's loss as without the stop.
 
---cpu runs a dry version on CPU XLA devices (tiny widths, 256 and 512 tokens): the tests run it. The Pallas kernels
-then report their refusal. Exit status 1 when any check fails.
+--cpu runs a dry version on 4 CPU XLA devices (tiny widths, 1 layer, 320 tokens, fp32 for the attention check):
+the tests run it. The Pallas kernels then report their refusal. Exit status 1 when any check fails. Not yet run on a
+TPU: the Pallas rows, the TPU figures and the 10-minute budget are unverified.
 """
 
 import argparse
