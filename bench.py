@@ -7,6 +7,7 @@ Benchmarks. Figures go to BENCHMARKS.md with the command, date and machine.
     python bench.py data [--shards DIR]        # decode + preprocess images/s per core, ours vs webdataset + PIL
     python bench.py xla                        # computed per-device memory of the 7B recipes on TPU pods
     python bench.py levers                     # computed memory, predicted speed of the speed levers (7B, H100)
+    python bench.py attention                  # computed activation memory a chip, dense vs bounded attention (TPU)
     python bench.py checkpoint --ranks 4 [--gib 1.2] [--out DIR]   # sharded checkpoint: time blocked, rank 0's memory
 
 `train` times full training steps (forward, backward, AdamW) on random weights and synthetic
@@ -463,6 +464,49 @@ def print_xla_memory():
               + f" | {sum(sizes) / 2**30:.1f} |")
 
 
+# attention at the OneVision and NeXT recipes' lengths on TPU pods: activation memory a chip, computed
+
+# (recipe, preset, tokens a row, rows a step): configs/onevision_qwen2_7b.py and configs/llava_next_7b.py
+LONG_RECIPES = [("OneVision-7B", "llava-onevision-qwen2-7b", 16384, 64), ("NeXT-7B", "llava-next-vicuna-7b", 4096, 64)]
+ATTENTION_PODS = {"v4-64": (32, 32), "v5p-128": (64, 95)}  # chips, HBM GiB a chip
+
+
+def attention_bytes(c, T, attention, checkpointing, block=512):
+    """Activation bytes of one row of T tokens through the LLM in a bf16 step. Each layer keeps what a fused attention
+    keeps (kept_bytes 'none'), plus: 'dense' (SDPA on XLA) its fp32 probabilities, T a head a token, and while a layer
+    runs backward the scores' and probabilities' gradients and the row's (T, T) mask; 'blockwise' its operand copies
+    and, one layer at a time, six fp32 (heads, T, block) tiles; 'pallas' (flash, splash) nothing beyond (its tiles
+    live in the chip's VMEM). Full checkpointing keeps each layer's fp32 input and one layer's tensors at a time. The
+    attention terms match the compiled CPU programs of tests/xla_attention.py: 12.5 bytes a score (dense, 2 heads,
+    4096 tokens) and 5.6 tiles (blockwise, 16384 tokens)."""
+    H, hd = c.n_heads, c.head_dim
+    kept = {"dense": 4 * H * T, "blockwise": 2 * (2 * H + 2 * c.n_kv_heads) * hd + 4 * H, "pallas": 0}[attention]
+    working = {"dense": 8 * H * T + T, "blockwise": 6 * 4 * H * min(block, T), "pallas": 0}[attention]
+    layer = kept_bytes(c, "none", True) + kept
+    per_token = (c.n_layers * 4 * c.dim + layer if checkpointing else c.n_layers * layer) + working
+    return T * per_token
+
+
+def print_attention_memory():
+    """Computed, not measured: activation GiB a chip for the long recipes (rows of the step split over the chips, the
+    LLM's activations; weights, gradients and AdamW moments fp32 and sharded over every chip, stage 0)."""
+    from model import VLM
+
+    kinds = [(a, ckpt) for a in ("dense", "blockwise", "pallas") for ckpt in (False, True)]
+    print("| recipe (tokens a row) | pod (chips, HBM) | rows a chip | weights + grads + AdamW | " +
+          " | ".join(f"{a}{', checkpointed' if ckpt else ''}" for a, ckpt in kinds) + " |")
+    print("|---|---|---|---|" + "---|" * len(kinds))
+    for name, preset, T, rows in LONG_RECIPES:
+        with torch.device("meta"):
+            model = VLM(vlm_preset(preset))
+        state = 16 * sum(p.numel() for p in model.parameters())
+        for pod, (chips, hbm) in ATTENTION_PODS.items():
+            r = rows / chips
+            cells = [r * attention_bytes(model.cfg.llm, T, a, ckpt) / 2**30 for a, ckpt in kinds]
+            print(f"| {name} ({T}) | {pod} ({chips}, {hbm} GiB) | {r:g} | {state / chips / 2**30:.1f} | " +
+                  " | ".join(f"{x:,.1f}" for x in cells) + " |")
+
+
 # -----------------------------------------------------------------------------
 # levers: computed memory of frozen_dtype and of the checkpointing settings, and predicted speed
 
@@ -684,6 +728,7 @@ def main(argv=None):
     d.add_argument("--n", type=int, default=400)
     sub.add_parser("xla", help="computed per-device memory of the LLaVA-1.5-7B TPU recipes (docs/recipes.md)")
     sub.add_parser("levers", help="computed memory and predicted speed of the speed levers for LLaVA-1.5-7B")
+    sub.add_parser("attention", help="computed activation memory a chip of the long recipes: dense vs bounded attention")
     c = sub.add_parser("checkpoint", help="a sharded checkpoint's blocked time, commit time and rank 0's extra memory")
     c.add_argument("--ranks", type=int, default=1)
     c.add_argument("--gib", type=float, default=1.2, help="weights + AdamW moments, GiB")
@@ -697,6 +742,8 @@ def main(argv=None):
         print_xla_memory()
     elif args.cmd == "levers":
         print_levers()
+    elif args.cmd == "attention":
+        print_attention_memory()
     elif args.cmd == "data":
         shards = args.shards or make_bench_shards(args.workdir, args.n)
         r = bench_images(shards, args.size)

@@ -16,6 +16,7 @@ import rl
 from lora import LoRAConfig
 from model import DPO_LOSSES
 from model_config import vlm_preset
+from parallel import ATTENTION, PALLAS, pallas_refusal
 
 # -----------------------------------------------------------------------------
 # a run's typed defaults; configs/*.py and --key=value may change only these keys
@@ -80,6 +81,11 @@ checkpoint_policy = "full"  # 'selective': keep the matmul and attention outputs
 checkpoint_every = 1  # k: checkpoint blocks 0, k, 2k, ... of each tower; the others keep all their activations
 frozen_dtype = "float32"  # 'bfloat16' (with dtype='bfloat16'): frozen Linear/Conv weights stored in bf16, never cast
 loss_chunk = 0  # > 0: cross-entropy over this many positions at a time, never the full fp32 logits
+# 'dense': SDPA (packed rows: a (B, 1, T, T) mask, or FlexAttention on CUDA with compile); 'blockwise': an online
+# softmax over key blocks, memory linear in seq_len on every device (XLA: one compiled loop); 'flash', 'splash':
+# torch_xla's Pallas kernels (TPU only, not verified in llavax's tests)
+attention = "dense"
+attention_block = 512  # keys a step of attention='blockwise'
 peak_flops = 0.0  # per device, for MFU; 0 uses the bf16 dense peak of a known GPU
 seed = 0
 # preference training (docs/post-training.md "DPO"): rows of chosen and rejected answers from preference shards
@@ -192,7 +198,7 @@ def run_config_file(arg):
 # the values checked
 
 POSITIVE = ("batch_size", "micro_batch_size", "max_iters", "seq_len", "log_interval", "shuffle_block",
-            "max_nonfinite_steps", "checkpoint_every")
+            "max_nonfinite_steps", "checkpoint_every", "attention_block")
 NON_NEGATIVE = ("eval_interval", "eval_iters", "ckpt_interval", "keep_last", "num_workers", "pack", "warmup_iters",
                 "lr_decay_iters", "max_tiles", "final_accuracy_samples", "lr", "min_lr", "weight_decay", "grad_clip",
                 "loss_chunk", "peak_flops")
@@ -225,6 +231,10 @@ def check(cfg):
 
 
 def check_speed_levers(cfg):
+    if cfg["attention"] not in ATTENTION:
+        raise SystemExit(f"config: attention must be one of {ATTENTION}, got {cfg['attention']!r}")
+    if cfg["attention"] in PALLAS and cfg["device"] != "xla":
+        raise SystemExit(pallas_refusal(cfg["attention"], f"device={cfg['device']!r}"))
     if cfg["checkpoint_policy"] not in ("full", "selective"):
         raise SystemExit(f"config: checkpoint_policy must be 'full' or 'selective', got {cfg['checkpoint_policy']!r}")
     if cfg["checkpoint_policy"] == "selective" and cfg["device"] == "xla":

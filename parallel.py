@@ -8,6 +8,7 @@ collectives from the sharding annotations below, and each host reads its own par
 """
 
 import functools
+import importlib.util
 import os
 import re
 import resource
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lora import is_lora_parameter
-from model import param_group
+from model import blockwise_attention, loop_scan, param_group
 
 AXES = ("dp", "fsdp", "tp")
 BATCH = ("dp", "fsdp")  # the batch dimension of inputs and activations is split over both data axes
@@ -202,6 +203,76 @@ def _xla_checkpoint(fn, *args):
     if block and torch.is_grad_enabled() and not args[0].requires_grad and any(p.requires_grad for p in fn.parameters()):
         args = (args[0].detach().requires_grad_(), *args[1:])
     return torch_xla.utils.checkpoint.checkpoint(fn.__call__ if block else fn, *args)
+
+
+# -----------------------------------------------------------------------------
+# attention: what the model calls in place of SDPA (Llama.attention_kernel), chosen once at setup
+
+ATTENTION = ("dense", "blockwise", "flash", "splash")
+PALLAS = ("flash", "splash")
+
+
+def pallas_refusal(kind, device):
+    return (f"config: attention={kind!r} is torch_xla's Pallas kernel, which runs only on a TPU (device='xla' on a TPU "
+            f"VM), not on {device}: use attention='blockwise' (bounded memory on every device) or 'dense'")
+
+
+def attention_kernel(kind, block, env, window=None):
+    """f(q, k, v, segments, window) -> (B, H, T, hd) for Llama.attention_kernel, or None for SDPA ('dense': packed
+    rows get a (B, 1, T, T) mask, or FlexAttention on CUDA with compiled blocks). window: the model's sliding window
+    where it is shorter than the rows (torch_xla's flash kernel has none)."""
+    if kind == "dense":
+        return None
+    if kind == "blockwise":
+        return functools.partial(blockwise_attention, block=block, scan=_xla_scan if env.kind == "xla" else loop_scan)
+    device = env.kind
+    if env.kind == "xla":
+        import torch_xla.runtime as xr
+
+        device = f"an XLA {xr.device_type()} device"
+    if device != "an XLA TPU device":
+        raise SystemExit(pallas_refusal(kind, device))
+    if importlib.util.find_spec("jax") is None:  # found, not imported: torch_xla must hold the TPU before JAX does
+        raise SystemExit(f"config: attention={kind!r} needs torch_xla's Pallas extra (the kernels are JAX's): pip "
+                         f"install 'torch_xla[pallas]' (jax, jaxlib)")
+    if kind == "flash" and window:
+        raise SystemExit(f"config: attention='flash' has no sliding window, and this model's is {window} tokens, "
+                         f"shorter than its rows: use attention='splash' or 'blockwise'")
+    return functools.partial(_flash_attention if kind == "flash" else _splash_attention, mesh=env.mesh)
+
+
+def _xla_scan(fn, init, xs):
+    from torch_xla.experimental.scan import scan
+
+    # one XLA While over the key blocks; pure: each step function is traced once a shape, not at every layer and step
+    return scan(fn, init, xs, is_fn_pure=True)
+
+
+def _flash_attention(q, k, v, segments=None, window=None, mesh=None):
+    # as torchprime calls it: q scaled here, K/V repeated to every head (the kernel has no GQA), segment ids for packed
+    # rows; batch over the data axes and heads over tp, each device running the kernel on its part
+    from torch_xla.experimental.custom_kernel import flash_attention
+
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, H, T, hd)
+    ids = None if segments is None else segments.to(torch.int32)
+    return flash_attention(q * q.shape[-1] ** -0.5, k, v, causal=True, q_segment_ids=ids, kv_segment_ids=ids,
+                           sm_scale=1.0, partition_spec=(BATCH, "tp", None, None), mesh=mesh)
+
+
+def _splash_attention(q, k, v, segments=None, window=None, mesh=None):
+    # GQA natively; torch_xla's wrapper wants the data axes named 'data' and 'fsdp', and takes its settings as JSON.
+    # Its local mask sees `window` keys on each side: window - 1 back and the diagonal is Qwen2's (HF: kv > q - window)
+    import torch_xla.distributed.spmd as xs
+    from torch_xla.experimental.splash_attention import SplashAttentionConfig, splash_attention
+
+    named = xs.Mesh(mesh.device_ids, mesh.mesh_shape, ("data", "fsdp", "tp"))
+    config = SplashAttentionConfig(mesh=str(named), qkv_partition_spec=(("data", "fsdp"), "tp", None, None),
+                                   segment_ids_partition_spec=(("data", "fsdp"), None),
+                                   attentiontype_local_sliding=bool(window),
+                                   slide_window_size=window - 1 if window else None)
+    ids = None if segments is None else segments.to(torch.int32)
+    return splash_attention(q * q.shape[-1] ** -0.5, k, v, config.to_json(), decoder_segment_ids=ids, causal=True)
 
 
 def shard(model, env):

@@ -35,8 +35,8 @@ from loader import Loader, ShardStream
 from lora import apply_lora, is_lora_parameter, merge_lora
 from model import build_model
 from model_config import VLMConfig
-from parallel import (Env, autocast, checkpoint_fn, compile_blocks, flops_per_sample, freeze, frozen_matmul_weights,
-                      grad_sync, init_optimizer_state, make_optimizer, print0, set_checkpointing,
+from parallel import (Env, attention_kernel, autocast, checkpoint_fn, compile_blocks, flops_per_sample, freeze,
+                      frozen_matmul_weights, grad_sync, init_optimizer_state, make_optimizer, print0, set_checkpointing,
                       shard, store_frozen, use_flex_attention)
 
 # -----------------------------------------------------------------------------
@@ -219,7 +219,11 @@ def apply_backends(raw, cfg, env, objective):
     if objective.reward_head:
         add_reward_head(raw, cfg["seed"])
     raw.loss_chunk, raw.recompute = cfg["loss_chunk"], checkpoint_fn(env.kind)
-    raw.llm.flex_attention = use_flex_attention(cfg["pack"] > 0, env.kind, cfg["compile"], cfg["seq_len"])
+    raw.llm.flex_attention = cfg["attention"] == "dense" and use_flex_attention(cfg["pack"] > 0, env.kind, cfg["compile"],
+                                                                                cfg["seq_len"])
+    window = raw.cfg.llm.sliding_window
+    raw.llm.attention_kernel = attention_kernel(cfg["attention"], cfg["attention_block"], env,
+                                                window if window and window < cfg["seq_len"] else None)
     if cfg["frozen_dtype"] == "bfloat16":
         n = sum(p.numel() for p in frozen_matmul_weights(raw))
         store_frozen(raw, torch.bfloat16)
