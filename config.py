@@ -14,7 +14,7 @@ from pathlib import Path
 import chat
 import rl
 from lora import LoRAConfig
-from model import DPO_LOSSES
+from losses import DPO_LOSSES
 from model_config import vlm_preset
 from parallel import ATTENTION, PALLAS, pallas_refusal
 

@@ -27,8 +27,9 @@ import loader
 import weight_files
 from evaluation import device_batch
 from lora import adapters_off, is_lora_parameter
-from model import dpo_loss as pair_loss  # train.py's config key dpo_loss names its kind
-from model import left_pad, reward_loss
+from losses import dpo_loss as pair_loss  # train.py's config key dpo_loss names its kind
+from losses import reward_loss
+from model import left_pad
 from pack import pack
 from parallel import autocast, checkpoint_fn, print0, shard
 

@@ -17,7 +17,8 @@ import checkpoint
 import images
 import weight_files
 from checkpoint import saved_own
-from model import GRPO_LOSSES, GRPO_SCALES, KL_ESTIMATORS, group_advantages, grpo_loss, left_pad
+from losses import GRPO_LOSSES, GRPO_SCALES, KL_ESTIMATORS, group_advantages, grpo_loss
+from model import left_pad
 from parallel import autocast, gathered_for_generation, print0, shard
 
 

@@ -16,7 +16,7 @@ import config
 import images
 import rl
 import train
-from model import group_advantages, grpo_loss
+from losses import group_advantages, grpo_loss
 
 os.environ["USE_TORCH_XLA"] = "0"  # TRL would otherwise import torch_xla and move to an XLA device
 

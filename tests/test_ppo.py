@@ -16,8 +16,8 @@ from conftest import ROOT, start_in_background, wait_for_background
 import checkpoint
 import config
 import rl
-from model import (build_model, explained_variance, gae, masked_whiten, ppo_loss, ppo_rewards, ppo_score,
-                   ppo_value_loss)
+from losses import explained_variance, gae, masked_whiten, ppo_loss, ppo_rewards, ppo_score, ppo_value_loss
+from model import build_model
 from model_config import vlm_preset
 
 LENGTHS = [9, 1, 5, 0, 7]  # completion tokens a row (0: a static rollout's row without a prompt), of C = 9 slots

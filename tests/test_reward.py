@@ -12,7 +12,8 @@ from test_dpo import IMAGE, N_IMAGE_TOKENS, PAD, debug_init, our_model
 import checkpoint
 import train
 import weight_files
-from model import build_model, reward_loss
+from losses import reward_loss
+from model import build_model
 
 
 def test_reward_loss_and_metrics_equal_an_independent_bradley_terry():

@@ -14,6 +14,7 @@ its recorded logits, and approxkl's mean over every slot (padding's zeros includ
 usage: python tests/trl_ppo.py SIDE_DIR OUT_JSON
 """
 
+import losses
 import json
 import os
 import shutil
@@ -162,20 +163,20 @@ def main(side, out):
             rm = ours["reward"](ids, pixels[order], attention_mask=attention, reward=True)[1]
         old_logps = record["old_logits"].log_softmax(-1).gather(-1, completions[order, :, None]).squeeze(-1)
         old_values = values + 0.3 * value_noise[order, P - 1 : -1]
-        scores = model.ppo_score(rm, ended, missing_end_penalty=1.5)
+        scores = losses.ppo_score(rm, ended, missing_end_penalty=1.5)
         mask_p1 = torch.maximum(mask, torch.nn.functional.pad(mask, (1, 0))[:, :C])  # TRL's ~padding_mask_p1
         got = {"mask": mask, "mask_p1": mask_p1, "logps": logps, "entropy": entropy, "values": values, "rm": rm,
                "scores": scores}
         for layout, value_mask in (("trl", mask_p1), ("easylm", mask)):
             # TRL's padding log-probs are equal (INVALID_LOGPROB): no KL at its extra token
             old, ref = old_logps.masked_fill(mask == 0, 1.0), ref_logps.masked_fill(mask == 0, 1.0)
-            rewards, kl = model.ppo_rewards(old, ref, scores, value_mask, 0.3, settings["kl_estimator"])
+            rewards, kl = losses.ppo_rewards(old, ref, scores, value_mask, 0.3, settings["kl_estimator"])
             if settings["whiten_rewards"]:
-                rewards = model.masked_whiten(rewards, value_mask, shift_mean=False)
-            advantages, returns = model.gae(rewards, old_values, value_mask, settings["gamma"], settings["lam"])
-            advantages = model.masked_whiten(advantages, mask)
-            policy_loss, policy_metrics = model.ppo_policy_loss(logps, old, advantages, mask, 0.2)
-            value_loss, value_metrics = model.ppo_value_loss(values, old_values, returns, value_mask, 0.2)
+                rewards = losses.masked_whiten(rewards, value_mask, shift_mean=False)
+            advantages, returns = losses.gae(rewards, old_values, value_mask, settings["gamma"], settings["lam"])
+            advantages = losses.masked_whiten(advantages, mask)
+            policy_loss, policy_metrics = losses.ppo_policy_loss(logps, old, advantages, mask, 0.2)
+            value_loss, value_metrics = losses.ppo_value_loss(values, old_values, returns, value_mask, 0.2)
             got[layout] = {"rewards": rewards, "kl": kl, "advantages": advantages, "returns": returns,
                            "policy_loss": policy_loss, "value_loss": value_loss} | policy_metrics | value_metrics
         return got
