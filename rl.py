@@ -536,6 +536,7 @@ class PPOBatches:
     def prepare(self, micro, raw, ref_model, meter, it):
         """Step it's micro-batches: a new rollout batch from the host batches when they are fresh, then the rows of
         this step's mini-batch in its epoch's order, placed on the device."""
+        self.env.step_end()  # XLA: what is pending (the log's resets) apart, so every step's graph is the same
         if micro:
             self.batch = rollout_batch(self, raw, micro, ref_model, meter, it)
         k = it % self.cycle
@@ -550,9 +551,11 @@ class PPOBatches:
         m = {k: env.place_rows(b[k][idx]) for k in TRAINED_ON if k in b}
         m["pixel_values"] = images.normalize_images(m["pixel_values"], *self.vision.image_stats)
         asked = int(b["valid"][idx].sum())  # rows with a prompt: whether the micro-batch's metrics count
-        metrics = {k.removeprefix("metrics."): v * bool(asked) for k, v in b.items() if k.startswith("metrics.")}
+        names = [k for k in b if k.startswith("metrics.")]
+        # one vector: XLA would make a 0-d tensor holding 0 or 1 a constant of the graph (a graph for each value)
+        values = (torch.stack([b[k] for k in names]) * bool(asked)).to(env.device)
         return m | {"units": m["completion_mask"].sum(), "asked": asked,
-                    "metrics": {k: v.to(env.device) for k, v in metrics.items()}}
+                    "metrics": {k.removeprefix("metrics."): values[i] for i, k in enumerate(names)}}
 
     def skipped(self, fresh):
         if fresh:  # a skipped step leaves no rollout batch for the steps after it: the next one samples
@@ -570,7 +573,6 @@ def rollout_batch(ppo, raw, micro, ref_model, meter, it):
     host the per-token rewards, GAE advantages and returns, advantages whitened over the whole batch, every rank's.
     Returns {name: host tensor}: the rows, and the batch's metrics ("metrics.rl/...")."""
     cfg, env = ppo.cfg, ppo.env
-    env.step_end()  # XLA: what is pending stays out of the rollouts' graphs
     done = []
     for m, b in enumerate(micro):
         ppo.sampler.manual_seed(cfg["seed"] + 7919 * env.rank + 104729 * it + 1299709 * m)
