@@ -320,6 +320,8 @@ def check_rollout_config(cfg):
     if (cfg["grpo_static"] or cfg["device"] == "xla") and not 0 < prompt_bucket(cfg) <= room:
         raise SystemExit(f"config: static rollouts need grpo_prompt_len in [1, seq_len - grpo_max_new_tokens = {room}] "
                          f"(0 takes {room}); got {cfg['grpo_prompt_len']}")
+    if "/" in cfg["grpo_reward"] and not Path(cfg["grpo_reward"]).is_dir():  # not 'module:function' either
+        raise SystemExit(f"config: grpo_reward {cfg['grpo_reward']!r}: no such reward-model checkpoint directory")
     if cfg["grpo_reward"] and not Path(cfg["grpo_reward"]).is_dir():
         try:
             reward_rule(cfg["grpo_reward"])
@@ -348,6 +350,7 @@ def check_ppo_config(cfg, replicas=1):
     if not cfg["grpo_reward"]:
         raise SystemExit("config: objective='ppo' needs a reward: grpo_reward = a rule ('exact_match', "
                          "'module:function') or a reward-model checkpoint directory")
+    check_rollout_config(cfg)
     value = cfg["ppo_value_init"] or (cfg["grpo_reward"] if Path(cfg["grpo_reward"]).is_dir() else "")
     if not value:
         raise SystemExit(f"config: objective='ppo' needs a value model to start from: ppo_value_init = a reward-model "
@@ -357,7 +360,6 @@ def check_ppo_config(cfg, replicas=1):
     if (cfg["grpo_reference"] or cfg["init_from"]) in ("scratch", "resume"):
         raise SystemExit("config: objective='ppo' needs a reference checkpoint for its KL penalty: init_from, or "
                          "grpo_reference=DIR")
-    check_rollout_config(cfg)
 
 
 LATER_KEYS = {"grpo_scale_rewards": "group"}  # what a checkpoint written before the key existed was made with

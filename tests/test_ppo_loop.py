@@ -2,6 +2,7 @@
 by the one AdamW over ppo_epochs passes of mini-batches; resume inside a rollout batch, torchrun DDP and FSDP2, XLA
 SPMD. PPO's formulas themselves are checked against TRL 1.12 and EasyLM in test_ppo.py."""
 
+import json
 import math
 
 import pytest
@@ -46,8 +47,7 @@ def test_ppo_epochs_lower_the_surrogate_and_the_value_loss_and_train_both_models
     unpadded, by the models that sampled it; its advantages are whitened over the whole batch."""
     init, judge = policy_and_judge(shapes_pairs, tmp_path, stop_weight=8.0)
     train.main(ppo_args(shapes_pairs, tmp_path / "out", init, judge, "--max_iters=4", "--batch_size=4",
-                        "--micro_batch_size=2", "--ppo_epochs=4", "--lr=3e-5", "--ckpt_interval=1",
-                        "--keep_last=4"))
+                        "--micro_batch_size=2", "--ppo_epochs=4", "--lr=3e-5", "--ckpt_interval=3"))
     logged = run_log(tmp_path / "out", "rl/reward")
     assert [e["step"] for e in logged] == [1, 2, 3, 4]
     assert all(math.isfinite(e[k]) for e in logged for k in LOGGED)
@@ -59,7 +59,7 @@ def test_ppo_epochs_lower_the_surrogate_and_the_value_loss_and_train_both_models
     assert all(e["rl/value_loss"] < first["rl/value_loss"] for e in later), [e["rl/value_loss"] for e in logged]
     assert all(e["rl/approx_kl"] > 0 and e["rl/policy_clipfrac"] > 0 for e in later)  # the ratio moved, the clip binds
 
-    step = tmp_path / "out/step-000001"
+    step = tmp_path / "out/step-000003"
     before, after = load_file(init / "model.safetensors"), checkpoint_tensors(tmp_path / "out/step-000004")
     assert set(before) == {k[len("model."):] for k in after if k.startswith("model.")}  # a policy checkpoint still
     assert (after["model.llm.layers.0.attention.wq.weight"] - before["llm.layers.0.attention.wq.weight"]).abs().max() > 0
@@ -68,7 +68,7 @@ def test_ppo_epochs_lower_the_surrogate_and_the_value_loss_and_train_both_models
         assert (after[f"value.{name}"] - value_start[name]).abs().max() > 1e-5, name
     assert "value.llm.output.weight" in after and "optim.state.value.reward_head.weight.exp_avg" in after
 
-    batch = load_file(step / "rank0.safetensors")  # the rollout batch step 2 trains on, as sampled at step 1
+    batch = load_file(step / "rank0.safetensors")  # the rollout batch step 4 trains on, as sampled at step 1
     lengths, m = batch["completion_mask"].sum(1), batch["completion_mask"].bool()
     stop = chat.stop_token_id("llama_3", chat.Tokenizer(shapes_pairs / "tokenizer.model"))
     ended = ((batch["ids"][:, -m.shape[1]:] == stop) & m).any(1)  # the completion holds the stop token
@@ -93,10 +93,14 @@ def test_ppo_resumes_exactly_inside_a_rollout_batch(shapes_pairs, tmp_path):  # 
     same order, the same losses and metrics to 1e-5."""
     init, judge = policy_and_judge(shapes_pairs, tmp_path, stop_weight=8.0)
     common = ["--batch_size=4", "--micro_batch_size=1", "--ppo_mini_batch_size=2", "--ppo_epochs=2", "--lr=1e-3",
-              "--ckpt_interval=3", "--ppo_whiten_rewards=True", "--ppo_missing_end_penalty=1.0"]
+              "--ckpt_interval=3", "--ppo_whiten_rewards=True", "--ppo_missing_end_penalty=1.0", "--ppo_value_lr=3e-3"]
     train.main(ppo_args(shapes_pairs, tmp_path / "straight", init, judge, "--max_iters=6", *common))
     train.main(ppo_args(shapes_pairs, tmp_path / "resumed", init, judge, "--max_iters=3", *common))
     assert (tmp_path / "resumed/step-000003/rank0.safetensors").exists()
+    groups = json.loads((tmp_path / "resumed/step-000003/state.json").read_text())["param_groups"]
+    value_groups = [g for g in groups if g["params"][0].startswith("value.")]
+    assert value_groups and all(g["lr_scale"] == pytest.approx(3.0) for g in value_groups)  # ppo_value_lr / lr
+    assert all(g["lr_scale"] == 1.0 for g in groups if g not in value_groups)
     train.main(ppo_args(shapes_pairs, tmp_path / "resumed", "resume", judge, "--max_iters=6", *common,
                         f"--grpo_reference={init}"))
     straight, resumed = run_log(tmp_path / "straight", "rl/reward"), run_log(tmp_path / "resumed", "rl/reward")
@@ -184,20 +188,55 @@ def test_ppo_under_torchrun_fsdp_matches_ddp_and_resumes_exactly(shapes_pairs, t
 
 @pytest.mark.slow
 def test_ppo_on_xla_spmd_compiles_once_and_matches_cpu_eager(shapes_pairs, tmp_path):  # noqa: F811
-    """6 PPO steps under torch_xla SPMD on 4 CPU devices (fsdp 4; a rollout batch of 8 prompts in 2 micro-batches, 2
-    epochs of 2 mini-batches) against the same run on CPU eager with grpo_static=True: static rollouts draw from hashed
-    noise, so both sample the same completions, and rewards, KL, values and losses agree. After step 2 nothing
-    compiles: step 5's rollout batch reuses step 1's graphs."""
+    """4 PPO steps under torch_xla SPMD on 4 CPU devices (fsdp 4; a rollout batch of 8 prompts in 2 micro-batches,
+    one epoch of 2 mini-batches, the seed's ppo_epochs) against the same run on CPU eager with grpo_static=True: static
+    rollouts draw from hashed noise, so both sample the same completions, and rewards, KL, values and losses agree.
+    After step 2 nothing compiles: step 3's rollout batch reuses step 1's graphs."""
     from conftest import ROOT, assert_same_logs, train_on_xla
 
     init, judge = policy_and_judge(shapes_pairs, tmp_path, stop_weight=8.0)
-    common = ["--batch_size=8", "--micro_batch_size=4", "--ppo_mini_batch_size=4", "--ppo_epochs=2", "--lr=3e-5",
-              "--grpo_max_new_tokens=5", "--grpo_prompt_len=26", "--seq_len=40", "--max_iters=6", "--ckpt_interval=0"]
+    common = ["--batch_size=8", "--micro_batch_size=4", "--ppo_mini_batch_size=4", "--ppo_epochs=1", "--lr=1e-4",
+              "--grpo_max_new_tokens=5", "--grpo_prompt_len=26", "--seq_len=40", "--max_iters=4", "--ckpt_interval=0"]
     train.main(ppo_args(shapes_pairs, tmp_path / "cpu", init, judge, *common, "--grpo_static=True"))
     r = train_on_xla(ppo_args(shapes_pairs, tmp_path / "xla", init, judge, *common), timeout=600,
                      env={"PYTHONPATH": str(ROOT / "tests")})
     assert "ppo: static rollouts, prompts left-padded to 26 tokens" in r.stdout
     cpu, xla = run_log(tmp_path / "cpu", "rl/reward"), run_log(tmp_path / "xla", "rl/reward")
-    assert [e["step"] for e in cpu] == [1, 2, 3, 4, 5, 6]
+    assert [e["step"] for e in cpu] == [1, 2, 3, 4]
     assert_same_logs(cpu, xla, ("loss", *LOGGED, "rl/completion_length"))
-    assert cpu[5]["rl/kl"] != 0 and cpu[4]["rl/reward"] != cpu[3]["rl/reward"]
+    assert cpu[3]["rl/kl"] != 0 and cpu[2]["rl/reward"] != cpu[1]["rl/reward"] and cpu[1]["rl/approx_kl"] > 0
+
+
+# the seeds' run (EasyLM llama_train_ppo on a v3-256, REFERENCES.md 15): its flags, and EasyLM's defaults it kept
+EASYLM_SEED_RUN = {"kl_coef": 0.05, "ppo_epochs": 1, "mini_batch_size": 64, "batch_size": 512, "rollouts_per_prompt": 1,
+                   "lr": 1e-6, "warmup_epochs": 0.1, "reward_gain": 1.0, "reward_bias": 0.0,
+                   "max_continuation_len": 1024, "weight_decay": 0.0, "temperature": 0.7, "whiten_rewards": False,
+                   "gamma": 1.0, "lam": 0.95, "cliprange": 0.2, "cliprange_value": 0.2, "vf_coef": 0.1}
+
+
+def test_ppo_configs_parse_and_the_onevision_recipe_is_the_seeds_easylm_run(tmp_path):
+    """configs/ppo_shapes.py parses; configs/ppo_onevision.py holds every hyperparameter of the seeds' EasyLM run
+    that has a counterpart here, its warmup is 10% of the updates then a constant lr (EasyLM's end_lr = lr), it trains
+    on whole rollout batches, and its rows fit the model."""
+    from conftest import ROOT
+
+    import config
+    from model_config import vlm_preset
+
+    (tmp_path / "rm").mkdir()
+    shapes = config.load_config([str(ROOT / "configs/ppo_shapes.py"), f"--grpo_reward={tmp_path / 'rm'}"])
+    assert shapes["objective"] == "ppo" and shapes["init_from"] == config.load_config(
+        [str(ROOT / "configs/grpo_shapes.py")])["init_from"]  # GRPO's start
+    cfg = config.load_config([str(ROOT / "configs/ppo_onevision.py"), f"--grpo_reward={tmp_path / 'rm'}"])
+    rl.check_ppo_config(cfg, replicas=8)
+    ours = {"kl_coef": "ppo_kl_coef", "ppo_epochs": "ppo_epochs", "mini_batch_size": "ppo_mini_batch_size",
+            "batch_size": "batch_size", "lr": "lr", "reward_gain": "ppo_reward_gain", "reward_bias": "ppo_reward_bias",
+            "max_continuation_len": "grpo_max_new_tokens", "weight_decay": "weight_decay",
+            "temperature": "grpo_temperature", "whiten_rewards": "ppo_whiten_rewards", "gamma": "ppo_gamma",
+            "lam": "ppo_lam", "cliprange": "ppo_clip", "cliprange_value": "ppo_clip_value", "vf_coef": "ppo_vf_coef"}
+    assert {k: cfg[v] for k, v in ours.items()} == {k: EASYLM_SEED_RUN[k] for k in ours}
+    updates_a_batch = cfg["batch_size"] // cfg["ppo_mini_batch_size"] * cfg["ppo_epochs"]
+    assert cfg["max_iters"] % updates_a_batch == 0 and cfg["min_lr"] == cfg["lr"] and cfg["ppo_value_lr"] == 0
+    assert cfg["warmup_iters"] == math.ceil(EASYLM_SEED_RUN["warmup_epochs"] * cfg["max_iters"])
+    assert cfg["ppo_kl_estimator"] == "k1" and cfg["grpo_reference"] == cfg["init_from"]
+    assert cfg["seq_len"] + cfg["grpo_max_new_tokens"] <= vlm_preset(cfg["model"]).llm.max_seq_len
