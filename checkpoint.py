@@ -96,13 +96,18 @@ def fsync(path):
 
 
 def expected_keys(path, state):
-    """{DCP key: shape} every complete checkpoint of this model and these param groups holds."""
-    cfg = VLMConfig.from_dict(json.loads((path / "config.json").read_text()))
-    with torch.device("meta"):
-        shapes = {k: tuple(v.shape) for k, v in VLM(cfg).state_dict().items()}
-    if cfg.llm.tie_embeddings:
-        shapes.pop("llm.output.weight", None)
-    keys = {f"model.{k}": s for k, s in shapes.items()}
+    """{DCP key: shape} every complete checkpoint of this model (and PPO's value model) and these param groups holds."""
+    def weight_shapes(config_file, prefix):
+        cfg = VLMConfig.from_dict(json.loads((path / config_file).read_text()))
+        with torch.device("meta"):
+            shapes = {prefix + k: tuple(v.shape) for k, v in VLM(cfg).state_dict().items()}
+        if cfg.llm.tie_embeddings:
+            shapes.pop(f"{prefix}llm.output.weight", None)
+        return shapes
+
+    shapes = weight_shapes("config.json", "") | \
+        (weight_shapes(VALUE_CONFIG, VALUE) if (path / VALUE_CONFIG).exists() else {})
+    keys = {(k if k.startswith(VALUE) else f"model.{k}"): s for k, s in shapes.items()}
     for group in state["param_groups"]:
         for name in group["params"]:
             keys |= {f"optim.state.{name}.exp_avg": shapes[name], f"optim.state.{name}.exp_avg_sq": shapes[name],
@@ -185,27 +190,46 @@ def prune_checkpoints(out, newest, keep_last):
 # the state: each rank's (host's) own shards, by DCP key
 
 
-def train_state(model, raw, optimizer, env):
+def train_state(model, raw, optimizer, env, value=None):
     """({model.NAME / optim.state.NAME.FIELD: tensor}, param groups with parameter names). The tensors are the live
-    ones (FSDP2 DTensors hold this rank's shards; under SPMD, sharded XLA tensors), so DCP can load into them."""
+    ones (FSDP2 DTensors hold this rank's shards; under SPMD, sharded XLA tensors), so DCP can load into them.
+    value: PPO's value model (as the step runs it, unwrapped), trained by the same optimizer: its weights are
+    value.NAME, its parameters value.NAME in the optimizer's state and groups (a step directory still loads as the
+    policy: checkpoint.load_model reads model.* only)."""
     if env.kind == "xla":
-        names = {p: n for n, p in raw.named_parameters()}
-        weights, state = raw.state_dict(), {names[p]: s for p, s in optimizer.state.items()}
+        parts = {"": raw} | ({VALUE: value[1]} if value else {})
+        names = {p: prefix + n for prefix, m in parts.items() for n, p in m.named_parameters()}
+        weights = {prefix + k: v for prefix, m in parts.items() for k, v in m.state_dict().items()}
+        state = {names[p]: s for p, s in optimizer.state.items()}
         groups = [g | {"params": [names[p] for p in g["params"]]} for g in optimizer.param_groups]
     else:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
         from torch.distributed.fsdp import FSDPModule
 
-        for m in model.modules():  # a forward without backward (an evaluation) leaves FSDP2's root gathered: its
+        trained = trained_modules(model, value)
+        for m in trained.modules():  # a forward without backward (an evaluation) leaves FSDP2's root gathered: its
             if isinstance(m, FSDPModule):  # full tensors are then registered, which the optimizer does not hold
                 m.reshard()
-        osd = get_optimizer_state_dict(model, optimizer)  # creates the moments of a fresh optimizer (for a load)
-        weights, state, groups = get_model_state_dict(model), osd["state"], osd["param_groups"]
-    tied = raw.cfg.llm.tie_embeddings
-    tensors = {f"model.{k}": v.detach() for k, v in weights.items()
-               if not (tied and k == "llm.output.weight")}
+        osd = get_optimizer_state_dict(trained, optimizer)  # creates the moments of a fresh optimizer (for a load)
+        weights, state, groups = get_model_state_dict(trained), osd["state"], osd["param_groups"]
+        if value:
+            weights, state = ({k.removeprefix(POLICY): v for k, v in d.items()} for d in (weights, state))
+            groups = [g | {"params": [n.removeprefix(POLICY) for n in g["params"]]} for g in groups]
+    untied = lambda k: not ((raw if not k.startswith(VALUE) else value[1]).cfg.llm.tie_embeddings  # noqa: E731
+                            and k.removeprefix(VALUE) == "llm.output.weight")
+    tensors = {(k if k.startswith(VALUE) else f"model.{k}"): v.detach() for k, v in weights.items() if untied(k)}
     tensors |= {f"optim.state.{name}.{k}": v for name, s in state.items() for k, v in s.items()}
     return tensors, [json.loads(json.dumps(g)) for g in groups]  # tuples to lists, as JSON holds them
+
+
+POLICY, VALUE = "policy.", "value."  # the trained modules' names when PPO's value model trains beside the policy
+VALUE_CONFIG = "value_config.json"  # PPO's value model's VLMConfig, beside the policy's config.json
+
+
+def trained_modules(model, value):
+    """The module whose parameters the optimizer holds, for torch's state-dict functions: the policy, or the policy
+    and PPO's value model side by side."""
+    return model if value is None else torch.nn.ModuleDict({POLICY[:-1]: model, VALUE[:-1]: value[0]})
 
 
 def local_part(t):
@@ -319,8 +343,9 @@ class Checkpointer:
         except SystemExit as e:
             print(e, file=sys.stderr, flush=True)
 
-    def save(self, path, model, raw, optimizer, loader, it, stop=False, own=None):
-        """own: {name: tensor} of this rank alone (GRPO's generation batch in flight), in rank{R}.safetensors."""
+    def save(self, path, model, raw, optimizer, loader, it, stop=False, own=None, value=None):
+        """own: {name: tensor} of this rank alone (GRPO's generation batch in flight), in rank{R}.safetensors. value:
+        PPO's value model (as the step runs it, unwrapped), under value.*."""
         env, cfg, buffers = self.env, self.cfg, self.buffers
         if stop and env.kind != "xla" and self.thread is not None and self.thread.is_alive():
             # a stop must not wait for a periodic write (it may take longer than the grace period): that write goes
@@ -330,7 +355,7 @@ class Checkpointer:
         else:
             self.wait()
         t0 = time.perf_counter()
-        tensors, groups = train_state(model, raw, optimizer, env)
+        tensors, groups = train_state(model, raw, optimizer, env, value)
         rng = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state(env.device)} if env.kind == "cuda" else {})
         ranks = [None] * env.world
         if dist.is_initialized():
@@ -341,7 +366,8 @@ class Checkpointer:
         blocked = time.perf_counter() - t0
         small = {"state": {"iter": it, "loader": loader.state_dict(), "config": cfg, "world": env.world,
                            "param_groups": groups},
-                 "config": raw.cfg.to_dict(), "rng": {f"rank{r}.{k}": v for r, s in enumerate(ranks) for k, v in s.items()},
+                 "config": raw.cfg.to_dict(), "value_config": value[1].cfg.to_dict() if value else None,
+                 "rng": {f"rank{r}.{k}": v for r, s in enumerate(ranks) for k, v in s.items()},
                  "own": {k: v.detach().cpu().contiguous() for k, v in (own or {}).items()}}
         args = (path, staged, small, t0, blocked)
         if stop and env.kind != "xla":
@@ -386,6 +412,8 @@ class Checkpointer:
             if rank == 0:
                 (tmp / "state.json").write_text(json.dumps(small["state"], indent=2))
                 (tmp / "config.json").write_text(json.dumps(small["config"], indent=2))
+                if small["value_config"]:
+                    (tmp / VALUE_CONFIG).write_text(json.dumps(small["value_config"], indent=2))
                 write_safetensors(small["rng"], tmp / "rng.safetensors")
                 for name in ("tokenizer.model", "tokenizer.json"):
                     if Path(cfg["tokenizer"]).name == name and Path(cfg["tokenizer"]).exists():
@@ -458,13 +486,13 @@ class Checkpointer:
     # -------------------------------------------------------------------------
     # loading: into this run's own (sharded) tensors, whatever world size or backend wrote the checkpoint
 
-    def load(self, path, model, raw, optimizer, loader):
+    def load(self, path, model, raw, optimizer, loader, value=None):
         env = self.env
         state = json.loads((path / "state.json").read_text())
-        tensors, groups = train_state(model, raw, optimizer, env)
+        tensors, groups = train_state(model, raw, optimizer, env, value)
         have = saved_tensors(path)
         missing = sorted(set(tensors) - set(have))
-        extra = sorted(k for k in set(have) - set(tensors) if k.startswith(("model.", "optim.state.")))
+        extra = sorted(k for k in set(have) - set(tensors) if k.startswith(("model.", VALUE, "optim.state.")))
         wrong = [k for k in tensors if k in have and tuple(have[k].size) != tuple(tensors[k].shape)]
         if missing or extra or wrong or len(state["param_groups"]) != len(groups):
             raise SystemExit(f"{path}: does not fit this run (another model, stage or lora setting): "
@@ -474,6 +502,7 @@ class Checkpointer:
         dcp.load(tensors, storage_reader=dcp.FileSystemReader(str(path)), planner=planners(env)[1],
                  process_group=self.group)
         weights = {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}
+        value_weights = {k.removeprefix(VALUE): v for k, v in tensors.items() if k.startswith(VALUE)}
         moments = {}
         for key, v in tensors.items():
             if key.startswith("optim.state."):
@@ -485,6 +514,9 @@ class Checkpointer:
         if env.kind == "xla":
             raw.load_state_dict(weights, strict=not raw.cfg.llm.tie_embeddings)
             params = dict(raw.named_parameters())
+            if value:
+                value[1].load_state_dict(value_weights, strict=not value[1].cfg.llm.tie_embeddings)
+                params |= {VALUE + n: p for n, p in value[1].named_parameters()}
             for name, s in moments.items():
                 optimizer.state[params[name]] = s
             for g, saved in zip(optimizer.param_groups, groups):
@@ -496,8 +528,15 @@ class Checkpointer:
                 set_optimizer_state_dict,
             )
 
-            set_model_state_dict(model, weights, options=StateDictOptions(strict=not raw.cfg.llm.tie_embeddings))
-            set_optimizer_state_dict(model, optimizer, {"state": moments, "param_groups": groups})
+            tied = raw.cfg.llm.tie_embeddings or (value is not None and value[1].cfg.llm.tie_embeddings)
+            if value:  # the names torch's functions give the policy's tensors beside the value model's
+                weights = {POLICY + k: v for k, v in weights.items()} | {VALUE + k: v for k, v in value_weights.items()}
+                named = lambda n: n if n.startswith(VALUE) else POLICY + n  # noqa: E731
+                moments = {named(n): s for n, s in moments.items()}
+                groups = [g | {"params": [named(n) for n in g["params"]]} for g in groups]
+            trained = trained_modules(model, value)
+            set_model_state_dict(trained, weights, options=StateDictOptions(strict=not tied))
+            set_optimizer_state_dict(trained, optimizer, {"state": moments, "param_groups": groups})
         rng = load_file(path / "rng.safetensors")
         if f"rank{env.rank}.cpu" in rng:  # a rank the writing run did not have keeps its seeded generator
             torch.set_rng_state(rng[f"rank{env.rank}.cpu"])

@@ -89,7 +89,7 @@ attention_block = 512  # keys a step of attention='blockwise'
 peak_flops = 0.0  # per device, for MFU; 0 uses the bf16 dense peak of a known GPU
 seed = 0
 # preference training (docs/post-training.md "DPO"): rows of chosen and rejected answers from preference shards
-objective = "sft"  # 'sft' (next-token loss) or 'dpo' (against a frozen reference: the init_from checkpoint)
+objective = "sft"  # 'sft' (next-token loss), 'dpo' (against a frozen reference), 'reward', 'grpo' or 'ppo' (below)
 dpo_beta = 0.1
 dpo_loss = "sigmoid"  # 'sigmoid' (DPO), 'ipo' (length-normalised, as TRL), 'hinge'
 dpo_sft_weight = 0.0  # + this x the chosen answers' token NLL (LLaVA-NeXT's gamma; TRL's "sft" loss)
@@ -131,6 +131,7 @@ ppo_mini_batch_size = 0  # prompts an optimizer step; 0: the whole rollout batch
 ppo_clip = 0.2
 ppo_clip_value = 0.2
 ppo_vf_coef = 0.1
+ppo_value_lr = 0.0  # the value model's peak learning rate (on the same schedule); 0: lr, as TRL's one optimizer
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, list, dict))}
 
 
@@ -253,7 +254,7 @@ def check_speed_levers(cfg):
                          "activation_checkpointing=True")
 
 
-OBJECTIVES = ("sft", "dpo", "reward", "grpo")
+OBJECTIVES = ("sft", "dpo", "reward", "grpo", "ppo")
 
 
 def check_objective(cfg):
@@ -268,6 +269,8 @@ def check_objective(cfg):
         raise SystemExit(f"config: objective={cfg['objective']!r} reads a pair into two fixed rows: pack must be 0")
     if cfg["objective"] == "grpo":
         rl.check_config(cfg)
+    if cfg["objective"] == "ppo":
+        rl.check_ppo_config(cfg)
     if cfg["reward_center_weight"] < 0:
         raise SystemExit(f"config: reward_center_weight must be >= 0, got {cfg['reward_center_weight']}")
     if cfg["objective"] == "dpo" and (cfg["dpo_reference"] or cfg["init_from"]) in ("scratch", "resume"):

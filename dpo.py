@@ -35,9 +35,9 @@ from parallel import autocast, checkpoint_fn, print0, shard
 
 
 def reference_model(cfg, env, policy=None):
-    """The frozen reference (dpo, grpo with a KL term), placed as the policy is (FSDP/SPMD-sharded, or whole under
+    """The frozen reference (dpo, grpo with a KL term, ppo), placed as the policy is (FSDP/SPMD-sharded, or whole under
     DDP). With LoRA and no reference named: the policy itself with its adapters off (AdapterFreeReference)."""
-    named = cfg["grpo_reference" if cfg["objective"] == "grpo" else "dpo_reference"]
+    named = cfg["grpo_reference" if cfg["objective"] in ("grpo", "ppo") else "dpo_reference"]
     if cfg["lora"] and not named and policy is not None and not trained_adapters(policy):
         ref = AdapterFreeReference(policy)
         print0(env, f"{cfg['objective']}: reference model = the policy with its LoRA adapters off"

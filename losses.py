@@ -166,14 +166,18 @@ def gae(rewards, values, mask, gamma=1.0, lam=0.95):
     return advantages, advantages + values
 
 
-def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
+def masked_whiten(x, mask, shift_mean=True, eps=1e-8, moments=None):
     """(x - mean) / sqrt(var + eps) with the mean and unbiased variance of x where mask is 1 (one pair for the whole
-    tensor: give it the whole rollout batch), 0 elsewhere; shift_mean=False adds the mean back (rewards keep their
-    level). TRL's masked_whiten (eps 1e-8); EasyLM's whiten has eps 1e-6."""
+    tensor: give it the whole rollout batch, or its moments, those of a batch held in parts: see rl.batch_moments), 0
+    elsewhere; shift_mean=False adds the mean back (rewards keep their level). TRL's masked_whiten (eps 1e-8);
+    EasyLM's whiten has eps 1e-6."""
     mask = mask.float()
-    n = mask.sum()
-    mean = (x * mask).sum() / n.clamp(min=1)
-    var = ((x - mean) ** 2 * mask).sum() / (n - 1).clamp(min=1)
+    if moments is None:
+        n = mask.sum()
+        mean = (x * mask).sum() / n.clamp(min=1)
+        var = ((x - mean) ** 2 * mask).sum() / (n - 1).clamp(min=1)
+    else:
+        mean, var = moments
     whitened = (x - mean) * torch.rsqrt(var + eps)
     return (whitened if shift_mean else whitened + mean) * mask
 

@@ -525,6 +525,11 @@ def compile_blocks(model):
 
 def make_optimizer(raw, env, lr, betas, weight_decay, lr_scale):
     """AdamW over the trained parameters, a group per module (lr_scale: its multiplier) and per decay."""
+    return torch.optim.AdamW(param_groups(raw, weight_decay, lr_scale), lr=lr, betas=betas, **env.optimizer_kwargs())
+
+
+def param_groups(raw, weight_decay, lr_scale):
+    """raw's trained parameters as AdamW's groups: one per module (lr_scale: its multiplier) and per decay."""
     groups = {}
     for name, p in raw.named_parameters():
         if p.requires_grad:
@@ -532,7 +537,7 @@ def make_optimizer(raw, env, lr, betas, weight_decay, lr_scale):
             g = groups.setdefault((module, decay), {"params": [], "lr_scale": lr_scale[module],
                                                     "weight_decay": weight_decay if decay else 0.0})
             g["params"].append(p)
-    return torch.optim.AdamW(list(groups.values()), lr=lr, betas=betas, **env.optimizer_kwargs())
+    return list(groups.values())
 
 
 def flops_per_sample(raw, stage, seq_tokens, n_tiles=1):

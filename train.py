@@ -16,6 +16,7 @@ import shutil
 import signal
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -36,8 +37,8 @@ from lora import apply_lora, is_lora_parameter, merge_lora
 from model import build_model
 from model_config import VLMConfig
 from parallel import (Env, attention_kernel, autocast, checkpoint_fn, compile_blocks, flops_per_sample, freeze,
-                      frozen_matmul_weights, grad_sync, init_optimizer_state, make_optimizer, print0, set_checkpointing,
-                      shard, store_frozen, use_flex_attention)
+                      frozen_matmul_weights, grad_sync, init_optimizer_state, make_optimizer, param_groups, print0,
+                      set_checkpointing, shard, store_frozen, use_flex_attention)
 
 # -----------------------------------------------------------------------------
 # configuration
@@ -213,10 +214,32 @@ def init_model(cfg, env, resume_from):
     return build_model(config.model_config(cfg), device=build_on, seed=cfg["seed"])
 
 
-def apply_backends(raw, cfg, env, objective):
-    """(the model the step runs, its optimizer): freeze -> activation checkpointing -> compile -> shard."""
+def apply_backends(raw, cfg, env, objective, value_raw=None):
+    """(the model the step runs, its optimizer, PPO's value model as the step runs it or None), each model through
+    freeze -> activation checkpointing -> compile -> shard; the value model's parameters in the one AdamW, their own
+    groups at ppo_value_lr."""
+    model = backends(raw, cfg, env, objective.reward_head)
+    value_model = backends(value_raw, cfg, env, reward_head=True) if value_raw is not None else None
+    optimizer = make_optimizer(raw, env, cfg["lr"], (cfg["beta1"], cfg["beta2"]), cfg["weight_decay"], cfg["lr_scale"])
+    init_optimizer_state(raw, optimizer, env)
+    n_trained = sum(p.numel() for p in raw.parameters() if p.requires_grad)
+    print0(env, f"model: {sum(p.numel() for p in raw.parameters()) / 1e6:.2f}M parameters, {n_trained / 1e6:.2f}M "
+           f"trained (stage {cfg['stage']}); {env.world} x {env.kind}, {cfg['parallel'] if env.distributed else 'single'}")
+    if value_model is not None:
+        value_scale = cfg["ppo_value_lr"] / cfg["lr"] if cfg["ppo_value_lr"] and cfg["lr"] else 1.0
+        scales = {k: value_scale * v for k, v in cfg["lr_scale"].items()}  # the schedule's lr x these
+        for group in param_groups(value_raw, cfg["weight_decay"], scales):
+            optimizer.add_param_group(group)
+        init_optimizer_state(value_raw, optimizer, env)
+        n_value = sum(p.numel() for p in value_raw.parameters() if p.requires_grad)
+        print0(env, f"ppo: value model {n_value / 1e6:.2f}M trained parameters, lr {value_scale * cfg['lr']:.2e}")
+    return model, optimizer, value_model
+
+
+def backends(raw, cfg, env, reward_head):
+    """One model (the policy, or PPO's value model) frozen by stage, its activation checkpointing, compiled, sharded."""
     freeze(raw, cfg["stage"])
-    if objective.reward_head:
+    if reward_head:
         add_reward_head(raw, cfg["seed"])
     raw.loss_chunk, raw.recompute = cfg["loss_chunk"], checkpoint_fn(env.kind)
     raw.llm.flex_attention = cfg["attention"] == "dense" and use_flex_attention(cfg["pack"] > 0, env.kind, cfg["compile"],
@@ -232,13 +255,7 @@ def apply_backends(raw, cfg, env, objective):
     set_checkpointing(raw, block_fn if cfg["activation_checkpointing"] else None, cfg["checkpoint_every"])
     if cfg["compile"]:
         compile_blocks(raw)
-    model = shard(raw, env)
-    optimizer = make_optimizer(raw, env, cfg["lr"], (cfg["beta1"], cfg["beta2"]), cfg["weight_decay"], cfg["lr_scale"])
-    init_optimizer_state(raw, optimizer, env)
-    n_trained = sum(p.numel() for p in raw.parameters() if p.requires_grad)
-    print0(env, f"model: {sum(p.numel() for p in raw.parameters()) / 1e6:.2f}M parameters, {n_trained / 1e6:.2f}M "
-           f"trained (stage {cfg['stage']}); {env.world} x {env.kind}, {cfg['parallel'] if env.distributed else 'single'}")
-    return model, optimizer
+    return shard(raw, env)
 
 
 def make_loaders(raw, cfg, env, rows_per_host, pairs):
@@ -343,7 +360,7 @@ def start_meter(raw, cfg, env):
 # the objective, chosen once: its loss, the units a step's loss is divided by, its held-out pass
 
 
-def token_loss(model, b, cfg, ref_model):
+def token_loss(model, b, cfg, ref_model, value_model=None):
     _, loss = model(b["input_ids"], b["pixel_values"], b["labels"], "sum", b.get("position_ids"),
                     image_index=b.get("image_index"), image_weight=b.get("image_weight"))
     return loss, {}
@@ -361,8 +378,9 @@ class ReadBatches:
     """sft, dpo, reward: every step reads its micro-batches from the loader and places them on the device (GRPO's
     counterpart, rl.GenerationBatches, samples completions from them and keeps them for grpo_iterations steps)."""
 
-    def __init__(self, cfg, env, loader, resume_from, raw):
+    def __init__(self, cfg, env, loader, resume_from, raw, value_model=None):
         self.env, self.vision = env, raw.cfg.vision
+        self.rows_per_step, self.completions_per_prompt = cfg["batch_size"], 1
 
     def fresh(self, it):
         return True
@@ -379,24 +397,27 @@ class ReadBatches:
 
 supervised_tokens = lambda b: (b["labels"][:, 1:] != -100).sum()  # noqa: E731  sft: a sum over them
 per_micro_batch = lambda b: torch.ones((), device=b["labels"].device)  # noqa: E731  a mean over the micro-batch's pairs
-dpo_loss = lambda model, b, cfg, ref_model: preference_loss(model, ref_model, b, cfg)  # noqa: E731
-reward_loss = lambda model, b, cfg, ref_model: reward_pairs(model, b, cfg)  # noqa: E731  Bradley-Terry on the head
-grpo_loss = lambda model, b, cfg, ref_model: rl.rl_loss(model, b, cfg)  # noqa: E731
-completion_units = lambda b: b["units"]  # noqa: E731  completion tokens (dapo), completions (grpo) or slots (dr_grpo)
-# loss(model, micro-batch, cfg, reference) -> (summed loss, metrics); units(micro-batch): what a step's loss is
-# divided by; evaluate: the held-out pass; batches: what a step trains on; pairs: the loader reads preference rows
-# [chosen..., rejected...]; reward_head: a scalar head on the LLM; answers: it generates (final accuracy);
-# reference(cfg): it needs the frozen reference model
+dpo_loss = lambda model, b, cfg, ref_model, value_model=None: preference_loss(model, ref_model, b, cfg)  # noqa: E731
+reward_loss = lambda model, b, cfg, ref_model, value_model=None: reward_pairs(model, b, cfg)  # noqa: E731  on the head
+grpo_loss = lambda model, b, cfg, ref_model, value_model: rl.rl_loss(model, b, cfg)  # noqa: E731
+ppo_loss = lambda model, b, cfg, ref_model, value_model: rl.ppo_micro_loss(model, value_model, b, cfg)  # noqa: E731
+completion_units = lambda b: b["units"]  # noqa: E731  completion tokens (dapo, ppo), completions (grpo), slots (dr_grpo)
+# loss(model, micro-batch, cfg, reference, value model) -> (summed loss, metrics); units(micro-batch): what a step's
+# loss is divided by; evaluate: the held-out pass; batches: what a step trains on; pairs: the loader reads preference
+# rows [chosen..., rejected...]; reward_head: a scalar head on the LLM; answers: it generates (final accuracy);
+# reference(cfg): it needs the frozen reference model; value: it trains a value model beside the policy
 OBJECTIVES = {
     "sft": SimpleNamespace(loss=token_loss, units=supervised_tokens, evaluate=held_out_loss, batches=ReadBatches,
-                           pairs=False, reward_head=False, answers=True, reference=lambda cfg: False),
+                           pairs=False, reward_head=False, answers=True, reference=lambda cfg: False, value=False),
     "dpo": SimpleNamespace(loss=dpo_loss, units=per_micro_batch, evaluate=held_out_pairs, batches=ReadBatches,
-                           pairs=True, reward_head=False, answers=True, reference=lambda cfg: True),
+                           pairs=True, reward_head=False, answers=True, reference=lambda cfg: True, value=False),
     "reward": SimpleNamespace(loss=reward_loss, units=per_micro_batch, evaluate=held_out_pairs, batches=ReadBatches,
-                              pairs=True, reward_head=True, answers=False, reference=lambda cfg: False),
+                              pairs=True, reward_head=True, answers=False, reference=lambda cfg: False, value=False),
     "grpo": SimpleNamespace(loss=grpo_loss, units=completion_units, evaluate=held_out_loss,
                             batches=rl.GenerationBatches, pairs=False, reward_head=False, answers=True,
-                            reference=lambda cfg: bool(cfg["grpo_beta"])),
+                            reference=lambda cfg: bool(cfg["grpo_beta"]), value=False),
+    "ppo": SimpleNamespace(loss=ppo_loss, units=completion_units, evaluate=held_out_loss, batches=rl.PPOBatches,
+                           pairs=False, reward_head=False, answers=True, reference=lambda cfg: True, value=True),
 }
 
 
@@ -404,12 +425,13 @@ OBJECTIVES = {
 # the loop
 
 
-def forward_backward(model, b, env, cfg, scale, objective, poison=False, ref_model=None, metrics=None):
+def forward_backward(model, b, env, cfg, scale, objective, poison=False, ref_model=None, metrics=None,
+                     value_model=None):
     """One micro-step's summed loss; backward runs outside autocast. Inside it, autocast's weight-cast cache
     (global, cleared when a thread leaves its outermost autocast) handed torch_xla's checkpoint recompute, on the
     autograd thread, the casts its no-grad forward had cached: the first block recomputed (the last) lost its grads."""
     with autocast(env):
-        loss, micro_metrics = objective.loss(model, b, cfg, ref_model)
+        loss, micro_metrics = objective.loss(model, b, cfg, ref_model, value_model)
     for k, v in micro_metrics.items():
         metrics[k] = metrics.get(k, 0.0) + v
     loss = loss * float("nan") if poison else loss  # tests only (LLAVAX_TEST_NONFINITE)
@@ -424,18 +446,21 @@ def set_lr(optimizer, it, cfg):
     return lr_now
 
 
-def train_step(model, micro, trainable, env, cfg, objective, poison=False, ref_model=None, meter=None):
+def train_step(model, micro, trainable, env, cfg, objective, poison=False, ref_model=None, meter=None,
+               value_model=None):
     """(summed loss, loss units over all ranks, gradient norm) of one step's micro-batches, gradients accumulated
-    and clipped. The loss is a sum over the objective's units (sft: supervised tokens; dpo: pair means) divided by
-    their count over all micro-steps and ranks; DDP and FSDP average gradients over ranks, hence the factor world."""
+    and clipped (the policy's and PPO's value model's together, as TRL's PPO clips them). The loss is a sum over the
+    objective's units (sft: supervised tokens; dpo: pair means) divided by their count over all micro-steps and ranks;
+    DDP and FSDP average gradients over ranks, hence the factor world."""
     count = env.all_sum(sum(objective.units(b) for b in micro).float())
     step_loss = torch.zeros((), device=env.device)
     for i, b in enumerate(micro):
-        with grad_sync(model, env, i == len(micro) - 1):
+        last = i == len(micro) - 1
+        with grad_sync(model, env, last), grad_sync(value_model, env, last) if value_model else nullcontext():
             loss = forward_backward(model, b, env, cfg, env.replicas / count.clamp(min=1), objective, poison=poison,
-                                    ref_model=ref_model, metrics=meter.dpo if meter else {})
+                                    ref_model=ref_model, metrics=meter.dpo if meter else {}, value_model=value_model)
         step_loss += loss.detach()
-    if meter:  # grpo: a micro-batch without prompts has no metrics (zeros), it does not count
+    if meter:  # grpo, ppo: a micro-batch without prompts has no metrics (zeros), it does not count
         meter.dpo_micro += sum(1 for b in micro if b.get("asked", 1))
     grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf"))
     return step_loss, count, grad_norm
@@ -484,7 +509,7 @@ def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader):
     # no supervised token in the interval (all skipped or dropped): no loss, rather than 0.0
     loss_val = (env.all_sum(meter.loss_sum) / n_tokens).item() if n_tokens.item() else float("nan")
     gn = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-    steps = rows_done / cfg["batch_size"]
+    steps = rows_done / meter.rows_per_step
     tok_s = rows_done * cfg["seq_len"] / dt
     flops = meter.row_flops * rows_done / dt
     mem = env.peak_memory_gib()
@@ -494,9 +519,9 @@ def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader):
              "data_wait": meter.data_wait / dt, "peak_mem_gib": mem, "dropped_samples": dropped}
     if env.compiles() is not None:  # a count that grows after warm-up means the step recompiles: see README
         event["xla_compiles"] = env.compiles()
-    if meter.gen_rows:  # grpo: generation and training throughput apart
+    if meter.gen_rows:  # grpo, ppo: generation and training throughput apart
         event |= {"gen_samples_per_s": meter.gen_rows / meter.gen_seconds,
-                  "train_samples_per_s": rows_done * cfg["grpo_group"] / max(dt - meter.gen_seconds, 1e-9)}
+                  "train_samples_per_s": rows_done * meter.completions_per_prompt / max(dt - meter.gen_seconds, 1e-9)}
         print0(env, f"step {it}: generation {event['gen_samples_per_s']:.1f} samples/s, training "
                f"{event['train_samples_per_s']:.1f} samples/s ({100 * meter.gen_seconds / dt:.0f}% generating)")
         meter.gen_seconds, meter.gen_rows = 0.0, 0
@@ -534,17 +559,21 @@ def main(argv=None):
     resume_from = resume_point(out, cfg, env)
     raw = add_lora(init_model(cfg, env, resume_from), cfg, env, resuming=resume_from is not None)
     objective = OBJECTIVES[cfg["objective"]]
-    model, optimizer = apply_backends(raw, cfg, env, objective)
+    value_raw = rl.load_value_model(cfg, env, raw, chat.Tokenizer(cfg["tokenizer"]), resume_from) \
+        if objective.value else None
+    model, optimizer, value_model = apply_backends(raw, cfg, env, objective, value_raw)
+    value = (value_model, value_raw) if value_raw is not None else None
     ref_model = reference_model(cfg, env, raw) if objective.reference(cfg) else None
     loader, val_loader, val_stream, stream_args = make_loaders(raw, cfg, env, rows_per_host, objective.pairs)
     checkpointer = Checkpointer(env, cfg)
-    start = checkpointer.load(resume_from, model, raw, optimizer, loader) if resume_from else 0
+    start = checkpointer.load(resume_from, model, raw, optimizer, loader, value) if resume_from else 0
     stop = stop_on_signal(env)
     log, log_file = open_log(out, cfg, env)
     poison, poison_weight = injected_faults(env)
     meter = start_meter(raw, cfg, env)
-    steps = objective.batches(cfg, env, loader, resume_from, raw)
-    trainable = [p for p in raw.parameters() if p.requires_grad]
+    steps = objective.batches(cfg, env, loader, resume_from, raw, value_raw)
+    meter.rows_per_step, meter.completions_per_prompt = steps.rows_per_step, steps.completions_per_prompt
+    trainable = [p for m in (raw, value_raw) if m is not None for p in m.parameters() if p.requires_grad]
     batches = iter(loader)
     it = start
     try:
@@ -563,11 +592,12 @@ def main(argv=None):
                 lr_now = set_lr(optimizer, it, cfg)
                 micro = steps.prepare(micro, raw, ref_model, meter, it)
                 step_loss, count, grad_norm = train_step(model, micro, trainable, env, cfg, objective,
-                                                         poison=it in poison, ref_model=ref_model, meter=meter)
+                                                         poison=it in poison, ref_model=ref_model, meter=meter,
+                                                         value_model=value_model)
                 update_if_finite(optimizer, step_loss, count, grad_norm, meter, env, it, log)
                 optimizer.zero_grad(set_to_none=True)
                 env.step_end()
-                meter.rows_done += cfg["batch_size"]
+                meter.rows_done += steps.rows_per_step
             it += 1
             if it in poison_weight:  # test-only: a weight goes non-finite, as after an overflowing update
                 with torch.no_grad():
@@ -585,7 +615,7 @@ def main(argv=None):
             stopping = env.agree(stop["requested"])
             if stopping or (cfg["ckpt_interval"] and it % cfg["ckpt_interval"] == 0) or it == cfg["max_iters"]:
                 checkpointer.save(out / f"step-{it:06d}", model, raw, optimizer, loader, it, stop=stopping,
-                                  own=steps.in_flight(it))  # grpo: the generation batch the next step reuses
+                                  own=steps.in_flight(it), value=value)  # grpo, ppo: the rollouts the next step uses
                 print0(env, f"step {it}: checkpoint {out / f'step-{it:06d}'}" + ("" if stopping else " (writing)"))
                 meter.t_last = time.perf_counter()
             if stopping:

@@ -233,8 +233,8 @@ def test_the_value_model_is_a_reward_model_checkpoint_read_at_every_token(tmp_pa
     ({"ppo_value_init": "no/such/dir"}, "ppo_value_init 'no/such/dir': no such checkpoint directory"),
 ])
 def test_ppo_config_errors_are_one_sentence(tmp_path, change, message):
-    cfg = config.DEFAULTS | {"batch_size": 8, "micro_batch_size": 1, "grpo_reward": str(tmp_path)} | change
+    good = config.DEFAULTS | {"batch_size": 8, "micro_batch_size": 1, "grpo_reward": str(tmp_path),
+                              "init_from": str(tmp_path)}
     with pytest.raises(SystemExit, match=message):
-        rl.check_ppo_config(cfg, replicas=2)
-    rl.check_ppo_config(config.DEFAULTS | {"batch_size": 8, "micro_batch_size": 1, "ppo_mini_batch_size": 4,
-                                           "grpo_reward": str(tmp_path)}, replicas=2)  # the value model: the reward's
+        rl.check_ppo_config(good | change, replicas=2)
+    rl.check_ppo_config(good | {"ppo_mini_batch_size": 4}, replicas=2)  # the value model: the reward's

@@ -1,5 +1,5 @@
 """TRL 1.12's PPOTrainer.train() (trl.experimental.ppo: TRL 1.13 deleted it) for one rollout batch of the tiny LLaVA,
-beside model.py's PPO functions on the same rollout; run by tests/test_ppo.py in a process of its own, TRL 1.12 first on
+beside losses.py's PPO functions on the same rollout; run by tests/test_ppo.py in a process of its own, TRL 1.12 first on
 sys.path (the venv's TRL 1.16 serves the DPO and GRPO parity). Installs TRL 1.12 into SIDE_DIR first if it is not there.
 
 TRL's PPO reads text only: each LLaVA's inner LlavaModel gets the prompt's pixels by the prompt's ids. TRL samples
