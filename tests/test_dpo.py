@@ -256,7 +256,7 @@ def test_dpo_training_starts_at_log2_with_zero_rewards_and_separates_the_pairs(s
 @pytest.mark.parametrize("extra,message", [
     (["--init_from=scratch"], "objective='dpo' needs a reference checkpoint"),
     (["--dpo_loss=kto"], "dpo_loss must be one of"),
-    (["--objective=ppo"], "objective must be one of"),
+    (["--objective=rloo"], "objective must be one of"),
     (["--pack=2", "--init_from=x"], "pack must be 0"),
     (["--dpo_beta=0"], "dpo_beta must be > 0"),
 ])

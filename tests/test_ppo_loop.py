@@ -240,3 +240,20 @@ def test_ppo_configs_parse_and_the_onevision_recipe_is_the_seeds_easylm_run(tmp_
     assert cfg["warmup_iters"] == math.ceil(EASYLM_SEED_RUN["warmup_epochs"] * cfg["max_iters"])
     assert cfg["ppo_kl_estimator"] == "k1" and cfg["grpo_reference"] == cfg["init_from"]
     assert cfg["seq_len"] + cfg["grpo_max_new_tokens"] <= vlm_preset(cfg["model"]).llm.max_seq_len
+
+
+def test_lora_ppo_reference_is_the_policy_with_adapters_off(shapes_pairs, tmp_path, capsys):  # noqa: F811
+    """LoRA on the policy and no grpo_reference: the KL reference is the policy with its adapters off (no second copy
+    of the model), and gives what a frozen copy of the start gives: the same rollouts, KL, losses and values. The value
+    model trains in full (stage 2: the projector and the LLM)."""
+    init, judge = policy_and_judge(shapes_pairs, tmp_path, stop_weight=8.0)
+    common = ["--batch_size=2", "--micro_batch_size=2", "--ppo_epochs=2", "--lr=3e-3", "--max_iters=3", "--stage=2",
+              "--lora={'r': 4, 'alpha': 8, 'targets': ['llm']}"]
+    train.main(ppo_args(shapes_pairs, tmp_path / "off", init, judge, *common))
+    assert "ppo: reference model = the policy with its LoRA adapters off" in capsys.readouterr().out
+    train.main(ppo_args(shapes_pairs, tmp_path / "copy", init, judge, *common, f"--grpo_reference={init}"))
+    off, copy = run_log(tmp_path / "off", "rl/reward"), run_log(tmp_path / "copy", "rl/reward")
+    assert len(off) == 3 and off[2]["rl/kl"] != 0  # step 3 samples from the updated adapters
+    for want, got in zip(copy, off, strict=True):
+        for k in ("loss", "rl/kl", "rl/value_loss", "rl/policy_clipfrac", "rl/completion_length"):
+            assert abs(got[k] - want[k]) <= 1e-6 * max(1.0, abs(want[k])), (want["step"], k, got[k], want[k])
