@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import convert
 import data
+import storage
 from checkpoint import saved_own
 from model import GRPO_LOSSES, group_advantages, grpo_loss, left_pad
 from parallel import autocast, gathered_for_generation, print0, shard
@@ -305,7 +306,7 @@ def setup(cfg, env, loader, resume_from, policy):
         print0(env, f"grpo: static rollouts, prompts left-padded to {prompt_bucket(cfg)} tokens (longer ones skipped), "
                f"{cfg['grpo_max_new_tokens']} new tokens, hashed draws")
     saved = saved_own(resume_from, env) if resume_from else None
-    state = json.loads((resume_from / "state.json").read_text()) if resume_from else {}
+    state = json.loads(storage.read_text(storage.join(resume_from, "state.json"))) if resume_from else {}
     rollout_config = lambda c: {k: bool(c.get(k)) if k == "grpo_beta" else c.get(k) for k in ROLLOUT_KEYS}  # noqa: E731
     made_with, now = rollout_config(state.get("config", {})), rollout_config(cfg)
     changed = [k for k in ROLLOUT_KEYS if made_with[k] != now[k]] if saved is not None else []
