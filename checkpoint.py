@@ -71,6 +71,12 @@ def checkpoints(out):
     return [p for p in steps(out) if storage.name(p) in committed - marked]
 
 
+def unfinished_steps(out):
+    """The steps whose write did not finish: no manifest (and no CORRUPT mark: a damaged step is kept for a look)."""
+    kept = set(map(str, checkpoints(out))) | {str(storage.parent(p)) for p in storage.glob(out, f"step-*/{CORRUPT}")}
+    return [p for p in steps(out) if str(p) not in kept]
+
+
 def remove_step(path):
     """Delete a step, its manifest first: a step half deleted is never taken for a complete one."""
     storage.rm(storage.join(path, MANIFEST))
@@ -384,7 +390,7 @@ class Checkpointer:
             self.write(*args)
         else:
             # not a daemon: an exit (a SystemExit in the loop included) waits for the write to commit
-            self.thread = threading.Thread(target=self.write, args=args, name=f"checkpoint {path.name}")
+            self.thread = threading.Thread(target=self.write, args=args, name=f"checkpoint {storage.name(path)}")
             self.thread.start()
 
     def write(self, path, staged, small, t0, blocked):
@@ -400,7 +406,7 @@ class Checkpointer:
                 dist.all_gather_object(nonfinite, (env.rank, nonfinite_keys(staged)), group=self.group)
             bad = [(r, keys) for r, keys in nonfinite if keys]
             if bad:
-                found = checkpoints(path.parent)
+                found = checkpoints(storage.parent(path))
                 self.error = (f"step {small['state']['iter']}: not writing {name}: non-finite values in "
                               f"{bad[0][1][:3]}{' and more' if len(bad[0][1]) > 3 else ''} (rank {bad[0][0]}). The "
                               f"last checkpoint is {found[-1] if found else 'none'}; resume from it with a lower lr")

@@ -28,8 +28,8 @@ import convert
 import data
 import rl
 import storage
-from checkpoint import (CORRUPT, MANIFEST, Checkpointer, check_resume_config, checkpoints, newest_good_checkpoint,
-                        remove_step, steps, wait_for_stop_writer)
+from checkpoint import (Checkpointer, check_resume_config, checkpoints, newest_good_checkpoint, remove_step,
+                        unfinished_steps, wait_for_stop_writer)
 from config import check_objective, lora_config, model_config  # noqa: F401  (bench.py, data_cli.py, tests: train.*)
 from dpo import (evaluate_preference, pair_objective, preference_loss, reference_model,  # noqa: F401  (tests: train.*)
                  reward_pairs, sequence_logps)
@@ -347,12 +347,9 @@ def prepare_out_dir(out, cfg, env):
         try:
             storage.makedirs(out)
             wait_for_stop_writer(out)
-            committed_or_marked = set(map(str, checkpoints(out))) | {
-                str(storage.parent(p)) for p in storage.glob(out, f"step-*/{CORRUPT}")}
-            for stale in steps(out):  # a checkpoint write that was killed: never committed, so never taken
-                if str(stale) not in committed_or_marked:
-                    print0(env, f"removing {stale}: its write did not finish (no {MANIFEST})")
-                    remove_step(stale)
+            for stale in unfinished_steps(out):  # a checkpoint write that was killed: never committed, never taken
+                print0(env, f"removing {stale}: its write did not finish (no manifest)")
+                remove_step(stale)
             storage.write_text(storage.join(out, "config.json"), json.dumps(cfg, indent=2))
         except OSError as e:
             raise SystemExit(f"out_dir {str(out)!r}: cannot write there ({e.strerror or e})") from None

@@ -9,6 +9,7 @@ import re
 import socket
 import struct
 import threading
+import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -104,11 +105,13 @@ ERROR_BODIES = {  # what S3 and GCS send with these codes, so that each client r
 
 class FaultProxy:
     """Forwards HTTP/1.1 to 127.0.0.1:upstream. inject(pattern, fault, count): the next `count` requests whose
-    'METHOD /path?query' matches the regex get `fault` instead: 503 or 429 (with the service's error body) or
-    'reset' (the connection is closed with a TCP RST before an answer). `faults` counts those served."""
+    'METHOD /path?query' matches the regex get `fault` instead: 503 or 429 (with the service's error body), 'reset'
+    (the connection is closed with a TCP RST before an answer) or 'hold' (the body is read only after `hold` seconds,
+    and forwarded only if whole: a client killed meanwhile uploads nothing). `faults` counts those served."""
 
     def __init__(self, upstream, service):
         self.upstream, self.service, self.rules, self.faults, self.requests = upstream, service, [], 0, []
+        self.hold = 5.0
         self.lock = threading.Lock()
         proxy = self
 
@@ -131,8 +134,13 @@ class FaultProxy:
                     self.close_connection = True
                     self.connection.close()
                     return
+                if fault == "hold":
+                    time.sleep(proxy.hold)
                 body = self.read_body()
-                if fault:
+                if body is not None and len(body) < int(self.headers.get("Content-Length") or 0):
+                    self.close_connection = True  # the client went away mid-upload: nothing reaches the server
+                    return
+                if fault and fault != "hold":
                     self.answer(int(fault), {"Content-Type": "application/xml" if proxy.service == "s3" else
                                              "application/json"}, ERROR_BODIES[proxy.service, int(fault)])
                     return
