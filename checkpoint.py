@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
@@ -107,8 +108,6 @@ def write_manifest(path, files=None):
 
 def dcp_writer(path):
     if storage.is_url(path):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
         # not sync_files: on a remote stream it calls os.sync(); an object is durable once its upload completes.
         # The options go to the writer itself: DCP's reset(checkpoint_id) would drop them (REFERENCES.md 13)
         return FsspecWriter(str(path), single_file_per_rank=True, sync_files=False, **storage.options(path))
@@ -117,8 +116,6 @@ def dcp_writer(path):
 
 def dcp_reader(path):
     if storage.is_url(path):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
         return FsspecReader(str(path), **storage.options(path))
     return dcp.FileSystemReader(str(path))
 

@@ -132,3 +132,13 @@ def test_a_writer_killed_mid_upload_leaves_no_step_that_resume_takes(shapes, loc
     r = run(args(shapes, out, "--max_iters=6", "--ckpt_interval=3", "--keep_last=5", "--init_from=resume"))
     assert f"resuming from {out}/step-000003" in r.stdout
     same_state(f"{out}/step-000006", local_run / "step-000006", tmp_path)
+
+
+@pytest.mark.slow
+def test_resume_from_gcs_equals_a_local_run(shapes, local_run, gcs_bucket, tmp_path):
+    out = f"{gcs_bucket}/run"
+    run(args(shapes, out, "--max_iters=6", "--ckpt_interval=3", "--keep_last=5"))
+    storage.rm(f"{out}/step-000006/manifest.json")  # killed before the commit
+    r = run(args(shapes, out, "--max_iters=6", "--ckpt_interval=3", "--keep_last=5", "--init_from=resume"))
+    assert f"resuming from {out}/step-000003" in r.stdout
+    same_state(f"{out}/step-000006", local_run / "step-000006", tmp_path)
