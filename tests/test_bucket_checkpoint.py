@@ -111,6 +111,7 @@ def test_resume_from_s3_through_faults_equals_a_local_run(shapes, local_run, s3_
     assert json.loads(storage.read_text(f"{out}/DONE")) == {"step": 9}
 
 
+@pytest.mark.slow
 def test_a_writer_killed_mid_upload_leaves_no_step_that_resume_takes(shapes, local_run, s3_bucket, s3_proxy, tmp_path):
     out, bucket = f"{s3_bucket}/run", storage.bucket(s3_bucket)
     shard_put = rf"^PUT /{bucket}/run/step-000006/__0_0\.distcp"
