@@ -15,7 +15,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from model import VLMConfig
+from model_config import VLMConfig
 
 
 def select_best_resolution(height, width, pinpoints):

@@ -6,11 +6,12 @@ Benchmarks. Figures go to BENCHMARKS.md with the command, date and machine.
     python bench.py train [--size bench|debug] [--stage 1|2] [--peer hf] [--pack] [--compile] [--loss-chunk N]
     python bench.py data [--shards DIR]        # decode + preprocess images/s per core, ours vs webdataset + PIL
     python bench.py xla                        # computed per-device memory of the 7B recipes on TPU pods
-    python bench.py levers                     # computed memory, predicted speed of issue 24's levers (7B, H100)
+    python bench.py levers                     # computed memory, predicted speed of the speed levers (7B, H100)
+    python bench.py attention                  # computed activation memory a chip, dense vs bounded attention (TPU)
     python bench.py checkpoint --ranks 4 [--gib 1.2] [--out DIR]   # sharded checkpoint: time blocked, rank 0's memory
 
 `train` times full training steps (forward, backward, AdamW) on random weights and synthetic
-batches after warm-up, and reports tokens/s, samples/s, MFU (README's formula), peak memory and
+batches after warm-up, and reports tokens/s, samples/s, MFU (docs/training.md "MFU"), peak memory and
 the padding share. With --peer hf it builds transformers.LlavaForConditionalGeneration with the
 same weights (through convert.py), the same batches, optimizer, precision and SDPA attention, and
 prints ours/HF. The two alternate in phases (ours, HF, ours, HF), one model in memory at a time. --peer hf-liger
@@ -33,13 +34,19 @@ import numpy as np
 import torch
 from PIL import Image
 
-import convert
-from data import CLIP_MEAN, CLIP_STD, IMAGE_TAG, load_image, normalize_images, pack_rows, packed_batch, read_members, \
-    sample_offsets, shard_files
+import checkpoint
+import config
 import parallel
+from chat import IMAGE_TAG
+from hf_config import llava_hf_config
+from hf_names import llava_table
+from weight_files import write_weights
+from images import CLIP_MEAN, CLIP_STD, load_image, normalize_images
+from loader import pack_rows, packed_batch
+from model import build_model
+from model_config import vlm_preset
 from pack import pack
-import train
-from model import build_model, vlm_preset
+from shards import read_members, sample_offsets, shard_files
 
 SIZES = {  # (preset, seq_len, micro batch, real tokens per sample)
     "bench": ("bench", 2048, 8, 680),  # TinyLlama-1.1B-shaped LLM + CLIP ViT-L/14-336; 576 image + ~100 text tokens
@@ -95,13 +102,15 @@ def synthetic_batches(cfg, seq_len, rows, real_tokens, n, pack=False, seed=0):
 
 
 def hf_model(raw, device):
-    """transformers' LLaVA with our weights, through convert.py's to-hf."""
+    """transformers' LLaVA with our weights, by convert.py's name table."""
     from transformers import LlavaForConditionalGeneration
 
-    with tempfile.TemporaryDirectory() as d:
-        convert.save_model(raw, f"{d}/ours")
-        convert.llava_to_hf(f"{d}/ours", f"{d}/hf")
-        return LlavaForConditionalGeneration.from_pretrained(f"{d}/hf", attn_implementation="sdpa",
+    table, tied = llava_table(raw.cfg), raw.cfg.llm.tie_embeddings
+    with tempfile.TemporaryDirectory() as d:  # the hub layout, as convert.py's to-hf writes it
+        write_weights({table[k]: v.detach().cpu() for k, v in raw.state_dict().items()
+                       if not (tied and k == "llm.output.weight")}, d)
+        Path(d, "config.json").write_text(json.dumps(llava_hf_config(raw.cfg)))
+        return LlavaForConditionalGeneration.from_pretrained(d, attn_implementation="sdpa",
                                                              dtype=torch.float32).to(device)
 
 
@@ -118,15 +127,16 @@ def run_phase(kind, raw_cpu, batches, args, device, steps, warmup):
         else:
             model = build_model(raw_cpu.cfg, device=device, init=False)
             model.load_state_dict(raw_cpu.state_dict())
-        train.freeze(model, args.stage)
+        parallel.freeze(model, args.stage)
         if args.frozen_dtype == "bfloat16":
-            train.store_frozen(model, torch.bfloat16)
+            parallel.store_frozen(model, torch.bfloat16)
         model.loss_chunk = args.loss_chunk
-        model.llm.flex_attention = train.use_flex_attention(args.pack, device.type, args.compile, batches[0]["ids"].shape[1])
+        seq = batches[0]["ids"].shape[1]
+        model.llm.flex_attention = parallel.use_flex_attention(args.pack, device.type, args.compile, seq)
         block_fn = parallel.checkpoint_fn(device.type, args.checkpoint_policy, "inductor" if args.compile else None)
-        train.set_checkpointing(model, block_fn if args.checkpointing else None, args.checkpoint_every)
+        parallel.set_checkpointing(model, block_fn if args.checkpointing else None, args.checkpoint_every)
         if args.compile:
-            train.compile_blocks(model)
+            parallel.compile_blocks(model)
         step_fn = lambda b: model(b["ids"], b["pixels"], b["labels"], "sum", b["positions"])[1] / b["n_targets"]  # noqa: E731
     else:
         model = hf_model(raw_cpu, device)
@@ -171,8 +181,8 @@ def phase_figures(raw, stage, r, bs, n_rows, seq_len, peak):
     s = r["seconds_per_step"]
     samples = sum(len(b["lengths"]) for b in bs) / len(bs)  # per step
     real_tokens = sum(sum(b["lengths"]) for b in bs) / len(bs)
-    # useful FLOPs: each sample at its own length (README's formula); padding does no useful work
-    flops = sum(train.flops_per_sample(raw, stage, n) for b in bs for n in b["lengths"]) / len(bs)
+    # useful FLOPs: each sample at its own length (docs/training.md "MFU"); padding does no useful work
+    flops = sum(parallel.flops_per_sample(raw, stage, n) for b in bs for n in b["lengths"]) / len(bs)
     return {"tokens_per_s": n_rows * seq_len / s, "real_tokens_per_s": real_tokens / s, "samples_per_s": samples / s,
             "samples_per_step": samples, "padding_share": 1 - real_tokens / (n_rows * seq_len),
             "mfu": flops / s / peak if peak else None, "peak_mem_gib": r["peak_mem_gib"], "step_ms": 1000 * s,
@@ -271,8 +281,8 @@ def bench_train(args):
     preset, seq_len, rows, real = SIZES[args.size or "bench"]
     model_cfg = vlm_preset(preset)
     if args.config:  # the model, row shape and our optimisations from a train.py config; flags given win
-        cfg = train.load_config([args.config])
-        model_cfg, seq_len, rows = train.model_config(cfg), cfg["seq_len"], cfg["micro_batch_size"]
+        cfg = config.load_config([args.config])
+        model_cfg, seq_len, rows = config.model_config(cfg), cfg["seq_len"], cfg["micro_batch_size"]
         real = min(real, seq_len * 3 // 4)  # LLaVA-like ~680-token samples, shorter when the rows are
         args.stage = args.stage or (cfg["stage"] if cfg["stage"] in (1, 2) else 2)
         args.dtype = args.dtype or cfg["dtype"]
@@ -300,8 +310,7 @@ def bench_train(args):
     else:  # ours alone: each phase makes its weights on the device; this one only counts parameters (FLOPs)
         with torch.device("meta"):
             raw = build_model(model_cfg, device="meta", init=False)
-    env = type("E", (), {"kind": device.type, "device": device})()
-    peak = args.peak_flops or train.known_peak_flops(env)
+    peak = args.peak_flops or parallel.Env({"device": device.type}).peak_flops()
     # HF always takes a sample a row; ours the same, or packed rows with --pack; a variant may take other rows
     batches = {kind: synthetic_batches(raw.cfg, seq_len, v["batch"], real, n=4, pack=args.pack)
                for kind, v in variants.items()}
@@ -428,7 +437,7 @@ def xla_memory(preset="llava-1.5-7b", seq_len=2048):
     c, rows = model.cfg, {}
     vit_used = max(i if i >= 0 else c.vision.n_layers + 1 + i for i in c.vision_layers)
     for stage, batch in RECIPES.items():
-        train.freeze(model, stage)
+        parallel.freeze(model, stage)
         for pod, (chips, hbm) in PODS.items():
             mesh = {"dp": 1, "fsdp": chips, "tp": 1}
             axes = {n: [a for d in parallel.param_spec(n, p.dim()) if d for a in ((d,) if isinstance(d, str) else d)]
@@ -455,12 +464,55 @@ def print_xla_memory():
               + f" | {sum(sizes) / 2**30:.1f} |")
 
 
+# attention at the OneVision and NeXT recipes' lengths on TPU pods: activation memory a chip, computed
+
+# (recipe, preset, tokens a row, rows a step): configs/onevision_qwen2_7b.py and configs/llava_next_7b.py
+LONG_RECIPES = [("OneVision-7B", "llava-onevision-qwen2-7b", 16384, 64), ("NeXT-7B", "llava-next-vicuna-7b", 4096, 64)]
+ATTENTION_PODS = {"v4-64": (32, 32), "v5p-128": (64, 95)}  # chips, HBM GiB a chip
+
+
+def attention_bytes(c, T, attention, checkpointing, block=512):
+    """Activation bytes of one row of T tokens through the LLM in a bf16 step. Each layer keeps what a fused attention
+    keeps (kept_bytes 'none'), plus: 'dense' (SDPA on XLA) its fp32 probabilities, T a head a token, and while a layer
+    runs backward the scores' and probabilities' gradients and the row's (T, T) mask; 'blockwise' its operand copies
+    and, one layer at a time, six fp32 (heads, T, block) tiles; 'pallas' (flash, splash) nothing beyond (its tiles
+    live in the chip's VMEM). Full checkpointing keeps each layer's fp32 input and one layer's tensors at a time. The
+    attention terms match the compiled CPU programs of tests/xla_attention.py: 12.5 bytes a score (dense, 2 heads,
+    4096 tokens) and 5.6 tiles (blockwise, 16384 tokens)."""
+    H, hd = c.n_heads, c.head_dim
+    kept = {"dense": 4 * H * T, "blockwise": 2 * (2 * H + 2 * c.n_kv_heads) * hd + 4 * H, "pallas": 0}[attention]
+    working = {"dense": 8 * H * T + T, "blockwise": 6 * 4 * H * min(block, T), "pallas": 0}[attention]
+    layer = kept_bytes(c, "none", True) + kept
+    per_token = (c.n_layers * 4 * c.dim + layer if checkpointing else c.n_layers * layer) + working
+    return T * per_token
+
+
+def print_attention_memory():
+    """Computed, not measured: activation GiB a chip for the long recipes (rows of the step split over the chips, the
+    LLM's activations; weights, gradients and AdamW moments fp32 and sharded over every chip, stage 0)."""
+    from model import VLM
+
+    kinds = [(a, ckpt) for a in ("dense", "blockwise", "pallas") for ckpt in (False, True)]
+    print("| recipe (tokens a row) | pod (chips, HBM) | rows a chip | weights + grads + AdamW | " +
+          " | ".join(f"{a}{', checkpointed' if ckpt else ''}" for a, ckpt in kinds) + " |")
+    print("|---|---|---|---|" + "---|" * len(kinds))
+    for name, preset, T, rows in LONG_RECIPES:
+        with torch.device("meta"):
+            model = VLM(vlm_preset(preset))
+        state = 16 * sum(p.numel() for p in model.parameters())
+        for pod, (chips, hbm) in ATTENTION_PODS.items():
+            r = rows / chips
+            cells = [r * attention_bytes(model.cfg.llm, T, a, ckpt) / 2**30 for a, ckpt in kinds]
+            print(f"| {name} ({T}) | {pod} ({chips}, {hbm} GiB) | {r:g} | {state / chips / 2**30:.1f} | " +
+                  " | ".join(f"{x:,.1f}" for x in cells) + " |")
+
+
 # -----------------------------------------------------------------------------
-# levers (issue 24): computed memory of frozen_dtype and of the checkpointing settings, and predicted speed
+# levers: computed memory of frozen_dtype and of the checkpointing settings, and predicted speed
 
 H100_GIB = 79.6  # 81,559 MiB as nvidia-smi shows an H100 80GB HBM3
-BASELINE_7B_STAGE1 = 18.0  # samples/s, LLaVA-1.5-7B stage 1, 8 x 2048, full checkpointing, H100 (issue 24, measured)
-CAST_SHARE = 0.014  # of its GPU time in the bf16 casts of frozen weights (issue 24's profile)
+BASELINE_7B_STAGE1 = 18.0  # samples/s, LLaVA-1.5-7B stage 1, 8 x 2048, full checkpointing, H100 (measured)
+CAST_SHARE = 0.014  # of its GPU time in the bf16 casts of frozen weights (measured profile)
 
 
 def kept_bytes(c, policy, trained):
@@ -478,11 +530,11 @@ def kept_bytes(c, policy, trained):
 
 def lever_memory(model, stage, frozen_dtype, policy, every, rows, seq_len, loss_chunk=4096):
     """(weights, trained state, activations, loss chunk) bytes of one GPU's stage-`stage` step, not sharded."""
-    train.freeze(model, stage)
+    parallel.freeze(model, stage)
     c, tokens = model.cfg.llm, rows * seq_len
     weights = 4 * sum(p.numel() for p in model.parameters())
     if frozen_dtype == "bfloat16":
-        weights -= 2 * sum(p.numel() for p in train.frozen_matmul_weights(model))
+        weights -= 2 * sum(p.numel() for p in parallel.frozen_matmul_weights(model))
     trained = 12 * sum(p.numel() for p in model.parameters() if p.requires_grad)  # grad + 2 AdamW moments
     checkpointed, trained_llm = 0 if policy == "none" else len(range(0, c.n_layers, every)), stage != 1
     layers = checkpointed * kept_bytes(c, policy, trained_llm) + \
@@ -505,13 +557,13 @@ def print_levers():
     with torch.device("meta"):
         model = VLM(vlm_preset("llava-1.5-7b"))
     for stage in (1, 2):
-        train.freeze(model, stage)
-        n = sum(p.numel() for p in train.frozen_matmul_weights(model))
+        parallel.freeze(model, stage)
+        n = sum(p.numel() for p in parallel.frozen_matmul_weights(model))
         print(f"stage {stage}: frozen_dtype='bfloat16' stores {n:,} frozen matmul weights in bf16: {2 * n / 1e9:.2f} GB "
               f"({2 * n / 2**30:.2f} GiB) less (x 1/ranks under FSDP)")
     c = model.cfg.llm
     T = 680  # a LLaVA stage-1 sample's tokens, as bench.py's synthetic ones
-    useful = train.flops_per_sample(model, 1, T)
+    useful = parallel.flops_per_sample(model, 1, T)
     llm_forward = 2 * (sum(p.numel() for p in model.llm.parameters()) - model.llm.tok_embeddings.weight.numel()) * T \
         + 2 * c.n_layers * c.dim * T**2
     print(f"\n7B stage 1, 8 x 2048 unless said; recomputing every LLM block adds {100 * llm_forward / useful:.0f}% to "
@@ -521,7 +573,7 @@ def print_levers():
     print("|---|---|---|---|---|---|")
     for label, frozen, policy, every, rows in [
             ("today: fp32 frozen, full checkpointing", "float32", "full", 1, 8),
-            ("today without checkpointing (issue 24: out of memory)", "float32", "none", 1, 8),
+            ("today without checkpointing (out of memory)", "float32", "none", 1, 8),
             ("bf16 frozen, full checkpointing", "bfloat16", "full", 1, 8),
             ("bf16 frozen, every other block checkpointed", "bfloat16", "full", 2, 8),
             ("bf16 frozen, selective checkpointing", "bfloat16", "selective", 1, 8),
@@ -567,7 +619,7 @@ def print_checkpoint_recipes():
     for name, preset, stage, ranks, kind in CHECKPOINT_RECIPES:
         with torch.device("meta"):
             model = VLM(vlm_preset(preset))
-        train.freeze(model, stage)
+        parallel.freeze(model, stage)
         state = sum(p.numel() * (4 + 8 * p.requires_grad) for p in model.parameters())  # fp32 weights, AdamW moments
         mine = state / ranks
         first, again = mine / HOST_COPY["first"], mine / HOST_COPY["again"]
@@ -590,7 +642,6 @@ def bench_checkpoint(args):
 
     import torch.distributed as dist
 
-    import checkpoint
     from model import VLM
 
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -600,19 +651,19 @@ def bench_checkpoint(args):
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks}", "--master_addr=127.0.0.1",
                "--master_port=29533", __file__, *sys.argv[1:]]
         return subprocess.call(cmd, env=os.environ | {"OMP_NUM_THREADS": "1"})
-    cfg_run = dict(train.DEFAULTS) | {"parallel": "fsdp", "device": "cpu", "keep_last": 1, "tokenizer": ""}
+    cfg_run = dict(config.DEFAULTS) | {"parallel": "fsdp", "device": "cpu", "keep_last": 1, "tokenizer": ""}
     env = parallel.Env(cfg_run)
     n_layers = max(1, round(args.gib * 2**30 / 12 / 16.8e6))  # 12 bytes a parameter, ~16.8M a 1024-wide layer
     cfg = vlm_preset("debug").with_overrides({"llm": {"dim": 1024, "n_heads": 8, "n_kv_heads": 8, "ffn_dim": 4096,
                                                       "n_layers": n_layers}})
     with torch.device("meta"):
         raw = VLM(cfg)
-    model = parallel.shard(raw, env, cfg_run) if env.distributed else raw
+    model = parallel.shard(raw, env) if env.distributed else raw
     model.to_empty(device="cpu")
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
-    optimizer = train.make_optimizer(raw, cfg_run, env)
+    optimizer = parallel.make_optimizer(raw, env, 1e-4, (0.9, 0.95), 0.0, {"vision": 1, "projector": 1, "llm": 1})
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     optimizer.step()  # the moments exist
@@ -675,14 +726,15 @@ def main(argv=None):
     d.add_argument("--workdir", default="out/bench-data")
     d.add_argument("--size", type=int, default=336)
     d.add_argument("--n", type=int, default=400)
-    sub.add_parser("xla", help="computed per-device memory of the LLaVA-1.5-7B TPU recipes (README table)")
-    sub.add_parser("levers", help="computed memory and predicted speed of issue 24's levers for LLaVA-1.5-7B")
+    sub.add_parser("xla", help="computed per-device memory of the LLaVA-1.5-7B TPU recipes (docs/recipes.md)")
+    sub.add_parser("levers", help="computed memory and predicted speed of the speed levers for LLaVA-1.5-7B")
+    sub.add_parser("attention", help="computed activation memory a chip of the long recipes: dense vs bounded attention")
     c = sub.add_parser("checkpoint", help="a sharded checkpoint's blocked time, commit time and rank 0's extra memory")
     c.add_argument("--ranks", type=int, default=1)
     c.add_argument("--gib", type=float, default=1.2, help="weights + AdamW moments, GiB")
     c.add_argument("--saves", type=int, default=3)
     c.add_argument("--out", default="out/bench-checkpoint")
-    c.add_argument("--recipes", action="store_true", help="print the computed table for the README recipes instead")
+    c.add_argument("--recipes", action="store_true", help="print the computed table of docs/recipes.md instead")
     args = p.parse_args(argv)
     if args.cmd == "checkpoint":
         return print_checkpoint_recipes() if args.recipes else bench_checkpoint(args)
@@ -690,6 +742,8 @@ def main(argv=None):
         print_xla_memory()
     elif args.cmd == "levers":
         print_levers()
+    elif args.cmd == "attention":
+        print_attention_memory()
     elif args.cmd == "data":
         shards = args.shards or make_bench_shards(args.workdir, args.n)
         r = bench_images(shards, args.size)

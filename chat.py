@@ -315,3 +315,42 @@ def stop_token_id(template, tok):
 def decode_answer(tok, tokens, stop):
     """The text of generated (or supervised) token ids up to the stop token."""
     return tok.decode(tokens[: tokens.index(stop)] if stop in tokens else tokens).strip()
+
+
+def conversation_problem(conv):
+    """Why a conversation cannot be trained on, as a counted reason, or None. Used by pack and by the loader."""
+    if not isinstance(conv, list) or not all(isinstance(t, dict) and "from" in t and "value" in t for t in conv):
+        return "malformed_conversations"
+    if not all(isinstance(t["from"], str) and t["from"] in ROLES for t in conv):
+        return "unknown_role"  # ShareGPT's "chatgpt" or "bing", a capitalised "Human", a list
+    if not all(isinstance(t["value"], str) for t in conv):
+        return "non_text_value"  # null or a list would train on the text "None" or "['a', 'b']"
+    try:
+        "".join(t["value"] for t in conv).encode()
+    except UnicodeEncodeError:
+        return "invalid_unicode"  # a lone surrogate (JSON "\\ud800") has no UTF-8 form
+    answers = [t["value"] for t in conv if ROLES[t["from"]] == "assistant"]
+    if not answers:
+        return "no_gpt_turn"
+    return None if answers[0].strip() else "empty_answer"
+
+
+def place_image_tags(conv, tag, n):
+    """The conversation with its images where chat templates put them: n untagged images (LLaVA's records may omit
+    the tag) as n tags at the front of the first user turn, as transformers' llava-hf templates render
+    [{"type": "image"}, ..., {"type": "text"}]; so do tags written in a system turn (llavax's pack put an untagged
+    image there in older versions), which no chat template renders. Written tags elsewhere stay. No user turn: one
+    holding only the tags goes before the first answer."""
+    conv = [dict(t) for t in conv]  # other keys a turn carries (a preference pair's "rejected") stay
+    n_front = 0 if any(tag in t["value"] for t in conv) else n
+    for t in (t for t in conv if ROLES[t["from"]] == "system" and tag in t["value"]):
+        n_front += t["value"].count(tag)
+        t["value"] = t["value"].replace(tag + "\n", "").replace(tag, "")
+    if not n_front:
+        return conv
+    user = next((t for t in conv if ROLES[t["from"]] == "user"), None)
+    if user is None:
+        user = {"from": "human", "value": ""}
+        conv.insert(next(i for i, t in enumerate(conv) if ROLES[t["from"]] == "assistant"), user)
+    user["value"] = (tag + "\n") * n_front + user["value"]
+    return conv

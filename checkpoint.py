@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
@@ -44,8 +45,12 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 import storage
-from model import VLM, VLMConfig
+from hf_config import HF_ARCHITECTURES
+from hf_names import expected_shapes, llava_from_hf, remap
+from model import VLM, build_model
+from model_config import VLMConfig
 from parallel import print0
+from weight_files import SHARD_BYTES, ConversionError, read_weights, write_dir, write_weights
 
 MANIFEST = "manifest.json"
 CORRUPT = "CORRUPT"  # in a step found damaged: the reason; the step is skipped, not renamed
@@ -129,13 +134,18 @@ def read_json(path):
 
 
 def expected_keys(path, state):
-    """{DCP key: shape} every complete checkpoint of this model and these param groups holds."""
-    cfg = VLMConfig.from_dict(read_json(storage.join(path, "config.json")))
-    with torch.device("meta"):
-        shapes = {k: tuple(v.shape) for k, v in VLM(cfg).state_dict().items()}
-    if cfg.llm.tie_embeddings:
-        shapes.pop("llm.output.weight", None)
-    keys = {f"model.{k}": s for k, s in shapes.items()}
+    """{DCP key: shape} every complete checkpoint of this model (and PPO's value model) and these param groups holds."""
+    def weight_shapes(config_file, prefix):
+        cfg = VLMConfig.from_dict(read_json(storage.join(path, config_file)))
+        with torch.device("meta"):
+            shapes = {prefix + k: tuple(v.shape) for k, v in VLM(cfg).state_dict().items()}
+        if cfg.llm.tie_embeddings:
+            shapes.pop(f"{prefix}llm.output.weight", None)
+        return shapes
+
+    shapes = weight_shapes("config.json", "") | \
+        (weight_shapes(VALUE_CONFIG, VALUE) if storage.exists(storage.join(path, VALUE_CONFIG)) else {})
+    keys = {(k if k.startswith(VALUE) else f"model.{k}"): s for k, s in shapes.items()}
     for group in state["param_groups"]:
         for name in group["params"]:
             keys |= {f"optim.state.{name}.exp_avg": shapes[name], f"optim.state.{name}.exp_avg_sq": shapes[name],
@@ -222,27 +232,46 @@ def step_number(path):
 # the state: each rank's (host's) own shards, by DCP key
 
 
-def train_state(model, raw, optimizer, env):
+def train_state(model, raw, optimizer, env, value=None):
     """({model.NAME / optim.state.NAME.FIELD: tensor}, param groups with parameter names). The tensors are the live
-    ones (FSDP2 DTensors hold this rank's shards; under SPMD, sharded XLA tensors), so DCP can load into them."""
+    ones (FSDP2 DTensors hold this rank's shards; under SPMD, sharded XLA tensors), so DCP can load into them.
+    value: PPO's value model (as the step runs it, unwrapped), trained by the same optimizer: its weights are
+    value.NAME, its parameters value.NAME in the optimizer's state and groups (a step directory still loads as the
+    policy: checkpoint.load_model reads model.* only)."""
     if env.kind == "xla":
-        names = {p: n for n, p in raw.named_parameters()}
-        weights, state = raw.state_dict(), {names[p]: s for p, s in optimizer.state.items()}
+        parts = {"": raw} | ({VALUE: value[1]} if value else {})
+        names = {p: prefix + n for prefix, m in parts.items() for n, p in m.named_parameters()}
+        weights = {prefix + k: v for prefix, m in parts.items() for k, v in m.state_dict().items()}
+        state = {names[p]: s for p, s in optimizer.state.items()}
         groups = [g | {"params": [names[p] for p in g["params"]]} for g in optimizer.param_groups]
     else:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
         from torch.distributed.fsdp import FSDPModule
 
-        for m in model.modules():  # a forward without backward (an evaluation) leaves FSDP2's root gathered: its
+        trained = trained_modules(model, value)
+        for m in trained.modules():  # a forward without backward (an evaluation) leaves FSDP2's root gathered: its
             if isinstance(m, FSDPModule):  # full tensors are then registered, which the optimizer does not hold
                 m.reshard()
-        osd = get_optimizer_state_dict(model, optimizer)  # creates the moments of a fresh optimizer (for a load)
-        weights, state, groups = get_model_state_dict(model), osd["state"], osd["param_groups"]
-    tied = raw.cfg.llm.tie_embeddings
-    tensors = {f"model.{k}": v.detach() for k, v in weights.items()
-               if not (tied and k == "llm.output.weight")}
+        osd = get_optimizer_state_dict(trained, optimizer)  # creates the moments of a fresh optimizer (for a load)
+        weights, state, groups = get_model_state_dict(trained), osd["state"], osd["param_groups"]
+        if value:
+            weights, state = ({k.removeprefix(POLICY): v for k, v in d.items()} for d in (weights, state))
+            groups = [g | {"params": [n.removeprefix(POLICY) for n in g["params"]]} for g in groups]
+    untied = lambda k: not ((raw if not k.startswith(VALUE) else value[1]).cfg.llm.tie_embeddings  # noqa: E731
+                            and k.removeprefix(VALUE) == "llm.output.weight")
+    tensors = {(k if k.startswith(VALUE) else f"model.{k}"): v.detach() for k, v in weights.items() if untied(k)}
     tensors |= {f"optim.state.{name}.{k}": v for name, s in state.items() for k, v in s.items()}
     return tensors, [json.loads(json.dumps(g)) for g in groups]  # tuples to lists, as JSON holds them
+
+
+POLICY, VALUE = "policy.", "value."  # the trained modules' names when PPO's value model trains beside the policy
+VALUE_CONFIG = "value_config.json"  # PPO's value model's VLMConfig, beside the policy's config.json
+
+
+def trained_modules(model, value):
+    """The module whose parameters the optimizer holds, for torch's state-dict functions: the policy, or the policy
+    and PPO's value model side by side."""
+    return model if value is None else torch.nn.ModuleDict({POLICY[:-1]: model, VALUE[:-1]: value[0]})
 
 
 def local_part(t):
@@ -356,8 +385,9 @@ class Checkpointer:
         except SystemExit as e:
             print(e, file=sys.stderr, flush=True)
 
-    def save(self, path, model, raw, optimizer, loader, it, stop=False, own=None):
-        """own: {name: tensor} of this rank alone (GRPO's generation batch in flight), in rank{R}.safetensors."""
+    def save(self, path, model, raw, optimizer, loader, it, stop=False, own=None, value=None):
+        """own: {name: tensor} of this rank alone (GRPO's generation batch in flight), in rank{R}.safetensors. value:
+        PPO's value model (as the step runs it, unwrapped), under value.*."""
         env, cfg, buffers = self.env, self.cfg, self.buffers
         if stop and env.kind != "xla" and self.thread is not None and self.thread.is_alive():
             # a stop must not wait for a periodic write (it may take longer than the grace period): that write goes
@@ -367,7 +397,7 @@ class Checkpointer:
         else:
             self.wait()
         t0 = time.perf_counter()
-        tensors, groups = train_state(model, raw, optimizer, env)
+        tensors, groups = train_state(model, raw, optimizer, env, value)
         rng = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state(env.device)} if env.kind == "cuda" else {})
         ranks = [None] * env.world
         if dist.is_initialized():
@@ -378,7 +408,8 @@ class Checkpointer:
         blocked = time.perf_counter() - t0
         small = {"state": {"iter": it, "loader": loader.state_dict(), "config": cfg, "world": env.world,
                            "param_groups": groups},
-                 "config": raw.cfg.to_dict(), "rng": {f"rank{r}.{k}": v for r, s in enumerate(ranks) for k, v in s.items()},
+                 "config": raw.cfg.to_dict(), "value_config": value[1].cfg.to_dict() if value else None,
+                 "rng": {f"rank{r}.{k}": v for r, s in enumerate(ranks) for k, v in s.items()},
                  "own": {k: v.detach().cpu().contiguous() for k, v in (own or {}).items()}}
         args = (path, staged, small, t0, blocked)
         if stop and env.kind != "xla":
@@ -430,6 +461,9 @@ class Checkpointer:
                 storage.write_text(storage.join(path, "config.json"), json.dumps(small["config"], indent=2))
                 storage.write_bytes(storage.join(path, "rng.safetensors"), save_safetensors(small["rng"]))
                 extra = [".metadata", "state.json", "config.json", "rng.safetensors"]
+                if small["value_config"]:
+                    storage.write_text(storage.join(path, VALUE_CONFIG), json.dumps(small["value_config"], indent=2))
+                    extra.append(VALUE_CONFIG)
                 tokenizer = cfg["tokenizer"]
                 if storage.name(tokenizer) in ("tokenizer.model", "tokenizer.json") and storage.exists(tokenizer):
                     storage.upload(tokenizer, storage.join(path, storage.name(tokenizer)))
@@ -499,13 +533,13 @@ class Checkpointer:
     # -------------------------------------------------------------------------
     # loading: into this run's own (sharded) tensors, whatever world size or backend wrote the checkpoint
 
-    def load(self, path, model, raw, optimizer, loader):
+    def load(self, path, model, raw, optimizer, loader, value=None):
         env = self.env
         state = read_json(storage.join(path, "state.json"))
-        tensors, groups = train_state(model, raw, optimizer, env)
+        tensors, groups = train_state(model, raw, optimizer, env, value)
         have = saved_tensors(path)
         missing = sorted(set(tensors) - set(have))
-        extra = sorted(k for k in set(have) - set(tensors) if k.startswith(("model.", "optim.state.")))
+        extra = sorted(k for k in set(have) - set(tensors) if k.startswith(("model.", VALUE, "optim.state.")))
         wrong = [k for k in tensors if k in have and tuple(have[k].size) != tuple(tensors[k].shape)]
         if missing or extra or wrong or len(state["param_groups"]) != len(groups):
             raise SystemExit(f"{path}: does not fit this run (another model, stage or lora setting): "
@@ -515,6 +549,7 @@ class Checkpointer:
         dcp.load(tensors, storage_reader=dcp_reader(path), planner=planners(env)[1],
                  process_group=self.group)
         weights = {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}
+        value_weights = {k.removeprefix(VALUE): v for k, v in tensors.items() if k.startswith(VALUE)}
         moments = {}
         for key, v in tensors.items():
             if key.startswith("optim.state."):
@@ -526,16 +561,29 @@ class Checkpointer:
         if env.kind == "xla":
             raw.load_state_dict(weights, strict=not raw.cfg.llm.tie_embeddings)
             params = dict(raw.named_parameters())
+            if value:
+                value[1].load_state_dict(value_weights, strict=not value[1].cfg.llm.tie_embeddings)
+                params |= {VALUE + n: p for n, p in value[1].named_parameters()}
             for name, s in moments.items():
                 optimizer.state[params[name]] = s
             for g, saved in zip(optimizer.param_groups, groups):
                 g.update({k: v for k, v in saved.items() if k != "params"})
         else:
-            from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                                 set_optimizer_state_dict)
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+                set_optimizer_state_dict,
+            )
 
-            set_model_state_dict(model, weights, options=StateDictOptions(strict=not raw.cfg.llm.tie_embeddings))
-            set_optimizer_state_dict(model, optimizer, {"state": moments, "param_groups": groups})
+            tied = raw.cfg.llm.tie_embeddings or (value is not None and value[1].cfg.llm.tie_embeddings)
+            if value:  # the names torch's functions give the policy's tensors beside the value model's
+                weights = {POLICY + k: v for k, v in weights.items()} | {VALUE + k: v for k, v in value_weights.items()}
+                named = lambda n: n if n.startswith(VALUE) else POLICY + n  # noqa: E731
+                moments = {named(n): s for n, s in moments.items()}
+                groups = [g | {"params": [named(n) for n in g["params"]]} for g in groups]
+            trained = trained_modules(model, value)
+            set_model_state_dict(trained, weights, options=StateDictOptions(strict=not tied))
+            set_optimizer_state_dict(trained, optimizer, {"state": moments, "param_groups": groups})
         rng = load_safetensors(storage.read_bytes(storage.join(path, "rng.safetensors")))
         if f"rank{env.rank}.cpu" in rng:  # a rank the writing run did not have keeps its seeded generator
             torch.set_rng_state(rng[f"rank{env.rank}.cpu"])
@@ -638,3 +686,68 @@ def check_resume_config(path, cfg, env):
         raise SystemExit(f"resume: {path} was trained with other {', '.join(refused)} (see above); these set the "
                          f"data order, the batches or the model. Resume with the same values, list the keys in "
                          f"--allow_config_change=[...] to accept the change, or start a new out_dir")
+
+
+# tokenizer and processor files travel with the weights (from-hf carries an HF directory's through to ours)
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
+                   "processor_config.json")
+
+
+def copy_tokenizer(src, dst):
+    for name in TOKENIZER_FILES:
+        if src and Path(src, name).exists():
+            shutil.copy(Path(src, name), Path(dst, name))
+
+
+def save_checkpoint(state, cfg: VLMConfig, out, tokenizer_dir=None, overwrite=False, shard_bytes=SHARD_BYTES):
+    def fill(tmp):
+        write_weights(state, tmp, shard_bytes=shard_bytes)
+        Path(tmp, "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        copy_tokenizer(tokenizer_dir, tmp)
+    return write_dir(out, fill, overwrite)
+
+
+def save_model(model, ckpt_dir, tokenizer_dir=None, overwrite=False, shard_bytes=SHARD_BYTES):
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()
+             if not (model.cfg.llm.tie_embeddings and k == "llm.output.weight")}
+    return save_checkpoint(state, model.cfg, ckpt_dir, tokenizer_dir, overwrite, shard_bytes)
+
+
+def read_checkpoint(ckpt_dir, lazy=False):
+    """(state dict, VLMConfig) from our directory (a training step's shards included), or from an HF LLaVA
+    directory converted in memory. lazy: a training step's tensors are read when written (one at a time)."""
+    path = Path(ckpt_dir, "config.json")
+    if re.fullmatch(r"\..+\.tmp-\d+", Path(ckpt_dir).name):
+        raise ConversionError(f"{ckpt_dir}: the temporary folder of a write that was killed (incomplete); use the "
+                              f"finished directory, or run the conversion again")
+    if not path.exists():
+        raise ConversionError(f"{ckpt_dir}: no config.json; not a llavax or HF LLaVA checkpoint directory")
+    try:
+        raw = json.loads(path.read_text())
+    except ValueError as e:
+        raise ConversionError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConversionError(f"{path}: not a config (a JSON object), got {type(raw).__name__}")
+    if raw.get("model_type") in HF_ARCHITECTURES:
+        return llava_from_hf(ckpt_dir)
+    try:
+        cfg = VLMConfig.from_dict(raw)
+    except (TypeError, ValueError) as e:
+        raise ConversionError(f"{path}: not a llavax config ({e})") from None
+    if is_sharded_checkpoint(ckpt_dir):  # a training step: DCP's shards of every rank, checked before they are read
+        damaged = verify_checkpoint(ckpt_dir) if Path(ckpt_dir, MANIFEST).exists() else None
+        if damaged:
+            raise ConversionError(f"{ckpt_dir}: not a complete training checkpoint: {damaged}")
+        state = saved_weights(ckpt_dir) if lazy else load_weights(ckpt_dir)
+    else:
+        state = read_weights(ckpt_dir)
+    shapes = expected_shapes(cfg)
+    return remap(state, {k: k for k in shapes}, shapes, str(ckpt_dir)), cfg
+
+
+def load_model(ckpt_dir, device="cpu", dtype=torch.float32):
+    state, cfg = read_checkpoint(ckpt_dir)
+    model = build_model(cfg, device=device, init=False)
+    model.load_state_dict(state, strict=not cfg.llm.tie_embeddings)
+    return model.to(dtype)

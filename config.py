@@ -7,13 +7,132 @@ checked (check), each objective's keys by its module (rl.check_config for GRPO).
 
 import ast
 import builtins
+import math
 import traceback
 from pathlib import Path
 
-import data
+import chat
 import rl
 from lora import LoRAConfig
-from model import DPO_LOSSES, vlm_preset
+from losses import DPO_LOSSES
+from model_config import vlm_preset
+from parallel import ATTENTION, PALLAS, pallas_refusal
+
+# -----------------------------------------------------------------------------
+# a run's typed defaults; configs/*.py and --key=value may change only these keys
+# I/O
+out_dir = "out/shapes"
+init_from = "scratch"  # 'scratch', 'resume' (newest checkpoint in out_dir) or a convert.py checkpoint directory
+model = "debug"  # the VLM preset when init_from='scratch'
+model_overrides = {  # merged into the preset; these make the shapes demo's 1.8M-parameter VLM
+    "vision": {"image_size": 48, "patch_size": 16, "dim": 128, "n_layers": 4, "n_heads": 4, "ffn_dim": 512},
+    "llm": {"vocab_size": 576, "dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 4, "ffn_dim": 384, "max_seq_len": 64},
+    "vision_layer": -1,
+    "image_token_id": 512,  # the shapes tokenizer holds at most 512 pieces; the vocab is padded to 576
+}
+# data
+data_dir = "data/shapes/shards"
+tokenizer = "data/shapes/tokenizer.model"
+template = "llama_3"
+seq_len = 36  # the demo's samples are 30-34 tokens (9 image tokens, llama_3); padding past them is compute
+pack = 0  # > 0: each micro-batch reads pack x rows samples and packs them into its rows (no padding waste)
+max_tiles = 0  # > 0: static ViT tile slots a row, shared by its images and their anyres tiles; 0: one image a row
+image_mode = "pad"
+fast_images = False  # True: JPEG draft decoding + torch's bicubic, ~2x faster, up to ~12 levels off (README)
+num_workers = 1
+shuffle_block = 1000
+# what to train, and how
+stage = 0  # 0 everything, 1 the projector, 2 the projector and the LLM
+batch_size = 64  # global: across ranks and accumulation micro-steps
+micro_batch_size = 64  # per rank per micro-step
+max_iters = 1500  # the demo: 94.2-95.0% held-out at 1500 steps, 86.4-91.8% at 1200, 96.8-97.6% at 2000 (BENCHMARKS.md)
+lr = 3e-4
+min_lr = 5e-5
+warmup_iters = 100
+lr_decay_iters = 0  # 0: max_iters
+lr_scale = {"vision": 1.0, "projector": 1.0, "llm": 1.0}  # per-module multipliers
+lora = {}  # {} off; else LoRA adapters {"r", "alpha", "dropout", "targets", "rslora"} (docs/training.md "LoRA")
+weight_decay = 0.01
+beta1 = 0.9
+beta2 = 0.95
+grad_clip = 1.0
+max_nonfinite_steps = 5  # an update with a non-finite loss or gradient is skipped; this many in a row stop the run
+skip_steps = []  # [(first, end), ...]: iterations whose batches are consumed but not trained on
+# evaluation, logging, checkpoints
+eval_interval = 500
+eval_iters = 4
+log_interval = 50
+ckpt_interval = 500
+keep_last = 2
+allow_config_change = []  # keys that may differ from the checkpoint's config on resume (see FIXED_ON_RESUME)
+final_accuracy_samples = 500  # > 0: exact-match accuracy of generated answers on that many val samples
+wandb_log = False
+wandb_project = "llavax"
+wandb_run_name = ""
+# backend
+device = ""  # '' picks cuda when available, else cpu; 'xla' is torch_xla SPMD (TPU, or CPU devices in tests)
+parallel = "ddp"  # under torchrun: 'ddp' or 'fsdp'
+mesh = [1, -1, 1]  # xla: devices as (dp, fsdp, tp); one -1 takes what the others leave
+dcn_mesh = [1, 1, 1]  # xla: slices as (dp, fsdp, tp) for multi-slice pods (dp across slices is usual)
+dtype = "float32"  # 'bfloat16': bf16 compute with fp32 master weights
+compile = False
+activation_checkpointing = False
+checkpoint_policy = "full"  # 'selective': keep the matmul and attention outputs, recompute a block's elementwise ops
+checkpoint_every = 1  # k: checkpoint blocks 0, k, 2k, ... of each tower; the others keep all their activations
+frozen_dtype = "float32"  # 'bfloat16' (with dtype='bfloat16'): frozen Linear/Conv weights stored in bf16, never cast
+loss_chunk = 0  # > 0: cross-entropy over this many positions at a time, never the full fp32 logits
+# 'dense': SDPA (packed rows: a (B, 1, T, T) mask, or FlexAttention on CUDA with compile); 'blockwise': an online
+# softmax over key blocks, memory linear in seq_len on every device (XLA: one compiled loop); 'flash', 'splash':
+# torch_xla's Pallas kernels (TPU only, not verified in llavax's tests)
+attention = "dense"
+attention_block = 512  # keys a step of attention='blockwise'
+peak_flops = 0.0  # per device, for MFU; 0 uses the bf16 dense peak of a known GPU
+seed = 0
+# preference training (docs/post-training.md "DPO"): rows of chosen and rejected answers from preference shards
+objective = "sft"  # 'sft' (next-token loss), 'dpo' (against a frozen reference), 'reward', 'grpo' or 'ppo' (below)
+dpo_beta = 0.1
+dpo_loss = "sigmoid"  # 'sigmoid' (DPO), 'ipo' (length-normalised, as TRL), 'hinge'
+dpo_sft_weight = 0.0  # + this x the chosen answers' token NLL (LLaVA-NeXT's gamma; TRL's "sft" loss)
+dpo_end_of_turn = True  # False: an answer's log-prob leaves out its end-of-turn token (its last supervised one)
+dpo_reference = ""  # the reference checkpoint; '' is init_from (name it when resuming: init_from is then 'resume')
+# objective='reward' (docs/post-training.md): a scalar head on the same preference shards, Bradley-Terry loss
+reward_margin = 0.0  # -log sigmoid(r_chosen - r_rejected - margin)
+reward_center_weight = 0.0  # + this x (r_chosen + r_rejected)^2: rewards stay near 0 (TRL's center_rewards_coefficient)
+# objective='grpo': prompts from SFT shards, grpo_group samples each; batch_size and micro_batch_size count prompts
+grpo_group = 4  # completions a prompt (TRL's num_generations)
+grpo_loss = "dapo"  # 'dapo' (token sum / the step's completion tokens: TRL's default), 'grpo', 'dr_grpo'
+grpo_beta = 0.0  # k3 KL to the reference (grpo_reference, else init_from); 0: no reference (TRL's default)
+grpo_epsilon = 0.2  # the ratio is clipped to [1 - epsilon, 1 + epsilon_high]
+grpo_epsilon_high = 0.0  # DAPO's clip-higher (0.28 in its paper); 0: grpo_epsilon
+grpo_scale_rewards = "group"  # r - group mean divided by the group's std, the generation batch's ('batch') or 1 ('none')
+grpo_iterations = 1  # optimisation steps on each generation batch (TRL's num_iterations); > 1 uses the importance ratio
+grpo_max_new_tokens = 8
+grpo_temperature = 1.0
+grpo_top_p = 1.0
+grpo_reward = "exact_match"  # 'exact_match', 'module:function' (completions, answers) -> floats, or a reward-model dir
+grpo_reference = ""
+grpo_static = False  # static-shape rollouts (always under XLA): prompts left-padded to grpo_prompt_len, hashed draws
+grpo_prompt_len = 0  # static rollouts' prompt bucket (0: seq_len - grpo_max_new_tokens); a longer prompt is skipped
+# FSDP2: True keeps every block gathered from the first decoding step to the last (TRL's ds3_gather_for_generation, on
+# by default there): fast, but the whole model on each rank. False gathers each block again at every step (less memory)
+grpo_gather_for_generation = False
+# objective='ppo' (EasyLM's llama_train_ppo; TRL <= 1.12's defaults): rollouts as GRPO's grpo_* keys make them
+ppo_value_init = ""  # the value model: a reward-model checkpoint, its head read at every token; '' = grpo_reward's
+ppo_kl_coef = 0.05  # per-token reward -kl_coef x KL(policy || reference), the score added at the last token
+ppo_kl_estimator = "k1"  # 'k1' logp - ref_logp, 'k3' (rho - 1) - log rho
+ppo_reward_gain = 1.0  # score = gain x reward + bias - ppo_missing_end_penalty when a completion has no end of turn
+ppo_reward_bias = 0.0
+ppo_missing_end_penalty = 0.0
+ppo_gamma = 1.0  # GAE
+ppo_lam = 0.95
+ppo_whiten_rewards = False
+ppo_epochs = 4  # passes over each rollout batch (batch_size prompts)
+ppo_mini_batch_size = 0  # prompts an optimizer step; 0: the whole rollout batch
+ppo_clip = 0.2
+ppo_clip_value = 0.2
+ppo_vf_coef = 0.1
+ppo_value_lr = 0.0  # the value model's peak learning rate (on the same schedule); 0: lr, as TRL's one optimizer
+DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, list, dict))}
 
 
 def parse(argv, defaults):
@@ -80,7 +199,7 @@ def run_config_file(arg):
 # the values checked
 
 POSITIVE = ("batch_size", "micro_batch_size", "max_iters", "seq_len", "log_interval", "shuffle_block",
-            "max_nonfinite_steps", "checkpoint_every")
+            "max_nonfinite_steps", "checkpoint_every", "attention_block")
 NON_NEGATIVE = ("eval_interval", "eval_iters", "ckpt_interval", "keep_last", "num_workers", "pack", "warmup_iters",
                 "lr_decay_iters", "max_tiles", "final_accuracy_samples", "lr", "min_lr", "weight_decay", "grad_clip",
                 "loss_chunk", "peak_flops")
@@ -93,8 +212,8 @@ def check(cfg):
             raise SystemExit(f"config: {key} must be {'> 0' if key in POSITIVE else '>= 0'}, got {cfg[key]}")
     if cfg["eval_interval"] and not cfg["eval_iters"]:
         raise SystemExit("config: eval_iters must be > 0 when eval_interval is (eval_interval=0 turns evaluation off)")
-    if cfg["template"] not in data.TEMPLATES:
-        raise SystemExit(f"config: unknown template {cfg['template']!r}; choose from {sorted(data.TEMPLATES)}")
+    if cfg["template"] not in chat.TEMPLATES:
+        raise SystemExit(f"config: unknown template {cfg['template']!r}; choose from {sorted(chat.TEMPLATES)}")
     if cfg["image_mode"] not in ("pad", "crop", "resize"):
         raise SystemExit(f"config: unknown image_mode {cfg['image_mode']!r}; choose 'pad', 'crop' or 'resize'")
     if cfg["stage"] not in (0, 1, 2):
@@ -113,6 +232,10 @@ def check(cfg):
 
 
 def check_speed_levers(cfg):
+    if cfg["attention"] not in ATTENTION:
+        raise SystemExit(f"config: attention must be one of {ATTENTION}, got {cfg['attention']!r}")
+    if cfg["attention"] in PALLAS and cfg["device"] != "xla":
+        raise SystemExit(pallas_refusal(cfg["attention"], f"device={cfg['device']!r}"))
     if cfg["checkpoint_policy"] not in ("full", "selective"):
         raise SystemExit(f"config: checkpoint_policy must be 'full' or 'selective', got {cfg['checkpoint_policy']!r}")
     if cfg["checkpoint_policy"] == "selective" and cfg["device"] == "xla":
@@ -131,7 +254,7 @@ def check_speed_levers(cfg):
                          "activation_checkpointing=True")
 
 
-OBJECTIVES = ("sft", "dpo", "reward", "grpo")
+OBJECTIVES = ("sft", "dpo", "reward", "grpo", "ppo")
 
 
 def check_objective(cfg):
@@ -146,6 +269,8 @@ def check_objective(cfg):
         raise SystemExit(f"config: objective={cfg['objective']!r} reads a pair into two fixed rows: pack must be 0")
     if cfg["objective"] == "grpo":
         rl.check_config(cfg)
+    if cfg["objective"] == "ppo":
+        rl.check_ppo_config(cfg)
     if cfg["reward_center_weight"] < 0:
         raise SystemExit(f"config: reward_center_weight must be >= 0, got {cfg['reward_center_weight']}")
     if cfg["objective"] == "dpo" and (cfg["dpo_reference"] or cfg["init_from"]) in ("scratch", "resume"):
@@ -166,3 +291,23 @@ def lora_config(cfg):
         return LoRAConfig(**cfg["lora"]) if cfg["lora"] else None
     except (TypeError, ValueError) as e:
         raise SystemExit(f"config: lora={cfg['lora']!r}: {str(e).replace('__init__() got an ', '')}") from None
+
+
+def load_config(argv):
+    return check(parse(argv, DEFAULTS))
+
+
+def check_tiles(vlm, max_tiles):
+    """An anyres or video model needs tile slots; anyres needs room for the base view and the smallest grid."""
+    tiled = vlm.anyres or vlm.video_token_id is not None
+    if tiled and not max_tiles:
+        raise SystemExit(f"config: max_tiles=0, but the model tiles images (anyres={vlm.anyres!r}, video_token_id="
+                         f"{vlm.video_token_id}): set max_tiles to the ViT slots a row holds (e.g. 10 for a base view and "
+                         f"a 3x3 grid)")
+    if vlm.anyres and max_tiles and vlm.grid_pinpoints:
+        size = vlm.vision.image_size
+        least = 1 + min(math.ceil(h / size) * math.ceil(w / size) for h, w in vlm.grid_pinpoints)
+        if max_tiles < least:
+            raise SystemExit(f"config: max_tiles={max_tiles} is fewer than the {least} tiles the smallest anyres image "
+                             f"needs (a base view and the smallest grid of grid_pinpoints {vlm.grid_pinpoints}): every "
+                             f"image would be dropped")

@@ -17,104 +17,40 @@ must be consumed and every shape must match, or ConversionError lists what did n
 import argparse
 import json
 import re
-import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from checkpoint import MANIFEST, is_sharded_checkpoint, load_weights, saved_weights, verify_checkpoint
-from hf_names import (IGNORED, SIGLIP_HEAD, check_complete, drop_siglip_head, drop_tied_head,  # noqa: F401
-                      expected_shapes, hub_name, llama_table, llava_table, memory_name, projector_table, remap,
-                      vit_table)  # convert.*: tests and other programs read them here
-from hf_config import HF_ARCHITECTURES, hf_model_type, llama_config, llava_config, llava_hf_config, read_json, vit_config
+from checkpoint import copy_tokenizer, read_checkpoint, save_checkpoint
+from hf_config import hf_model_type, llama_config, llava_hf_config, read_json, vit_config
+from hf_names import (
+    check_complete,
+    drop_siglip_head,
+    drop_tied_head,
+    expected_shapes,
+    hub_name,
+    llama_table,
+    llava_from_hf,
+    llava_table,
+    memory_name,
+    projector_table,
+    remap,
+    vit_table,
+)
 from lora import LORA_SITES, LoRAConfig, is_lora_parameter, merge_lora_state
-from model import LlamaConfig, Projector, ViTConfig, VLMConfig, build_model, vlm_preset
-from processor import (PROCESSOR_FILES, TEMPLATE_NAMES, ExportError, export_tokenizer, has_processor,  # noqa: F401
-                       write_processor)  # PROCESSOR_FILES: tests read it as convert.PROCESSOR_FILES
-from weight_files import (SHARD_BYTES, ConversionError, read_weights, say, write_dir, write_safetensors,  # noqa: F401
-                          write_weights)  # write_safetensors: checkpoint.py and tests call it as convert.write_safetensors
-
-# tokenizer and processor files travel with the weights (from-hf carries an HF directory's through to ours)
-TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json", "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
-                   "processor_config.json")
-
+from model import Projector
+from model_config import LlamaConfig, ViTConfig, VLMConfig, vlm_preset
+from processor import TEMPLATE_NAMES, ExportError, export_tokenizer, has_processor, write_processor
+from weight_files import ConversionError, read_weights, say, write_dir, write_safetensors, write_weights
 
 # -----------------------------------------------------------------------------
 # our checkpoint directory (tokenizer files travel with the weights)
 
 
-def copy_tokenizer(src, dst):
-    for name in TOKENIZER_FILES:
-        if src and Path(src, name).exists():
-            shutil.copy(Path(src, name), Path(dst, name))
-
-
-def save_checkpoint(state, cfg: VLMConfig, out, tokenizer_dir=None, overwrite=False, shard_bytes=SHARD_BYTES):
-    def fill(tmp):
-        write_weights(state, tmp, shard_bytes=shard_bytes)
-        Path(tmp, "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-        copy_tokenizer(tokenizer_dir, tmp)
-    return write_dir(out, fill, overwrite)
-
-
-def save_model(model, ckpt_dir, tokenizer_dir=None, overwrite=False, shard_bytes=SHARD_BYTES):
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()
-             if not (model.cfg.llm.tie_embeddings and k == "llm.output.weight")}
-    return save_checkpoint(state, model.cfg, ckpt_dir, tokenizer_dir, overwrite, shard_bytes)
-
-
-def read_checkpoint(ckpt_dir, lazy=False):
-    """(state dict, VLMConfig) from our directory (a training step's shards included), or from an HF LLaVA
-    directory converted in memory. lazy: a training step's tensors are read when written (one at a time)."""
-    path = Path(ckpt_dir, "config.json")
-    if re.fullmatch(r"\..+\.tmp-\d+", Path(ckpt_dir).name):
-        raise ConversionError(f"{ckpt_dir}: the temporary folder of a write that was killed (incomplete); use the "
-                              f"finished directory, or run the conversion again")
-    if not path.exists():
-        raise ConversionError(f"{ckpt_dir}: no config.json; not a llavax or HF LLaVA checkpoint directory")
-    try:
-        raw = json.loads(path.read_text())
-    except ValueError as e:
-        raise ConversionError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ConversionError(f"{path}: not a config (a JSON object), got {type(raw).__name__}")
-    if raw.get("model_type") in HF_ARCHITECTURES:
-        return llava_from_hf(ckpt_dir)
-    try:
-        cfg = VLMConfig.from_dict(raw)
-    except (TypeError, ValueError) as e:
-        raise ConversionError(f"{path}: not a llavax config ({e})") from None
-    if is_sharded_checkpoint(ckpt_dir):  # a training step: DCP's shards of every rank, checked before they are read
-        damaged = verify_checkpoint(ckpt_dir) if Path(ckpt_dir, MANIFEST).exists() else None
-        if damaged:
-            raise ConversionError(f"{ckpt_dir}: not a complete training checkpoint: {damaged}")
-        state = saved_weights(ckpt_dir) if lazy else load_weights(ckpt_dir)
-    else:
-        state = read_weights(ckpt_dir)
-    shapes = expected_shapes(cfg)
-    return remap(state, {k: k for k in shapes}, shapes, str(ckpt_dir)), cfg
-
-
-def load_model(ckpt_dir, device="cpu", dtype=torch.float32):
-    state, cfg = read_checkpoint(ckpt_dir)
-    model = build_model(cfg, device=device, init=False)
-    model.load_state_dict(state, strict=not cfg.llm.tie_embeddings)
-    return model.to(dtype)
-
-
 # -----------------------------------------------------------------------------
 # conversions
-
-
-def llava_from_hf(hf_dir):
-    cfg = llava_config(read_json(Path(hf_dir, "config.json")), hf_dir)
-    state = drop_siglip_head({hub_name(k): v for k, v in read_weights(hf_dir).items()}, hf_dir)
-    state = drop_tied_head(state, cfg.llm, "language_model.model.embed_tokens.weight", "language_model.lm_head.weight",
-                           hf_dir)
-    return check_complete(remap(state, llava_table(cfg), expected_shapes(cfg), str(hf_dir)), cfg, hf_dir), cfg
 
 
 def llava_to_hf(ckpt_dir, out, template=None, image_mode=None, merge_lora=False):
@@ -144,7 +80,10 @@ def llava_to_hf(ckpt_dir, out, template=None, image_mode=None, merge_lora=False)
         write_weights(hub, tmp)
         Path(tmp, "config.json").write_text(json.dumps(llava_hf_config(cfg), indent=2))
         copy_tokenizer(ckpt_dir, tmp)
-        tokenizer = export_tokenizer(tmp, cfg.image_token_id, cfg.video_token_id, template)
+        try:
+            tokenizer = export_tokenizer(tmp, cfg.image_token_id, cfg.video_token_id, template)
+        except ExportError as e:  # name the checkpoint's tokenizer files, not their copies in the temporary folder
+            raise ExportError(str(e).replace(str(tmp), str(ckpt_dir))) from None
         if not carried:
             write_processor(cfg, tmp, template, image_mode, tokenizer)
     return write_dir(out, fill)

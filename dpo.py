@@ -3,7 +3,7 @@ Preference training for train.py (objective='dpo', and 'reward': a reward model 
 reference, each row's completion log-prob, the pair losses and their held-out pass. The losses themselves
 (`dpo_loss`, `reward_loss`) are beside the token loss in model.py; the data (pairs as rows [chosen...,
 rejected...], one image a pair) is data.ShardStream(preference=True). And a program: on-policy pairs, the model's
-own wrong answers as the rejected side (README "Preference training (DPO)"):
+own wrong answers as the rejected side (docs/post-training.md "DPO"):
 
     python dpo.py pairs --ckpt out/shapes-sft-250/step-000250 --data data/shapes/preference --out data/shapes/onpolicy
 """
@@ -20,20 +20,24 @@ from PIL import Image
 from torch.distributed.fsdp import FSDPModule
 from tqdm import tqdm
 
-import convert
-import data
+import chat
+import checkpoint
+from images import load_image, normalize_images
+import loader
+import weight_files
 from evaluation import device_batch
 from lora import adapters_off, is_lora_parameter
-from model import dpo_loss as pair_loss  # train.py's config key dpo_loss names its kind
-from model import left_pad, reward_loss
+from losses import dpo_loss as pair_loss  # train.py's config key dpo_loss names its kind
+from losses import reward_loss
+from model import left_pad
 from pack import pack
 from parallel import autocast, checkpoint_fn, print0, shard
 
 
 def reference_model(cfg, env, policy=None):
-    """The frozen reference (dpo, grpo with a KL term), placed as the policy is (FSDP/SPMD-sharded, or whole under
+    """The frozen reference (dpo, grpo with a KL term, ppo), placed as the policy is (FSDP/SPMD-sharded, or whole under
     DDP). With LoRA and no reference named: the policy itself with its adapters off (AdapterFreeReference)."""
-    named = cfg["grpo_reference" if cfg["objective"] == "grpo" else "dpo_reference"]
+    named = cfg["grpo_reference" if cfg["objective"] in ("grpo", "ppo") else "dpo_reference"]
     if cfg["lora"] and not named and policy is not None and not trained_adapters(policy):
         ref = AdapterFreeReference(policy)
         print0(env, f"{cfg['objective']}: reference model = the policy with its LoRA adapters off"
@@ -42,12 +46,12 @@ def reference_model(cfg, env, policy=None):
     source = named or cfg["init_from"]
     build_on = "cpu" if env.kind == "xla" else env.device
     try:
-        ref = convert.load_model(source, device=build_on).requires_grad_(False).eval()
-    except (convert.ConversionError, OSError, ValueError, KeyError, TypeError) as e:
+        ref = checkpoint.load_model(source, device=build_on).requires_grad_(False).eval()
+    except (weight_files.ConversionError, OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"{cfg['objective']} reference {str(source)!r}: cannot load the model ({e})") from None
     ref.loss_chunk, ref.recompute = cfg["loss_chunk"], checkpoint_fn(env.kind)  # its log-probs as the policy's
     print0(env, f"{cfg['objective']}: reference model {source} (frozen)")
-    return ref if env.distributed and env.kind != "xla" and cfg["parallel"] == "ddp" else shard(ref, env, cfg)
+    return ref if env.distributed and env.kind != "xla" and env.parallel == "ddp" else shard(ref, env)
 
 
 def trained_adapters(policy):
@@ -124,8 +128,9 @@ def preference_loss(model, ref_model, b, cfg):
 
 
 @torch.no_grad()
-def evaluate_preference(model, ref_model, val_loader, env, cfg, n_batches, vision):
-    """Validation loss and metrics (dpo or reward) on the same held-out pairs every time."""
+def evaluate_preference(model, ref_model, val_loader, env, cfg, n_batches, vision, pair_loss):
+    """Validation loss and metrics (pair_loss(model, b, cfg, ref_model): dpo or reward) on the same held-out pairs
+    every time."""
     model.eval()
     sums, n = {}, 0
     val_loader.position = 0
@@ -133,8 +138,8 @@ def evaluate_preference(model, ref_model, val_loader, env, cfg, n_batches, visio
         if i == n_batches:
             break
         b = device_batch(batch, env, vision)
-        with autocast(env, cfg):
-            loss, metrics = pair_objective(model, ref_model, b, cfg)
+        with autocast(env):
+            loss, metrics = pair_loss(model, b, cfg, ref_model)
         for k, v in ({"loss": loss} | metrics).items():
             sums[k] = sums.get(k, 0.0) + v
         n += 1
@@ -155,10 +160,6 @@ def reward_pairs(model, b, cfg):
     return reward_loss(rewards, supervised[:, 1:].sum(dim=1), cfg["reward_margin"], cfg["reward_center_weight"])
 
 
-def pair_objective(model, ref_model, b, cfg):
-    """The loss of a batch of pairs: objective='reward' (Bradley-Terry on the reward head) or 'dpo'."""
-    return reward_pairs(model, b, cfg) if cfg["objective"] == "reward" else preference_loss(model, ref_model, b, cfg)
-
 
 # -----------------------------------------------------------------------------
 # on-policy pairs (OneVision-Chat's iterative DPO): the rejected answer is the model's own mistake
@@ -168,7 +169,7 @@ def pair_objective(model, ref_model, b, cfg):
 def answer_prompt(conv, has_image, template, tok, image_token_id, n_image_tokens):
     """The ids before the conversation's last answer, as a preference row holds them (data.encode_preference)."""
     answered = conv[:-1] + [{"from": conv[-1]["from"], "value": conv[-1]["value"]}]
-    ids, labels, _ = data.encode_conversation(answered, has_image, template, tok, 1 << 30, image_token_id,
+    ids, labels, _ = chat.encode_conversation(answered, has_image, template, tok, 1 << 30, image_token_id,
                                               n_image_tokens)
     start = max(i for i, label in enumerate(labels) if label != -100)
     while start > 0 and labels[start - 1] != -100:  # back to the first token of the last answer
@@ -180,12 +181,12 @@ def answer_prompt(conv, has_image, template, tok, image_token_id, n_image_tokens
 def model_answers(model, questions, stream, template, n_samples, temperature, max_new_tokens, generator):
     """Each question's answers [greedy, sampled...]: n_samples in all, one left-padded batch. questions: [(prompt
     ids, image bytes or None)]."""
-    tok, cfg, stop = stream.tok, model.cfg, data.stop_token_id(template, stream.tok)
+    tok, cfg, stop = stream.tok, model.cfg, chat.stop_token_id(template, stream.tok)
     ids, mask = left_pad([prompt for prompt, _ in questions], tok.pad_id)
     blank = torch.zeros(3, stream.image_size, stream.image_size, dtype=torch.uint8)  # rows without an image
-    images = [blank if blob is None else data.load_image(blob, stream.image_size, stream.image_mode,
+    images = [blank if blob is None else load_image(blob, stream.image_size, stream.image_mode,
                                                          mean=stream.image_mean) for _, blob in questions]
-    pixels = data.normalize_images(torch.stack(images), *cfg.vision.image_stats)
+    pixels = normalize_images(torch.stack(images), *cfg.vision.image_stats)
     pixels = pixels if (ids == cfg.image_token_id).any() else None
     suppress = torch.arange(cfg.llm.vocab_size)
     suppress = (suppress >= tok.vocab_size) | (suppress == cfg.image_token_id)  # as GRPO samples (rl.rollout)
@@ -196,7 +197,7 @@ def model_answers(model, questions, stream, template, n_samples, temperature, ma
         new.append(model.generate(ids.repeat_interleave(k, 0), None if pixels is None else pixels.repeat_interleave(
             k, 0), max_new, temperature, eos_id=stop, generator=generator, attention_mask=mask.repeat_interleave(k, 0),
             suppress=suppress))
-    texts = [[data.decode_answer(tok, row, stop) for row in rows.tolist()] for rows in new]
+    texts = [[chat.decode_answer(tok, row, stop) for row in rows.tolist()] for rows in new]
     return [[texts[0][q]] + texts[1][q * (n_samples - 1) : (q + 1) * (n_samples - 1)] if n_samples > 1 else
             [texts[0][q]] for q in range(len(questions))]
 
@@ -246,11 +247,11 @@ def on_policy_pairs(model, stream, template, n_samples=4, temperature=1.0, max_n
             where, conv, kind, blobs = stream.read_conversation(sample)
             where = json.loads(stream.read(sample)[1].get("json", b"{}")).get("id", where)  # the packed record's id
             if len(blobs) > 1 or kind == "video":
-                raise data.DropSample("several_images (the tile path is not generated here)")
-            if data.ROLES[conv[-1]["from"]] != "assistant":
-                raise data.DropSample("last_turn_not_an_answer")
+                raise chat.DropSample("several_images (the tile path is not generated here)")
+            if chat.ROLES[conv[-1]["from"]] != "assistant":
+                raise chat.DropSample("last_turn_not_an_answer")
             prompt = answer_prompt(conv, bool(blobs), template, stream.tok, stream.image_token_id, stream.n_image_tokens)
-        except data.DropSample as e:
+        except chat.DropSample as e:
             counts[f"dropped: {str(e).split(' ')[0]}"] += 1
             continue
         if len(prompt) + max_new_tokens > model.cfg.llm.max_seq_len:  # else it cut every answer of its batch shorter
@@ -291,17 +292,17 @@ def pairs_command(args):
     if held and not args.overwrite:  # refused before the answering, not after
         raise SystemExit(f"pairs: --out {out} already holds a dataset ({held[0]}, ...); pass --overwrite to replace it")
     try:
-        model = convert.load_model(ckpt).eval()
-        tok = data.Tokenizer(args.tokenizer or ckpt)
+        model = checkpoint.load_model(ckpt).eval()
+        tok = chat.Tokenizer(args.tokenizer or ckpt)
         trained = json.loads((ckpt / "state.json").read_text())["config"] if (ckpt / "state.json").exists() else {}
-    except (convert.ConversionError, OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+    except (weight_files.ConversionError, OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
         raise SystemExit(f"pairs: --ckpt {args.ckpt}: cannot load the model and its tokenizer ({e})") from None
     template = args.template or trained.get("template")
-    if template not in data.TEMPLATES:
+    if template not in chat.TEMPLATES:
         raise SystemExit(f"pairs: template {template!r} (the checkpoint's training config has none): pass --template, "
-                         f"one of {sorted(data.TEMPLATES)}")
+                         f"one of {sorted(chat.TEMPLATES)}")
     vocab, image_id = tok.vocab_size, model.cfg.image_token_id  # as train.py checks them (make_loaders)
-    collides = image_id < vocab and tok.decode([image_id]) != data.IMAGE_TAG  # an HF <image> is fine
+    collides = image_id < vocab and tok.decode([image_id]) != chat.IMAGE_TAG  # an HF <image> is fine
     if collides or image_id >= model.cfg.llm.vocab_size or vocab > model.cfg.llm.vocab_size:
         raise SystemExit(f"pairs: the tokenizer ({args.tokenizer or ckpt}: {vocab} ids) does not fit --ckpt "
                          f"{args.ckpt} (vocab {model.cfg.llm.vocab_size}, image token {image_id}): pass the tokenizer "
@@ -312,7 +313,7 @@ def pairs_command(args):
     records = {}
     for split in ("train", "val"):
         try:
-            stream = data.ShardStream(args.data, tok, 1, model.cfg.llm.max_seq_len, model.cfg.vision.image_size,
+            stream = loader.ShardStream(args.data, tok, 1, model.cfg.llm.max_seq_len, model.cfg.vision.image_size,
                                       model.cfg.image_token_id, model.cfg.n_image_tokens, template,
                                       args.image_mode or trained.get("image_mode", "pad"), split=split,
                                       image_mean=model.cfg.vision.image_stats[0])

@@ -7,7 +7,9 @@ from types import SimpleNamespace
 
 import torch
 
-import data
+import chat
+from images import load_image, normalize_images
+import loader
 from model import build_model, left_pad
 from parallel import autocast, gathered_for_generation, print0
 
@@ -17,7 +19,7 @@ def device_batch(batch, env, vision):
     loader as uint8 (4x fewer bytes). With max_tiles they are (B, max_tiles, 3, S, S) and image_index/image_weight
     say where each tile's features go."""
     b = env.to_device(batch)
-    return b | {"pixel_values": data.normalize_images(b["pixel_values"], *vision.image_stats)}
+    return b | {"pixel_values": normalize_images(b["pixel_values"], *vision.image_stats)}
 
 
 @torch.no_grad()
@@ -29,7 +31,7 @@ def evaluate(model, val_loader, env, cfg, n_batches, vision):
         if i == n_batches:
             break
         b = device_batch(batch, env, vision)
-        with autocast(env, cfg):
+        with autocast(env):
             _, loss = model(b["input_ids"], b["pixel_values"], b["labels"], "sum", b.get("position_ids"),
                             image_index=b.get("image_index"), image_weight=b.get("image_weight"))
         total += loss
@@ -45,14 +47,14 @@ def answer_accuracy(raw, stream, env, cfg, n, show=5, batch_size=32):
     and the number skipped because prompt and answer exceed the model's max_seq_len. Questions go batch_size at a
     time, left-padded (rows without an image get a blank one they never read)."""
     raw.eval()
-    tok, stop = stream.tok, data.stop_token_id(cfg["template"], stream.tok)
+    tok, stop = stream.tok, chat.stop_token_id(cfg["template"], stream.tok)
     right, shown, total, too_long, max_new = 0, [], 0, 0, 8
     asked = []
     for sample in range(min(n, len(stream))):
-        conv, image = data.sample_conversation(stream.read(sample)[1])
-        if data.conversation_problem(conv):  # a malformed foreign sample, which training drops too
+        conv, image = loader.sample_conversation(stream.read(sample)[1])
+        if chat.conversation_problem(conv):  # a malformed foreign sample, which training drops too
             continue
-        prompt, answer = data.prompt_and_answer(conv, image is not None, cfg["template"], tok, stream.image_token_id,
+        prompt, answer = chat.prompt_and_answer(conv, image is not None, cfg["template"], tok, stream.image_token_id,
                                                 stream.n_image_tokens)
         if len(prompt) + max_new > raw.cfg.llm.max_seq_len:  # the model cannot hold it: counted, not a crash
             too_long += 1
@@ -63,19 +65,19 @@ def answer_accuracy(raw, stream, env, cfg, n, show=5, batch_size=32):
         batch = asked[first : first + batch_size]
         ids, mask = left_pad([prompt for prompt, *_ in batch], tok.pad_id)
         blank = torch.zeros(3, stream.image_size, stream.image_size, dtype=torch.uint8)
-        images = [data.load_image(image, stream.image_size, stream.image_mode, mean=stream.image_mean)
+        images = [load_image(image, stream.image_size, stream.image_mode, mean=stream.image_mean)
                   if image is not None else blank for _, _, image, _ in batch]
-        pixels = data.normalize_images(torch.stack(images).to(env.device), *raw.cfg.vision.image_stats) \
+        pixels = normalize_images(torch.stack(images).to(env.device), *raw.cfg.vision.image_stats) \
             if stream.image_token_id in ids else None
-        with autocast(env, cfg):
+        with autocast(env):
             out = raw.generate(ids.to(env.device), pixels, max_new_tokens=max_new, eos_id=stop,
                                attention_mask=mask.to(env.device)).tolist()
         for tokens, (_, answer, _, question) in zip(out, batch):
-            said = data.decode_answer(tok, tokens, stop)
+            said = chat.decode_answer(tok, tokens, stop)
             right += said.lower() == answer.strip().lower()
             total += 1
             if len(shown) < show:
-                shown.append((question.replace(data.IMAGE_TAG, "").strip(), said, answer))
+                shown.append((question.replace(chat.IMAGE_TAG, "").strip(), said, answer))
     raw.train()
     return right / max(1, total), shown, total, too_long
 
@@ -85,7 +87,7 @@ def tiled_answer_accuracy(raw, stream, env, cfg, n, show=5):
     """answer_accuracy on the tile path (max_tiles > 0), from the loader's own unpacked val batches: each row is cut
     where its first answer starts, the prompts left-padded, and image_index/image_weight shifted with them."""
     raw.eval()
-    tok, stop, max_new = stream.tok, data.stop_token_id(stream.template, stream.tok), 8
+    tok, stop, max_new = stream.tok, chat.stop_token_id(stream.template, stream.tok), 8
     right, shown, total, too_long, n = 0, [], 0, 0, min(n, len(stream))
     for k in range(-(-n // stream.batch_size)):
         b, asked = stream.batch(k), []
@@ -99,7 +101,7 @@ def tiled_answer_accuracy(raw, stream, env, cfg, n, show=5):
                 too_long += 1
                 continue
             answer = b["input_ids"][r, start:end].tolist()
-            asked.append((r, start, data.decode_answer(tok, answer, stop)))
+            asked.append((r, start, chat.decode_answer(tok, answer, stop)))
         if not asked:
             continue
         ids, mask = left_pad([b["input_ids"][r, :start].tolist() for r, start, _ in asked], tok.pad_id)
@@ -109,19 +111,19 @@ def tiled_answer_accuracy(raw, stream, env, cfg, n, show=5):
             index[i, ids.shape[1] - start :], weight[i, ids.shape[1] - start :] = \
                 b["image_index"][r, :start], b["image_weight"][r, :start]
         rows = torch.tensor([r for r, _, _ in asked])
-        pixels = data.normalize_images(b["pixel_values"][rows].to(env.device), *raw.cfg.vision.image_stats)
-        with autocast(env, cfg):
+        pixels = normalize_images(b["pixel_values"][rows].to(env.device), *raw.cfg.vision.image_stats)
+        with autocast(env):
             out = raw.generate(ids.to(env.device), pixels, max_new_tokens=max_new, eos_id=stop,
                                attention_mask=mask.to(env.device), image_index=index.to(env.device),
                                image_weight=weight.to(env.device)).tolist()
         for tokens, (r, _, answer) in zip(out, asked):
-            said = data.decode_answer(tok, tokens, stop)
+            said = chat.decode_answer(tok, tokens, stop)
             right += said.lower() == answer.lower()
             total += 1
             if len(shown) < show:
-                conv = data.sample_conversation(stream.read(int(b["sample_id"][r]))[1])[0]
+                conv = loader.sample_conversation(stream.read(int(b["sample_id"][r]))[1])[0]
                 question = next(t["value"] for t in conv if t["from"] in ("human", "user"))
-                shown.append((question.replace(data.IMAGE_TAG, "").strip(), said, answer))
+                shown.append((question.replace(chat.IMAGE_TAG, "").strip(), said, answer))
     raw.train()
     return right / max(1, total), shown, total, too_long
 
@@ -132,11 +134,12 @@ def final_accuracy(raw, val_stream, stream_args, env, cfg):
     if env.kind == "xla":  # token-by-token generation would recompile at every length: answer on the host
         asker = build_model(raw.cfg, device="cpu", init=False)
         asker.load_state_dict({k: v.cpu() for k, v in raw.state_dict().items()})
-        asker_env = SimpleNamespace(kind="cpu", device=torch.device("cpu"), distributed=False)
+        asker_env = SimpleNamespace(kind="cpu", device=torch.device("cpu"), distributed=False, bf16=env.bf16,
+                                    parallel=env.parallel)
     # FSDP2: the whole model gathered on every rank, which then answers its own questions with no collective
     with gathered_for_generation(asker, whole=True):
         if cfg["max_tiles"]:  # the questions as the loader tiles and places their images, one sample a row
-            unpacked = data.ShardStream(cfg["data_dir"], split="val", **(stream_args | {"pack": 0}))
+            unpacked = loader.ShardStream(cfg["data_dir"], split="val", **(stream_args | {"pack": 0}))
             result = tiled_answer_accuracy(asker, unpacked, asker_env, cfg, cfg["final_accuracy_samples"])
         else:
             result = answer_accuracy(asker, val_stream, asker_env, cfg, cfg["final_accuracy_samples"])

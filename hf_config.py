@@ -12,9 +12,8 @@ import json
 import re
 from pathlib import Path
 
-from model import VIT_ACTIVATIONS, LlamaConfig, ViTConfig, VLMConfig, vlm_preset
+from model_config import VIT_ACTIVATIONS, LlamaConfig, ViTConfig, VLMConfig, vlm_preset
 from weight_files import ConversionError
-
 
 LLAMA_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=None, head_dim=None, rms_norm_eps=1e-6,

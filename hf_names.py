@@ -6,12 +6,15 @@ its budget), which re-exports every name; hf_config.py is the same for config.js
 """
 
 import re
+from pathlib import Path
 
 import torch
 
-from hf_config import HF_ARCHITECTURES, hf_model_type
-from model import VLM, LlamaConfig, ViTConfig, VLMConfig, projector_depth
-from weight_files import ConversionError, say
+from hf_config import HF_ARCHITECTURES, hf_model_type, llava_config, read_json
+from model import VLM
+from model_config import LlamaConfig, ViTConfig, VLMConfig, projector_depth
+from weight_files import ConversionError, read_weights, say
+
 
 def vit_table(cfg: ViTConfig, prefix):
     """CLIPVisionModel names, or SiglipVisionModel's: the same less class token and pre-LayerNorm, plus a conv bias."""
@@ -56,7 +59,7 @@ def llava_table(cfg: VLMConfig):
                               f"not {cfg.projector!r}")
     if cfg.reward_head:
         raise ConversionError("a reward model (reward_head): no Hugging Face LLaVA class holds its scalar head; load it "
-                              "with convert.load_model (README 'Reward models and RL')")
+                              "with checkpoint.load_model (docs/post-training.md)")
     t = vit_table(cfg.vision, "vision_tower.vision_model.")
     t |= {f"projector.fc.{i}.{p}": f"multi_modal_projector.linear_{i + 1}.{p}" for i in range(2) for p in ("weight", "bias")}
     if "image_newline" in expected_shapes(cfg):
@@ -142,3 +145,11 @@ def check_complete(state, cfg, what):
     if missing:
         raise ConversionError(f"{what}: no weights for {len(missing)} model tensors: {', '.join(missing[:20])}")
     return state
+
+
+def llava_from_hf(hf_dir):
+    cfg = llava_config(read_json(Path(hf_dir, "config.json")), hf_dir)
+    state = drop_siglip_head({hub_name(k): v for k, v in read_weights(hf_dir).items()}, hf_dir)
+    state = drop_tied_head(state, cfg.llm, "language_model.model.embed_tokens.weight", "language_model.lm_head.weight",
+                           hf_dir)
+    return check_complete(remap(state, llava_table(cfg), expected_shapes(cfg), str(hf_dir)), cfg, hf_dir), cfg

@@ -4,7 +4,7 @@ The LLaVA-style vision-language model in one file: a CLIP ViT, a projector and L
 No device, distributed or file code lives here (see STYLE.md); train.py and convert.py
 do that. Parameter names follow OpenAI CLIP for the ViT and Meta's reference model.py for
 LLaMA; Hugging Face names exist only in hf_names.py's tables. The configs and named presets the
-modules are built from live in model_config.py (every name re-exported here).
+modules are built from live in model_config.py; the post-training losses in losses.py.
 """
 
 import math
@@ -16,10 +16,8 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
-from lora import (LORA_SITES, LoRAConfig, LoRALinear, apply_lora, is_lora_parameter, lora_layers,  # noqa: F401
-                  lora_merged, merge_lora, merge_lora_state)  # model.X for callers that build models with adapters
-from model_config import (IMAGE_STATS, LLM_PRESETS, VIT_ACTIVATIONS, VIT_PRESETS, LlamaConfig, ViTConfig,  # noqa: F401
-                          VLMConfig, projector_depth, quick_gelu, vlm_preset)  # model.X: the configs are the model's
+from lora import LoRALinear, apply_lora
+from model_config import VIT_ACTIVATIONS, LlamaConfig, ViTConfig, VLMConfig, projector_depth
 
 # -----------------------------------------------------------------------------
 # the CLIP vision tower
@@ -209,6 +207,9 @@ class Attention(nn.Module):
                 raise ValueError("FlexAttention packing with a sliding window is not implemented; train unpacked")
             y = flex_attention(q, k, v, block_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads)
             return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, D)
+        if callable(mask):  # the backend's attention (Llama.attention_kernel), each row's segment ids bound in
+            y = mask(q, k, v, window=self.window)
+            return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, D)
         causal = mask is None
         static = torch.is_tensor(start_pos)  # a decode step at the slot a (1,) tensor holds: one graph for every step
         if cache is not None and static:  # the whole cache is read; Llama's mask (B, 1, 1, max_len) hides empty slots
@@ -236,6 +237,108 @@ class Attention(nn.Module):
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, H, S, hd)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, D)
+
+
+# -----------------------------------------------------------------------------
+# blockwise attention: softmax(q k^T) v over key/value blocks with an online softmax, as FlashAttention computes
+# it, so no T x T scores exist. XLA has no fused kernel behind SDPA: it materialises the scores (28 heads x 8,759
+# tokens in fp32 is 8.6 GB a layer a row) and packed rows add a dense (B, 1, T, T) mask. Here the memory grows
+# linearly in T: one (B, H, T, block) tile at a time, forward and backward.
+
+MASKED = -1e30  # a masked score: finite, so a block where a query sees no key makes no NaN
+
+
+def loop_scan(fn, init, xs):
+    """torch_xla's scan(fn, init, xs) as a Python loop: the carry through fn over the leading dimension of each of
+    the tuple xs, and fn's outputs stacked."""
+    carry, ys = init, []
+    for i in range(len(xs[0])):
+        carry, y = fn(carry, tuple(x[i] for x in xs))
+        ys.append(y)
+    return carry, tuple(torch.stack(column) for column in zip(*ys))
+
+
+def blockwise_attention(q, k, v, segments=None, window=None, block=512, scan=loop_scan):
+    """Causal attention, equal to SDPA's: q (B, H, T, hd), k and v (B, Hkv, T, hd) with H a multiple of Hkv (GQA);
+    segments (B, T) numbers the samples of packed rows (a query sees only its own sample's keys); window: a query
+    sees the `window` keys up to itself (Qwen2's sliding window). Keys are visited `block` at a time (T need not be
+    a multiple); scan(fn, init, xs) runs the loop: torch_xla's compiles it to one XLA While, so the program's size
+    does not grow with T. Backward recomputes each block's scores from the saved log-sum-exp. Every block is computed,
+    masked or not (static shapes): twice the FLOPs of a kernel that skips them, as the Pallas ones do."""
+    return BlockwiseAttention.apply(q, k, v, segments, window, min(block, q.shape[2]), scan)
+
+
+def _visible(q_seg, q_at, k_seg, k_at, window):
+    """(B, 1, R, block): query r sees key j in its own sample, at or before it, fewer than `window` positions back."""
+    back = q_at[:, None] - k_at[None, :]  # (R, block)
+    return (q_seg[:, None, :, None] == k_seg[:, None, None, :]) & (back >= 0) & (back < window)
+
+
+def _forward_block(carry, kv):
+    # the scanned step: every tensor it reads comes in the carry or the block (torch_xla's scan traces it alone)
+    q, q_seg, q_at, window, top, total, acc = carry  # each query's running maximum score, sum of exp and output
+    k, v, k_seg, k_at = kv
+    visible = _visible(q_seg, q_at, k_seg, k_at, window)
+    s = torch.where(visible, (q @ k.transpose(-1, -2)).float(), MASKED)  # (B, Hkv, R, block)
+    new_top = torch.maximum(top, s.amax(dim=-1))
+    p = torch.where(visible, torch.exp(s - new_top[..., None]), 0.0)
+    rescale = torch.exp(top - new_top)  # the running sums were taken against the old maximum
+    acc = acc * rescale[..., None] + (p.to(v.dtype) @ v).float()
+    return (q, q_seg, q_at, window, new_top, total * rescale + p.sum(dim=-1), acc), ()
+
+
+def _backward_block(carry, kv):
+    q, q_seg, q_at, window, dout, lse, delta, dq = carry
+    k, v, k_seg, k_at = kv
+    visible = _visible(q_seg, q_at, k_seg, k_at, window)
+    p = torch.where(visible, torch.exp((q @ k.transpose(-1, -2)).float() - lse[..., None]), 0.0)  # (B, Hkv, R, block)
+    dv = (p.to(dout.dtype).transpose(-1, -2) @ dout).float()  # (B, Hkv, block, hd): summed over the group's heads
+    ds = p * ((dout @ v.transpose(-1, -2)).float() - delta[..., None])
+    dq = dq + (ds.to(k.dtype) @ k).float()
+    dk = (ds.to(q.dtype).transpose(-1, -2) @ q).float()
+    return (q, q_seg, q_at, window, dout, lse, delta, dq), (dk, dv)
+
+
+class BlockwiseAttention(torch.autograd.Function):
+    """FlashAttention's algorithm: forward keeps only the output and each query's log-sum-exp; backward visits the
+    key blocks again, recomputing their probabilities (autograd through the loop would keep every block's)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, segments, window, block, scan):
+        B, H, T, hd = q.shape
+        n_kv, n_blocks = k.shape[1], -(-T // block)
+        rep, pad = H // n_kv, n_blocks * block - T
+        # a key/value head's queries side by side: (B, Hkv, rep * T, hd), with their samples and positions
+        qg = (q * hd**-0.5).reshape(B, n_kv, rep * T, hd)
+        seg = (segments if segments is not None else torch.zeros(B, T, device=q.device)).float()
+        q_seg, q_at = seg.repeat(1, rep), torch.arange(T, device=q.device).float().repeat(rep)  # (B, R), (R,)
+        # the blocks: (n_blocks, B, Hkv, block, hd); padding keys are in no sample (-1), so no query sees them
+        k_seg = F.pad(seg, (0, pad), value=-1.0).view(B, n_blocks, block).transpose(0, 1)  # (n_blocks, B, block)
+        k_at = torch.arange(n_blocks * block, device=q.device).float().view(n_blocks, block)
+        ks, vs = (F.pad(x, (0, 0, 0, pad)).view(B, n_kv, n_blocks, block, hd).permute(2, 0, 1, 3, 4) for x in (k, v))
+        span = torch.tensor(float(window or n_blocks * block + 1), device=q.device)  # no window: every earlier key
+        R = rep * T
+        init = (qg, q_seg, q_at, span, torch.full((B, n_kv, R), MASKED, device=q.device),
+                torch.zeros(B, n_kv, R, device=q.device), torch.zeros(B, n_kv, R, hd, device=q.device))
+        (*_, top, total, acc), _ = scan(_forward_block, init, (ks, vs, k_seg, k_at))
+        out = (acc / total[..., None]).to(q.dtype)  # (B, Hkv, R, hd)
+        ctx.save_for_backward(qg, ks, vs, k_seg, k_at, q_seg, q_at, span, out, top + torch.log(total))
+        ctx.scan, ctx.shape = scan, q.shape
+        return out.view(B, H, T, hd)
+
+    @staticmethod
+    def backward(ctx, dout):
+        qg, ks, vs, k_seg, k_at, q_seg, q_at, span, out, lse = ctx.saved_tensors
+        B, H, T, hd = ctx.shape
+        n_blocks, _, n_kv, block, _ = ks.shape
+        dout = dout.reshape(out.shape)  # (B, Hkv, R, hd)
+        delta = (dout.float() * out.float()).sum(dim=-1)  # each query's sum of p * dp over every key
+        init = (qg, q_seg, q_at, span, dout, lse, delta, torch.zeros(qg.shape, device=qg.device))
+        (*_, dq), (dk, dv) = ctx.scan(_backward_block, init, (ks, vs, k_seg, k_at))
+        # (n_blocks, B, Hkv, block, hd) -> (B, Hkv, T, hd)
+        dk, dv = (x.permute(1, 2, 0, 3, 4).reshape(B, n_kv, n_blocks * block, hd)[:, :, :T] for x in (dk, dv))
+        dq = (dq * hd**-0.5).view(B, H, T, hd)
+        return dq.to(qg.dtype), dk.to(ks.dtype), dv.to(vs.dtype), None, None, None, None
 
 
 class FeedForward(nn.Module):
@@ -277,6 +380,9 @@ class Llama(nn.Module):
         self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
         self.checkpoint = None  # checkpoint(fn, *args): recompute each block in backward (train.py sets torch's or XLA's)
         self.flex_attention = False  # packed rows through FlexAttention (CUDA, compiled blocks) rather than a dense mask
+        # f(q, k, v, segments, window) -> (B, H, T, hd) in place of SDPA outside generation: the backend's bounded-memory
+        # attention (blockwise_attention, or a TPU kernel), given segment ids rather than a (B, 1, T, T) mask
+        self.attention_kernel = None
 
     def init_buffers(self):
         inv_freq = rope_frequencies(self.cfg).to(self.rope_cos.device)
@@ -297,7 +403,7 @@ class Llama(nn.Module):
         T, static = h.shape[1], torch.is_tensor(start_pos)
         if not static and start_pos + T > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {start_pos + T} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
-        mask = None
+        mask, kernel = None, self.attention_kernel if cache is None and pad is None else None
         if pad is not None:
             positions = ((~pad).long().cumsum(dim=1) - 1).clamp(min=0)
             positions = positions.index_select(1, start_pos) if static else positions[:, start_pos:]  # (B, T)
@@ -313,7 +419,10 @@ class Llama(nn.Module):
         else:
             cos = self.rope_cos[position_ids].to(h.dtype)[:, None]  # (B, 1, T, hd)
             sin = self.rope_sin[position_ids].to(h.dtype)[:, None]
-            mask = self.document_mask((position_ids == 0).cumsum(dim=1))
+            doc = (position_ids == 0).cumsum(dim=1)  # (B, T) numbers the samples along each row
+            mask = doc if kernel else self.document_mask(doc)
+        if kernel:
+            mask = partial(kernel, segments=mask)
         for layer in self.layers:
             if self.checkpoint and self.training:
                 h = self.checkpoint(layer, h, cos, sin, None, 0, mask)
@@ -348,100 +457,6 @@ def _chunk_loss(h, weight, targets, per_row=False):
     logits = F.linear(h, weight).float().flatten(0, 1)  # (B * span, vocab)
     loss = F.cross_entropy(logits, targets.flatten(), ignore_index=-100, reduction="none" if per_row else "sum")
     return loss.view(targets.shape).sum(dim=1) if per_row else loss
-
-
-DPO_LOSSES = ("sigmoid", "ipo", "hinge")
-
-
-def dpo_loss(logps, ref_logps, n_tokens, beta, kind="sigmoid", sft_weight=0.0):
-    """Preference loss over rows [chosen..., rejected...] (2B,): logps and ref_logps are each row's summed completion
-    log-probs under the policy and the frozen reference, n_tokens its completion length. TRL 1.16's DPOTrainer
-    formulas: the mean over the B pairs (ipo length-normalised as TRL does), plus sft_weight x the mean NLL of the
-    chosen tokens (TRL's "sft" loss; LLaVA-NeXT's gamma). Returns (loss, metrics: means over the pairs, detached)."""
-    chosen, rejected = logps.chunk(2)
-    chosen_ratio, rejected_ratio = (chosen - ref_logps.chunk(2)[0]), (rejected - ref_logps.chunk(2)[1])
-    n_chosen, n_rejected = n_tokens.chunk(2)
-    # a pair the loader dropped has rows with no completion: it is left out of every mean (static shapes)
-    real = ((n_chosen > 0) & (n_rejected > 0)).to(logps.dtype)
-    mean = lambda x: (x * real).sum() / real.sum().clamp(min=1)  # noqa: E731
-    delta = chosen_ratio - rejected_ratio
-    if kind == "sigmoid":
-        losses = -F.logsigmoid(beta * delta)
-    elif kind == "hinge":
-        losses = torch.relu(1 - beta * delta)
-    elif kind == "ipo":  # per-token log ratios, so beta means the same whatever the lengths
-        losses = (chosen_ratio / n_chosen.clamp(min=1) - rejected_ratio / n_rejected.clamp(min=1) - 1 / (2 * beta)) ** 2
-    else:
-        raise ValueError(f"dpo_loss {kind!r}: expected one of {DPO_LOSSES}")
-    loss = mean(losses)
-    if sft_weight:
-        loss = loss + sft_weight * -chosen.sum() / n_chosen.sum().clamp(min=1)
-    chosen_reward, rejected_reward = beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
-    metrics = {"rewards/chosen": mean(chosen_reward), "rewards/rejected": mean(rejected_reward),
-               "rewards/margins": mean(chosen_reward - rejected_reward),
-               "rewards/accuracies": mean((chosen_reward > rejected_reward).to(logps.dtype)),  # strict, as TRL
-               "logps/chosen": mean(chosen.detach()), "logps/rejected": mean(rejected.detach())}
-    return loss, metrics
-
-
-def reward_loss(rewards, n_tokens, margin=0.0, center_weight=0.0):
-    """Bradley-Terry loss over rows [chosen..., rejected...] (2B,) of scalar rewards: -log sigmoid(r_c - r_r - margin),
-    plus center_weight x (r_c + r_r)^2 (TRL's center_rewards_coefficient: keeps rewards near 0), the mean over the
-    pairs. n_tokens (2B,) each row's completion length: a dropped pair (0) is left out. Returns (loss, metrics)."""
-    chosen, rejected = rewards.float().chunk(2)
-    n_chosen, n_rejected = n_tokens.chunk(2)
-    real = ((n_chosen > 0) & (n_rejected > 0)).float()
-    mean = lambda x: (x * real).sum() / real.sum().clamp(min=1)  # noqa: E731
-    losses = -F.logsigmoid(chosen - rejected - margin)
-    if center_weight:
-        losses = losses + center_weight * (chosen + rejected) ** 2
-    c, r = chosen.detach(), rejected.detach()
-    metrics = {"reward/accuracy": mean((c > r).float()), "reward/margin": mean(c - r),
-               "reward/chosen": mean(c), "reward/rejected": mean(r)}
-    return mean(losses), metrics
-
-
-GRPO_LOSSES = ("grpo", "dapo", "dr_grpo")
-
-
-def group_advantages(rewards, group_size):
-    """GRPO's advantages (r - group mean) / (group std + 1e-4) over consecutive groups of group_size completions of a
-    prompt (TRL's scale_rewards='group': the unbiased std, so a group of equal rewards gets 0)."""
-    grouped = rewards.float().view(-1, group_size)  # (prompts, G)
-    advantages = (grouped - grouped.mean(dim=1, keepdim=True)) / (grouped.std(dim=1, keepdim=True) + 1e-4)
-    return advantages.flatten()
-
-
-def grpo_loss(logps, old_logps, advantages, mask, kind="dapo", epsilon=0.2, epsilon_high=None, beta=0.0,
-              ref_logps=None, n_tokens=None, max_completion_length=None, kl_correction=True):
-    """The clipped policy loss of GRPO over completion tokens (B, C): logps under the policy being trained, old_logps
-    under the policy that sampled them (the importance ratio), advantages (B,), mask (B, C) 1 at real completion
-    tokens; beta > 0 adds the k3 KL estimate to ref_logps, times the ratio with kl_correction (TRL 1.16's default
-    use_bias_correction_kl: the unbiased reverse-KL gradient off-policy). TRL 1.16's GRPOTrainer formulas: "grpo"
-    the mean of each completion's token mean, "dapo" token sum / n_tokens (the generation batch's completion tokens;
-    default this batch's), "dr_grpo" token sum / (B x max_completion_length). Returns (loss, metrics, detached)."""
-    if kind not in GRPO_LOSSES:
-        raise ValueError(f"grpo_loss {kind!r}: expected one of {GRPO_LOSSES}")
-    mask = mask.to(logps.dtype)
-    ratio = torch.exp(logps - old_logps)
-    A = advantages[:, None].to(logps.dtype)
-    clipped = torch.clamp(ratio, 1 - epsilon, 1 + (epsilon if epsilon_high is None else epsilon_high))
-    per_token = -torch.min(ratio * A, clipped * A)
-    metrics = {}
-    if beta:
-        kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1  # k3: unbiased, >= 0
-        kl = kl * ratio if kl_correction else kl
-        per_token = per_token + beta * kl
-        metrics["kl"] = (kl.detach() * mask).sum() / mask.sum().clamp(min=1)
-    if kind == "grpo":
-        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)).mean()
-    elif kind == "dapo":
-        loss = (per_token * mask).sum() / (mask.sum() if n_tokens is None else n_tokens).clamp(min=1)
-    else:
-        loss = (per_token * mask).sum() / (per_token.shape[0] * (max_completion_length or per_token.shape[1]))
-    low, high = (ratio < 1 - epsilon) & (A < 0), (ratio > clipped) & (A > 0)  # where the clip stopped the gradient
-    metrics["clip_ratio"] = ((low | high).to(mask.dtype) * mask).sum().detach() / mask.sum().clamp(min=1)
-    return loss, metrics
 
 
 # -----------------------------------------------------------------------------
@@ -549,14 +564,17 @@ class VLM(nn.Module):
         return torch.where(is_image[..., None], placed, h)
 
     def forward(self, input_ids, pixel_values=None, labels=None, loss_reduction="mean", position_ids=None,
-                image_index=None, image_weight=None, attention_mask=None, reward=False, logits_to_keep=0):
+                image_index=None, image_weight=None, attention_mask=None, reward=False, logits_to_keep=0,
+                values=False):
         """Logits (B, T, vocab) and, with labels aligned to input_ids (-100 = ignore), the next-token loss: the mean
         over supervised tokens, their sum with loss_reduction="sum" (train.py divides by a global count), each
         row's sum (B,) with "row" (DPO), or per position (B, T) with "none". position_ids (B, T) packs several
         samples into a row (see Llama.forward).
         image_index, image_weight (B, T, taps): tiled images, several a row (see place_features).
         attention_mask (B, T), 0 at padding on either side (positions count from each row's first real token);
-        reward=True returns (None, rewards (B,)): the reward head read at each row's last real token.
+        reward=True returns (None, rewards (B,)): the reward head read at each row's last real token; values=True
+        (PPO's value model) returns (None, values (B, T)): the same head read at every position (the last
+        logits_to_keep > 0 only).
         logits_to_keep > 0 (no labels): only the last logits_to_keep positions' logits, as HF's (RL: a completion's)."""
         packed = position_ids is not None
         if image_index is None:
@@ -566,6 +584,8 @@ class VLM(nn.Module):
         h = self.llm(h, position_ids=position_ids, pad=None if attention_mask is None else attention_mask == 0)
         if reward:
             return None, self.read_reward(h, attention_mask)
+        if values:
+            return None, self.read_values(h[:, -logits_to_keep:] if logits_to_keep else h)
         if labels is None:
             return self.llm.output(h[:, -logits_to_keep:] if logits_to_keep else h), None
         targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # (B, T): position t predicts token t + 1
@@ -589,6 +609,13 @@ class VLM(nn.Module):
         last = (torch.arange(T, device=h.device) * attention_mask).amax(dim=1) if attention_mask is not None else \
             torch.full(h.shape[:1], T - 1, device=h.device)  # (B,)
         return self.reward_head(h[torch.arange(h.shape[0], device=h.device), last]).squeeze(-1).float()  # (B,)
+
+    def read_values(self, h):
+        """A value model's estimate at every position (B, T): the reward head of the reward-model checkpoint it starts
+        from (as EasyLM, TRL and LLaVA-RLHF initialise it) read at each token instead of the last."""
+        if self.reward_head is None:
+            raise ValueError("forward(values=True) needs a model built with reward_head=True (a reward-model checkpoint)")
+        return self.reward_head(h).squeeze(-1).float()
 
     @torch.no_grad()
     def generate(self, input_ids, pixel_values=None, max_new_tokens=32, temperature=0.0, top_p=1.0,

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from lora import LoRAConfig
 
+
 def quick_gelu(x):
     return x * torch.sigmoid(1.702 * x)
 

@@ -32,11 +32,24 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont, ImageOps
 from tqdm import tqdm
 
-from data import IMAGE_TAG, ROLES, VIDEO_TAG, Skips, conversation_problem, log, place_image_tags
-from images import orientation
-from data import (TEMPLATES, DropSample, Tokenizer, check_template, encode_conversation,  # audit
-                  image_hw, image_layouts, image_tiles, load_image, pack_rows, read_members, render,
-                  sample_conversation, sample_images, sample_offsets, shard_files, tokenize, turns)
+from chat import (
+    IMAGE_TAG,
+    ROLES,
+    TEMPLATES,
+    VIDEO_TAG,
+    DropSample,
+    Tokenizer,
+    check_template,
+    conversation_problem,
+    encode_conversation,
+    place_image_tags,
+    render,
+    tokenize,
+    turns,
+)
+from images import image_hw, image_tiles, load_image, orientation
+from loader import image_layouts, pack_rows, sample_conversation, sample_images
+from shards import Skips, log, read_members, sample_offsets, shard_files
 
 ENERGON_VERSION = "7.4.1"  # the megatron-energon release whose .nv-meta layout we write
 

@@ -8,8 +8,10 @@ collectives from the sharding annotations below, and each host reads its own par
 """
 
 import functools
+import importlib.util
 import os
 import re
+import resource
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 
@@ -17,6 +19,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from lora import is_lora_parameter
+from model import blockwise_attention, loop_scan, param_group
 
 AXES = ("dp", "fsdp", "tp")
 BATCH = ("dp", "fsdp")  # the batch dimension of inputs and activations is split over both data axes
@@ -30,6 +35,8 @@ class Env:
         if kind not in ("cpu", "cuda", "xla"):
             raise SystemExit(f"config: device must be '', 'cpu', 'cuda' or 'xla', got {kind!r}")
         self.kind, self.mesh = kind, None
+        # under torchrun: 'ddp' or 'fsdp'; bf16: bf16 compute over fp32 master weights (FSDP2's policy, else autocast)
+        self.parallel, self.bf16 = cfg.get("parallel", "ddp"), cfg.get("dtype", "float32") == "bfloat16"
         if kind == "xla":
             import torch_xla
             import torch_xla.runtime as xr
@@ -83,6 +90,31 @@ class Env:
             import torch_xla
 
             torch_xla.sync()
+
+    def optimizer_kwargs(self):
+        return {"fused": True} if self.kind == "cuda" else {"foreach": True} if self.kind == "cpu" else {}
+
+    def peak_flops(self):
+        """The bf16 dense peak of a known GPU, per device; 0 elsewhere (no MFU)."""
+        if self.kind != "cuda":
+            return 0.0
+        name = torch.cuda.get_device_name(self.device)
+        known = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L4", 121e12), ("A10", 125e12))
+        return next((peak for key, peak in known if key in name), 0.0)
+
+    def peak_memory_gib(self):
+        """The device's peak allocation (CUDA), else the process's peak resident memory."""
+        if self.kind == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**30
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+    def compiles(self):
+        """XLA's compile count so far (a count that grows after warm-up means the step recompiles); None elsewhere."""
+        if self.kind != "xla":
+            return None
+        import torch_xla.debug.metrics as met
+
+        return (met.metric_data("CompileTime") or [0])[0]
 
     def all_sum(self, t):
         if self.distributed:
@@ -173,19 +205,89 @@ def _xla_checkpoint(fn, *args):
     return torch_xla.utils.checkpoint.checkpoint(fn.__call__ if block else fn, *args)
 
 
-def shard(model, env, cfg):
+# -----------------------------------------------------------------------------
+# attention: what the model calls in place of SDPA (Llama.attention_kernel), chosen once at setup
+
+ATTENTION = ("dense", "blockwise", "flash", "splash")
+PALLAS = ("flash", "splash")
+
+
+def pallas_refusal(kind, device):
+    return (f"config: attention={kind!r} is torch_xla's Pallas kernel, which runs only on a TPU (device='xla' on a TPU "
+            f"VM), not on {device}: use attention='blockwise' (bounded memory on every device) or 'dense'")
+
+
+def attention_kernel(kind, block, env, window=None):
+    """f(q, k, v, segments, window) -> (B, H, T, hd) for Llama.attention_kernel, or None for SDPA ('dense': packed
+    rows get a (B, 1, T, T) mask, or FlexAttention on CUDA with compiled blocks). window: the model's sliding window
+    where it is shorter than the rows (torch_xla's flash kernel has none)."""
+    if kind == "dense":
+        return None
+    if kind == "blockwise":
+        return functools.partial(blockwise_attention, block=block, scan=_xla_scan if env.kind == "xla" else loop_scan)
+    device = env.kind
+    if env.kind == "xla":
+        import torch_xla.runtime as xr
+
+        device = f"an XLA {xr.device_type()} device"
+    if device != "an XLA TPU device":
+        raise SystemExit(pallas_refusal(kind, device))
+    if importlib.util.find_spec("jax") is None:  # found, not imported: torch_xla must hold the TPU before JAX does
+        raise SystemExit(f"config: attention={kind!r} needs torch_xla's Pallas extra (the kernels are JAX's): pip "
+                         f"install 'torch_xla[pallas]' (jax, jaxlib)")
+    if kind == "flash" and window:
+        raise SystemExit(f"config: attention='flash' has no sliding window, and this model's is {window} tokens, "
+                         f"shorter than its rows: use attention='splash' or 'blockwise'")
+    return functools.partial(_flash_attention if kind == "flash" else _splash_attention, mesh=env.mesh)
+
+
+def _xla_scan(fn, init, xs):
+    from torch_xla.experimental.scan import scan
+
+    # one XLA While over the key blocks; pure: each step function is traced once a shape, not at every layer and step
+    return scan(fn, init, xs, is_fn_pure=True)
+
+
+def _flash_attention(q, k, v, segments=None, window=None, mesh=None):
+    # as torchprime calls it: q scaled here, K/V repeated to every head (the kernel has no GQA), segment ids for packed
+    # rows; batch over the data axes and heads over tp, each device running the kernel on its part
+    from torch_xla.experimental.custom_kernel import flash_attention
+
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, H, T, hd)
+    ids = None if segments is None else segments.to(torch.int32)
+    return flash_attention(q * q.shape[-1] ** -0.5, k, v, causal=True, q_segment_ids=ids, kv_segment_ids=ids,
+                           sm_scale=1.0, partition_spec=(BATCH, "tp", None, None), mesh=mesh)
+
+
+def _splash_attention(q, k, v, segments=None, window=None, mesh=None):
+    # GQA natively; torch_xla's wrapper wants the data axes named 'data' and 'fsdp', and takes its settings as JSON.
+    # Its local mask sees `window` keys on each side: window - 1 back and the diagonal is Qwen2's (HF: kv > q - window)
+    import torch_xla.distributed.spmd as xs
+    from torch_xla.experimental.splash_attention import SplashAttentionConfig, splash_attention
+
+    named = xs.Mesh(mesh.device_ids, mesh.mesh_shape, ("data", "fsdp", "tp"))
+    config = SplashAttentionConfig(mesh=str(named), qkv_partition_spec=(("data", "fsdp"), "tp", None, None),
+                                   segment_ids_partition_spec=(("data", "fsdp"), None),
+                                   attentiontype_local_sliding=bool(window),
+                                   slide_window_size=window - 1 if window else None)
+    ids = None if segments is None else segments.to(torch.int32)
+    return splash_attention(q * q.shape[-1] ** -0.5, k, v, config.to_json(), decoder_segment_ids=ids, causal=True)
+
+
+def shard(model, env):
     if env.kind == "xla":
         return shard_spmd(model, env)
     if not env.distributed:
         return model
-    if cfg["parallel"] == "ddp":
+    if env.parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(model, device_ids=[env.local_rank] if env.kind == "cuda" else None)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if cfg["dtype"] == "bfloat16" else MixedPrecisionPolicy()
+        if env.bf16 else MixedPrecisionPolicy()
     for block in list(model.vision.blocks) + list(model.llm.layers):
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
@@ -221,18 +323,18 @@ def gathered_for_generation(model, whole=False):
             block.reshard()
 
 
-def autocast(env, cfg):
+def autocast(env):
     # FSDP casts parameters itself; DDP, single-process and XLA runs keep fp32 weights and use autocast
-    if cfg["dtype"] == "bfloat16" and not (env.distributed and cfg["parallel"] == "fsdp"):
+    if env.bf16 and not (env.distributed and env.parallel == "fsdp"):
         return torch.autocast(env.kind, dtype=torch.bfloat16)
     return nullcontext()
 
 
-def grad_sync(model, env, cfg, last):
+def grad_sync(model, env, last):
     """Skip the gradient all-reduce on all but the last accumulation micro-step."""
-    if env.distributed and cfg["parallel"] == "ddp" and not last:
+    if env.distributed and env.parallel == "ddp" and not last:
         return model.no_sync()
-    if env.distributed and cfg["parallel"] == "fsdp":
+    if env.distributed and env.parallel == "fsdp":
         model.set_requires_gradient_sync(last)
     return nullcontext()
 
@@ -373,3 +475,87 @@ def place_like(t, name, env):
     t = t.to(env.device)
     xs.mark_sharding(t, env.mesh, param_spec(name, t.dim()))
     return t
+
+
+def freeze(model, stage):
+    """requires_grad by stage. ViT blocks above the selected layer and ln_post never reach the loss: frozen too.
+    A part with LoRA adapters trains them alone."""
+    trained = {0: ("vision", "projector", "llm"), 1: ("projector",), 2: ("projector", "llm")}[stage]
+    n = model.cfg.vision.n_layers
+    top = max(i if i >= 0 else n + 1 + i for i in model.cfg.vision_layers)
+    adapted = {param_group(name) for name, _ in model.named_parameters() if is_lora_parameter(name)}
+    for name, p in model.named_parameters():
+        unused = name.startswith("vision.ln_post") or (name.startswith("vision.blocks.") and int(name.split(".")[2]) >= top)
+        in_full = param_group(name) not in adapted or is_lora_parameter(name)
+        p.requires_grad_(param_group(name) in trained and not unused and in_full)
+
+
+def set_checkpointing(model, fn, every=1):
+    """fn recomputes blocks 0, k, 2k, ... of each tower in backward (k = every); the others keep their activations."""
+    for tower, blocks in ((model.vision, model.vision.blocks), (model.llm, model.llm.layers)):
+        chosen = {id(b) for b in list(blocks)[::every]}
+        tower.checkpoint = fn if fn is None or every == 1 else \
+            (lambda block, *args, chosen=chosen: fn(block, *args) if id(block) in chosen else block(*args))
+
+
+def store_frozen(model, dtype):
+    """Frozen weights and biases of the Linear and Conv2d layers kept in `dtype` (bf16): the copy autocast makes of
+    them at every use, made once, and their fp32 originals dropped. Embeddings, norms and the ViT's positional and
+    class embeddings stay fp32: autocast does not cast them (the token embedding starts the fp32 residual stream)."""
+    for p in frozen_matmul_weights(model):
+        p.data = p.data.to(dtype)
+
+
+def frozen_matmul_weights(model):
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}  # and a tied output
+    return [p for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)) for p in (m.weight, m.bias)
+            if p is not None and not p.requires_grad and id(p) not in embeddings]
+
+
+def use_flex_attention(packed, device_kind, compiled, seq_len):
+    """FlexAttention for packed rows needs CUDA and compiled blocks. Its kernels failed to compile on an H100 (torch
+    2.11) for 96-token rows but ran for 128, 256 and 2048: whole 128-token blocks only, else SDPA with a dense mask."""
+    return packed and device_kind == "cuda" and compiled and seq_len % 128 == 0
+
+
+def compile_blocks(model):
+    for block in list(model.vision.blocks) + list(model.llm.layers):
+        block.compile()
+
+
+def make_optimizer(raw, env, lr, betas, weight_decay, lr_scale):
+    """AdamW over the trained parameters, a group per module (lr_scale: its multiplier) and per decay."""
+    return torch.optim.AdamW(param_groups(raw, weight_decay, lr_scale), lr=lr, betas=betas, **env.optimizer_kwargs())
+
+
+def param_groups(raw, weight_decay, lr_scale):
+    """raw's trained parameters as AdamW's groups: one per module (lr_scale: its multiplier) and per decay."""
+    groups = {}
+    for name, p in raw.named_parameters():
+        if p.requires_grad:
+            module, decay = param_group(name), p.dim() >= 2  # no weight decay on norms, biases, image_newline
+            g = groups.setdefault((module, decay), {"params": [], "lr_scale": lr_scale[module],
+                                                    "weight_decay": weight_decay if decay else 0.0})
+            g["params"].append(p)
+    return list(groups.values())
+
+
+def flops_per_sample(raw, stage, seq_tokens, n_tiles=1):
+    """Model FLOPs of one sample (fwd + bwd) with n_tiles ViT views, docs/training.md "MFU": 6N trained, 4N frozen with
+    gradients flowing through, 2N frozen with nothing upstream to train; attention 12*L*d*T (fwd+bwd), halved when
+    causal."""
+    cfg = raw.cfg
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    adapters = lambda m: sum(p.numel() for n, p in m.named_parameters() if is_lora_parameter(n))  # noqa: E731
+    vit_lora, llm_lora = adapters(raw.vision.blocks), adapters(raw.llm)  # LoRA: 6N, its frozen base 4N
+    vit_tokens = cfg.vision.n_patches + 1
+    vit_mult = 4 if vit_lora else 6 if stage == 0 else 2
+    vit_attention = (vit_mult * 2) * cfg.vision.n_layers * cfg.vision.dim * vit_tokens**2
+    vit = ((vit_mult * (count(raw.vision.blocks) - vit_lora) + 6 * vit_lora) * vit_tokens + vit_attention) * n_tiles
+    proj = 6 * count(raw.projector) * cfg.n_image_tokens * n_tiles
+    llm_params = count(raw.llm) - raw.llm.tok_embeddings.weight.numel() * (not cfg.llm.tie_embeddings)
+    llm_mult = 4 if llm_lora else 6 if stage in (0, 2) else 4
+    llm = (llm_mult * (llm_params - llm_lora) + 6 * llm_lora) * seq_tokens + \
+        6 * cfg.llm.n_layers * cfg.llm.n_heads * cfg.llm.head_dim * seq_tokens**2
+    return vit + proj + llm
+

@@ -2,21 +2,23 @@
 The Hugging Face processor files convert.py's to-hf writes beside the weights, so that AutoProcessor
 preprocesses exactly as llavax trained: the image processor for data.py's image mode, LlavaProcessor's
 settings, a chat template rendering data.py's template, and tokenizer files holding <image> and the special
-tokens data.Tokenizer reads.
+tokens chat.Tokenizer reads.
 
 Split from convert.py (weights and formats) because it is a separate concern: it reads data.py, not model
 weights, and follows transformers' processor formats rather than checkpoint layouts.
 """
 
+import contextlib
 import inspect
 import json
 import sys
 from pathlib import Path
 
-import data
+import chat
+import images
 
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.jinja")
-TEMPLATE_NAMES = sorted(data.TEMPLATES)
+TEMPLATE_NAMES = sorted(chat.TEMPLATES)
 VIDEO_TAG = "<video>"  # OneVision's video placeholder (LlavaOnevisionProcessor's default)
 
 
@@ -24,8 +26,8 @@ class ExportError(ValueError):
     pass
 
 
-def image_processor_config(size, mode, mean=data.CLIP_MEAN, std=data.CLIP_STD):
-    """HF's image processor for data.load_image's modes: 'crop' = shortest edge then centre crop (CLIP's),
+def image_processor_config(size, mode, mean=images.CLIP_MEAN, std=images.CLIP_STD):
+    """HF's image processor for images.load_image's modes: 'crop' = shortest edge then centre crop (CLIP's),
     'resize' = squash to size x size, 'pad' = LlavaImageProcessor's pad to square with the mean colour first."""
     square, shortest = {"height": size, "width": size}, {"shortest_edge": size}
     return {"image_processor_type": "LlavaImageProcessor" if mode == "pad" else "CLIPImageProcessor",
@@ -42,35 +44,35 @@ def chat_template(template, bos=None, eos=None, bos_added=False, after_tag=""):
     exactly. Text goes in as string expressions: HF renders with trim_blocks, which would eat a newline after a
     tag. after_tag follows each <image>, <video> and a leading BOS that text follows (see template_strings)."""
     lit = lambda text: "{{ " + json.dumps(text) + " }}"  # noqa: E731
-    published = inspect.signature(data.TEMPLATES[template]).parameters
+    published = inspect.signature(chat.TEMPLATES[template]).parameters
     bos = published["bos"].default if bos is None else bos
     eos = published["eos"].default if eos is None else eos
     tags = "" if not after_tag else "".join(f" | replace({json.dumps(t)}, {json.dumps(t + after_tag)})"
-                                            for t in (data.IMAGE_TAG, VIDEO_TAG))
+                                            for t in (chat.IMAGE_TAG, VIDEO_TAG))
     lead = lambda rest: "" if bos_added or not bos else bos + (after_tag if rest else "")  # noqa: E731
     # llama_2 and llama_3 trim every message; LLaVA's preprocessing trims a message around its one image
-    probe = "".join(t for t, _ in data.TEMPLATES[template]([{"from": "human", "value": "\n\x02\n"},
+    probe = "".join(t for t, _ in chat.TEMPLATES[template]([{"from": "human", "value": "\n\x02\n"},
                                                              {"from": "gpt", "value": "\n\x03\n"}]))
     trim = " | trim" if "\n\x03\n" not in probe else ""
     one_tag = "(m.content | selectattr('type', 'in', ['image', 'video']) | list | length) == 1"
     content = ("{% if m.content is string %}{{ m.content" + trim + tags + " }}{% else %}{% for c in m.content %}"
-               "{% if c.type == 'image' %}" + lit(data.IMAGE_TAG + after_tag + "\n") + "{% elif c.type == 'video' %}"
+               "{% if c.type == 'image' %}" + lit(chat.IMAGE_TAG + after_tag + "\n") + "{% elif c.type == 'video' %}"
                + lit(VIDEO_TAG + after_tag + "\n") + "{% endif %}{% endfor %}{% for c in m.content %}"
                "{% if c.type == 'text' %}{% if " + one_tag + " %}{{ c.text | trim }}{% else %}{{ c.text" + trim
                + " }}{% endif %}{% endif %}{% endfor %}{% endif %}")
     if template == "plain":  # stage 1: the image, then the caption; questions are not shown
         first_answer = "(messages | selectattr('role', 'equalto', 'assistant') | list)[:1]"
-        return (lit(lead("") + data.IMAGE_TAG) + "{% for m in " + first_answer + " %}" + lit(after_tag) + content
+        return (lit(lead("") + chat.IMAGE_TAG) + "{% for m in " + first_answer + " %}" + lit(after_tag) + content
                 + lit("\n") + "{% endfor %}")
     marks = ["\x01Q1\x01", "\x01A1\x01", "\x01Q2\x01", "\x01A2\x01"]
     conv = [{"from": r, "value": m} for r, m in zip(["human", "gpt"] * 2, marks)]
-    text = "".join(t for t, _ in data.TEMPLATES[template](conv, bos=bos, eos=eos))
+    text = "".join(t for t, _ in chat.TEMPLATES[template](conv, bos=bos, eos=eos))
     cuts = [text.index(m) for m in marks]
     first, user_end, turn_sep, _, last = [text[a:b] for a, b in zip([0] + [c + len(m) for c, m in zip(cuts, marks)],
                                                                       cuts + [len(text)])]
     generation = text[: text.index(marks[1])].rstrip(" ")  # data.generation_prompt's cut
     # a system message: its text in place of the template's default (cut from a rendering with a system marker)
-    with_system = "".join(t for t, _ in data.TEMPLATES[template]([{"from": "system", "value": "\x01S\x01"}] + conv,
+    with_system = "".join(t for t, _ in chat.TEMPLATES[template]([{"from": "system", "value": "\x01S\x01"}] + conv,
                                                                  bos=bos, eos=eos))
     before_system, after_system = with_system[: with_system.index(marks[0])].split("\x01S\x01")
     if bos and first.startswith(bos):
@@ -110,7 +112,7 @@ def anyres_processor_configs(cfg, image, settings):
 
 
 def template_strings(tokenizer):
-    """chat_template's keywords for an exported tokenizer (data.Tokenizer, whether HF's prepends the BOS): its own
+    """chat_template's keywords for an exported tokenizer (chat.Tokenizer, whether HF's prepends the BOS): its own
     BOS and EOS, no BOS where the tokenizer adds one (llava-hf's convention: the processor tokenizes the rendered
     prompt with special tokens on, and a written BOS would be a second one). A sentencepiece model with legacy=False
     puts no dummy-prefix space after a special token, where training starts a new chunk after <image> (and after
@@ -134,11 +136,11 @@ def has_processor(directory):
 
 
 def write_processor(cfg, directory, template, image_mode, tokenizer=None):
-    if template not in data.TEMPLATES or image_mode not in ("pad", "crop", "resize"):
+    if template not in chat.TEMPLATES or image_mode not in ("pad", "crop", "resize"):
         raise ExportError(f"cannot write a processor for template {template!r} and image mode {image_mode!r}")
     extra = 1 if cfg.vision.kind == "clip" else 0  # LlavaProcessor: patches + this, - 1 for "default"
     image = image_processor_config(cfg.vision.image_size, image_mode, *cfg.vision.image_stats)
-    settings = {"processor_class": "LlavaProcessor", "image_token": data.IMAGE_TAG, "patch_size": cfg.vision.patch_size,
+    settings = {"processor_class": "LlavaProcessor", "image_token": chat.IMAGE_TAG, "patch_size": cfg.vision.patch_size,
                 "vision_feature_select_strategy": "default" if cfg.vision_select == "patch" else "full",
                 "num_additional_image_tokens": extra}
     if cfg.anyres:
@@ -192,20 +194,20 @@ def register_tags(where, known, tags, vocab_size):
 
 def export_tokenizer(directory, image_id, video_id=None, template=None):
     """Make the tokenizer files in `directory` what transformers loads as the tokenizer llavax trained with:
-    <image> (and <video>) at the model's ids, in tokenizer.json or, for a sentencepiece-only tokenizer.model, in
-    tokenizer_config.json's added_tokens_decoder (transformers converts the model to a fast tokenizer on load);
-    bos/eos/pad and sentencepiece's legacy flag as data.Tokenizer reads them, written out even where the source had
-    no tokenizer_config.json; generation_config.json stopping on the template's end of turn and the EOS.
-    Returns (data.Tokenizer, whether the HF tokenizer prepends the BOS itself), or None without a tokenizer."""
+    <image> (and <video>) at the model's ids in tokenizer.json, converted here from a sentencepiece tokenizer.model
+    (kept beside it) so that loading converts nothing; bos/eos/pad and sentencepiece's legacy flag as chat.Tokenizer
+    reads them, written out even where the source had no tokenizer_config.json; generation_config.json stopping on
+    the template's end of turn and the EOS. Returns (chat.Tokenizer, whether the HF tokenizer prepends the BOS
+    itself), or None without a tokenizer."""
     directory = Path(directory)
     if not any((directory / n).exists() for n in ("tokenizer.json", "tokenizer.model")):
         print(f"convert: {directory}: no tokenizer.json or tokenizer.model beside the weights; the export has no "
               "tokenizer", file=sys.stderr)
         return None
-    tok = data.Tokenizer(directory)
+    tok = chat.Tokenizer(directory)
     config_path = directory / "tokenizer_config.json"
     config = json.loads(config_path.read_text()) if config_path.exists() else {}
-    tags = {data.IMAGE_TAG: image_id} | ({VIDEO_TAG: video_id} if video_id is not None else {})
+    tags = {chat.IMAGE_TAG: image_id} | ({VIDEO_TAG: video_id} if video_id is not None else {})
     if tok.sp is None:
         new = add_to_tokenizer_json(directory / "tokenizer.json", tags)
         if "added_tokens_decoder" in config:  # transformers reads this list too: keep the two alike
@@ -224,6 +226,10 @@ def export_tokenizer(directory, image_id, video_id=None, template=None):
             path.write_text(json.dumps(file | {"post_processor": without_bos(file["post_processor"], tok.bos)},
                                        ensure_ascii=False))
         adds_bos = False
+    if tok.sp is not None:
+        fast = sentencepiece_json(tok, {int(i): t["content"] for i, t in config["added_tokens_decoder"].items()}, adds_bos)
+        check_sentencepiece_json(tok, fast, template_strings((tok, adds_bos))["after_tag"])
+        fast.save(str(directory / "tokenizer.json"))
     config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False))
     write_generation_config(directory, tok, template)
     return tok, adds_bos
@@ -241,22 +247,104 @@ def add_to_tokenizer_json(path, tags):
 
 
 def sentencepiece_config(tok, config, tags, where):
-    """tokenizer_config.json for transformers' LlamaTokenizer over a sentencepiece model: the tags, and the template
-    markers the model holds as user-defined pieces (shapes.py's <|eot_id|>...), which are special tokens to
-    data.Tokenizer and which transformers splits the text at only as added tokens; data.Tokenizer's legacy flag."""
+    """tokenizer_config.json beside the tokenizer.json converted from a sentencepiece model: the tags, and the
+    template markers the model holds as user-defined pieces (shapes.py's <|eot_id|>...), which are special tokens to
+    chat.Tokenizer and which transformers splits the text at only as added tokens; chat.Tokenizer's legacy flag
+    (it reads tokenizer.model, and this flag, again after from-hf). The class loads tokenizer.json as written:
+    transformers 5's LlamaTokenizer would rebuild it as a BPE with no normalizer."""
     decoder = config.get("added_tokens_decoder", {})
     known = {tok.sp.id_to_piece(i): i for i in range(tok.vocab_size)} | {t["content"]: int(i) for i, t in decoder.items()}
     new = register_tags(where, known, tags, tok.vocab_size)
     decoder = {str(i): added_token(piece) for piece, i in tok.specials.items()} | decoder
     decoder |= {str(i): added_token(t) for i, t in new.items()}
-    return {"tokenizer_class": "LlamaTokenizer"} | config | {
-        "legacy": tok.legacy, "unk_token": token_text(tok, tok.sp.unk_id()), "added_tokens_decoder": decoder,
+    return config | {
+        "tokenizer_class": "PreTrainedTokenizerFast", "legacy": tok.legacy, "added_tokens_decoder": decoder,
+        "unk_token": token_text(tok, tok.sp.unk_id()),
         "add_bos_token": config.get("add_bos_token", True) and tok.bos is not None, "add_eos_token": False}
+
+
+# -----------------------------------------------------------------------------
+# tokenizer.json for a sentencepiece model. Without it transformers converts tokenizer.model on every load, which
+# needs sentencepiece and a protobuf its generated code accepts (protobuf 6 does not, and the fallback misreads
+# the file); converted here, in llavax's environment, and checked against training's ids before it is written.
+
+# text where a fast tokenizer and sentencepiece part ways: spaces at either end and in runs, newlines, tabs,
+# digits, accents (composed and combining), CJK, emoji, full-width and non-breaking spaces, compatibility forms
+PROBE_TEXTS = ["What is in the image?", " one leading space", "   three leading spaces", "trailing space ",
+               "trailing spaces   ", "two  spaces, four    spaces", " ", "  ", "\n", "\nA new line first", "\n\n  x",
+               "last line\n", "a\n\nb \n c", "tab\there\t", "\r\nwindows", "digits 0123456789 3.14 1,000,000",
+               "café naïve Ünïcödé e\u0301 ß", "日本語のテキスト、中文。", "emoji 🐱🚀👍🏽", "full\u3000width ｆｕｌｌ",
+               "no\u00a0break", "ﬁ ligature ① ²", "Œuvre — “quotes” …", "x" * 40]
+
+
+def sentencepiece_json(tok, added, adds_bos):
+    """A tokenizers.Tokenizer for tok's sentencepiece model that encodes as chat.Tokenizer.encode: transformers'
+    conversion of the model (pieces, BPE merges or unigram scores, byte fallback, user-defined pieces, the dummy
+    prefix on every chunk between special tokens under legacy, else only at the start of the text), and chat.Tokenizer's
+    treatment of a chunk's leading space, which stands for the dummy prefix (it never becomes a second one);
+    `added` ({id: token}) as special tokens, the BOS prepended when adds_bos."""
+    try:
+        from tokenizers import AddedToken, Regex, normalizers, processors
+        from transformers.convert_slow_tokenizer import SentencePieceExtractor, SpmConverter
+
+        extractor = SentencePieceExtractor(str(tok.path))
+        fast = SpmConverter.build_tokenizer_from_spm_proto(extractor.proto, extractor.extract(None)["vocab"],
+                                                           legacy=tok.legacy)
+    except Exception as e:  # noqa: BLE001  transformers missing, or its protobuf cannot read the model: each says why
+        raise ExportError(f"{tok.path}: cannot convert the sentencepiece model to tokenizer.json, which the export "
+                          f"needs to load without converting ({type(e).__name__}: {e})") from e
+    spec = extractor.proto.normalizer_spec
+    steps = [normalizers.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap else []
+    if spec.remove_extra_whitespaces:  # trailing spaces go and runs fold to one; a leading one is the dummy prefix
+        steps += [normalizers.Replace(Regex(" +\\z"), ""), normalizers.Replace(Regex(" {2,}"), " ")]
+    if not spec.add_dummy_prefix:  # chat.Tokenizer drops a chunk's leading space, the prefix this model never adds
+        steps.append(normalizers.Replace(Regex("\\A "), ""))
+    elif not spec.remove_extra_whitespaces:  # a lone space is a dummy prefix with nothing after it
+        steps.append(normalizers.Replace(Regex("\\A \\z"), ""))
+    if spec.add_dummy_prefix and tok.legacy:  # sentencepiece prefixes text that starts with a literal U+2581 too
+        steps.append(normalizers.Replace(Regex("\\A\u2581"), "\u2581\u2581"))
+    if spec.escape_whitespaces:
+        steps.append(normalizers.Replace(" ", "\u2581"))
+    fast.normalizer = normalizers.Sequence(steps)
+    single, pair = ("$A:0", "$A:0 $B:1") if not adds_bos else (f"{tok.bos}:0 $A:0", f"{tok.bos}:0 $A:0 {tok.bos}:1 $B:1")
+    fast.post_processor = processors.TemplateProcessing(single=single, pair=pair,
+                                                        special_tokens=[(tok.bos, tok.bos_id)] if adds_bos else [])
+    fast.add_special_tokens([AddedToken(t, special=True, normalized=False) for _, t in sorted(added.items())])
+    misplaced = {t: fast.token_to_id(t) for i, t in added.items() if fast.token_to_id(t) != i}
+    if misplaced:
+        raise ExportError(f"{tok.path}: the converted tokenizer.json holds {misplaced} (token: id), not at the ids "
+                          f"tokenizer_config.json's added_tokens_decoder gives them")
+    return fast
+
+
+def check_sentencepiece_json(tok, fast, after_tag):
+    """Refuse a converted tokenizer that encodes a probe other than training does: PROBE_TEXTS alone and between
+    special tokens, every template chat.Tokenizer can write rendered over them (less plain's <image>), and each probe
+    after the BOS and the tags, where training starts a fresh chunk and the chat template writes after_tag."""
+    texts = PROBE_TEXTS + [a + special + b for special in tok.specials for a, b in zip(PROBE_TEXTS, PROBE_TEXTS[1:])]
+    conv = [{"from": role, "value": text} for role, text in zip(["human", "gpt"] * len(PROBE_TEXTS), PROBE_TEXTS)]
+    for template in chat.TEMPLATES:
+        with contextlib.suppress(ValueError):  # a template the tokenizer cannot write is never trained on
+            chat.check_template(template, tok)
+            texts.append("".join(text for text, _ in chat.render(template, conv, tok)).replace(chat.IMAGE_TAG, ""))
+    cases = [(text, tok.encode(text)) for text in texts]
+    fresh = [text for text in PROBE_TEXTS if not text.startswith(" ")]  # contents are trimmed around a tag
+    starts = [s for s in (tok.bos, chat.IMAGE_TAG, VIDEO_TAG) if s and fast.token_to_id(s) is not None]
+    cases += [(s + after_tag + text, [fast.token_to_id(s)] + tok.encode(text)) for s in starts for text in fresh]
+    for text, expected in cases:
+        got = fast.encode(text, add_special_tokens=False).ids
+        if got != expected:
+            at = next(i for i, (a, b) in enumerate(zip([*got, None], [*expected, None])) if a != b)
+            theirs = [fast.id_to_token(i) for i in got[at:at + 4]]
+            ours = [tok.sp.id_to_piece(i) for i in expected[at:at + 4]]
+            raise ExportError(f"{tok.path}: the tokenizer.json converted from it splits {text[:60]!r} into {theirs} at "
+                              f"token {at}, where training's sentencepiece tokenizer (legacy={tok.legacy}) gives {ours}; "
+                              f"refusing an export whose fast and slow tokenizers disagree")
 
 
 def writes_bos(template):
     conv = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]
-    return "\x04" in "".join(t for t, _ in data.TEMPLATES[template](conv, bos="\x04"))
+    return "\x04" in "".join(t for t, _ in chat.TEMPLATES[template](conv, bos="\x04"))
 
 
 def without_bos(post, bos):
@@ -276,7 +364,7 @@ def write_generation_config(directory, tok, template):
     path = Path(directory, "generation_config.json")
     generation = json.loads(path.read_text()) if path.exists() else {}
     before = generation.get("eos_token_id")
-    stops = ([data.stop_token_id(template, tok)] if template else []) + [tok.eos_id]
+    stops = ([chat.stop_token_id(template, tok)] if template else []) + [tok.eos_id]
     stops += before if isinstance(before, list) else [before]
     stops = list(dict.fromkeys(i for i in stops if i is not None and i >= 0))
     generation |= {"bos_token_id": tok.bos_id if tok.bos_id >= 0 else None, "pad_token_id": tok.pad_id,

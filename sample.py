@@ -15,7 +15,7 @@ Several images and/or prompts run as one left-padded batch: N images with one pr
 with N prompts, or N of each paired in order; one answer is printed per line. --together asks each
 prompt about all the images at once (one <image> each, in order; put the tags in the prompt to place
 them), --video about the images as the frames of one video. A LLaVA-NeXT / OneVision model (anyres) tiles
-each image as its training loader does (data.tiled_prompt).
+each image as its training loader does (loader.tiled_prompt).
 """
 
 import argparse
@@ -25,10 +25,12 @@ from pathlib import Path
 
 import torch
 
-import convert
-import data
+import chat
+import checkpoint
+import loader
+import weight_files
+from images import image_hw, load_image, normalize_images
 from model import left_pad
-
 
 DEFAULT_NEW_TOKENS = 64
 
@@ -60,12 +62,12 @@ def main(argv=None):
     except (ValueError, KeyError, TypeError) as e:
         sys.exit(f"sample: {ckpt / 'state.json'}: unreadable ({type(e).__name__}: {e}); pass --template")
     template = args.template or trained.get("template", "vicuna_v1")
-    if template not in data.TEMPLATES:
-        sys.exit(f"sample: unknown template {template!r}; choose from {sorted(data.TEMPLATES)}")
+    if template not in chat.TEMPLATES:
+        sys.exit(f"sample: unknown template {template!r}; choose from {sorted(chat.TEMPLATES)}")
     try:
-        tok = data.Tokenizer(args.tokenizer or ckpt)
-        model = convert.load_model(ckpt, device=args.device).eval()
-    except (OSError, ValueError, RuntimeError, convert.ConversionError) as e:
+        tok = chat.Tokenizer(args.tokenizer or ckpt)
+        model = checkpoint.load_model(ckpt, device=args.device).eval()
+    except (OSError, ValueError, RuntimeError, weight_files.ConversionError) as e:
         sys.exit(f"sample: {e}")
     cfg = model.cfg
     n = max(len(args.image), len(args.prompt))
@@ -79,11 +81,11 @@ def main(argv=None):
     prompts = [args.prompt[i if len(args.prompt) > 1 else 0] for i in range(n)]
     rows = []
     for prompt in prompts:
-        if prompt.count(data.IMAGE_TAG) > (1 if images else 0):
-            sys.exit(f"sample: --prompt {prompt!r} has {prompt.count(data.IMAGE_TAG)} {data.IMAGE_TAG} tags for "
+        if prompt.count(chat.IMAGE_TAG) > (1 if images else 0):
+            sys.exit(f"sample: --prompt {prompt!r} has {prompt.count(chat.IMAGE_TAG)} {chat.IMAGE_TAG} tags for "
                      f"{1 if images else 0} image; --together asks about several images at once")
-        question = f"{data.IMAGE_TAG}\n{prompt}" if images and data.IMAGE_TAG not in prompt else prompt
-        ids, _ = data.tokenize([(data.generation_prompt(template, question, tok), False)], tok, cfg.image_token_id,
+        question = f"{chat.IMAGE_TAG}\n{prompt}" if images and chat.IMAGE_TAG not in prompt else prompt
+        ids, _ = chat.tokenize([(chat.generation_prompt(template, question, tok), False)], tok, cfg.image_token_id,
                                cfg.n_image_tokens)
         fit_new_tokens(args, prompt, len(ids), cfg.llm.max_seq_len)
         rows.append(ids)
@@ -91,24 +93,24 @@ def main(argv=None):
     pixels = []
     for f in images:
         try:
-            pixels.append(data.load_image(Path(f).read_bytes(), cfg.vision.image_size, args.image_mode,
+            pixels.append(load_image(Path(f).read_bytes(), cfg.vision.image_size, args.image_mode,
                                           mean=cfg.vision.image_stats[0]))
         except (OSError, ValueError) as e:  # PIL's UnidentifiedImageError is an OSError
             sys.exit(f"sample: --image {f}: cannot read it as an image ({e})")
-    pixels = data.normalize_images(torch.stack(pixels).to(args.device), *cfg.vision.image_stats) if pixels else None
+    pixels = normalize_images(torch.stack(pixels).to(args.device), *cfg.vision.image_stats) if pixels else None
     answer(args, model, template, tok, ids, mask, pixels, {})
 
 
 def tiled_batch(args, cfg, template, tok):
     """(ids, mask, pixel_values (B, n_slots, 3, S, S), {image_index, image_weight}) for a tiling model, or for
-    --together / --video: each row as the tiled training loader would build it (data.tiled_prompt)."""
+    --together / --video: each row as the tiled training loader would build it (loader.tiled_prompt)."""
     from anyres import place_images
 
     blobs = []
     for f in args.image:
         try:
             blobs.append(Path(f).read_bytes())
-            data.image_hw(blobs[-1])
+            image_hw(blobs[-1])
         except OSError as e:  # PIL's UnidentifiedImageError is an OSError
             sys.exit(f"sample: --image {f}: cannot read it as an image ({e})")
     if args.together or args.video:
@@ -121,7 +123,7 @@ def tiled_batch(args, cfg, template, tok):
     rows, tiles, layouts = [], [], []
     for prompt, images in per_row:
         try:
-            ids, row_tiles, row_layouts = data.tiled_prompt(cfg, template, tok, prompt, images, kind, args.image_mode,
+            ids, row_tiles, row_layouts = loader.tiled_prompt(cfg, template, tok, prompt, images, kind, args.image_mode,
                                                             cfg.vision.image_stats[0])
         except (OSError, ValueError) as e:
             sys.exit(f"sample: --prompt {prompt!r}: {e}")
@@ -136,7 +138,7 @@ def tiled_batch(args, cfg, template, tok):
     for r, row_tiles in enumerate(tiles):
         if row_tiles is not None:
             pixels[r, : len(row_tiles)] = row_tiles
-    pixels = data.normalize_images(pixels.to(args.device), *cfg.vision.image_stats) if n_slots else None
+    pixels = normalize_images(pixels.to(args.device), *cfg.vision.image_stats) if n_slots else None
     return ids, mask, pixels, {"image_index": torch.stack(index).to(args.device),
                                "image_weight": torch.stack(weight).to(args.device)}
 
@@ -155,7 +157,7 @@ def fit_new_tokens(args, prompt, n_prompt, max_seq_len):
 
 def answer(args, model, template, tok, ids, mask, pixels, extra):
     """Generate for the left-padded batch and print one answer a line."""
-    stop = data.stop_token_id(template, tok)
+    stop = chat.stop_token_id(template, tok)
     try:
         out = model.generate(ids.to(args.device), pixels, max_new_tokens=args.max_new_tokens or args.room,
                              temperature=args.temperature, top_p=args.top_p, eos_id=stop,
@@ -164,7 +166,7 @@ def answer(args, model, template, tok, ids, mask, pixels, extra):
     except ValueError as e:  # e.g. prompt + max_new_tokens longer than the model's max_seq_len
         sys.exit(f"sample: {e}")
     for tokens in out:
-        print(data.decode_answer(tok, tokens, stop))
+        print(chat.decode_answer(tok, tokens, stop))
 
 if __name__ == "__main__":
     main()

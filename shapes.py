@@ -15,9 +15,9 @@ import numpy as np
 from PIL import Image, ImageDraw
 from tqdm import tqdm
 
-from data import IMAGE_TAG, TEMPLATES, log
+from chat import IMAGE_TAG, TEMPLATES
 from pack import pack
-
+from shards import log
 
 COLORS = {"red": (220, 40, 40), "green": (30, 160, 60), "blue": (40, 80, 220), "yellow": (235, 200, 30),
           "purple": (140, 60, 170)}

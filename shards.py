@@ -8,7 +8,9 @@ import io
 import json
 import re
 import struct
+import sys
 import tarfile
+from collections import Counter, defaultdict
 from pathlib import Path
 
 KEY_RE = re.compile(r"^((?:.*/)?[^./]+)\.([^/]+)$")  # webdataset/energon: the key ends at the first dot of the basename
@@ -149,3 +151,25 @@ def read_members_by_tarfile(buf):
                 key = m.group(1)
                 members[m.group(2).lower()] = tar.extractfile(info).read()
     return key, members
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+class Skips:
+    """Counts of dropped inputs by reason, with the first few offending ids of each."""
+
+    def __init__(self, keep=5):
+        self.counts, self.examples, self.keep = Counter(), defaultdict(list), keep
+
+    def add(self, reason, sample_id):
+        self.counts[reason] += 1
+        if len(self.examples[reason]) < self.keep:
+            self.examples[reason].append(str(sample_id))
+
+    def summary(self):
+        if not self.counts:
+            return "skipped: none"
+        return "skipped:\n" + "\n".join(f"  {reason}: {n} (first: {', '.join(self.examples[reason])})"
+                                        for reason, n in sorted(self.counts.items()))

@@ -12,164 +12,42 @@ stage 0 trains everything, stage 1 the projector only, stage 2 the projector and
 import json
 import math
 import os
-import resource
 import signal
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
+import chat
+import checkpoint
 import config
-import convert
-import data
 import rl
 import storage
+import weight_files
 from checkpoint import (Checkpointer, check_resume_config, checkpoints, newest_good_checkpoint, remove_step,
                         unfinished_steps, wait_for_stop_writer)
-from config import check_objective, lora_config, model_config  # noqa: F401  (bench.py, data_cli.py, tests: train.*)
-from dpo import (evaluate_preference, pair_objective, preference_loss, reference_model,  # noqa: F401  (tests: train.*)
-                 reward_pairs, sequence_logps)
+from config import check_tiles, load_config
+from dpo import evaluate_preference, preference_loss, reference_model, reward_pairs
 from evaluation import device_batch, evaluate, final_accuracy
+from loader import Loader, ShardStream
 from lora import apply_lora, is_lora_parameter, merge_lora
-from model import VLMConfig, build_model, param_group
-from parallel import Env, autocast, checkpoint_fn, grad_sync, init_optimizer_state, print0, shard
-
-# -----------------------------------------------------------------------------
-# config: typed defaults; configs/*.py and --key=value may change only these keys
-# I/O
-out_dir = "out/shapes"
-init_from = "scratch"  # 'scratch', 'resume' (newest checkpoint in out_dir) or a convert.py checkpoint directory
-model = "debug"  # the VLM preset when init_from='scratch'
-model_overrides = {  # merged into the preset; these make the shapes demo's 1.8M-parameter VLM
-    "vision": {"image_size": 48, "patch_size": 16, "dim": 128, "n_layers": 4, "n_heads": 4, "ffn_dim": 512},
-    "llm": {"vocab_size": 576, "dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 4, "ffn_dim": 384, "max_seq_len": 64},
-    "vision_layer": -1,
-    "image_token_id": 512,  # the shapes tokenizer holds at most 512 pieces; the vocab is padded to 576
-}
-# data
-data_dir = "data/shapes/shards"
-tokenizer = "data/shapes/tokenizer.model"
-template = "llama_3"
-seq_len = 36  # the demo's samples are 30-34 tokens (9 image tokens, llama_3); padding past them is compute
-pack = 0  # > 0: each micro-batch reads pack x rows samples and packs them into its rows (no padding waste)
-max_tiles = 0  # > 0: static ViT tile slots a row, shared by its images and their anyres tiles; 0: one image a row
-image_mode = "pad"
-fast_images = False  # True: JPEG draft decoding + torch's bicubic, ~2x faster, up to ~12 levels off (README)
-num_workers = 1
-shuffle_block = 1000
-# what to train, and how
-stage = 0  # 0 everything, 1 the projector, 2 the projector and the LLM
-batch_size = 64  # global: across ranks and accumulation micro-steps
-micro_batch_size = 64  # per rank per micro-step
-max_iters = 1500  # the demo: 94.2-95.0% held-out at 1500 steps, 86.4-91.8% at 1200, 96.8-97.6% at 2000 (BENCHMARKS.md)
-lr = 3e-4
-min_lr = 5e-5
-warmup_iters = 100
-lr_decay_iters = 0  # 0: max_iters
-lr_scale = {"vision": 1.0, "projector": 1.0, "llm": 1.0}  # per-module multipliers
-lora = {}  # {} off; else LoRA adapters {"r", "alpha", "dropout", "targets", "rslora"} (README "LoRA")
-weight_decay = 0.01
-beta1 = 0.9
-beta2 = 0.95
-grad_clip = 1.0
-max_nonfinite_steps = 5  # an update with a non-finite loss or gradient is skipped; this many in a row stop the run
-skip_steps = []  # [(first, end), ...]: iterations whose batches are consumed but not trained on
-# evaluation, logging, checkpoints
-eval_interval = 500
-eval_iters = 4
-log_interval = 50
-ckpt_interval = 500
-keep_last = 2
-allow_config_change = []  # keys that may differ from the checkpoint's config on resume (see FIXED_ON_RESUME)
-final_accuracy_samples = 500  # > 0: exact-match accuracy of generated answers on that many val samples
-wandb_log = False
-wandb_project = "llavax"
-wandb_run_name = ""
-# backend
-device = ""  # '' picks cuda when available, else cpu; 'xla' is torch_xla SPMD (TPU, or CPU devices in tests)
-parallel = "ddp"  # under torchrun: 'ddp' or 'fsdp'
-mesh = [1, -1, 1]  # xla: devices as (dp, fsdp, tp); one -1 takes what the others leave
-dcn_mesh = [1, 1, 1]  # xla: slices as (dp, fsdp, tp) for multi-slice pods (dp across slices is usual)
-dtype = "float32"  # 'bfloat16': bf16 compute with fp32 master weights
-compile = False
-activation_checkpointing = False
-checkpoint_policy = "full"  # 'selective': keep the matmul and attention outputs, recompute a block's elementwise ops
-checkpoint_every = 1  # k: checkpoint blocks 0, k, 2k, ... of each tower; the others keep all their activations
-frozen_dtype = "float32"  # 'bfloat16' (with dtype='bfloat16'): frozen Linear/Conv weights stored in bf16, never cast
-loss_chunk = 0  # > 0: cross-entropy over this many positions at a time, never the full fp32 logits
-peak_flops = 0.0  # per device, for MFU; 0 uses the bf16 dense peak of a known GPU
-seed = 0
-# preference training (README "Preference training (DPO)"): rows of chosen and rejected answers from preference shards
-objective = "sft"  # 'sft' (next-token loss) or 'dpo' (against a frozen reference: the init_from checkpoint)
-dpo_beta = 0.1
-dpo_loss = "sigmoid"  # 'sigmoid' (DPO), 'ipo' (length-normalised, as TRL), 'hinge'
-dpo_sft_weight = 0.0  # + this x the chosen answers' token NLL (LLaVA-NeXT's gamma; TRL's "sft" loss)
-dpo_end_of_turn = True  # False: an answer's log-prob leaves out its end-of-turn token (its last supervised one)
-dpo_reference = ""  # the reference checkpoint; '' is init_from (name it when resuming: init_from is then 'resume')
-# objective='reward' (README "Reward models and RL"): a scalar head on the same preference shards, Bradley-Terry loss
-reward_margin = 0.0  # -log sigmoid(r_chosen - r_rejected - margin)
-reward_center_weight = 0.0  # + this x (r_chosen + r_rejected)^2: rewards stay near 0 (TRL's center_rewards_coefficient)
-# objective='grpo': prompts from SFT shards, grpo_group samples each; batch_size and micro_batch_size count prompts
-grpo_group = 4  # completions a prompt (TRL's num_generations)
-grpo_loss = "dapo"  # 'dapo' (token sum / the step's completion tokens: TRL's default), 'grpo', 'dr_grpo'
-grpo_beta = 0.0  # k3 KL to the reference (grpo_reference, else init_from); 0: no reference (TRL's default)
-grpo_epsilon = 0.2  # the ratio is clipped to [1 - epsilon, 1 + epsilon]
-grpo_iterations = 1  # optimisation steps on each generation batch (TRL's num_iterations); > 1 uses the importance ratio
-grpo_max_new_tokens = 8
-grpo_temperature = 1.0
-grpo_top_p = 1.0
-grpo_reward = "exact_match"  # 'exact_match', 'module:function' (completions, answers) -> floats, or a reward-model dir
-grpo_reference = ""
-grpo_static = False  # static-shape rollouts (always under XLA): prompts left-padded to grpo_prompt_len, hashed draws
-grpo_prompt_len = 0  # static rollouts' prompt bucket (0: seq_len - grpo_max_new_tokens); a longer prompt is skipped
-# FSDP2: True keeps every block gathered from the first decoding step to the last (TRL's ds3_gather_for_generation, on
-# by default there): fast, but the whole model on each rank. False gathers each block again at every step (less memory)
-grpo_gather_for_generation = False
-DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, list, dict))}
+from model import build_model
+from model_config import VLMConfig
+from parallel import (Env, attention_kernel, autocast, checkpoint_fn, compile_blocks, flops_per_sample, freeze,
+                      frozen_matmul_weights, grad_sync, init_optimizer_state, make_optimizer, param_groups, print0,
+                      set_checkpointing, shard, store_frozen, use_flex_attention)
 
 # -----------------------------------------------------------------------------
 # configuration
 
 
-def load_config(argv):
-    return config.check(config.parse(argv, DEFAULTS))
-
-
-def check_tiles(vlm, max_tiles):
-    """An anyres or video model needs tile slots; anyres needs room for the base view and the smallest grid."""
-    tiled = vlm.anyres or vlm.video_token_id is not None
-    if tiled and not max_tiles:
-        raise SystemExit(f"config: max_tiles=0, but the model tiles images (anyres={vlm.anyres!r}, video_token_id="
-                         f"{vlm.video_token_id}): set max_tiles to the ViT slots a row holds (e.g. 10 for a base view and "
-                         f"a 3x3 grid)")
-    if vlm.anyres and max_tiles and vlm.grid_pinpoints:
-        size = vlm.vision.image_size
-        least = 1 + min(math.ceil(h / size) * math.ceil(w / size) for h, w in vlm.grid_pinpoints)
-        if max_tiles < least:
-            raise SystemExit(f"config: max_tiles={max_tiles} is fewer than the {least} tiles the smallest anyres image "
-                             f"needs (a base view and the smallest grid of grid_pinpoints {vlm.grid_pinpoints}): every "
-                             f"image would be dropped")
-
-
 # -----------------------------------------------------------------------------
 # backends: small functions applied in a fixed order: freeze -> checkpointing -> compile -> shard
-
-
-def freeze(model, stage):
-    """requires_grad by stage. ViT blocks above the selected layer and ln_post never reach the loss: frozen too.
-    A part with LoRA adapters trains them alone."""
-    trained = {0: ("vision", "projector", "llm"), 1: ("projector",), 2: ("projector", "llm")}[stage]
-    n = model.cfg.vision.n_layers
-    top = max(i if i >= 0 else n + 1 + i for i in model.cfg.vision_layers)
-    adapted = {param_group(name) for name, _ in model.named_parameters() if is_lora_parameter(name)}
-    for name, p in model.named_parameters():
-        unused = name.startswith("vision.ln_post") or (name.startswith("vision.blocks.") and int(name.split(".")[2]) >= top)
-        in_full = param_group(name) not in adapted or is_lora_parameter(name)
-        p.requires_grad_(param_group(name) in trained and not unused and in_full)
 
 
 def add_lora(raw, cfg, env, resuming):
@@ -212,53 +90,8 @@ def add_reward_head(model, seed):
         model.llm.output.weight.requires_grad_(False)
 
 
-def set_checkpointing(model, fn, every=1):
-    """fn recomputes blocks 0, k, 2k, ... of each tower in backward (k = every); the others keep their activations."""
-    for tower, blocks in ((model.vision, model.vision.blocks), (model.llm, model.llm.layers)):
-        chosen = {id(b) for b in list(blocks)[::every]}
-        tower.checkpoint = fn if fn is None or every == 1 else \
-            (lambda block, *args, chosen=chosen: fn(block, *args) if id(block) in chosen else block(*args))
-
-
-def store_frozen(model, dtype):
-    """Frozen weights and biases of the Linear and Conv2d layers kept in `dtype` (bf16): the copy autocast makes of
-    them at every use, made once, and their fp32 originals dropped. Embeddings, norms and the ViT's positional and
-    class embeddings stay fp32: autocast does not cast them (the token embedding starts the fp32 residual stream)."""
-    for p in frozen_matmul_weights(model):
-        p.data = p.data.to(dtype)
-
-
-def frozen_matmul_weights(model):
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}  # and a tied output
-    return [p for m in model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d)) for p in (m.weight, m.bias)
-            if p is not None and not p.requires_grad and id(p) not in embeddings]
-
-
-def use_flex_attention(packed, device_kind, compiled, seq_len):
-    """FlexAttention for packed rows needs CUDA and compiled blocks. Its kernels failed to compile on an H100 (torch
-    2.11) for 96-token rows but ran for 128, 256 and 2048: whole 128-token blocks only, else SDPA with a dense mask."""
-    return packed and device_kind == "cuda" and compiled and seq_len % 128 == 0
-
-
-def compile_blocks(model):
-    for block in list(model.vision.blocks) + list(model.llm.layers):
-        block.compile()
-
-
 # -----------------------------------------------------------------------------
 # optimizer, schedule, FLOPs
-
-
-def make_optimizer(raw, cfg, env):
-    groups = {}
-    for name, p in raw.named_parameters():
-        if p.requires_grad:
-            module, decay = param_group(name), p.dim() >= 2  # no weight decay on norms, biases, image_newline
-            g = groups.setdefault((module, decay), {"params": [], "lr_scale": cfg["lr_scale"][module],
-                                                    "weight_decay": cfg["weight_decay"] if decay else 0.0})
-            g["params"].append(p)
-    kw = {"fused": True} if env.kind == "cuda" else {"foreach": True} if env.kind == "cpu" else {}
-    return torch.optim.AdamW(list(groups.values()), lr=cfg["lr"], betas=(cfg["beta1"], cfg["beta2"]), **kw)
 
 
 def lr_at(it, cfg):
@@ -269,36 +102,6 @@ def lr_at(it, cfg):
         return cfg["min_lr"]
     ratio = (it - cfg["warmup_iters"]) / max(1, decay_iters - cfg["warmup_iters"])
     return cfg["min_lr"] + 0.5 * (1 + math.cos(math.pi * ratio)) * (cfg["lr"] - cfg["min_lr"])
-
-
-def flops_per_sample(raw, stage, seq_tokens, n_tiles=1):
-    """Model FLOPs of one sample (fwd + bwd) with n_tiles ViT views, README's formula: 6N trained, 4N frozen with
-    gradients flowing through, 2N frozen with nothing upstream to train; attention 12*L*d*T (fwd+bwd), halved when
-    causal."""
-    cfg = raw.cfg
-    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
-    adapters = lambda m: sum(p.numel() for n, p in m.named_parameters() if is_lora_parameter(n))  # noqa: E731
-    vit_lora, llm_lora = adapters(raw.vision.blocks), adapters(raw.llm)  # LoRA: 6N, its frozen base 4N
-    vit_tokens = cfg.vision.n_patches + 1
-    vit_mult = 4 if vit_lora else 6 if stage == 0 else 2
-    vit_attention = (vit_mult * 2) * cfg.vision.n_layers * cfg.vision.dim * vit_tokens**2
-    vit = ((vit_mult * (count(raw.vision.blocks) - vit_lora) + 6 * vit_lora) * vit_tokens + vit_attention) * n_tiles
-    proj = 6 * count(raw.projector) * cfg.n_image_tokens * n_tiles
-    llm_params = count(raw.llm) - raw.llm.tok_embeddings.weight.numel() * (not cfg.llm.tie_embeddings)
-    llm_mult = 4 if llm_lora else 6 if stage in (0, 2) else 4
-    llm = (llm_mult * (llm_params - llm_lora) + 6 * llm_lora) * seq_tokens + \
-        6 * cfg.llm.n_layers * cfg.llm.n_heads * cfg.llm.head_dim * seq_tokens**2
-    return vit + proj + llm
-
-
-def known_peak_flops(env):
-    if env.kind != "cuda":
-        return 0.0
-    name = torch.cuda.get_device_name(env.device)
-    for key, peak in (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L4", 121e12), ("A10", 125e12)):
-        if key in name:
-            return peak
-    return 0.0
 
 
 # -----------------------------------------------------------------------------
@@ -363,7 +166,7 @@ def check_inputs(cfg):
         raise SystemExit(f"data_dir {cfg['data_dir']!r} does not exist. For the shapes demo run "
                          "`python data.py shapes --out data/shapes` first (make demo does it).")
     try:
-        data.Tokenizer(cfg["tokenizer"])
+        chat.Tokenizer(cfg["tokenizer"])
     except Exception as e:  # noqa: BLE001  sentencepiece and tokenizers raise many kinds for a bogus file
         raise SystemExit(f"tokenizer {cfg['tokenizer']!r}: cannot load ({type(e).__name__}: {e})") from None
 
@@ -411,21 +214,47 @@ def init_model(cfg, env, resume_from):
                            device=build_on, init=False)
     if source:
         try:
-            return convert.load_model(source, device=build_on)
-        except (convert.ConversionError, OSError, ValueError, KeyError, TypeError) as e:
+            return checkpoint.load_model(source, device=build_on)
+        except (weight_files.ConversionError, OSError, ValueError, KeyError, TypeError) as e:
             raise SystemExit(f"{'resume' if resume_from else 'init_from'} {str(source)!r}: cannot load the model "
                              f"({e})") from None
     check_tiles(config.model_config(cfg), cfg["max_tiles"])  # before building: a 7B preset takes minutes to refuse
     return build_model(config.model_config(cfg), device=build_on, seed=cfg["seed"])
 
 
-def apply_backends(raw, cfg, env):
-    """(the model the step runs, its optimizer): freeze -> activation checkpointing -> compile -> shard."""
+def apply_backends(raw, cfg, env, objective, value_raw=None):
+    """(the model the step runs, its optimizer, PPO's value model as the step runs it or None), each model through
+    freeze -> activation checkpointing -> compile -> shard; the value model's parameters in the one AdamW, their own
+    groups at ppo_value_lr."""
+    model = backends(raw, cfg, env, objective.reward_head)
+    value_model = backends(value_raw, cfg, env, reward_head=True) if value_raw is not None else None
+    optimizer = make_optimizer(raw, env, cfg["lr"], (cfg["beta1"], cfg["beta2"]), cfg["weight_decay"], cfg["lr_scale"])
+    init_optimizer_state(raw, optimizer, env)
+    n_trained = sum(p.numel() for p in raw.parameters() if p.requires_grad)
+    print0(env, f"model: {sum(p.numel() for p in raw.parameters()) / 1e6:.2f}M parameters, {n_trained / 1e6:.2f}M "
+           f"trained (stage {cfg['stage']}); {env.world} x {env.kind}, {cfg['parallel'] if env.distributed else 'single'}")
+    if value_model is not None:
+        value_scale = cfg["ppo_value_lr"] / cfg["lr"] if cfg["ppo_value_lr"] and cfg["lr"] else 1.0
+        scales = {k: value_scale * v for k, v in cfg["lr_scale"].items()}  # the schedule's lr x these
+        for group in param_groups(value_raw, cfg["weight_decay"], scales):
+            optimizer.add_param_group(group)
+        init_optimizer_state(value_raw, optimizer, env)
+        n_value = sum(p.numel() for p in value_raw.parameters() if p.requires_grad)
+        print0(env, f"ppo: value model {n_value / 1e6:.2f}M trained parameters, lr {value_scale * cfg['lr']:.2e}")
+    return model, optimizer, value_model
+
+
+def backends(raw, cfg, env, reward_head):
+    """One model (the policy, or PPO's value model) frozen by stage, its activation checkpointing, compiled, sharded."""
     freeze(raw, cfg["stage"])
-    if cfg["objective"] == "reward":
+    if reward_head:
         add_reward_head(raw, cfg["seed"])
     raw.loss_chunk, raw.recompute = cfg["loss_chunk"], checkpoint_fn(env.kind)
-    raw.llm.flex_attention = use_flex_attention(cfg["pack"] > 0, env.kind, cfg["compile"], cfg["seq_len"])
+    raw.llm.flex_attention = cfg["attention"] == "dense" and use_flex_attention(cfg["pack"] > 0, env.kind, cfg["compile"],
+                                                                                cfg["seq_len"])
+    window = raw.cfg.llm.sliding_window
+    raw.llm.attention_kernel = attention_kernel(cfg["attention"], cfg["attention_block"], env,
+                                                window if window and window < cfg["seq_len"] else None)
     if cfg["frozen_dtype"] == "bfloat16":
         n = sum(p.numel() for p in frozen_matmul_weights(raw))
         store_frozen(raw, torch.bfloat16)
@@ -434,16 +263,10 @@ def apply_backends(raw, cfg, env):
     set_checkpointing(raw, block_fn if cfg["activation_checkpointing"] else None, cfg["checkpoint_every"])
     if cfg["compile"]:
         compile_blocks(raw)
-    model = shard(raw, env, cfg)
-    optimizer = make_optimizer(raw, cfg, env)
-    init_optimizer_state(raw, optimizer, env)
-    n_trained = sum(p.numel() for p in raw.parameters() if p.requires_grad)
-    print0(env, f"model: {sum(p.numel() for p in raw.parameters()) / 1e6:.2f}M parameters, {n_trained / 1e6:.2f}M "
-           f"trained (stage {cfg['stage']}); {env.world} x {env.kind}, {cfg['parallel'] if env.distributed else 'single'}")
-    return model, optimizer
+    return shard(raw, env)
 
 
-def make_loaders(raw, cfg, env, rows_per_host):
+def make_loaders(raw, cfg, env, rows_per_host, pairs):
     """(train loader, val loader or None, val stream or None, the streams' arguments), the sequence length and the
     image token checked against the model and the tokenizer."""
     check_tiles(raw.cfg, cfg["max_tiles"])
@@ -455,9 +278,9 @@ def make_loaders(raw, cfg, env, rows_per_host):
                    "image_mean": raw.cfg.vision.image_stats[0]}
     if cfg["max_tiles"]:  # tiles and placement by the model's config (anyres, grid_pinpoints, image_layout)
         stream_args |= {"vlm": raw.cfg, "max_tiles": cfg["max_tiles"]}
-    stream_args["preference"] = cfg["objective"] in ("dpo", "reward")  # rows [chosen..., rejected...], an image a pair
+    stream_args["preference"] = pairs  # rows [chosen..., rejected...], an image a pair
     try:
-        loader = data.Loader(data.ShardStream(cfg["data_dir"], split="train", **stream_args), cfg["num_workers"])
+        loader = Loader(ShardStream(cfg["data_dir"], split="train", **stream_args), cfg["num_workers"])
     except (OSError, ValueError) as e:
         raise SystemExit(f"data_dir {cfg['data_dir']!r}: {e}") from None
     if cfg["seq_len"] <= raw.cfg.n_image_tokens:  # every sample with an image would drop: a loss of 0.0
@@ -466,13 +289,13 @@ def make_loaders(raw, cfg, env, rows_per_host):
     vocab, image_id, llm = loader.stream.tok.vocab_size, raw.cfg.image_token_id, raw.cfg.llm
     if cfg["seq_len"] > llm.max_seq_len:
         raise SystemExit(f"config: seq_len={cfg['seq_len']} exceeds the model's max_seq_len={llm.max_seq_len}")
-    collides = image_id < vocab and loader.stream.tok.decode([image_id]) != data.IMAGE_TAG  # an HF <image> is fine
+    collides = image_id < vocab and loader.stream.tok.decode([image_id]) != chat.IMAGE_TAG  # an HF <image> is fine
     if collides or image_id >= llm.vocab_size or vocab > llm.vocab_size:
         raise SystemExit(f"config: image_token_id={image_id} must lie in [tokenizer vocab {vocab}, model vocab "
                          f"{llm.vocab_size}) so it never collides with a text token ({cfg['tokenizer']})")
     try:
-        val_stream = data.ShardStream(cfg["data_dir"], split="val", **stream_args)
-        val_loader = data.Loader(val_stream, 0)
+        val_stream = ShardStream(cfg["data_dir"], split="val", **stream_args)
+        val_loader = Loader(val_stream, 0)
     except FileNotFoundError:
         val_stream = val_loader = None
     return loader, val_loader, val_stream, stream_args
@@ -532,7 +355,7 @@ def start_meter(raw, cfg, env):
     if env.kind == "xla":
         meter.nonfinite_run, meter.nonfinite_worst, meter.nonfinite_total = (
             torch.zeros((), dtype=torch.long, device=env.device) for _ in range(3))
-    meter.peak = cfg["peak_flops"] or known_peak_flops(env)
+    meter.peak = cfg["peak_flops"] or env.peak_flops()
     meter.loss_sum, meter.tokens_sum = torch.zeros((), device=env.device), torch.zeros((), device=env.device)
     meter.t_last, meter.data_wait = time.perf_counter(), 0.0
     meter.rows_done, meter.dropped = 0, 0
@@ -549,22 +372,83 @@ def start_meter(raw, cfg, env):
 
 
 # -----------------------------------------------------------------------------
+# the objective, chosen once: its loss, the units a step's loss is divided by, its held-out pass
+
+
+def token_loss(model, b, cfg, ref_model, value_model=None):
+    _, loss = model(b["input_ids"], b["pixel_values"], b["labels"], "sum", b.get("position_ids"),
+                    image_index=b.get("image_index"), image_weight=b.get("image_weight"))
+    return loss, {}
+
+
+def held_out_loss(model, ref_model, val_loader, env, cfg, vision, loss):
+    return {"val_loss": evaluate(model, val_loader, env, cfg, cfg["eval_iters"], vision)}
+
+
+def held_out_pairs(model, ref_model, val_loader, env, cfg, vision, loss):
+    return evaluate_preference(model, ref_model, val_loader, env, cfg, cfg["eval_iters"], vision, loss)
+
+
+class ReadBatches:
+    """sft, dpo, reward: every step reads its micro-batches from the loader and places them on the device (GRPO's
+    counterpart, rl.GenerationBatches, samples completions from them and keeps them for grpo_iterations steps)."""
+
+    def __init__(self, cfg, env, loader, resume_from, raw, value_model=None):
+        self.env, self.vision = env, raw.cfg.vision
+        self.rows_per_step, self.completions_per_prompt = cfg["batch_size"], 1
+
+    def fresh(self, it):
+        return True
+
+    def prepare(self, micro, raw, ref_model, meter, it):
+        return [device_batch(b, self.env, self.vision) for b in micro]
+
+    def skipped(self, fresh):
+        pass
+
+    def in_flight(self, it):
+        return None
+
+
+supervised_tokens = lambda b: (b["labels"][:, 1:] != -100).sum()  # noqa: E731  sft: a sum over them
+per_micro_batch = lambda b: torch.ones((), device=b["labels"].device)  # noqa: E731  a mean over the micro-batch's pairs
+dpo_loss = lambda model, b, cfg, ref_model, value_model=None: preference_loss(model, ref_model, b, cfg)  # noqa: E731
+reward_loss = lambda model, b, cfg, ref_model, value_model=None: reward_pairs(model, b, cfg)  # noqa: E731  on the head
+grpo_loss = lambda model, b, cfg, ref_model, value_model: rl.rl_loss(model, b, cfg)  # noqa: E731
+ppo_loss = lambda model, b, cfg, ref_model, value_model: rl.ppo_micro_loss(model, value_model, b, cfg)  # noqa: E731
+completion_units = lambda b: b["units"]  # noqa: E731  completion tokens (dapo, ppo), completions (grpo), slots (dr_grpo)
+# loss(model, micro-batch, cfg, reference, value model) -> (summed loss, metrics); units(micro-batch): what a step's
+# loss is divided by; evaluate: the held-out pass; batches: what a step trains on; pairs: the loader reads preference
+# rows [chosen..., rejected...]; reward_head: a scalar head on the LLM; answers: it generates (final accuracy);
+# reference(cfg): it needs the frozen reference model; value: it trains a value model beside the policy
+OBJECTIVES = {
+    "sft": SimpleNamespace(loss=token_loss, units=supervised_tokens, evaluate=held_out_loss, batches=ReadBatches,
+                           pairs=False, reward_head=False, answers=True, reference=lambda cfg: False, value=False),
+    "dpo": SimpleNamespace(loss=dpo_loss, units=per_micro_batch, evaluate=held_out_pairs, batches=ReadBatches,
+                           pairs=True, reward_head=False, answers=True, reference=lambda cfg: True, value=False),
+    "reward": SimpleNamespace(loss=reward_loss, units=per_micro_batch, evaluate=held_out_pairs, batches=ReadBatches,
+                              pairs=True, reward_head=True, answers=False, reference=lambda cfg: False, value=False),
+    "grpo": SimpleNamespace(loss=grpo_loss, units=completion_units, evaluate=held_out_loss,
+                            batches=rl.GenerationBatches, pairs=False, reward_head=False, answers=True,
+                            reference=lambda cfg: bool(cfg["grpo_beta"]), value=False),
+    "ppo": SimpleNamespace(loss=ppo_loss, units=completion_units, evaluate=held_out_loss, batches=rl.PPOBatches,
+                           pairs=False, reward_head=False, answers=True, reference=lambda cfg: True, value=True),
+}
+
+
+# -----------------------------------------------------------------------------
 # the loop
 
 
-def forward_backward(model, b, env, cfg, scale, poison=False, ref_model=None, metrics=None):
+def forward_backward(model, b, env, cfg, scale, objective, poison=False, ref_model=None, metrics=None,
+                     value_model=None):
     """One micro-step's summed loss; backward runs outside autocast. Inside it, autocast's weight-cast cache
     (global, cleared when a thread leaves its outermost autocast) handed torch_xla's checkpoint recompute, on the
     autograd thread, the casts its no-grad forward had cached: the first block recomputed (the last) lost its grads."""
-    with autocast(env, cfg):
-        if cfg["objective"] != "sft":  # dpo, reward: the mean over the micro-batch's pairs; grpo: its summed loss
-            loss, pair_metrics = rl.rl_loss(model, b, cfg) if cfg["objective"] == "grpo" else \
-                pair_objective(model, ref_model, b, cfg)
-            for k, v in pair_metrics.items():
-                metrics[k] = metrics.get(k, 0.0) + v
-        else:
-            _, loss = model(b["input_ids"], b["pixel_values"], b["labels"], "sum", b.get("position_ids"),
-                            image_index=b.get("image_index"), image_weight=b.get("image_weight"))
+    with autocast(env):
+        loss, micro_metrics = objective.loss(model, b, cfg, ref_model, value_model)
+    for k, v in micro_metrics.items():
+        metrics[k] = metrics.get(k, 0.0) + v
     loss = loss * float("nan") if poison else loss  # tests only (LLAVAX_TEST_NONFINITE)
     (loss * scale).backward()
     return loss
@@ -577,26 +461,21 @@ def set_lr(optimizer, it, cfg):
     return lr_now
 
 
-def loss_units(b, cfg):
-    """What a step's loss is divided by, summed over micro-steps and ranks: supervised tokens (sft, whose loss is a
-    sum over them), or micro-batches (dpo, whose loss is already a mean over the micro-batch's pairs)."""
-    if cfg["objective"] == "grpo":  # completion tokens (dapo), completions (grpo) or completion slots (dr_grpo)
-        return b["units"]
-    return (b["labels"][:, 1:] != -100).sum() if cfg["objective"] == "sft" else torch.ones((), device=b["labels"].device)
-
-
-def train_step(model, micro, trainable, env, cfg, poison=False, ref_model=None, meter=None):
+def train_step(model, micro, trainable, env, cfg, objective, poison=False, ref_model=None, meter=None,
+               value_model=None):
     """(summed loss, loss units over all ranks, gradient norm) of one step's micro-batches, gradients accumulated
-    and clipped. The loss is a sum over supervised tokens (dpo: pair means) divided by their count over all
-    micro-steps and ranks; DDP and FSDP average gradients over ranks, hence the factor world."""
-    count = env.all_sum(sum(loss_units(b, cfg) for b in micro).float())
+    and clipped (the policy's and PPO's value model's together, as TRL's PPO clips them). The loss is a sum over the
+    objective's units (sft: supervised tokens; dpo: pair means) divided by their count over all micro-steps and ranks;
+    DDP and FSDP average gradients over ranks, hence the factor world."""
+    count = env.all_sum(sum(objective.units(b) for b in micro).float())
     step_loss = torch.zeros((), device=env.device)
     for i, b in enumerate(micro):
-        with grad_sync(model, env, cfg, i == len(micro) - 1):
-            loss = forward_backward(model, b, env, cfg, env.replicas / count.clamp(min=1), poison=poison,
-                                    ref_model=ref_model, metrics=meter.dpo if meter else None)
+        last = i == len(micro) - 1
+        with grad_sync(model, env, last), grad_sync(value_model, env, last) if value_model else nullcontext():
+            loss = forward_backward(model, b, env, cfg, env.replicas / count.clamp(min=1), objective, poison=poison,
+                                    ref_model=ref_model, metrics=meter.dpo if meter else {}, value_model=value_model)
         step_loss += loss.detach()
-    if cfg["objective"] != "sft":  # grpo: a micro-batch without prompts has no metrics (zeros), it does not count
+    if meter:  # grpo, ppo: a micro-batch without prompts has no metrics (zeros), it does not count
         meter.dpo_micro += sum(1 for b in micro if b.get("asked", 1))
     grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg["grad_clip"] if cfg["grad_clip"] > 0 else float("inf"))
     return step_loss, count, grad_norm
@@ -645,22 +524,19 @@ def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader):
     # no supervised token in the interval (all skipped or dropped): no loss, rather than 0.0
     loss_val = (env.all_sum(meter.loss_sum) / n_tokens).item() if n_tokens.item() else float("nan")
     gn = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-    steps = rows_done / cfg["batch_size"]
+    steps = rows_done / meter.rows_per_step
     tok_s = rows_done * cfg["seq_len"] / dt
     flops = meter.row_flops * rows_done / dt
-    mem = torch.cuda.max_memory_allocated(env.device) / 2**30 if env.kind == "cuda" else \
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    mem = env.peak_memory_gib()
     event = {"step": it, "loss": None if math.isnan(loss_val) else loss_val, "lr": lr_now, "grad_norm": gn.item(),
              "tokens_per_s": tok_s,
              "samples_per_s": rows_done * meter.per_row / dt, "mfu": flops / (peak * env.n_devices) if peak else None,
              "data_wait": meter.data_wait / dt, "peak_mem_gib": mem, "dropped_samples": dropped}
-    if env.kind == "xla":  # a count that grows after warm-up means the step recompiles: see README
-        import torch_xla.debug.metrics as met
-
-        event["xla_compiles"] = (met.metric_data("CompileTime") or [0])[0]
-    if meter.gen_rows:  # grpo: generation and training throughput apart
+    if env.compiles() is not None:  # a count that grows after warm-up means the step recompiles: see README
+        event["xla_compiles"] = env.compiles()
+    if meter.gen_rows:  # grpo, ppo: generation and training throughput apart
         event |= {"gen_samples_per_s": meter.gen_rows / meter.gen_seconds,
-                  "train_samples_per_s": rows_done * cfg["grpo_group"] / max(dt - meter.gen_seconds, 1e-9)}
+                  "train_samples_per_s": rows_done * meter.completions_per_prompt / max(dt - meter.gen_seconds, 1e-9)}
         print0(env, f"step {it}: generation {event['gen_samples_per_s']:.1f} samples/s, training "
                f"{event['train_samples_per_s']:.1f} samples/s ({100 * meter.gen_seconds / dt:.0f}% generating)")
         meter.gen_seconds, meter.gen_rows = 0.0, 0
@@ -674,24 +550,17 @@ def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader):
            f"{tok_s:,.0f} tok/s, {event['samples_per_s']:.1f} samples/s, MFU {mfu}, data wait "
            f"{100 * event['data_wait']:.1f}%, peak mem {mem:.2f} GiB ({steps:.0f} steps in {dt:.1f}s)"
            + (f", {dropped} samples dropped (see data: lines)" if dropped else "")
-           + (f", {event['xla_compiles']} XLA compiles so far" if env.kind == "xla" else ""))
+           + (f", {event['xla_compiles']} XLA compiles so far" if "xla_compiles" in event else ""))
     log(event)
     meter.loss_sum.zero_()
     meter.tokens_sum.zero_()
     meter.t_last, meter.data_wait, meter.rows_done, meter.dropped = time.perf_counter(), 0.0, 0, 0
 
 
-# what a generation batch saved in a checkpoint was made with (grpo_beta: whether it holds reference log-probs);
-# not grpo_reference, which a resume must name when the reference was init_from
-def evaluate_and_log(model, ref_model, val_loader, env, cfg, vision, it, log):
-    if cfg["objective"] in ("dpo", "reward"):
-        val = evaluate_preference(model, ref_model, val_loader, env, cfg, cfg["eval_iters"], vision)
-        print0(env, f"step {it}: " + ", ".join(f"{k} {v:.4f}" for k, v in val.items()))
-        log({"step": it} | val)
-    else:
-        val = evaluate(model, val_loader, env, cfg, cfg["eval_iters"], vision)
-        print0(env, f"step {it}: val loss {val:.4f}")
-        log({"step": it, "val_loss": val})
+def evaluate_and_log(model, ref_model, val_loader, env, cfg, vision, objective, it, log):
+    val = objective.evaluate(model, ref_model, val_loader, env, cfg, vision, objective.loss)
+    print0(env, f"step {it}: " + ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in val.items()))
+    log({"step": it} | val)
 
 
 def main(argv=None):
@@ -704,24 +573,28 @@ def main(argv=None):
     torch.manual_seed(cfg["seed"])
     resume_from = resume_point(out, cfg, env)
     raw = add_lora(init_model(cfg, env, resume_from), cfg, env, resuming=resume_from is not None)
-    model, optimizer = apply_backends(raw, cfg, env)
-    needs_reference = cfg["objective"] == "dpo" or cfg["objective"] == "grpo" and cfg["grpo_beta"]
-    ref_model = reference_model(cfg, env, raw) if needs_reference else None
-    loader, val_loader, val_stream, stream_args = make_loaders(raw, cfg, env, rows_per_host)
+    objective = OBJECTIVES[cfg["objective"]]
+    value_raw = rl.load_value_model(cfg, env, raw, chat.Tokenizer(cfg["tokenizer"]), resume_from) \
+        if objective.value else None
+    model, optimizer, value_model = apply_backends(raw, cfg, env, objective, value_raw)
+    value = (value_model, value_raw) if value_raw is not None else None
+    ref_model = reference_model(cfg, env, raw) if objective.reference(cfg) else None
+    loader, val_loader, val_stream, stream_args = make_loaders(raw, cfg, env, rows_per_host, objective.pairs)
     checkpointer = Checkpointer(env, cfg)
-    start = checkpointer.load(resume_from, model, raw, optimizer, loader) if resume_from else 0
+    start = checkpointer.load(resume_from, model, raw, optimizer, loader, value) if resume_from else 0
     stop = stop_on_signal(env)
     log, log_file = open_log(out, cfg, env)
     poison, poison_weight = injected_faults(env)
     meter = start_meter(raw, cfg, env)
-    grpo = rl.setup(cfg, env, loader, resume_from, raw.cfg) if cfg["objective"] == "grpo" else None
-    trainable = [p for p in raw.parameters() if p.requires_grad]
+    steps = objective.batches(cfg, env, loader, resume_from, raw, value_raw)
+    meter.rows_per_step, meter.completions_per_prompt = steps.rows_per_step, steps.completions_per_prompt
+    trainable = [p for m in (raw, value_raw) if m is not None for p in m.parameters() if p.requires_grad]
     batches = iter(loader)
     it = start
     try:
         while it < cfg["max_iters"]:
             t0 = time.perf_counter()
-            fresh = grpo is None or it % cfg["grpo_iterations"] == 0 or grpo.rollouts is None  # grpo: new rollouts
+            fresh = steps.fresh(it)  # grpo: False while the generation batch is reused
             micro = [next(batches) for _ in range(grad_accum)] if fresh else []
             meter.data_wait += time.perf_counter() - t0
             meter.dropped += sum(int(b["dropped"].sum()) for b in micro)  # CPU tensors: no device sync
@@ -729,19 +602,17 @@ def main(argv=None):
             if skipped:  # the batch is consumed, nothing trains; a checkpoint due here is still written
                 print0(env, f"step {it}: skipped (skip_steps); its {cfg['batch_size']} samples are consumed")
                 log({"step": it, "skipped": True})
-                if grpo is not None and fresh:  # grpo: no generation batch for the steps after it, the next one samples
-                    grpo.rollouts = None
+                steps.skipped(fresh)
             else:
                 lr_now = set_lr(optimizer, it, cfg)
-                micro = [device_batch(b, env, raw.cfg.vision) for b in micro] if grpo is None else micro
-                if grpo is not None:  # the rollouts place what they need from the host batches
-                    micro = rl.generation_batch(grpo, raw, micro, ref_model, meter, cfg, env, it) if fresh else grpo.rollouts
-                step_loss, count, grad_norm = train_step(model, micro, trainable, env, cfg, poison=it in poison,
-                                                         ref_model=ref_model, meter=meter)
+                micro = steps.prepare(micro, raw, ref_model, meter, it)
+                step_loss, count, grad_norm = train_step(model, micro, trainable, env, cfg, objective,
+                                                         poison=it in poison, ref_model=ref_model, meter=meter,
+                                                         value_model=value_model)
                 update_if_finite(optimizer, step_loss, count, grad_norm, meter, env, it, log)
                 optimizer.zero_grad(set_to_none=True)
                 env.step_end()
-                meter.rows_done += cfg["batch_size"]
+                meter.rows_done += steps.rows_per_step
             it += 1
             if it in poison_weight:  # test-only: a weight goes non-finite, as after an overflowing update
                 with torch.no_grad():
@@ -753,15 +624,14 @@ def main(argv=None):
                 log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader)
             evaluate_now = cfg["eval_interval"] and (it % cfg["eval_interval"] == 0 or it == cfg["max_iters"])
             if not skipped and val_loader and evaluate_now:
-                evaluate_and_log(model, ref_model, val_loader, env, cfg, raw.cfg.vision, it, log)
+                evaluate_and_log(model, ref_model, val_loader, env, cfg, raw.cfg.vision, objective, it, log)
                 meter.t_last = time.perf_counter()
             checkpointer.poll()
             stopping = env.agree(stop["requested"])
             if stopping or (cfg["ckpt_interval"] and it % cfg["ckpt_interval"] == 0) or it == cfg["max_iters"]:
-                in_flight = grpo is not None and it % cfg["grpo_iterations"] and grpo.rollouts  # the next step's
                 step_dir = storage.join(out, f"step-{it:06d}")
                 checkpointer.save(step_dir, model, raw, optimizer, loader, it, stop=stopping,
-                                  own=rl.rollouts_state(grpo.rollouts) if in_flight else None)
+                                  own=steps.in_flight(it), value=value)  # grpo, ppo: the rollouts the next step uses
                 print0(env, f"step {it}: checkpoint {step_dir}" + ("" if stopping else " (writing)"))
                 meter.t_last = time.perf_counter()
             if stopping:
@@ -773,7 +643,7 @@ def main(argv=None):
     checkpointer.wait()  # the last checkpoint committed before anything reads it
 
     if it >= cfg["max_iters"]:
-        if cfg["final_accuracy_samples"] and val_stream is not None and cfg["objective"] != "reward":
+        if cfg["final_accuracy_samples"] and val_stream is not None and objective.answers:
             log({"step": it, "accuracy": final_accuracy(raw, val_stream, stream_args, env, cfg)})
         if env.master:
             storage.write_text(storage.join(out, "DONE"), json.dumps({"step": it}))  # the babysitter's completion marker

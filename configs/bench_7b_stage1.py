@@ -1,4 +1,4 @@
-# LLaVA-1.5-7B stage 1 on one GPU (issue 24's row: frozen Vicuna-7B + CLIP-L/336, the projector trained), random
+# LLaVA-1.5-7B stage 1 on one GPU (frozen Vicuna-7B + CLIP-L/336, the projector trained), random
 # weights, every speed-up of today on; scripts/gpu_speed.sh adds the levers as bench.py --variant phases:
 #   python bench.py train --config configs/bench_7b_stage1.py --variant bf16:frozen_dtype=bfloat16
 # A train.py config too, for an end-to-end run on real shards (add --data_dir, --tokenizer and init_from).
@@ -13,7 +13,7 @@ batch_size = 8
 micro_batch_size = 8
 dtype = "bfloat16"
 compile = True
-activation_checkpointing = True  # without it, 8 rows ran out of memory on an H100 (issue 24)
+activation_checkpointing = True  # without it, 8 rows ran out of memory on an H100
 loss_chunk = 4096
 num_workers = 8
 max_iters = 100

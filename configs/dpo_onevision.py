@@ -1,4 +1,4 @@
-# DPO on LLaVA-OneVision-Qwen2-7B after its SFT stages (README "Preference training (DPO)"). From LLaVA-NeXT's
+# DPO on LLaVA-OneVision-Qwen2-7B after its SFT stages (docs/post-training.md "DPO"). From LLaVA-NeXT's
 # scripts/train/dpo_ov7b.sh: beta 0.1, lr 5e-7, one epoch, cosine, warmup ratio 0.1, dpo_alpha 1 and gamma 0
 # (the DPO loss alone: dpo_sft_weight 0). The reference is the SFT model itself, frozen. Ours: the batch of 32
 # pairs, the rows (seq_len, tile slots as in configs/onevision_qwen2_7b.py) and bf16/FSDP2.

@@ -1,4 +1,4 @@
-# The DPO demo (README "Preference training (DPO)", BENCHMARKS.md): the shapes VLM after only 250 SFT steps
+# The DPO demo (docs/post-training.md "DPO", BENCHMARKS.md): the shapes VLM after only 250 SFT steps
 # (configs/shapes.py, 66.2% on the 2,000 held-out questions), then one round of on-policy DPO, as OneVision-Chat's
 # iterative DPO does: the SFT model answers the training questions (greedy and 3 samples), its own wrong answers
 # are rejected and the right ones chosen; the SFT checkpoint is the frozen reference. With the SFT term (RPO,

@@ -1,4 +1,4 @@
-# GRPO on LLaVA-OneVision-Qwen2-7B after its SFT stages (README "Reward models and RL"): TRL 1.16's GRPOConfig
+# GRPO on LLaVA-OneVision-Qwen2-7B after its SFT stages (docs/post-training.md): TRL 1.16's GRPOConfig
 # defaults, loss_type "dapo", beta 0 (no reference), num_generations 8, temperature 1.0, top_p 1.0, epsilon 0.2,
 # num_iterations 1, learning_rate 1e-6, weight decay 0, max_grad_norm 1.0, Adam beta2 0.999, no warmup (then a linear
 # decay to 0; ours is cosine to 0), gradient checkpointing, max_completion_length 512, and its VLM path (the image

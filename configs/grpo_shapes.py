@@ -1,4 +1,4 @@
-# The GRPO demo (README "Reward models and RL", BENCHMARKS.md): the shapes VLM after only 66 SFT steps (50.8%
+# The GRPO demo (docs/post-training.md, BENCHMARKS.md): the shapes VLM after only 66 SFT steps (50.8%
 # held-out), then GRPO on the training questions: 8 samples a question, reward 1 for the exact answer (58.0%).
 #   python data.py shapes --out data/shapes --n 6000
 #   python train.py configs/shapes.py --out_dir=out/shapes-sft-66 --max_iters=66 --lr_decay_iters=250

@@ -1,5 +1,5 @@
 """
-Where a shapes model's answers go (BENCHMARKS.md "On-policy pairs", the pure-DPO diagnosis): for each held-out
+Where a shapes model's answers go (docs/notes/dpo-shapes.md, the pure-DPO diagnosis): for each held-out
 question its greedy answer and the log-prob of every answer of the question's kind (shapes.ANSWER_SETS), split
 into the answer's tokens and the end-of-turn token after it. Two checkpoints: where the greedy answers moved.
 
@@ -15,8 +15,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import convert  # noqa: E402
-import data  # noqa: E402
+import chat
+import checkpoint
+import images
+import loader  # noqa: E402
 from model import left_pad  # noqa: E402
 from shapes import ANSWER_SETS  # noqa: E402
 
@@ -24,28 +26,28 @@ from shapes import ANSWER_SETS  # noqa: E402
 @torch.no_grad()
 def answers(ckpt, data_dir, n, batch_size=50):
     """[(truth, greedy, {option: (answer-token logp, end-of-turn logp)})] for the first n val questions."""
-    model, tok = convert.load_model(ckpt).eval(), data.Tokenizer(ckpt)
+    model, tok = checkpoint.load_model(ckpt).eval(), chat.Tokenizer(ckpt)
     template, cfg = "llama_3", model.cfg
-    stop = data.stop_token_id(template, tok)
-    stream = data.ShardStream(data_dir, tok, 1, cfg.llm.max_seq_len, cfg.vision.image_size, cfg.image_token_id,
+    stop = chat.stop_token_id(template, tok)
+    stream = loader.ShardStream(data_dir, tok, 1, cfg.llm.max_seq_len, cfg.vision.image_size, cfg.image_token_id,
                               cfg.n_image_tokens, template, split="val", image_mean=cfg.vision.image_stats[0])
     out = []
     for first in range(0, min(n, len(stream)), batch_size):
         qs = []
         for s in range(first, min(first + batch_size, n, len(stream))):
-            conv, image = data.sample_conversation(stream.read(s)[1])
-            prompt, truth = data.prompt_and_answer(conv, True, template, tok, stream.image_token_id, stream.n_image_tokens)
+            conv, image = loader.sample_conversation(stream.read(s)[1])
+            prompt, truth = chat.prompt_and_answer(conv, True, template, tok, stream.image_token_id, stream.n_image_tokens)
             qs.append((conv, image, prompt, truth))
-        pixels = data.normalize_images(torch.stack([data.load_image(im, stream.image_size, stream.image_mode,
+        pixels = images.normalize_images(torch.stack([images.load_image(im, stream.image_size, stream.image_mode,
                                                                     mean=stream.image_mean) for _, im, _, _ in qs]),
                                        *cfg.vision.image_stats)
         ids, mask = left_pad([p for _, _, p, _ in qs], tok.pad_id)
-        said = [data.decode_answer(tok, r, stop) for r in
+        said = [chat.decode_answer(tok, r, stop) for r in
                 model.generate(ids, pixels, 8, eos_id=stop, attention_mask=mask).tolist()]
         rows, where = [], []  # every option of every question, right-padded
         for q, (conv, _, prompt, truth) in enumerate(qs):
             for opt in next(c for c in ANSWER_SETS if truth in c):
-                full, _, _ = data.encode_conversation(conv[:-1] + [{"from": "gpt", "value": opt}], True, template, tok,
+                full, _, _ = chat.encode_conversation(conv[:-1] + [{"from": "gpt", "value": opt}], True, template, tok,
                                                       1 << 30, stream.image_token_id, stream.n_image_tokens)
                 end = full.index(stop, len(prompt))
                 rows.append(full[: end + 1])

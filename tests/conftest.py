@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -110,3 +111,52 @@ def checkpoint_bytes(step_dir, prefix="model."):
     tensors = checkpoint_tensors(step_dir, prefix)
     return b"".join(k.encode() + tensors[k].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
                     for k in sorted(tensors))
+
+
+@pytest.fixture(scope="session")
+def shapes_data(tmp_path_factory):
+    """shapes_data(n, seed=0, val_fraction=0.1, ...): the shapes demo's data (shapes.make_shapes) in a folder, drawn once
+    a session for each set of arguments."""
+    from shapes import make_shapes
+
+    made = {}
+
+    def draw(**kw):
+        key = tuple(sorted(kw.items()))
+        if key not in made:
+            made[key] = tmp_path_factory.mktemp("shapes")
+            make_shapes(made[key], **kw)
+        return made[key]
+
+    return draw
+
+
+# -----------------------------------------------------------------------------
+# a run's log, and the same run on XLA's CPU devices
+
+XLA_CPU = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "OMP_NUM_THREADS": "1",
+           "XLA_FLAGS": "--xla_backend_optimization_level=0"}
+
+
+def run_log(out_dir, key=None):
+    """The events train.py logged in out_dir (those holding `key`)."""
+    events = [json.loads(line) for line in (Path(out_dir) / "log.jsonl").read_text().splitlines()]
+    return [e for e in events if key is None or key in e]
+
+
+def train_on_xla(args, timeout=900, env=None):
+    """train.py with these arguments under XLA SPMD on 4 CPU devices, in its own process; its completed process."""
+    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *map(str, args), "--device=xla"], capture_output=True,
+                       text=True, env=os.environ | XLA_CPU | (env or {}), cwd=ROOT, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def assert_same_logs(cpu, xla, keys, rtol=1e-4):
+    """The same logged figures, step by step, and a compile count that stays flat after the second step."""
+    assert [e["step"] for e in cpu] == [e["step"] for e in xla] and cpu
+    for want, got in zip(cpu, xla):
+        for k in keys:
+            assert abs(got[k] - want[k]) <= rtol * max(1.0, abs(want[k])), (want["step"], k, got[k], want[k])
+    compiles = [e["xla_compiles"] for e in xla]
+    assert compiles[1] == compiles[-1], compiles

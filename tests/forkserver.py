@@ -52,6 +52,7 @@ def child(job, reply_fd):
 def serve():
     sys.path.insert(0, str(ROOT))
     import sentencepiece  # noqa: F401  what train.py, sample.py and convert.py import at start or first use
+
     import convert  # noqa: F401
     import sample  # noqa: F401
     import train  # noqa: F401

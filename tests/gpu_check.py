@@ -1,4 +1,4 @@
-"""One prepared end-to-end check for a lent GPU (the device tool): python tests/gpu_check.py OUT_DIR.
+"""One prepared end-to-end check for a lent GPU: python tests/gpu_check.py OUT_DIR.
 Not a pytest module. Shapes data; single-GPU bf16 training with loader workers and the batched accuracy pass;
 torchrun FSDP2 stopped by SIGTERM to its process group, then resumed, against a straight run; sample.py with a
 batch of two images; to-hf opened by the installed transformers' AutoProcessor. Prints a table at the end."""

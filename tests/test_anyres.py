@@ -5,8 +5,10 @@ LlavaNextForConditionalGeneration / LlavaOnevisionForConditionalGeneration, buil
 import pytest
 import torch
 
+import hf_config
+import hf_names
 from anyres import image_layout, place_images
-from model import VIT_PRESETS, VLMConfig, vlm_preset
+from model_config import VIT_PRESETS, VLMConfig, vlm_preset
 
 NEXT_PINPOINTS = [[336, 672], [672, 336], [672, 672], [1008, 336], [336, 1008]]  # llava-hf v1.6
 OV_PINPOINTS = [[384 * i, 384 * j] for i in range(1, 7) for j in range(1, 7)]  # llava-onevision-qwen2-*-ov-hf
@@ -40,8 +42,12 @@ def real_onevision_config():  # llava-onevision: SigLIP so400m 384, HF "full" fe
 def test_token_counts_equal_the_processors():
     """Every size, the real pinpoints and tile sizes: image_layout gives as many tokens as the HF processors put in
     the prompt, for single images, images of a multi-image sample, and videos."""
-    from transformers import LlavaNextImageProcessor, LlavaNextProcessor, LlavaOnevisionImageProcessor
-    from transformers import LlavaOnevisionProcessor
+    from transformers import (
+        LlavaNextImageProcessor,
+        LlavaNextProcessor,
+        LlavaOnevisionImageProcessor,
+        LlavaOnevisionProcessor,
+    )
 
     next_processor = LlavaNextProcessor(
         image_processor=LlavaNextImageProcessor(size={"shortest_edge": 336}, crop_size={"height": 336, "width": 336},
@@ -116,9 +122,16 @@ TINY_OV_PINPOINTS = [[S * i, S * j] for i in range(1, 7) for j in range(1, 7)]  
 def tiny_hf(kind, seed=0):
     """A random LlavaNext (CLIP + Llama, HF "default", layer -2) or LlavaOnevision (SigLIP + tied Qwen2, "full",
     layer -1, anyres_max_9) model: 2 layers, width 64, 42 px tiles; norms, biases and image_newline perturbed."""
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaNextConfig, LlavaNextForConditionalGeneration
-    from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration, Qwen2Config
-    from transformers import SiglipVisionConfig
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaOnevisionConfig,
+        LlavaOnevisionForConditionalGeneration,
+        Qwen2Config,
+        SiglipVisionConfig,
+    )
 
     torch.manual_seed(seed)
     shape = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, image_size=S,
@@ -146,22 +159,21 @@ def tiny_hf(kind, seed=0):
 
 def ours_from(hf):
     """Our VLM with the HF model's weights, through convert.py's llava tables (image_newline added by hand)."""
-    import convert
     from model import build_model
 
     c = hf.config
     ov = c.model_type == "llava_onevision"
-    llm = convert.llama_config(c.text_config.to_dict() | {"tie_word_embeddings": ov}, "text_config")
-    cfg = VLMConfig(vision=convert.vit_config(c.vision_config.to_dict()), llm=llm, vision_layer=c.vision_feature_layer,
+    llm = hf_config.llama_config(c.text_config.to_dict() | {"tie_word_embeddings": ov}, "text_config")
+    cfg = VLMConfig(vision=hf_config.vit_config(c.vision_config.to_dict()), llm=llm, vision_layer=c.vision_feature_layer,
                     vision_select={"default": "patch", "full": "cls_patch"}[c.vision_feature_select_strategy],
                     image_token_id=c.image_token_index, anyres=c.vision_aspect_ratio if ov else "anyres",
                     grid_pinpoints=c.image_grid_pinpoints, video_token_id=c.video_token_index if ov else None)
-    state = convert.drop_siglip_head({convert.hub_name(k): v for k, v in hf.state_dict().items()}, "hf")
-    state = convert.drop_tied_head(state, llm, "language_model.model.embed_tokens.weight",
+    state = hf_names.drop_siglip_head({hf_names.hub_name(k): v for k, v in hf.state_dict().items()}, "hf")
+    state = hf_names.drop_tied_head(state, llm, "language_model.model.embed_tokens.weight",
                                    "language_model.lm_head.weight", "hf")
-    table = convert.llava_table(cfg) | {"image_newline": "image_newline"}
+    table = hf_names.llava_table(cfg) | {"image_newline": "image_newline"}
     model = build_model(cfg, init=False)
-    model.load_state_dict(convert.remap(state, table, convert.expected_shapes(cfg), "hf"), strict=not ov)
+    model.load_state_dict(hf_names.remap(state, table, hf_names.expected_shapes(cfg), "hf"), strict=not ov)
     return model.eval()
 
 

@@ -5,8 +5,9 @@ import pytest
 import torch
 from test_multi_image_data import chat_tokenizer, tiny_onevision_config
 
-import convert
+import checkpoint
 import sample
+import weight_files
 from model import VLM
 
 
@@ -17,7 +18,7 @@ def onevision_ckpt(tmp_path_factory):
     with torch.device("meta"):
         model = VLM(tiny_onevision_config(tok))
     model.to_empty(device="cpu").init_weights(seed=0)
-    convert.save_model(model, d / "ckpt", d / "tok")
+    checkpoint.save_model(model, d / "ckpt", d / "tok")
     return d / "ckpt"
 
 
@@ -33,22 +34,23 @@ def test_sample_video_without_frames_is_a_one_line_error(onevision_ckpt):
 def test_audit_refuses_the_max_tiles_train_py_refuses(onevision_ckpt, tmp_path, max_tiles, message):
     """`data.py audit --max-tiles` on an anyres model: a count train.py would refuse was audited anyway (-1 dropped
     even text-only samples as too_many_tiles; 0 audited the one-view loader train.py never runs)."""
-    import data_cli
+    import data
 
     config = tmp_path / "c.py"
     config.write_text(f"init_from = {str(onevision_ckpt)!r}\ntokenizer = {str(onevision_ckpt / 'tokenizer.json')!r}\n"
                       "template = 'chatml'\nseq_len = 400\n")
     with pytest.raises(SystemExit, match=message):
-        data_cli.main(["audit", str(tmp_path), "--config", str(config), f"--max-tiles={max_tiles}", "--show", "0"])
+        data.main(["audit", str(tmp_path), "--config", str(config), f"--max-tiles={max_tiles}", "--show", "0"])
 
 
 def test_shard_stream_refuses_a_negative_max_tiles(onevision_ckpt, tmp_path):
-    import data
     from test_multi_image_data import chat_tokenizer as tokenizer
+
+    import loader
 
     tok = tokenizer(tmp_path / "tok")
     with pytest.raises(ValueError, match="max_tiles must be an integer >= 0"):
-        data.ShardStream(tmp_path, tok, 2, 100, 28, 1, 4, vlm=tiny_onevision_config(tok), max_tiles=-2)
+        loader.ShardStream(tmp_path, tok, 2, 100, 28, 1, 4, vlm=tiny_onevision_config(tok), max_tiles=-2)
 
 
 def test_from_hf_refuses_empty_pinpoints_rather_than_substituting_the_defaults():
@@ -64,7 +66,7 @@ def test_from_hf_refuses_empty_pinpoints_rather_than_substituting_the_defaults()
                                                  num_hidden_layers=2, num_attention_heads=4),
                          image_grid_pinpoints=[[28, 56]]).to_dict()
     assert hf_config.llava_config(hf, "d").grid_pinpoints == [[28, 56]]
-    with pytest.raises(convert.ConversionError, match=r"image_grid_pinpoints .* got \[\]"):
+    with pytest.raises(weight_files.ConversionError, match=r"image_grid_pinpoints .* got \[\]"):
         hf_config.llava_config(hf | {"image_grid_pinpoints": []}, "d")
     hf.pop("image_grid_pinpoints")
     assert hf_config.llava_config(hf, "d").grid_pinpoints == LlavaNextConfig().image_grid_pinpoints
@@ -73,14 +75,15 @@ def test_from_hf_refuses_empty_pinpoints_rather_than_substituting_the_defaults()
 def test_a_video_prompt_for_a_model_without_video_says_so(tmp_path):
     """sample.py --video on a LLaVA-NeXT model (no <video> id): said 'the prompt has 0 image/video tags for 1 video
     inputs' of a prompt it had just given a <video> tag."""
-    import data
     from test_images import encode, photo
     from test_multi_image_data import chat_tokenizer as tokenizer
+
+    import loader
 
     tok = tokenizer(tmp_path / "tok")
     cfg = tiny_onevision_config(tok).with_overrides({"anyres": "anyres", "video_token_id": None})
     with pytest.raises(ValueError, match="no <video> token"):
-        data.tiled_prompt(cfg, "chatml", tok, "What happens?", [encode(photo(40, 30), "PNG")], "video")
+        loader.tiled_prompt(cfg, "chatml", tok, "What happens?", [encode(photo(40, 30), "PNG")], "video")
 
 
 def test_onevision_export_with_a_clip_tower_counts_the_tokens_the_model_places(tmp_path):
@@ -117,8 +120,9 @@ def test_onevision_export_with_a_clip_tower_counts_the_tokens_the_model_places(t
 def test_train_refuses_max_tiles_before_building_a_7b_preset(tmp_path, monkeypatch, max_tiles):
     """`train.py --model=llava-next-vicuna-7b --max_tiles=0` (or too few) from scratch: the refusal came after
     building and initialising 7B parameters (minutes of CPU, or out of memory) instead of at once."""
-    import train
     from test_multi_image_data import chat_tokenizer as tokenizer
+
+    import train
 
     tokenizer(tmp_path / "tok")
     monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("built the model before checking max_tiles"))

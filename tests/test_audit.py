@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 from conftest import ROOT
 from PIL import Image
-from shapes import make_shapes
 
+import chat
+import config
 import data
-import data_cli
-import train
+import loader
+from shapes import make_shapes
 
 # the non-tool part of Qwen2.5-Instruct's published template: its own default system prompt
 QWEN25_TEMPLATE = (
@@ -42,17 +43,15 @@ LLAMA3_TEMPLATE = (
 def run_audit(capsys, *args):
     """(exit status, stdout, stderr) of `data.py audit ARGS`, in this process."""
     with pytest.raises(SystemExit) as e:
-        data_cli.main(["audit", *map(str, args)])
+        data.main(["audit", *map(str, args)])
     out, err = capsys.readouterr()
     code = e.value.code
     return (code if isinstance(code, int) else 1), out + (code if isinstance(code, str) else ""), err
 
 
 @pytest.fixture(scope="module")
-def shapes(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shapes")
-    make_shapes(out, n=40, seed=3, val_fraction=0.25)
-    return out
+def shapes(shapes_data):
+    return shapes_data(n=40, seed=3, val_fraction=0.25)
 
 
 def webdataset_samples(shards):
@@ -103,8 +102,8 @@ def test_padding_share_is_what_the_loader_hands_out(shapes, capsys):
     code, out, _ = run_audit(capsys, shapes / "shards", "--config", ROOT / "configs/shapes.py", "--tokenizer",
                              shapes / "tokenizer.model", "--rows", 5, "--show", 0)
     share = float(re.search(r"padding: ([\d.]+)% ", out).group(1)) / 100
-    T = train.DEFAULTS["seq_len"]  # configs/shapes.py's
-    stream = data.ShardStream(shapes / "shards", shapes / "tokenizer.model", batch_size=5, seq_len=T, image_size=48,
+    T = config.DEFAULTS["seq_len"]  # configs/shapes.py's
+    stream = loader.ShardStream(shapes / "shards", shapes / "tokenizer.model", batch_size=5, seq_len=T, image_size=48,
                               image_token_id=512, n_image_tokens=9, template="llama_3")
     assert len(stream) == 30  # 6 batches of 5 rows are one epoch
     batches = [stream.batch(k)["input_ids"] for k in range(6)]
@@ -113,7 +112,7 @@ def test_padding_share_is_what_the_loader_hands_out(shapes, capsys):
     # packing 2 samples a row: no two fit (each is 30+ tokens), so half find no room, as in the loader
     code, out, _ = run_audit(capsys, shapes / "shards", "--config", ROOT / "configs/shapes.py", "--tokenizer",
                              shapes / "tokenizer.model", "--rows", 5, "--pack", 2, "--show", 0)
-    packed = data.ShardStream(shapes / "shards", shapes / "tokenizer.model", batch_size=5, seq_len=T, image_size=48,
+    packed = loader.ShardStream(shapes / "shards", shapes / "tokenizer.model", batch_size=5, seq_len=T, image_size=48,
                               image_token_id=512, n_image_tokens=9, template="llama_3", pack=2)
     for k in range(3):
         packed.batch(k)
@@ -216,7 +215,7 @@ def test_template_that_disagrees_with_the_chat_template_fails_and_shows_where(mi
     messages = [{"role": "user", "content": "<image>\nWhat is in the image?"},
                 {"role": "assistant", "content": "A red bus on a street."}]
     expected = AutoTokenizer.from_pretrained(tok_dir).apply_chat_template(messages, tokenize=False)
-    got = "".join(t for t, _ in data.TEMPLATES["chatml"]([{"from": "human", "value": messages[0]["content"]},
+    got = "".join(t for t, _ in chat.TEMPLATES["chatml"]([{"from": "human", "value": messages[0]["content"]},
                                                            {"from": "gpt", "value": messages[1]["content"]}]))
     first = len(os.path.commonprefix([expected, got]))
     assert first > 0 and f"\n    {first}: " in out and "Qwen" in out
@@ -245,7 +244,7 @@ def test_an_unfinished_shard_folder_is_refused_as_the_loader_refuses_it(shapes, 
 
 
 def test_image_settings_come_from_the_checkpoint_a_config_starts_from(shapes, capsys, tmp_path):
-    from model import vlm_preset
+    from model_config import vlm_preset
 
     cfg = vlm_preset("debug").to_dict()
     cfg["vision"] |= {"image_size": 28, "patch_size": 14}
@@ -275,7 +274,7 @@ def test_a_foreign_webdataset_shard_drops_what_the_loader_drops(shapes, capsys, 
             w.write({"__key__": f"s{i}", **{k: json.dumps(v).encode() if k == "json" else v for k, v in s.items()}})
     code, out, _ = run_audit(capsys, tmp_path / "foreign.tar", "--config", ROOT / "configs/shapes.py", "--tokenizer",
                              shapes / "tokenizer.model", "--show", 0)
-    stream = data.ShardStream(tmp_path / "foreign.tar", shapes / "tokenizer.model", batch_size=5, seq_len=40,
+    stream = loader.ShardStream(tmp_path / "foreign.tar", shapes / "tokenizer.model", batch_size=5, seq_len=40,
                               image_size=48, image_token_id=512, n_image_tokens=9, template="llama_3")
     dropped = stream.batch(0)["dropped"]
     counts = {k: n for k, n in stream.skips.counts.items() if k != "truncated_not_dropped"}

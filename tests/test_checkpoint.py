@@ -15,26 +15,22 @@ import forkserver
 import pytest
 import torch
 from conftest import ROOT, checkpoint_bytes, checkpoint_tensors
-from shapes import make_shapes
 from test_train import args, free_port, losses, run, torchrun_workers
 
 import checkpoint
 import convert
-import data
-import train
+from loader import Loader, ShardStream
 
 
 @pytest.fixture(scope="module")
-def shapes(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shapes")
-    make_shapes(out, n=400, seed=0, val_fraction=0.1)
-    return out
+def shapes(shapes_data):
+    return shapes_data(n=400, seed=0, val_fraction=0.1)
 
 
 def resumed_unchanged(shapes, src, dst, nproc, *extra):
     """Resume src's newest step N in dst on nproc ranks, skip iteration N (its batch is consumed, nothing trains) and
     checkpoint N+1: the weights and moments it writes are the ones the load produced."""
-    step = train.checkpoints(src)[-1]
+    step = checkpoint.checkpoints(src)[-1]
     shutil.copytree(step, dst / step.name)
     n = int(step.name[5:])
     r = run(args(shapes, dst, "--init_from=resume", f"--skip_steps=[({n}, {n + 1})]", f"--max_iters={n + 1}",
@@ -91,14 +87,14 @@ def test_ddp_4_to_2_ranks_continues_the_run(shapes, tmp_path):
 
 def test_the_global_sample_order_survives_a_world_size_change(shapes):
     def stream(rank, world, batch):
-        return data.ShardStream(shapes / "shards", shapes / "tokenizer.model", batch_size=batch, seq_len=48,
+        return ShardStream(shapes / "shards", shapes / "tokenizer.model", batch_size=batch, seq_len=48,
                                 image_size=28, image_token_id=512, n_image_tokens=4, rank=rank, world_size=world,
                                 shuffle_block=50)
 
     n = len(stream(0, 1, 4))
     seen, state = [], None
     for world, steps in ((2, 7), (3, 9), (1, 5)):  # global batch 12 throughout: 6 x 2, 4 x 3, 12 x 1
-        loaders = [data.Loader(stream(r, world, 12 // world)) for r in range(world)]
+        loaders = [Loader(stream(r, world, 12 // world)) for r in range(world)]
         for loader in loaders:
             if state:
                 loader.load_state_dict(state)
@@ -109,7 +105,7 @@ def test_the_global_sample_order_survives_a_world_size_change(shapes):
     # exactly the first 252 samples of the epoch's order, each once, whatever the world size was when
     assert n == 360 and len(seen) == 21 * 12 == len(set(seen))
     assert sorted(seen) == sorted(stream(0, 1, 4).order(0)[: len(seen)].tolist())
-    bad = data.Loader(stream(0, 2, 5))
+    bad = Loader(stream(0, 2, 5))
     with pytest.raises(ValueError, match="whole number of this run's global batches"):
         bad.load_state_dict(state)  # 21 x 12 samples consumed is not a multiple of a global batch of 10
 
@@ -133,7 +129,7 @@ def test_a_rank_killed_mid_write_leaves_no_checkpoint_that_is_taken(shapes, tmp_
             break
     rest = proc.stdout.read()
     proc.wait(timeout=120)
-    assert [p.name for p in train.checkpoints(tmp_path)] == ["step-000005"], "".join(lines) + rest
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-000005"], "".join(lines) + rest
     assert not (tmp_path / "step-000010/manifest.json").exists()  # the half-written one, never committed
     r = run(args(shapes, tmp_path, "--init_from=resume", *common[1:], "--max_iters=7"), nproc=2)
     assert f"resuming from {tmp_path / 'step-000005'}" in r.stdout
@@ -152,9 +148,9 @@ def test_sigterm_during_a_background_write_commits_it_then_the_stop_checkpoint(s
             break
     rest = proc.stdout.read()
     assert proc.wait(timeout=120) == 0, rest
-    found = [p.name for p in train.checkpoints(tmp_path)]
+    found = [p.name for p in checkpoint.checkpoints(tmp_path)]
     assert found[0] == "step-000004" and len(found) == 2, (found, rest)
-    assert all(checkpoint.verify_checkpoint(p) is None for p in train.checkpoints(tmp_path))
+    assert all(checkpoint.verify_checkpoint(p) is None for p in checkpoint.checkpoints(tmp_path))
     run(args(shapes, tmp_path, "--max_iters=10", "--init_from=resume", *common))
     assert checkpoint_bytes(tmp_path / "step-000010") == checkpoint_bytes(single_run_10 / "step-000010")
 
@@ -172,7 +168,7 @@ def test_a_step_directory_reads_as_a_model_and_consolidates(single_run_10, tmp_p
                         str(tmp_path / "model")], os.environ | {"OMP_NUM_THREADS": "1"}, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert {"model.safetensors", "config.json", "tokenizer.model"} <= {p.name for p in (tmp_path / "model").iterdir()}
-    a, b = convert.load_model(step).state_dict(), convert.load_model(tmp_path / "model").state_dict()
+    a, b = checkpoint.load_model(step).state_dict(), checkpoint.load_model(tmp_path / "model").state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     saved = checkpoint_tensors(step, "model.")
     assert all(torch.equal(a[k[6:]], v) for k, v in saved.items())

@@ -1,8 +1,8 @@
 """convert.py against transformers: every layout in and out, original LLaVA, and bad input."""
 
 import json
-import re
 import os
+import re
 import sys
 
 import forkserver
@@ -11,9 +11,18 @@ import torch
 from conftest import ROOT, image_batch, tiny_hf_llava
 from safetensors.torch import load_file, save_file
 
+import chat
+import checkpoint
+import config
 import convert
-import data
-from model import build_model, vlm_preset
+import hf_config
+import hf_names
+import images
+import model_config
+import weight_files
+from model import build_model
+from model_config import vlm_preset
+from processor import PROCESSOR_FILES
 
 
 def hf_logits(model, ids, pixels):
@@ -29,7 +38,7 @@ def write_layout(hf, path, layout):
     hf.save_pretrained(path)
     state = {k: v.contiguous() for k, v in hf.state_dict().items()}
     if layout == "hub":
-        state = {convert.hub_name(k): v for k, v in state.items()}
+        state = {hf_names.hub_name(k): v for k, v in state.items()}
         assert any(k.startswith("vision_tower.vision_model.") for k in state)
     else:
         assert layout == "in-memory" and all(k.startswith(("model.", "lm_head.")) for k in state)
@@ -51,7 +60,7 @@ def test_round_trip_hf_ours_hf(tmp_path, layout):
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     ids, pixels, _ = image_batch(4, 511, 512)
     assert torch.equal(hf_logits(back.eval(), ids, pixels), hf_logits(hf, ids, pixels))
-    ours = convert.load_model(tmp_path / "ours").eval()
+    ours = checkpoint.load_model(tmp_path / "ours").eval()
     assert (ours(ids, pixels)[0] - hf_logits(hf, ids, pixels)).abs().max() <= 1e-4
 
 
@@ -62,7 +71,7 @@ def test_to_hf_config_loads_without_warnings(tmp_path, caplog):
     cfg.llm.rope_scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                             "original_max_position_embeddings": 64}
     model = build_model(cfg, seed=0).eval()
-    convert.save_model(model, tmp_path / "ours")
+    checkpoint.save_model(model, tmp_path / "ours")
     convert.llava_to_hf(tmp_path / "ours", tmp_path / "hf")
     import transformers
 
@@ -80,10 +89,10 @@ def test_to_hf_config_loads_without_warnings(tmp_path, caplog):
 
 def test_sharded_checkpoint_round_trip(tmp_path):
     model = build_model(vlm_preset("debug"), seed=1)
-    convert.save_model(model, tmp_path / "ckpt", shard_bytes=100_000)
+    checkpoint.save_model(model, tmp_path / "ckpt", shard_bytes=100_000)
     index = json.loads((tmp_path / "ckpt/model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
-    loaded = convert.load_model(tmp_path / "ckpt")
+    loaded = checkpoint.load_model(tmp_path / "ckpt")
     for (k, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), k
 
@@ -101,7 +110,7 @@ def test_from_hf_llm_plus_clip_adds_image_token(tmp_path, capsys):
     convert.main(["from-hf", "--llm", str(tmp_path / "llm"), "--vision", str(tmp_path / "clip"),
                   "--out", str(tmp_path / "ours"), "--projector", "mlp2x_gelu", "--vision-layer", "-2"])
     assert "added id 300" in capsys.readouterr().err
-    ours = convert.load_model(tmp_path / "ours").eval()
+    ours = checkpoint.load_model(tmp_path / "ours").eval()
     assert ours.cfg.image_token_id == 300 and ours.cfg.llm.vocab_size == 320
     ids = torch.randint(0, 300, (1, 12))
     with torch.no_grad():
@@ -148,7 +157,7 @@ def test_from_original_llava(tmp_path, capsys, projector_only):
         args += ["--llm", str(tmp_path / "base")]
     convert.main(args)
     assert "weights_only=True" in capsys.readouterr().err
-    ours = convert.load_model(tmp_path / "ours").eval()
+    ours = checkpoint.load_model(tmp_path / "ours").eval()
     assert ours.cfg.projector == "mlp2x_gelu" and ours.cfg.vision_layer == -2 and ours.cfg.n_image_tokens == 4
     assert torch.equal(ours.projector.fc[1].weight, projector["model.mm_projector.2.weight"])
     ids = torch.randint(0, 300, (1, 12))
@@ -163,7 +172,7 @@ def test_from_original_llava(tmp_path, capsys, projector_only):
 @pytest.fixture
 def our_ckpt(tmp_path):
     model = build_model(vlm_preset("debug"), seed=0)
-    convert.save_model(model, tmp_path / "ckpt")
+    checkpoint.save_model(model, tmp_path / "ckpt")
     return tmp_path / "ckpt"
 
 
@@ -181,8 +190,8 @@ def tamper(ckpt, fn):
 ])
 def test_bad_keys_and_shapes_are_named(our_ckpt, change, expect):
     tamper(our_ckpt, change)
-    with pytest.raises(convert.ConversionError, match=expect):
-        convert.load_model(our_ckpt)
+    with pytest.raises(weight_files.ConversionError, match=expect):
+        checkpoint.load_model(our_ckpt)
 
 
 def test_hf_checkpoint_that_does_not_fit_lists_every_problem(tmp_path, hf_llava_dir):
@@ -192,8 +201,8 @@ def test_hf_checkpoint_that_does_not_fit_lists_every_problem(tmp_path, hf_llava_
     state["vision_tower.unknown"] = torch.zeros(1)
     state["multi_modal_projector.linear_2.weight"] = torch.zeros(5, 5)
     save_file(state, src / "model.safetensors")
-    with pytest.raises(convert.ConversionError) as e:
-        convert.llava_from_hf(src)
+    with pytest.raises(weight_files.ConversionError) as e:
+        hf_names.llava_from_hf(src)
     msg = str(e.value)
     assert "language_model.model.norm.weight" in msg and "vision_tower.vision_model.unknown" in msg
     assert "multi_modal_projector.linear_2.weight: got (5, 5)" in msg
@@ -217,17 +226,17 @@ def test_failed_write_leaves_nothing_behind(tmp_path, our_ckpt):
         raise RuntimeError("disk full")
 
     with pytest.raises(RuntimeError):
-        convert.write_dir(tmp_path / "out", boom)
+        weight_files.write_dir(tmp_path / "out", boom)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
-    with pytest.raises(convert.ConversionError, match="already exists"):
-        convert.save_model(build_model(vlm_preset("debug"), seed=0), our_ckpt)
+    with pytest.raises(weight_files.ConversionError, match="already exists"):
+        checkpoint.save_model(build_model(vlm_preset("debug"), seed=0), our_ckpt)
 
 
 def test_to_hf_refuses_projectors_hf_cannot_hold(tmp_path):
     cfg = vlm_preset("debug")
     cfg.projector = "linear"
-    convert.save_model(build_model(cfg, seed=0), tmp_path / "ckpt")
-    with pytest.raises(convert.ConversionError, match="only mlp2x_gelu"):
+    checkpoint.save_model(build_model(cfg, seed=0), tmp_path / "ckpt")
+    with pytest.raises(weight_files.ConversionError, match="only mlp2x_gelu"):
         convert.llava_to_hf(tmp_path / "ckpt", tmp_path / "hf")
 
 
@@ -239,7 +248,7 @@ def test_streamed_safetensors_read_back_with_the_safetensors_library(tmp_path):
     tensors = {"w": torch.randn(3, 5, generator=g), "bf16": torch.randn(7, generator=g).to(torch.bfloat16),
                "step": torch.tensor([12.0]), "ids": torch.arange(6).view(2, 3), "flags": torch.tensor([True, False]),
                "t": torch.randn(4, 6, generator=g).t()}  # not contiguous
-    convert.write_safetensors(tensors, tmp_path / "a.safetensors")
+    weight_files.write_safetensors(tensors, tmp_path / "a.safetensors")
     back = load_file(tmp_path / "a.safetensors")
     assert set(back) == set(tensors)
     for k, t in tensors.items():
@@ -273,9 +282,9 @@ def tiny_causal_lm(model_type, tmp_path, seed=0, **extra):
 
 def llm_max_diff(hf, tmp_path, seq=60):
     state, cfg = convert.llm_from_hf(tmp_path)
-    model = build_model(convert.VLMConfig(vision=vlm_preset("debug").vision, llm=cfg), init=False).eval()
+    model = build_model(model_config.VLMConfig(vision=vlm_preset("debug").vision, llm=cfg), init=False).eval()
     model.load_state_dict(state, strict=False)
-    assert not {k for k in convert.expected_shapes(model.cfg) if k.startswith("llm.")} - set(state)
+    assert not {k for k in hf_names.expected_shapes(model.cfg) if k.startswith("llm.")} - set(state)
     ids = torch.randint(0, 300, (2, seq), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         return (model(ids)[0] - hf(ids).logits).abs().max().item(), cfg
@@ -313,7 +322,7 @@ def test_unimplemented_rope_scaling_is_refused_with_a_sentence(tmp_path, scaling
     assert f"rope scaling type '{scaling['rope_type']}' is not implemented" in str(e.value)
     assert not (tmp_path / "out").exists()
     tiny_causal_lm("qwen2", tmp_path / "qwen", rope_parameters={"rope_theta": 1e6, "rope_type": "dynamic", "factor": 2.0})
-    with pytest.raises(convert.ConversionError, match="rope scaling type 'dynamic' is not implemented"):
+    with pytest.raises(weight_files.ConversionError, match="rope scaling type 'dynamic' is not implemented"):
         convert.llm_from_hf(tmp_path / "qwen")
 
 
@@ -325,7 +334,7 @@ def test_clip_hidden_act_is_honoured(tmp_path, act):
     hf = CLIPVisionModel(CLIPVisionConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=2,
                                           num_attention_heads=4, image_size=28, patch_size=14, hidden_act=act)).eval()
     hf.save_pretrained(tmp_path)
-    cfg = convert.VLMConfig(vision=convert.vit_config(convert.read_json(tmp_path / "config.json")),
+    cfg = model_config.VLMConfig(vision=hf_config.vit_config(hf_config.read_json(tmp_path / "config.json")),
                             llm=vlm_preset("debug").llm)
     model = build_model(cfg, init=False).eval()
     model.load_state_dict(convert.vision_from_clip(tmp_path, cfg), strict=False)
@@ -337,8 +346,8 @@ def test_clip_hidden_act_is_honoured(tmp_path, act):
 
 def test_clip_hidden_act_we_lack_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "clip_vision_model", "hidden_act": "relu"}))
-    with pytest.raises(convert.ConversionError, match="vision hidden_act 'relu' is not implemented"):
-        convert.vit_config(convert.read_json(tmp_path / "config.json"), tmp_path)
+    with pytest.raises(weight_files.ConversionError, match="vision hidden_act 'relu' is not implemented"):
+        hf_config.vit_config(hf_config.read_json(tmp_path / "config.json"), tmp_path)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -395,7 +404,7 @@ def test_siglip_qwen2_llava_converts_both_ways(tmp_path, caplog):
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
     assert back.config.vision_config.model_type == "siglip_vision_model" and back.config.text_config.model_type == "qwen2"
-    ours = convert.load_model(tmp_path / "ours").eval()
+    ours = checkpoint.load_model(tmp_path / "ours").eval()
     assert (ours.cfg.llm.sliding_window, ours.cfg.llm.sliding_layers) == (8, [1])
     assert back.config.text_config.layer_types == hf.config.text_config.layer_types
     n = ours.cfg.n_image_tokens
@@ -436,8 +445,8 @@ def exported(tmp_path_factory):
     cfg = vlm_preset("debug").to_dict()  # a copy: vlm_preset("debug") shares its tower configs with the presets
     cfg["vision"]["image_size"], cfg["image_token_id"] = 336, tok.vocab_size
     cfg["llm"]["vocab_size"], cfg["llm"]["max_seq_len"] = -(-(tok.vocab_size + 1) // 64) * 64, 1024
-    cfg = convert.VLMConfig.from_dict(cfg)
-    convert.save_model(build_model(cfg, seed=0), root / "ckpt", tokenizer_dir=root)
+    cfg = model_config.VLMConfig.from_dict(cfg)
+    checkpoint.save_model(build_model(cfg, seed=0), root / "ckpt", tokenizer_dir=root)
     return root, tok, cfg
 
 
@@ -452,10 +461,10 @@ def test_exported_chat_template_renders_llavax_prompts(exported, tmp_path, templ
     messages = [{"role": "user", "content": question}, {"role": "assistant", "content": "A cat."},
                 {"role": "user", "content": "Color?"}, {"role": "assistant", "content": "Black."}]
     asked = processor.apply_chat_template(messages[:1], add_generation_prompt=True)
-    assert asked == data.generation_prompt(template, f"{data.IMAGE_TAG}\nWhat is it?", tok)
-    conv = [{"from": m["role"], "value": data.IMAGE_TAG + "\nWhat is it?" if i == 0 else m["content"]}
+    assert asked == chat.generation_prompt(template, f"{chat.IMAGE_TAG}\nWhat is it?", tok)
+    conv = [{"from": m["role"], "value": chat.IMAGE_TAG + "\nWhat is it?" if i == 0 else m["content"]}
             for i, m in enumerate(messages)]
-    assert processor.apply_chat_template(messages) == "".join(t for t, _ in data.render(template, conv, tok))
+    assert processor.apply_chat_template(messages) == "".join(t for t, _ in chat.render(template, conv, tok))
 
 
 @pytest.mark.parametrize("mode,size", [("crop", (640, 480)), ("crop", (500, 375)), ("resize", (640, 480)),
@@ -485,11 +494,11 @@ def test_exported_processor_matches_llavax_preprocessing(exported, tmp_path, cap
     import io
 
     theirs = processor(text=prompt, images=Image.open(io.BytesIO(jpeg)), return_tensors="pt")
-    ids, _ = data.tokenize([(data.generation_prompt("chatml", f"{data.IMAGE_TAG}\n{question}"), False)], tok,
+    ids, _ = chat.tokenize([(chat.generation_prompt("chatml", f"{chat.IMAGE_TAG}\n{question}"), False)], tok,
                            cfg.image_token_id, cfg.n_image_tokens)
     assert theirs.input_ids[0].tolist() == ids
-    ours = data.normalize_images(data.load_image(jpeg, 336, mode)[None])
-    std = torch.tensor(data.CLIP_STD).view(1, 3, 1, 1)
+    ours = images.normalize_images(images.load_image(jpeg, 336, mode)[None])
+    std = torch.tensor(images.CLIP_STD).view(1, 3, 1, 1)
     assert theirs.pixel_values.shape == ours.shape
     assert ((theirs.pixel_values - ours) * std * 255).abs().max() <= 1.0 + 1e-3  # one uint8 level
     assert model.config.image_token_index == cfg.image_token_id
@@ -502,13 +511,13 @@ def test_from_hf_carries_processor_files_through(exported, tmp_path):
     convert.llava_to_hf(root / "ckpt", tmp_path / "hf", template="llama_3", image_mode="pad")
     convert.main(["from-hf", "--llava", str(tmp_path / "hf"), "--out", str(tmp_path / "ours")])
     convert.main(["to-hf", "--ckpt", str(tmp_path / "ours"), "--out", str(tmp_path / "back")])
-    for name in convert.PROCESSOR_FILES + ("tokenizer.json",):
+    for name in PROCESSOR_FILES + ("tokenizer.json",):
         assert (tmp_path / "ours" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), name
         assert (tmp_path / "back" / name).read_bytes() == (tmp_path / "hf" / name).read_bytes(), name
     processor = AutoProcessor.from_pretrained(tmp_path / "back")
     assert processor.image_processor.do_pad
     assert processor.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True) == \
-        data.generation_prompt("llama_3", "Hi", tok)
+        chat.generation_prompt("llama_3", "Hi", tok)
 
 
 def test_sample_answers_several_images_in_one_batch(exported, tmp_path, capsys):
@@ -532,9 +541,9 @@ def test_sample_answers_several_images_in_one_batch(exported, tmp_path, capsys):
 
 def test_export_refuses_an_image_id_the_tokenizer_already_uses(exported, tmp_path):
     root, tok, _ = exported
-    state, cfg = convert.read_checkpoint(root / "ckpt")
+    state, cfg = checkpoint.read_checkpoint(root / "ckpt")
     cfg.image_token_id = tok.specials["<|im_end|>"]
-    convert.save_checkpoint(state, cfg, tmp_path / "ckpt", tokenizer_dir=root)
+    checkpoint.save_checkpoint(state, cfg, tmp_path / "ckpt", tokenizer_dir=root)
     with pytest.raises(SystemExit, match=re.escape("is the tokenizer's '<|im_end|>'; cannot add <image>")):
         convert.main(["to-hf", "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")])
     assert not (tmp_path / "hf").exists()
@@ -603,7 +612,7 @@ def test_anyres_round_trip_hf_ours_hf(tmp_path, kind, layout):
     write_layout(hf, tmp_path / "src", layout)
     convert.main(["from-hf", "--llava", str(tmp_path / "src"), "--out", str(tmp_path / "ours")])
     convert.main(["to-hf", "--ckpt", str(tmp_path / "ours"), "--out", str(tmp_path / "back")])
-    cls = getattr(tf, convert.HF_ARCHITECTURES[kind])
+    cls = getattr(tf, hf_config.HF_ARCHITECTURES[kind])
     back, info = cls.from_pretrained(tmp_path / "back", output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     assert "image_newline" in load_file(tmp_path / "back/model.safetensors")  # the hub name
@@ -618,7 +627,7 @@ def test_anyres_round_trip_hf_ours_hf(tmp_path, kind, layout):
         a, b = getattr(hf.config, sub).to_dict(), getattr(back.config, sub).to_dict()
         assert {k: (a[k], b.get(k)) for k in a if b.get(k) != a[k] and k not in ("projection_dim", "dtype")} \
             == {}, sub  # CLIPVisionConfig's projection_dim: unused by LLaVA
-    ours = convert.load_model(tmp_path / "ours").eval()
+    ours = checkpoint.load_model(tmp_path / "ours").eval()
     assert ours.cfg.anyres == ("anyres" if kind == "llava_next" else "anyres_max_2")
     assert ours.cfg.grid_pinpoints == TINY_PINPOINTS
     # 50x33 -> 2x2 grid (reduced under anyres_max_2), 33x90 -> 1x3 unpadded, 60x20 -> 2x1
@@ -645,7 +654,7 @@ def anyres_exports(tmp_path_factory):
                                              "vision": {"kind": "siglip", "act": "gelu_pytorch_tanh"}})]:
         cfg = vlm_preset("debug").with_overrides({"image_token_id": tok.vocab_size, "grid_pinpoints": TINY_PINPOINTS,
                                                   "llm": {"vocab_size": -(-(tok.vocab_size + 2) // 64) * 64}} | extra)
-        convert.save_model(build_model(cfg, seed=0), root / kind, tokenizer_dir=root)
+        checkpoint.save_model(build_model(cfg, seed=0), root / kind, tokenizer_dir=root)
         convert.llava_to_hf(root / kind, root / f"{kind}-hf", template="chatml", image_mode="pad")
         out[kind] = root / f"{kind}-hf", cfg
     return out
@@ -696,15 +705,15 @@ def test_anyres_export_processor_counts_and_logits_match_ours(anyres_exports, ki
     several = [{"role": "user", "content": [{"type": "image"}, {"type": "video"}, {"type": "text", "text": "Which?"}]}]
     assert processor.tokenizer.apply_chat_template(several, chat_template=(directory / "chat_template.jinja").read_text(),
                                                    tokenize=False, add_generation_prompt=True) == \
-        data.generation_prompt("chatml", f"{data.IMAGE_TAG}\n<video>\nWhich?")
-    hf = getattr(tf, convert.HF_ARCHITECTURES[kind]).from_pretrained(directory).eval()
-    ours = convert.load_model(directory).eval()
+        chat.generation_prompt("chatml", f"{chat.IMAGE_TAG}\n<video>\nWhich?")
+    hf = getattr(tf, hf_config.HF_ARCHITECTURES[kind]).from_pretrained(directory).eval()
+    ours = checkpoint.load_model(directory).eval()
     template = (directory / "chat_template.jinja").read_text()
     for size in [(333, 500), (500, 333), (40, 300)]:  # (h, w): 2x2 (reduced under anyres_max_2), 2x1, 1x3
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
         prompt = processor.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
                                                          add_generation_prompt=True)
-        assert prompt == data.generation_prompt("chatml", f"{data.IMAGE_TAG}\nWhat is it?")
+        assert prompt == chat.generation_prompt("chatml", f"{chat.IMAGE_TAG}\nWhat is it?")
         image = Image.open(io.BytesIO(photo(size[1], size[0])))
         inputs = processor(text=prompt, images=image, return_tensors="pt")
         n_tiles, index, weight = image_layout(cfg, *size)
@@ -739,7 +748,7 @@ def test_anyres_subcommand_adds_tiling_and_a_newline_hf_loads(our_ckpt, tmp_path
     from transformers import LlavaNextForConditionalGeneration
 
     convert.main(["anyres", "--ckpt", str(our_ckpt), "--preset", "llava-next-vicuna-7b", "--out", str(tmp_path / "a")])
-    before, after = convert.load_model(our_ckpt), convert.load_model(tmp_path / "a")
+    before, after = checkpoint.load_model(our_ckpt), checkpoint.load_model(tmp_path / "a")
     assert after.cfg.anyres == "anyres" and after.cfg.grid_pinpoints == vlm_preset("llava-next-vicuna-7b").grid_pinpoints
     old = before.state_dict()
     assert all(torch.equal(v, after.state_dict()[k]) for k, v in old.items())
@@ -763,12 +772,11 @@ def test_anyres_subcommand_adds_tiling_and_a_newline_hf_loads(our_ckpt, tmp_path
 def test_recipe_configs_parse_and_hold_their_largest_inputs(name):
     """Each recipe config loads through train.py's parser, names a preset train.py accepts with its max_tiles, and its
     static shapes hold the largest image (any aspect ratio) and a 32-frame video, counted by image_layout."""
-    import train
     from anyres import image_layout
 
-    cfg = train.load_config([str(ROOT / "configs" / f"{name}.py")])
-    vlm = train.model_config(cfg)
-    train.check_tiles(vlm, cfg["max_tiles"])
+    cfg = config.load_config([str(ROOT / "configs" / f"{name}.py")])
+    vlm = config.model_config(cfg)
+    config.check_tiles(vlm, cfg["max_tiles"])
     assert cfg["batch_size"] % cfg["micro_batch_size"] == 0 and cfg["seq_len"] <= vlm.llm.max_seq_len
     sizes = [(h, w) for h in (1, 200, 333, 480, 1080, 2000, 4032) for w in (1, 300, 500, 640, 1920, 3000, 4032)]
     layouts = [image_layout(vlm, h, w) for h, w in sizes]

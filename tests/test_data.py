@@ -6,17 +6,19 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import forkserver
 import numpy as np
 import pytest
 import torch
 from conftest import ROOT
-from shapes import make_shapes
 from PIL import Image
 
-import data
+import chat
+import images
 import pack
+from loader import Loader, ShardStream
 
 # -----------------------------------------------------------------------------
 # fixtures: a small LLaVA-format dataset with every kind of bad record
@@ -30,7 +32,7 @@ def jpeg_bytes(w, h, seed=0, fmt="JPEG"):
 
 
 def conv(q, a, image=True):
-    return [{"from": "human", "value": (f"{data.IMAGE_TAG}\n" if image else "") + q}, {"from": "gpt", "value": a}]
+    return [{"from": "human", "value": (f"{chat.IMAGE_TAG}\n" if image else "") + q}, {"from": "gpt", "value": a}]
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +107,7 @@ def test_webdataset_reads_every_packed_sample(packed, llava_json):
         s = by_id[rec["id"]]
         meta = json.loads(s["json"])
         assert s["txt"].decode() == rec["conversations"][1]["value"]
-        assert meta["question"] == rec["conversations"][0]["value"].replace(data.IMAGE_TAG, "").strip()
+        assert meta["question"] == rec["conversations"][0]["value"].replace(chat.IMAGE_TAG, "").strip()
         assert meta["conversations"][-1] == rec["conversations"][-1]
         if "image" in rec:  # the source bytes, under their own extension: nothing re-encoded
             ext = "png" if rec["image"].endswith(".png") else "jpg"
@@ -129,7 +131,8 @@ def test_energon_opens_packed_folder_as_vqa_without_prepare(tmp_path, llava_json
         assert type(sample).__name__ == "VQASample" and sample.image.shape[0] == 3
         seen[sample.context] = sample.answers
     assert seen == {r["conversations"][0]["value"].split("\n", 1)[1]: r["conversations"][1]["value"] for r in with_images}
-    lint = subprocess.run([str(ROOT / ".venv/bin/energon"), "lint", str(tmp_path / "shards")], capture_output=True)
+    energon = Path(sys.executable).parent / "energon"  # the venv's, wherever the checkout is
+    lint = subprocess.run([str(energon), "lint", str(tmp_path / "shards")], capture_output=True)
     assert lint.returncode == 0, lint.stderr[-2000:]
 
 
@@ -138,16 +141,14 @@ def test_energon_opens_packed_folder_as_vqa_without_prepare(tmp_path, llava_json
 
 
 @pytest.fixture(scope="module")
-def shapes(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shapes")
-    make_shapes(out, n=240, seed=0, val_fraction=0.25)
-    return out
+def shapes(shapes_data):
+    return shapes_data(n=240, seed=0, val_fraction=0.25)
 
 
 def stream(shapes, **kw):
     args = {"batch_size": 4, "seq_len": 64, "image_size": 28, "image_token_id": 512, "n_image_tokens": 4,
             "template": "plain"} | kw
-    return data.ShardStream(shapes / "shards", shapes / "tokenizer.model", **args)
+    return ShardStream(shapes / "shards", shapes / "tokenizer.model", **args)
 
 
 def take(loader, n):
@@ -160,20 +161,20 @@ def take(loader, n):
 
 
 def test_same_seed_same_order_other_seed_other_order(shapes):
-    a = [b["sample_id"] for b in take(data.Loader(stream(shapes, seed=1)), 5)]
-    b = [b["sample_id"] for b in take(data.Loader(stream(shapes, seed=1), num_workers=2), 5)]
-    c = [b["sample_id"] for b in take(data.Loader(stream(shapes, seed=2)), 5)]
+    a = [b["sample_id"] for b in take(Loader(stream(shapes, seed=1)), 5)]
+    b = [b["sample_id"] for b in take(Loader(stream(shapes, seed=1), num_workers=2), 5)]
+    c = [b["sample_id"] for b in take(Loader(stream(shapes, seed=2)), 5)]
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert not all(torch.equal(x, y) for x, y in zip(a, c))
 
 
 @pytest.mark.parametrize("workers_before,workers_after", [(0, 0), (2, 0), (0, 2)])
 def test_resume_continues_at_the_exact_next_sample(shapes, workers_before, workers_after):
-    straight = take(data.Loader(stream(shapes), num_workers=0), 60)  # crosses the 180-sample epoch boundary
-    first = data.Loader(stream(shapes), num_workers=workers_before)
+    straight = take(Loader(stream(shapes), num_workers=0), 60)  # crosses the 180-sample epoch boundary
+    first = Loader(stream(shapes), num_workers=workers_before)
     take(first, 23)
     state = json.loads(json.dumps(first.state_dict()))  # it must survive JSON, as checkpoints store it
-    resumed = data.Loader(stream(shapes), num_workers=workers_after)
+    resumed = Loader(stream(shapes), num_workers=workers_after)
     resumed.load_state_dict(state)
     for a, b in zip(straight[23:], take(resumed, 37)):
         for k in a:
@@ -181,9 +182,9 @@ def test_resume_continues_at_the_exact_next_sample(shapes, workers_before, worke
 
 
 def test_resume_refuses_a_state_from_another_setup(shapes):
-    loader = data.Loader(stream(shapes, seed=0))
+    loader = Loader(stream(shapes, seed=0))
     with pytest.raises(ValueError, match="seed"):
-        loader.load_state_dict(data.Loader(stream(shapes, seed=5)).state_dict())
+        loader.load_state_dict(Loader(stream(shapes, seed=5)).state_dict())
 
 
 @pytest.mark.parametrize("world_size,workers", [(1, 2), (2, 2), (3, 0)])
@@ -193,13 +194,13 @@ def test_ranks_and_workers_cover_every_sample_once_per_epoch(shapes, world_size,
     for rank in range(world_size):
         s = stream(shapes, rank=rank, world_size=world_size, batch_size=5)
         per_rank = n // world_size  # 180 divides by 1, 2 and 3
-        for batch in take(data.Loader(s, num_workers=workers), per_rank // 5):
+        for batch in take(Loader(s, num_workers=workers), per_rank // 5):
             seen += batch["sample_id"].tolist()
     assert sorted(seen) == list(range(n))
 
 
 def test_batches_have_static_shapes_and_image_tokens_in_place(shapes):
-    batch = take(data.Loader(stream(shapes, template="vicuna_v1", seq_len=160)), 1)[0]
+    batch = take(Loader(stream(shapes, template="vicuna_v1", seq_len=160)), 1)[0]
     assert batch["input_ids"].shape == batch["labels"].shape == (4, 160)
     assert batch["pixel_values"].shape == (4, 3, 28, 28) and batch["pixel_values"].dtype == torch.uint8
     assert ((batch["input_ids"] == 512).sum(1) == 4).all() and batch["has_image"].all()
@@ -219,26 +220,26 @@ def test_our_loader_reads_webdataset_tarwriter_shards(tmp_path, shapes):
     with wds.TarWriter(str(tmp_path / "foreign.tar")) as sink:
         sink.write({"__key__": "dir/a", "jpg": jpeg_bytes(32, 24), "json": {"question": "What is it?"}, "txt": "A cat."})
         sink.write({"__key__": "dir/b", "png": jpeg_bytes(24, 32, fmt="PNG"), "txt": "A caption."})
-    s = data.ShardStream(tmp_path / "foreign.tar", shapes / "tokenizer.model", batch_size=2, seq_len=200, image_size=28,
+    s = ShardStream(tmp_path / "foreign.tar", shapes / "tokenizer.model", batch_size=2, seq_len=200, image_size=28,
                          image_token_id=512, n_image_tokens=4, template="vicuna_v1", shuffle_block=1)
     assert len(s) == 2
     batch = s.batch(0)
-    tok = data.Tokenizer(shapes / "tokenizer.model")
+    tok = chat.Tokenizer(shapes / "tokenizer.model")
     answers = sorted(tok.decode([t for t in row if t != -100]) for row in batch["labels"].tolist())
     assert answers == ["A caption.", "A cat."] and batch["has_image"].all() and not batch["dropped"].any()
 
 
 def test_truncation_rule(shapes):
-    tok = data.Tokenizer(shapes / "tokenizer.model")
+    tok = chat.Tokenizer(shapes / "tokenizer.model")
     c = conv("How many circles are there?", "two")
-    full, labels, cut = data.encode_conversation(c, True, "vicuna_v1", tok, 512, 512, 4)
+    full, labels, cut = chat.encode_conversation(c, True, "vicuna_v1", tok, 512, 512, 4)
     assert not cut
     image_end = max(i for i, t in enumerate(full) if t == 512)
-    with pytest.raises(data.DropSample, match="image_beyond_seq_len"):
-        data.encode_conversation(c, True, "vicuna_v1", tok, image_end, 512, 4)
-    with pytest.raises(data.DropSample, match="no_supervised_tokens"):
-        data.encode_conversation(c, True, "vicuna_v1", tok, image_end + 3, 512, 4)
-    ids, lab, cut = data.encode_conversation(c, True, "vicuna_v1", tok, len(full) - 1, 512, 4)
+    with pytest.raises(chat.DropSample, match="image_beyond_seq_len"):
+        chat.encode_conversation(c, True, "vicuna_v1", tok, image_end, 512, 4)
+    with pytest.raises(chat.DropSample, match="no_supervised_tokens"):
+        chat.encode_conversation(c, True, "vicuna_v1", tok, image_end + 3, 512, 4)
+    ids, lab, cut = chat.encode_conversation(c, True, "vicuna_v1", tok, len(full) - 1, 512, 4)
     assert cut and ids == full[:-1] and lab == labels[:-1]
 
 
@@ -257,10 +258,10 @@ CONV = [{"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "val
 
 GOLDEN = {
     # haotian-liu/LLaVA conv_vicuna_v1: sep " ", sep2 "</s>", the tokenizer's BOS in front
-    "vicuna_v1": "<s>" + data.VICUNA_SYSTEM + " USER: <image>\nWhat is it? ASSISTANT: A cat.</s>USER: Color? ASSISTANT:"
+    "vicuna_v1": "<s>" + chat.VICUNA_SYSTEM + " USER: <image>\nWhat is it? ASSISTANT: A cat.</s>USER: Color? ASSISTANT:"
                  " Black.</s>",
     # Meta's Llama 2 chat format, as LLaVA's conv_llava_llama_2 writes it
-    "llama_2": "<s>[INST] <<SYS>>\n" + data.LLAMA2_SYSTEM + "\n<</SYS>>\n\n<image>\nWhat is it? [/INST] A cat. </s>"
+    "llama_2": "<s>[INST] <<SYS>>\n" + chat.LLAMA2_SYSTEM + "\n<</SYS>>\n\n<image>\nWhat is it? [/INST] A cat. </s>"
                "<s>[INST] Color? [/INST] Black. </s>",
     # Meta's Llama 3 instruct format
     "llama_3": "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n<image>\nWhat is it?<|eot_id|>"
@@ -280,7 +281,7 @@ TARGETS = {"vicuna_v1": [" A cat.</s>", " Black.</s>"], "llama_2": [" A cat. </s
 
 @pytest.mark.parametrize("name", sorted(GOLDEN))
 def test_template_golden_strings_and_targets(name):
-    pieces = data.TEMPLATES[name](CONV)
+    pieces = chat.TEMPLATES[name](CONV)
     assert "".join(t for t, _ in pieces) == GOLDEN[name]
     assert [t for t, target in pieces if target] == TARGETS[name]
 
@@ -298,13 +299,13 @@ def bpe_tokenizer(tmp_path):
                             trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
                                                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.save(str(tmp_path / "tokenizer.json"))
-    return data.Tokenizer(tmp_path / "tokenizer.json")
+    return chat.Tokenizer(tmp_path / "tokenizer.json")
 
 
 @pytest.mark.parametrize("name", ["llama_3", "chatml"])
 def test_labels_cover_exactly_the_assistant_turns(tmp_path, name):
     tok = bpe_tokenizer(tmp_path)
-    ids, labels = data.tokenize(data.TEMPLATES[name](CONV), tok, 999, 3)
+    ids, labels = chat.tokenize(chat.TEMPLATES[name](CONV), tok, 999, 3)
     assert ids.count(999) == 3
     assert tok.decode(ids[: ids.index(999)]) + "<image>" + tok.decode(ids[ids.index(999) + 3:]) == GOLDEN[name]
     kept = [i for i, lab in zip(ids, labels) if lab != -100]
@@ -314,11 +315,11 @@ def test_labels_cover_exactly_the_assistant_turns(tmp_path, name):
 
 
 def test_sentencepiece_targets_decode_to_the_answers(shapes):
-    tok = data.Tokenizer(shapes / "tokenizer.model")
-    ids, labels = data.tokenize(data.TEMPLATES["vicuna_v1"](CONV), tok, 999, 3)
+    tok = chat.Tokenizer(shapes / "tokenizer.model")
+    ids, labels = chat.tokenize(chat.TEMPLATES["vicuna_v1"](CONV), tok, 999, 3)
     assert ids[0] == tok.bos_id and labels.count(tok.eos_id) == 2
     assert tok.decode([t for t in labels if t != -100]) == "A cat. Black."
-    assert data.generation_prompt("vicuna_v1", "What?").endswith("USER: What? ASSISTANT:")
+    assert chat.generation_prompt("vicuna_v1", "What?").endswith("USER: What? ASSISTANT:")
 
 
 # -----------------------------------------------------------------------------
@@ -331,8 +332,8 @@ def test_crop_mode_matches_transformers_clip_processor():
     raw = jpeg_bytes(90, 60, fmt="PNG")
     proc = CLIPImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
     ref = proc(images=Image.open(io.BytesIO(raw)), return_tensors="pt")["pixel_values"]
-    ours = data.normalize_images(data.load_image(raw, 56, "crop")[None])
-    one_level = 1 / (255 * min(data.CLIP_STD))  # torch's bicubic rounds within one uint8 level of PIL's
+    ours = images.normalize_images(images.load_image(raw, 56, "crop")[None])
+    one_level = 1 / (255 * min(images.CLIP_STD))  # torch's bicubic rounds within one uint8 level of PIL's
     assert (ref - ours).abs().max() <= one_level + 1e-6 and (ref - ours).abs().mean() < 0.1 * one_level
 
 
@@ -340,8 +341,8 @@ def test_pad_mode_pads_with_the_mean_colour_and_keeps_the_image_centred():
     img = np.zeros((20, 80, 3), dtype=np.uint8)  # black, 4:1
     buf = io.BytesIO()
     Image.fromarray(img).save(buf, format="PNG")
-    out = data.load_image(buf.getvalue(), 40, "pad").permute(1, 2, 0)  # (H, W, 3)
-    mean = torch.tensor([int(m * 255) for m in data.CLIP_MEAN], dtype=torch.uint8)
+    out = images.load_image(buf.getvalue(), 40, "pad").permute(1, 2, 0)  # (H, W, 3)
+    mean = torch.tensor([int(m * 255) for m in images.CLIP_MEAN], dtype=torch.uint8)
     assert out.shape == (40, 40, 3)
     assert (out[0, 0] == mean).all() and (out[-1, -1] == mean).all()  # padding above and below
     assert (out[20, 5] == 0).all()  # the image itself, in the middle rows
@@ -352,5 +353,5 @@ def test_draft_mode_decodes_large_jpegs_at_reduced_scale():
     img = Image.open(io.BytesIO(big))
     img.draft("RGB", (336, 252))
     assert img.size == (512, 384)  # libjpeg's 1/4 scale, still >= the target
-    out = data.load_image(big, 336, "pad")
+    out = images.load_image(big, 336, "pad")
     assert out.shape == (3, 336, 336)

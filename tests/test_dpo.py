@@ -7,10 +7,17 @@ import os
 
 import pytest
 import torch
-from conftest import tiny_hf_llava
+from conftest import assert_same_logs, run_log, tiny_hf_llava, train_on_xla
 from test_pack import tok  # noqa: F401  the byte-level tokenizer fixture
 
+import chat
+import checkpoint
+import config
 import convert
+import dpo
+import hf_names
+import images
+import model_config
 import train
 from model import build_model
 
@@ -22,7 +29,7 @@ N_IMAGE_TOKENS = 4  # 28 px, 14 px patches
 
 def our_model(hf, tmp_path, name):
     hf.save_pretrained(tmp_path / name)
-    state, cfg = convert.llava_from_hf(tmp_path / name)
+    state, cfg = hf_names.llava_from_hf(tmp_path / name)
     model = build_model(cfg, init=False)
     model.load_state_dict(state)
     return model, cfg
@@ -113,11 +120,11 @@ def test_dpo_loss_metrics_and_gradients_match_trl(tmp_path, loss_type, sft_weigh
 
     vit_images = []
     policy.vision.register_forward_hook(lambda module, args, out: vit_images.append(args[0].shape[0]))
-    run = dict(train.DEFAULTS) | {"dpo_beta": beta, "dpo_loss": loss_type, "dpo_sft_weight": sft_weight}
-    loss, metrics = train.preference_loss(policy.train(), ref.eval(), our_batch(pairs, pixels, seq_len=37), run)
+    run = dict(config.DEFAULTS) | {"dpo_beta": beta, "dpo_loss": loss_type, "dpo_sft_weight": sft_weight}
+    loss, metrics = dpo.preference_loss(policy.train(), ref.eval(), our_batch(pairs, pixels, seq_len=37), run)
     loss.backward()
     policy.loss_chunk = ref.loss_chunk = 24  # the chunked head, as loss_chunk > 0 trains: the same loss
-    chunked, _ = train.preference_loss(policy, ref, our_batch(pairs, pixels, seq_len=37), run)
+    chunked, _ = dpo.preference_loss(policy, ref, our_batch(pairs, pixels, seq_len=37), run)
     assert abs(chunked.item() - loss.item()) <= 1e-6
     assert vit_images[0] == len(pairs)  # the ViT ran once a pair; TRL runs it on 2 x pairs images
 
@@ -127,9 +134,9 @@ def test_dpo_loss_metrics_and_gradients_match_trl(tmp_path, loss_type, sft_weigh
         assert abs(v.item() - trl_metrics[k]) <= 1e-5 * max(1.0, abs(trl_metrics[k])), (k, v.item(), trl_metrics[k])
     assert abs(trl_metrics["rewards/chosen"]) > 1e-3 and abs(trl_metrics["rewards/rejected"]) > 1e-3  # not trivial
 
-    hf_grads = {convert.hub_name(k): p.grad if p.grad is not None else torch.zeros_like(p)
+    hf_grads = {hf_names.hub_name(k): p.grad if p.grad is not None else torch.zeros_like(p)
                 for k, p in hf_policy.named_parameters()}
-    hf_grads = convert.remap(hf_grads, convert.llava_table(cfg), convert.expected_shapes(cfg), "TRL grads")
+    hf_grads = hf_names.remap(hf_grads, hf_names.llava_table(cfg), hf_names.expected_shapes(cfg), "TRL grads")
     compared = 0
     for name, p in policy.named_parameters():
         ours_grad = p.grad if p.grad is not None else torch.zeros_like(p)
@@ -148,8 +155,9 @@ def preference(i, prompt, chosen, rejected, **kw):
 
 
 def test_preference_records_pack_audit_and_load_as_pair_rows(tmp_path, tok, capsys):  # noqa: F811
-    import pack
     from test_pack import images_dir, open_stream
+
+    import pack
 
     imgs = images_dir(tmp_path)
     ask = lambda q: [{"from": "human", "value": "<image>\n" + q}]  # noqa: E731
@@ -204,12 +212,8 @@ def test_preference_records_pack_audit_and_load_as_pair_rows(tmp_path, tok, caps
 
 
 @pytest.fixture(scope="module")
-def shapes_pairs(tmp_path_factory):
-    from shapes import make_shapes
-
-    out = tmp_path_factory.mktemp("shapes_pairs")
-    make_shapes(out, n=240, seed=0, val_fraction=0.1, preference=True)
-    return out
+def shapes_pairs(shapes_data):
+    return shapes_data(n=240, seed=0, val_fraction=0.1, preference=True)
 
 
 def dpo_args(shapes, out, *extra):
@@ -221,11 +225,11 @@ def dpo_args(shapes, out, *extra):
 
 
 def debug_init(path):
-    from model import vlm_preset
+    from model_config import vlm_preset
 
     cfg = vlm_preset("debug")
     cfg.vision.image_size, cfg.vision.patch_size, cfg.llm.vocab_size, cfg.image_token_id = 28, 14, 576, 512
-    convert.save_model(build_model(cfg, seed=0), path)
+    checkpoint.save_model(build_model(cfg, seed=0), path)
     return path
 
 
@@ -285,10 +289,10 @@ def tiled_pairs(out, questions):
     """Preference shards in out/shards for the tile path: 6 scenes resized to the odd sizes of test_xla.SIZES (tiled
     grids of several shapes), question i % len(questions) of each, the right count chosen, a wrong one rejected."""
     import numpy as np
+    from test_xla import SIZES
 
     import pack
     from shapes import NUMBERS, draw_scene, wrong_answer
-    from test_xla import SIZES
 
     rng, records = np.random.default_rng(0), []
     (out / "images").mkdir()
@@ -305,36 +309,37 @@ def tiled_pairs(out, questions):
 def test_tiled_pairs_share_their_tiles_and_match_rows_run_apart(shapes_pairs, tmp_path):
     """The tile path (anyres_max, max_tiles): a pair's tiles are read once and placed in both its rows; the log-probs
     equal those of the rows run with their own copy of the tiles (TRL's layout), and the chosen row is the SFT row."""
-    import data
-    from model import vlm_preset
     from xla_runs import TILED_MODEL
+
+    import loader
+    from model_config import vlm_preset
 
     tiled_pairs(tmp_path, ["How many circles are there?"])
     cfg = vlm_preset("debug").with_overrides(TILED_MODEL)
     stream_args = {"batch_size": 3, "seq_len": 160, "image_size": 28, "image_token_id": 512, "n_image_tokens": 4,
                    "template": "llama_3", "vlm": cfg, "max_tiles": 5, "shuffle_block": 1}
-    pairs = data.ShardStream(tmp_path / "shards", shapes_pairs / "tokenizer.model", preference=True, **stream_args)
-    sft = data.ShardStream(tmp_path / "shards", shapes_pairs / "tokenizer.model", **stream_args)
+    pairs = loader.ShardStream(tmp_path / "shards", shapes_pairs / "tokenizer.model", preference=True, **stream_args)
+    sft = loader.ShardStream(tmp_path / "shards", shapes_pairs / "tokenizer.model", **stream_args)
     model = build_model(cfg, seed=0).eval()
     for k in range(2):
         b, s = pairs.batch(k), sft.batch(k)
         assert not b["dropped"].any() and b["pixel_values"].shape == (3, 5, 3, 28, 28)
         assert torch.equal(b["input_ids"][:3], s["input_ids"]) and torch.equal(b["labels"][:3], s["labels"])
         assert torch.equal(b["image_index"][:3], s["image_index"]) and torch.equal(b["pixel_values"], s["pixel_values"])
-        pixels = data.normalize_images(b["pixel_values"], *cfg.vision.image_stats)
+        pixels = images.normalize_images(b["pixel_values"], *cfg.vision.image_stats)
         with torch.no_grad():
-            logps, n = train.sequence_logps(model, b | {"pixel_values": pixels})
-            apart, _ = train.sequence_logps(model, b | {"pixel_values": pixels.repeat(2, 1, 1, 1, 1)})
+            logps, n = dpo.sequence_logps(model, b | {"pixel_values": pixels})
+            apart, _ = dpo.sequence_logps(model, b | {"pixel_values": pixels.repeat(2, 1, 1, 1, 1)})
         assert (n > 0).all() and torch.allclose(logps, apart, rtol=1e-6, atol=1e-5)
 
 
 def test_dpo_configs_parse_and_onevision_is_the_recipe():
     from conftest import ROOT
 
-    cfg = train.load_config([str(ROOT / "configs/dpo_onevision.py")])
+    cfg = config.load_config([str(ROOT / "configs/dpo_onevision.py")])
     assert (cfg["objective"], cfg["dpo_beta"], cfg["lr"], cfg["dpo_sft_weight"]) == ("dpo", 0.1, 5e-7, 0.0)
     assert cfg["warmup_iters"] == round(0.1 * cfg["max_iters"]) and cfg["min_lr"] == 0.0
-    assert train.load_config([str(ROOT / "configs/dpo_shapes.py")])["objective"] == "dpo"
+    assert config.load_config([str(ROOT / "configs/dpo_shapes.py")])["objective"] == "dpo"
 
 
 def test_shapes_pairs_reject_a_wrong_answer_of_the_same_kind(shapes_pairs):
@@ -353,30 +358,17 @@ def test_shapes_pairs_reject_a_wrong_answer_of_the_same_kind(shapes_pairs):
 def test_dpo_on_xla_spmd_compiles_once_and_matches_cpu_eager(shapes_pairs, tmp_path):
     """torch_xla SPMD on 4 CPU devices (fsdp 4): the pair rows and the reference shard like any batch and model;
     after the first two steps (the second sees AdamW's step count) every step reuses the compiled graphs."""
-    import subprocess
-    import sys
 
-    from conftest import ROOT
     from test_train import run
 
     init = debug_init(tmp_path / "init")
     common = [f"--init_from={init}", "--max_iters=6", "--eval_interval=0", "--ckpt_interval=0", "--lr=2e-3",
               "--seq_len=40"]  # a few pairs drop (answer_beyond_seq_len): still one graph
     run(dpo_args(shapes_pairs, tmp_path / "cpu", *common))
-    env = os.environ | {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "OMP_NUM_THREADS": "1",
-                        "XLA_FLAGS": "--xla_backend_optimization_level=0"}
-    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *dpo_args(shapes_pairs, tmp_path / "xla", *common,
-                                                                          "--device=xla")],
-                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    cpu, xla = ([json.loads(line) for line in (tmp_path / name / "log.jsonl").read_text().splitlines()]
-                for name in ("cpu", "xla"))
+    train_on_xla(dpo_args(shapes_pairs, tmp_path / "xla", *common))
+    cpu, xla = run_log(tmp_path / "cpu"), run_log(tmp_path / "xla")
     assert len(cpu) == len(xla) == 6
-    for want, got in zip(cpu, xla):
-        for k in ("loss", "rewards/margins", "logps/chosen"):
-            assert abs(got[k] - want[k]) <= 1e-4 * max(1.0, abs(want[k])), (want["step"], k, got[k], want[k])
-    compiles = [e["xla_compiles"] for e in xla]
-    assert compiles[1] == compiles[-1], compiles
+    assert_same_logs(cpu, xla, ("loss", "rewards/margins", "logps/chosen"))
 
 
 @pytest.mark.parametrize("template", ["llama_3", "chatml"])
@@ -390,19 +382,19 @@ def test_pair_rows_are_trl_vision_collator_rows(tmp_path, template):
     from transformers import AutoProcessor
     from trl.trainer.dpo_trainer import DataCollatorForVisionPreference
 
-    import data
+    import loader
     import pack
-    from model import vlm_preset
+    from model_config import vlm_preset
 
     bpe_tokenizer(tmp_path)
     bos = {"llama_3": "<|begin_of_text|>", "chatml": None}[template]  # Llama-3's and Qwen2's tokenizer_config
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": bos, "eos_token": None}))
-    tok = data.Tokenizer(tmp_path / "tokenizer.json")  # noqa: F811  not the byte-level fixture
+    tok = chat.Tokenizer(tmp_path / "tokenizer.json")  # noqa: F811  not the byte-level fixture
     cfg = vlm_preset("debug").to_dict()
     cfg["vision"]["image_size"], cfg["vision"]["patch_size"], cfg["image_token_id"] = 28, 14, tok.vocab_size
     cfg["llm"]["vocab_size"] = -(-(tok.vocab_size + 1) // 64) * 64
-    cfg = convert.VLMConfig.from_dict(cfg)
-    convert.save_model(build_model(cfg, seed=0), tmp_path / "ckpt", tokenizer_dir=tmp_path)
+    cfg = model_config.VLMConfig.from_dict(cfg)
+    checkpoint.save_model(build_model(cfg, seed=0), tmp_path / "ckpt", tokenizer_dir=tmp_path)
     convert.llava_to_hf(tmp_path / "ckpt", tmp_path / "hf", template=template, image_mode="pad")
     processor = AutoProcessor.from_pretrained(tmp_path / "hf")
     processor.tokenizer.pad_token = "<|endoftext|>"  # DPOTrainer needs one (its pad_token or eos; this has neither)
@@ -417,7 +409,7 @@ def test_pair_rows_are_trl_vision_collator_rows(tmp_path, template):
                         "conversations": [{"from": "human", "value": "<image>\n" + question}]})
     (tmp_path / "pairs.json").write_text(json.dumps(records))
     pack.pack(tmp_path / "pairs.json", tmp_path / "images", tmp_path / "shards")
-    stream = data.ShardStream(tmp_path / "shards", tok, batch_size=3, seq_len=96, image_size=28,
+    stream = loader.ShardStream(tmp_path / "shards", tok, batch_size=3, seq_len=96, image_size=28,
                               image_token_id=cfg.image_token_id, n_image_tokens=cfg.n_image_tokens, template=template,
                               shuffle_block=1, preference=True)
     ours = stream.batch(0)
@@ -482,7 +474,7 @@ def test_adapter_free_reference_restores_the_policy_after_an_exception(shapes_pa
     from dpo import AdapterFreeReference
     from lora import LoRAConfig, LoRALinear, apply_lora
 
-    model = convert.load_model(debug_init(tmp_path / "init"))
+    model = checkpoint.load_model(debug_init(tmp_path / "init"))
     apply_lora(model, LoRAConfig(r=2, targets=["llm.attention.wq"]), seed=0)
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_" in name or name.startswith("projector."))
@@ -506,7 +498,7 @@ def test_adapter_free_reference_under_bf16_autocast_is_the_frozen_copy(tmp_path,
     from lora import LoRAConfig, apply_lora
 
     init = debug_init(tmp_path / "init")
-    model, frozen = convert.load_model(init), convert.load_model(init).eval()
+    model, frozen = checkpoint.load_model(init), checkpoint.load_model(init).eval()
     apply_lora(model, LoRAConfig(r=2, targets=["llm"]), seed=0)
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_" in name or name.startswith("projector."))
@@ -554,14 +546,14 @@ def test_dpo_end_of_turn_off_leaves_exactly_the_answer_tokens(tmp_path, template
     from PIL import Image
     from test_data import bpe_tokenizer
 
-    import data
     import dpo
+    import loader
     import pack
 
     bpe_tokenizer(tmp_path)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|begin_of_text|>",
                                                                 "eos_token": "<|endoftext|>"}))
-    tok = data.Tokenizer(tmp_path / "tokenizer.json")  # noqa: F811  not the byte-level fixture
+    tok = chat.Tokenizer(tmp_path / "tokenizer.json")  # noqa: F811  not the byte-level fixture
     (tmp_path / "images").mkdir()
     pairs = [("What is it?", "A cat.", "Black."), ("Color?", "black", "It is a cat. A black cat.")]
     records = []
@@ -571,13 +563,13 @@ def test_dpo_end_of_turn_off_leaves_exactly_the_answer_tokens(tmp_path, template
                         "conversations": [{"from": "human", "value": "<image>\n" + question}]})
     (tmp_path / "pairs.json").write_text(json.dumps(records))
     pack.pack(tmp_path / "pairs.json", tmp_path / "images", tmp_path / "shards")
-    stream = data.ShardStream(tmp_path / "shards", tok, batch_size=2, seq_len=256, image_size=28, image_token_id=
+    stream = loader.ShardStream(tmp_path / "shards", tok, batch_size=2, seq_len=256, image_size=28, image_token_id=
                               tok.vocab_size, n_image_tokens=4, template=template, shuffle_block=1, preference=True)
     b = stream.batch(0)
     order = [json.loads(stream.read(s)[1]["json"])["id"] for s in b["sample_id"].tolist()]
     answers = [dict(zip([r["id"] for r in records], records))[i][side] for side in ("chosen", "rejected") for i in order]
     labels = dpo.without_last_label(b["labels"])
-    stop = data.stop_token_id(template, tok)
+    stop = chat.stop_token_id(template, tok)
     for row, answer in enumerate(answers):
         before, after = b["labels"][row] != -100, labels[row] != -100
         gone = (before & ~after).nonzero().flatten().tolist()

@@ -7,14 +7,16 @@ import re
 
 import pytest
 import torch
-from shapes import make_shapes
 
-import convert
-import data
+import chat
+import checkpoint
 import dpo
+import loader
 import sample
-from model import build_model, vlm_preset
+from model import build_model
+from model_config import vlm_preset
 from pack import pack
+from shapes import make_shapes
 
 
 @pytest.fixture(scope="module")
@@ -23,20 +25,20 @@ def setup(tmp_path_factory):
     questions right: their chosen answer is the model's own greedy one, as sample.py gives it."""
     root = tmp_path_factory.mktemp("onpolicy")
     shapes = make_shapes(root / "shapes", n=36, seed=1, val_fraction=0.25, preference=True)
-    tok = data.Tokenizer(shapes / "tokenizer.model")
+    tok = chat.Tokenizer(shapes / "tokenizer.model")
     cfg = vlm_preset("debug")
     cfg.llm.vocab_size, cfg.image_token_id = 576, 512
     assert tok.vocab_size <= cfg.image_token_id
     model = build_model(cfg, seed=0)
     with torch.no_grad():  # logit 0 for the ids pairs never samples (the image token, ids past the tokenizer), far
         model.llm.output.weight[tok.vocab_size :] = 0  # below the top of ~500 random ones: greedy is sample.py's
-    convert.save_model(model, root / "model")
+    checkpoint.save_model(model, root / "model")
     records = json.loads((shapes / "preference.json").read_text())
     return root, shapes, records
 
 
 def greedy_answers(root, shapes, records, capsys):
-    questions = [r["conversations"][0]["value"].replace(data.IMAGE_TAG + "\n", "") for r in records]
+    questions = [r["conversations"][0]["value"].replace(chat.IMAGE_TAG + "\n", "") for r in records]
     sample.main(["--ckpt", str(root / "model"), "--tokenizer", str(shapes / "tokenizer.model"), "--template", "llama_3",
                  "--device", "cpu", "--max-new-tokens", "8", "--image", *[str(shapes / "images" / r["image"])
                                                                             for r in records], "--prompt", *questions])
@@ -73,7 +75,7 @@ def test_rejected_is_the_models_own_wrong_answer_and_right_ones_are_dropped_or_k
         expected = (r["rejected"], "data") if r["id"] in right else (said[r["id"]], "greedy")  # val keeps all
         assert (pair["rejected"], pair["rejected_from"]) == expected, r["id"]
     assert "pairs: train: 27 questions" in capsys.readouterr().out
-    stream = data.ShardStream(tmp_path / "greedy", shapes / "tokenizer.model", 2, 64, 28, 512, 4, "llama_3",
+    stream = loader.ShardStream(tmp_path / "greedy", shapes / "tokenizer.model", 2, 64, 28, 512, 4, "llama_3",
                               preference=True, split="val")
     assert len(stream) == 9 and stream.batch(0)["input_ids"].shape == (4, 64)  # pairs: rows [chosen..., rejected...]
 
@@ -126,7 +128,7 @@ def test_pairs_refuses_a_tokenizer_the_model_does_not_read(setup, tmp_path, voca
     root, shapes, _ = setup  # it failed inside the embedding (IndexError), or placed the image on a text token
     cfg = vlm_preset("debug")
     cfg.llm.vocab_size, cfg.image_token_id = vocab_size, image_token_id
-    convert.save_model(build_model(cfg, seed=0), tmp_path / "model")
+    checkpoint.save_model(build_model(cfg, seed=0), tmp_path / "model")
     with pytest.raises(SystemExit, match=r"pairs: the tokenizer \(\S+tokenizer.model: \d+ ids\) does not fit --ckpt"):
         pairs(tmp_path, shapes, shapes / "preference", tmp_path / "out")
 
@@ -135,7 +137,7 @@ def test_pairs_with_every_question_dropped_says_so(setup, tmp_path, capsys):
     root, shapes, _ = setup  # it said the model had answered every question right
     cfg = vlm_preset("debug")
     cfg.llm.vocab_size, cfg.image_token_id, cfg.llm.max_seq_len = 576, 512, 12  # no prompt fits
-    convert.save_model(build_model(cfg, seed=0), tmp_path / "model")
+    checkpoint.save_model(build_model(cfg, seed=0), tmp_path / "model")
     with pytest.raises(SystemExit, match="every question was dropped"):
         pairs(tmp_path, shapes, shapes / "preference", tmp_path / "out")
     assert "dropped: prompt_and_answer_beyond_max_seq_len 27" in capsys.readouterr().out
@@ -147,9 +149,9 @@ def test_a_long_prompt_does_not_cut_the_answers_of_its_batch(setup, tmp_path, ca
     made generate stop its whole batch at max_seq_len, so the others' rejected answers were cut short too."""
     root, shapes, _ = setup
     long = pairs(root, shapes, shapes / "preference", tmp_path / "long", "--samples", "1", "--batch-size", "16")
-    model = convert.load_model(root / "model")
+    model = checkpoint.load_model(root / "model")
     model.cfg.llm.max_seq_len = 33  # the same weights (RoPE's table is only shorter)
-    convert.save_model(model, tmp_path / "model")
+    checkpoint.save_model(model, tmp_path / "model")
     capsys.readouterr()
     short = pairs(tmp_path, shapes, shapes / "preference", tmp_path / "short", "--samples", "1", "--batch-size", "16")
     dropped = re.search(r"pairs: train: 27 questions.*dropped: prompt_and_answer_beyond_max_seq_len (\d+)",

@@ -12,11 +12,13 @@ from PIL import Image, ImageOps
 from test_convert import TINY_PINPOINTS
 from test_images import photo
 
-import convert
-import data
+import checkpoint
+import images
+import loader
 import pack
 import processor
-from model import build_model, vlm_preset
+from model import build_model
+from model_config import vlm_preset
 
 # (stored width, stored height, EXIF orientation): 6 and 8 are a phone held upright (rotate 90 one way or the
 # other), 3 upside down, 5 and 7 rotated and mirrored
@@ -39,7 +41,7 @@ def image_processor(tmp_path, image_cfg):
     return AutoImageProcessor.from_pretrained(tmp_path)
 
 
-def levels(pixel_values, mean=data.CLIP_MEAN, std=data.CLIP_STD):
+def levels(pixel_values, mean=images.CLIP_MEAN, std=images.CLIP_STD):
     """A processor's normalised pixel_values back to 0..255."""
     return pixel_values * torch.tensor(std).view(3, 1, 1) * 255 + torch.tensor(mean).view(3, 1, 1) * 255
 
@@ -67,10 +69,10 @@ def test_packed_photo_reaches_the_model_upright_as_transformers_load_image_gives
     assert Image.open(path).size == (w, h)  # stored as the sensor saw it
     upright = load_image(str(path))
     assert upright.size == ((h, w) if orientation >= 5 else (w, h))
-    assert data.image_hw(path.read_bytes()) == (upright.height, upright.width)
+    assert images.image_hw(path.read_bytes()) == (upright.height, upright.width)
     shards = pack_one(tmp_path, "phone.jpg")
     for mode in ("crop", "pad", "resize"):
-        stream = data.ShardStream(shards, tok, 1, 64, 56, tok.vocab_size, 4, template="chatml", image_mode=mode)
+        stream = loader.ShardStream(shards, tok, 1, 64, 56, tok.vocab_size, 4, template="chatml", image_mode=mode)
         ours = stream.batch(0)["pixel_values"][0].float()
         hf = image_processor(tmp_path / mode, processor.image_processor_config(56, mode))
         theirs = levels(hf(images=upright, return_tensors="pt").pixel_values[0])
@@ -93,7 +95,7 @@ def test_fast_images_decodes_a_big_phone_jpeg_upright(tmp_path, tok, orientation
     exif[0x0112] = orientation
     photo(2048, 1536, seed=3).save(tmp_path / "big.jpg", "JPEG", quality=90, exif=exif.tobytes())
     shards = pack_one(tmp_path, "big.jpg")
-    stream = data.ShardStream(shards, tok, 1, 64, 336, tok.vocab_size, 4, template="chatml", image_mode="crop",
+    stream = loader.ShardStream(shards, tok, 1, 64, 336, tok.vocab_size, 4, template="chatml", image_mode="crop",
                               fast_images=True)
     ours = stream.batch(0)["pixel_values"][0].float()
     hf = image_processor(tmp_path / "crop", processor.image_processor_config(336, "crop"))
@@ -124,7 +126,7 @@ def test_anyres_tiles_the_upright_photo_on_its_own_grid(tmp_path, tok, w, h, ori
     cfg = anyres_cfg(tok)
     path = rotated_jpeg(tmp_path / "phone.jpg", w, h, orientation)
     shards = pack_one(tmp_path, "phone.jpg")
-    stream = data.ShardStream(shards, tok, 1, 256, 28, tok.vocab_size, 4, template="chatml", vlm=cfg, max_tiles=8)
+    stream = loader.ShardStream(shards, tok, 1, 256, 28, tok.vocab_size, 4, template="chatml", vlm=cfg, max_tiles=8)
     ids, _, tiles, layouts = stream.encode_tiled(0)
     upright = load_image(str(path))
     theirs = anyres_processor(tmp_path / "hf", cfg)(images=upright, return_tensors="pt")
@@ -144,7 +146,7 @@ def test_sample_sees_the_photo_upright(tmp_path, tok, monkeypatch, anyres):
 
     cfg = anyres_cfg(tok) if anyres else vlm_preset("debug").with_overrides(
         {"image_token_id": tok.vocab_size, "llm": {"vocab_size": -(-(tok.vocab_size + 1) // 64) * 64}})
-    convert.save_model(build_model(cfg, seed=0), tmp_path / "ckpt", tokenizer_dir=tok.path.parent)
+    checkpoint.save_model(build_model(cfg, seed=0), tmp_path / "ckpt", tokenizer_dir=tok.path.parent)
     path = rotated_jpeg(tmp_path / "phone.jpg", 90, 33, 6)
     seen = {}
     monkeypatch.setattr(sample, "answer", lambda args, model, template, tok, ids, mask, pixels, extra:
@@ -157,7 +159,7 @@ def test_sample_sees_the_photo_upright(tmp_path, tok, monkeypatch, anyres):
         reference = image_processor(tmp_path / "hf", processor.image_processor_config(28, "pad"))
     theirs = reference(images=load_image(str(path)), return_tensors="pt").pixel_values
     assert seen["pixels"].shape == theirs.shape
-    assert ((seen["pixels"] - theirs) * torch.tensor(data.CLIP_STD).view(3, 1, 1) * 255).abs().max() <= 1 + 1e-3
+    assert ((seen["pixels"] - theirs) * torch.tensor(images.CLIP_STD).view(3, 1, 1) * 255).abs().max() <= 1 + 1e-3
 
 
 def test_pack_turns_a_format_it_re_encodes_upright(tmp_path):
@@ -209,8 +211,8 @@ def test_a_png_with_an_exif_orientation_is_sized_and_tiled_upright(tmp_path, tok
     (tmp_path / "phone.png").write_bytes(raw)
     upright = load_image(str(tmp_path / "phone.png"))
     assert upright.size == (33, 90)
-    assert data.image_hw(raw) == (90, 33)
+    assert images.image_hw(raw) == (90, 33)
     cfg = anyres_cfg(tok)
     theirs = anyres_processor(tmp_path / "hf", cfg)(images=upright, return_tensors="pt").pixel_values[0]
-    tiles = data.image_tiles(raw, cfg)
+    tiles = images.image_tiles(raw, cfg)
     assert tiles.shape == theirs.shape and (tiles.float() - levels(theirs)).abs().max() <= 1 + 1e-3

@@ -12,9 +12,12 @@ import pytest
 import torch
 from test_templates import CORPUS, LLAMA3_SPECIALS, QWEN2_SPECIALS, bpe_dir
 
+import chat
 import convert
-import data
-from model import build_model, vlm_preset
+import hf_config
+from checkpoint import load_model, save_model
+from model import build_model
+from model_config import vlm_preset
 from shapes import train_tokenizer
 
 SP_CONFIG = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
@@ -37,7 +40,7 @@ TOKENIZERS = {
                                "pad_token": "<|endoftext|>", "added_tokens_decoder": {
                                    str(i): {"content": t, "special": True} for i, t in enumerate(QWEN2_SPECIALS)}}, None),
 }
-TEMPLATES = {"sp": ["vicuna_v1", "llama_2", "plain"], "sp-markers": ["llama_3", "vicuna_v1", "plain"],
+TEMPLATES = {"sp": ["vicuna_v1", "llama_2", "plain"], "sp-markers": ["llama_3", "vicuna_v1", "llama_2", "plain"],
              "llama3": ["llama_3", "vicuna_v1", "llama_2", "plain"], "llama3-chatml": ["chatml", "llama_3"],
              "qwen2": ["chatml", "vicuna_v1", "plain"]}
 IMAGE_SIZE = (333, 500)  # (width, height) of the photo: not a multiple of anything
@@ -73,14 +76,14 @@ def checkpoint(root, name, kind="llava"):
     from test_convert import TINY_PINPOINTS
 
     tok_dir = root / name if (root / name).exists() else tokenizer_dir(root, name)
-    tok = data.Tokenizer(tok_dir)
+    tok = chat.Tokenizer(tok_dir)
     extra = {"llava": {}, "llava_next": {"anyres": "anyres", "grid_pinpoints": TINY_PINPOINTS},
              "llava_onevision": {"anyres": "anyres_max_2", "grid_pinpoints": TINY_PINPOINTS,
                                  "video_token_id": tok.vocab_size + 1, "vision_select": "cls_patch", "vision_layer": -1,
                                  "vision": {"kind": "siglip", "act": "gelu_pytorch_tanh"}}}[kind]
     cfg = vlm_preset("debug").with_overrides({"image_token_id": tok.vocab_size,
                                               "llm": {"vocab_size": -(-(tok.vocab_size + 2) // 64) * 64}} | extra)
-    convert.save_model(build_model(cfg, seed=0), root / f"{name}-{kind}", tokenizer_dir=tok_dir)
+    save_model(build_model(cfg, seed=0), root / f"{name}-{kind}", tokenizer_dir=tok_dir)
     return root / f"{name}-{kind}", tok, cfg
 
 
@@ -97,8 +100,8 @@ def messages_of(conv):
     out = []
     for turn in conv:
         role, text = {"human": "user", "gpt": "assistant"}[turn["from"]], turn["value"]
-        if data.IMAGE_TAG in text:
-            content = [{"type": "image"}, {"type": "text", "text": text.replace(data.IMAGE_TAG, "").strip()}]
+        if chat.IMAGE_TAG in text:
+            content = [{"type": "image"}, {"type": "text", "text": text.replace(chat.IMAGE_TAG, "").strip()}]
         else:
             content = [{"type": "text", "text": text}]
         out.append({"role": role, "content": content})
@@ -122,7 +125,8 @@ def llava_checkpoints(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(TOKENIZERS))
 def test_processor_on_the_chat_template_gives_the_ids_training_uses(llava_checkpoints, tmp_path, name):
-    """For every template the tokenizer can write: processor(text=apply_chat_template(chat), images=...) gives the
+    """For every template the tokenizer can write: processor(text=apply_chat_template(chat), images=...), from the
+    export's tokenizer.json with a sentencepiece tokenizer.model taken away, gives the
     ids data.encode_conversation trains on (one BOS, <image> expanded at the model's id), the generation prompt
     gives sample.py's ids, and the tokenizer and generation config stop on the template's end of turn and our EOS."""
     from transformers import AutoProcessor, GenerationConfig
@@ -132,25 +136,27 @@ def test_processor_on_the_chat_template_gives_the_ids_training_uses(llava_checkp
     for template in TEMPLATES[TOKENIZERS[name][0]]:
         out = tmp_path / template
         convert.main(["to-hf", "--ckpt", str(ckpt), "--out", str(out), "--template", template, "--image-mode", "pad"])
+        assert (out / "tokenizer.json").exists()
+        (out / "tokenizer.model").unlink(missing_ok=True)  # a sentencepiece export loads from tokenizer.json alone
         processor = AutoProcessor.from_pretrained(out)
-        assert processor.tokenizer.convert_tokens_to_ids(data.IMAGE_TAG) == cfg.image_token_id
+        assert processor.tokenizer.convert_tokens_to_ids(chat.IMAGE_TAG) == cfg.image_token_id
         for conv in CONVERSATIONS[:1] if template == "plain" else CONVERSATIONS:
             messages = messages_of(conv)
             theirs = processor(text=processor.apply_chat_template(messages), images=image(), return_tensors="pt")
-            ids, _, _ = data.encode_conversation(conv, True, template, tok, 1024, cfg.image_token_id,
+            ids, _, _ = chat.encode_conversation(conv, True, template, tok, 1024, cfg.image_token_id,
                                                  cfg.n_image_tokens)
             assert theirs.input_ids[0].tolist() == ids, (template, conv)
             question = messages[:1]
             theirs = processor(text=processor.apply_chat_template(question, add_generation_prompt=True),
                                images=image(), return_tensors="pt")
-            trained, _ = data.prompt_and_answer(conv, True, template, tok, cfg.image_token_id, cfg.n_image_tokens)
-            prompt = data.generation_prompt(template, conv[0]["value"], tok)  # sample.py's
-            asked, _ = data.tokenize([(prompt, False)], tok, cfg.image_token_id, cfg.n_image_tokens)
+            trained, _ = chat.prompt_and_answer(conv, True, template, tok, cfg.image_token_id, cfg.n_image_tokens)
+            prompt = chat.generation_prompt(template, conv[0]["value"], tok)  # sample.py's
+            asked, _ = chat.tokenize([(prompt, False)], tok, cfg.image_token_id, cfg.n_image_tokens)
             assert theirs.input_ids[0].tolist() == asked == trained[:len(asked)], (template, "generation prompt")
         assert (processor.tokenizer.bos_token, processor.tokenizer.eos_token) == (tok.bos, tok.eos)
         assert processor.tokenizer.eos_token_id == tok.eos_id
         stops = GenerationConfig.from_pretrained(out).eos_token_id
-        assert data.stop_token_id(template, tok) in (stops if isinstance(stops, list) else [stops])
+        assert chat.stop_token_id(template, tok) in (stops if isinstance(stops, list) else [stops])
 
 
 class StopAt:
@@ -164,6 +170,25 @@ class StopAt:
             scores = torch.full_like(scores, -float("inf"))
             scores[:, self.token] = 0
         return scores
+
+
+@pytest.mark.parametrize("name", ["sp", "sp-shapes"])
+def test_processor_loads_where_transformers_cannot_convert_sentencepiece(llava_checkpoints, tmp_path, monkeypatch, name):
+    """With transformers' slow->fast conversion raising, as it does under protobuf 6 (lmms-eval's environment), the
+    sentencepiece export still opens in AutoProcessor, because loading it converts nothing, and gives training's ids."""
+    from test_tokenizer_json import block_conversion
+    from transformers import AutoProcessor
+
+    root, checkpoints = llava_checkpoints
+    ckpt, tok, cfg = checkpoints[name]
+    template = "llama_3" if name == "sp-shapes" else "vicuna_v1"
+    convert.main(["to-hf", "--ckpt", str(ckpt), "--out", str(tmp_path / "hf"), "--template", template])
+    block_conversion(monkeypatch)
+    processor = AutoProcessor.from_pretrained(tmp_path / "hf")
+    conv = CONVERSATIONS[1]
+    theirs = processor(text=processor.apply_chat_template(messages_of(conv)), images=image(), return_tensors="pt")
+    ids, _, _ = chat.encode_conversation(conv, True, template, tok, 1024, cfg.image_token_id, cfg.n_image_tokens)
+    assert theirs.input_ids[0].tolist() == ids and ids.count(cfg.image_token_id) == cfg.n_image_tokens
 
 
 @pytest.mark.parametrize("kind", ["llava", "llava_next", "llava_onevision"])
@@ -188,8 +213,8 @@ def test_export_runs_in_transformers_from_the_processor_output(llava_checkpoints
                                                          tokenize=False, add_generation_prompt=True)
         inputs = processor(text=prompt, images=image(), return_tensors="pt")
         ids = inputs.input_ids
-        hf = getattr(tf, convert.HF_ARCHITECTURES[kind]).from_pretrained(out).eval()
-        ours = convert.load_model(out).eval()
+        hf = getattr(tf, hf_config.HF_ARCHITECTURES[kind]).from_pretrained(out).eval()
+        ours = load_model(out).eval()
         with torch.no_grad():
             expect = hf(**inputs).logits
             if kind == "llava":
@@ -201,7 +226,7 @@ def test_export_runs_in_transformers_from_the_processor_output(llava_checkpoints
                 image_index, image_weight = place_images(ids[0], [layout], cfg)
                 mine = ours(ids, inputs.pixel_values, image_index=image_index[None], image_weight=image_weight[None])[0]
         assert (mine - expect).abs().max() <= 1e-4, name
-        stop = data.stop_token_id(template, tok)
+        stop = chat.stop_token_id(template, tok)
         generated = hf.generate(**inputs, max_new_tokens=6, do_sample=False,
                                 logits_processor=tf.LogitsProcessorList([StopAt(ids.shape[1], 2, stop)]))
         assert generated.shape[1] == ids.shape[1] + 3 and generated[0, -1] == stop, name  # stopped there
@@ -226,7 +251,7 @@ def test_from_hf_carries_a_transformers5_save_pretrained_processor(llava_checkpo
     assert not processor.image_processor.do_pad and processor.image_processor.do_center_crop  # crop, not pad
     messages = messages_of(CONVERSATIONS[1])
     theirs = processor(text=processor.apply_chat_template(messages), images=image(), return_tensors="pt")
-    ids, _, _ = data.encode_conversation(CONVERSATIONS[1], True, "llama_3", tok, 1024, cfg.image_token_id,
+    ids, _, _ = chat.encode_conversation(CONVERSATIONS[1], True, "llama_3", tok, 1024, cfg.image_token_id,
                                          cfg.n_image_tokens)
     assert theirs.input_ids[0].tolist() == ids
     shutil.rmtree(saved)
@@ -243,8 +268,8 @@ def test_tags_past_a_gap_in_the_ids_land_at_the_models_ids(llava_checkpoints, tm
 
     root, _ = llava_checkpoints
     shutil.copytree(root / name, tmp_path / "tok")
-    tok = data.Tokenizer(tmp_path / "tok")
+    tok = chat.Tokenizer(tmp_path / "tok")
     processor.export_tokenizer(tmp_path / "tok", tok.vocab_size + 5, tok.vocab_size + 7, "vicuna_v1")
     theirs = AutoTokenizer.from_pretrained(tmp_path / "tok")
-    assert theirs.convert_tokens_to_ids([data.IMAGE_TAG, processor.VIDEO_TAG]) == [tok.vocab_size + 5, tok.vocab_size + 7]
+    assert theirs.convert_tokens_to_ids([chat.IMAGE_TAG, processor.VIDEO_TAG]) == [tok.vocab_size + 5, tok.vocab_size + 7]
     assert theirs("a <image> b<video>").input_ids.count(tok.vocab_size + 5) == 1

@@ -10,26 +10,30 @@ import torch
 from conftest import tiny_hf_llava
 from test_dpo import EOS, IMAGE, N_IMAGE_TOKENS, PAD, our_model, shapes_pairs, word_level_processor  # noqa: F401
 
+import chat
+import checkpoint
+import config
+import images
 import rl
 import train
-from model import group_advantages, grpo_loss
+from losses import group_advantages, grpo_loss
 
 os.environ["USE_TORCH_XLA"] = "0"  # TRL would otherwise import torch_xla and move to an XLA device
 
 G, C = 3, 6  # completions a prompt, completion slots
 
 
-def trl_grpo(model, loss_type, beta, tmp_path):
+def trl_grpo(model, loss_type, beta, tmp_path, n_prompts=2, rewards=None, **settings):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
     processor = word_level_processor()
     args = GRPOConfig(str(tmp_path / "trl"), loss_type=loss_type, beta=beta, epsilon=0.2, num_generations=G,
-                      per_device_train_batch_size=2 * G, max_completion_length=C, report_to=[], use_cpu=True,
-                      bf16=False, temperature=1.0)
-    data = Dataset.from_list([{"prompt": "x", "image": [[0]]}] * 2)
-    trainer = GRPOTrainer(model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
-                          train_dataset=data, processing_class=processor)
+                      per_device_train_batch_size=n_prompts * G, max_completion_length=C, report_to=[], use_cpu=True,
+                      bf16=False, temperature=1.0, **settings)
+    data = Dataset.from_list([{"prompt": "x", "image": [[0]]}] * n_prompts)
+    reward_fn = lambda completions, **kw: rewards.tolist() if rewards is not None else [0.0] * len(completions)  # noqa: E731
+    trainer = GRPOTrainer(model, reward_funcs=reward_fn, args=args, train_dataset=data, processing_class=processor)
     trainer.current_gradient_accumulation_steps = 1  # set by training_step, which we do not run
     trainer.model.train()
     return trainer
@@ -54,9 +58,11 @@ def rollout(seed=0):
     return prompts, completions, completion_mask, rewards, pixels, g
 
 
-@pytest.mark.parametrize("loss_type,beta", [("grpo", 0.0), ("dapo", 0.0), ("grpo", 0.04), ("dapo", 0.1),
-                                            ("dr_grpo", 0.04)])
-def test_grpo_loss_matches_trl_compute_loss(tmp_path, loss_type, beta):
+@pytest.mark.parametrize("loss_type,beta,epsilon_high", [("grpo", 0.0, None), ("dapo", 0.0, None), ("grpo", 0.04, None),
+                                                         ("dapo", 0.1, None), ("dr_grpo", 0.04, None),
+                                                         ("dapo", 0.0, 0.28), ("grpo", 0.04, 0.25)])
+def test_grpo_loss_matches_trl_compute_loss(tmp_path, loss_type, beta, epsilon_high):
+    """epsilon_high: DAPO's clip-higher, TRL's epsilon_high, reached through the config key grpo_epsilon_high."""
     from trl.trainer.utils import nanstd
 
     hf = tiny_hf_llava(seed=0)
@@ -74,7 +80,8 @@ def test_grpo_loss_matches_trl_compute_loss(tmp_path, loss_type, beta):
     want = (rewards - grouped.mean(1).repeat_interleave(G)) / (nanstd(grouped, dim=1).repeat_interleave(G) + 1e-4)
     assert torch.allclose(advantages, want, atol=1e-6) and advantages[3:5].abs().max() > 0.1
 
-    trainer = trl_grpo(str(tmp_path / "policy"), loss_type, beta, tmp_path)  # a path: TRL loads its reference too
+    trainer = trl_grpo(str(tmp_path / "policy"), loss_type, beta, tmp_path, epsilon_high=epsilon_high)  # a path: TRL
+    # loads its reference too
     inputs = {"prompt_ids": prompts, "prompt_mask": torch.ones_like(prompts), "completion_ids": completions,
               "completion_mask": completion_mask, "advantages": advantages, "old_per_token_logps": old,
               "ref_per_token_logps": ref, "num_items_in_batch": completion_mask.sum(), "pixel_values": pixels,
@@ -83,15 +90,58 @@ def test_grpo_loss_matches_trl_compute_loss(tmp_path, loss_type, beta):
 
     policy.train()
     new, entropy = rl.completion_logps(policy, ids, mask, pixels, C)
-    loss, metrics = grpo_loss(new, old, advantages, completion_mask, loss_type, epsilon=0.2, beta=beta, ref_logps=ref,
-                              max_completion_length=C)
+    loss, metrics = grpo_loss(new, old, advantages, completion_mask, loss_type, epsilon=0.2, epsilon_high=epsilon_high,
+                              beta=beta, ref_logps=ref, max_completion_length=C)
     assert abs(loss.item() - trl_loss.item()) <= 1e-5 * max(1.0, abs(trl_loss.item())), (loss.item(), trl_loss.item())
     logged = {k: v[-1] for k, v in trainer._metrics["train"].items()}
     assert abs(metrics["clip_ratio"].item() - logged["clip_ratio/region_mean"]) < 1e-6, logged
     assert metrics["clip_ratio"] > 0
+    if epsilon_high:  # some ratios lie between the two upper bounds, so clip-higher changes the loss
+        ratio, positive = (new - old).exp(), advantages[:, None] > 0
+        assert ((ratio > 1.2) & (ratio <= 1 + epsilon_high) & positive & (completion_mask > 0)).any()
+        symmetric, _ = grpo_loss(new, old, advantages, completion_mask, loss_type, epsilon=0.2, beta=beta,
+                                 ref_logps=ref, max_completion_length=C)
+        assert abs(symmetric.item() - loss.item()) > 1e-4
+        cfg = config.DEFAULTS | {"grpo_loss": loss_type, "grpo_beta": beta, "grpo_epsilon_high": epsilon_high,
+                                 "grpo_max_new_tokens": C}
+        r = {"ids": ids, "mask": mask, "pixel_values": pixels, "completion_mask": completion_mask, "metrics": {},
+             "advantages": advantages, "old_logps": old, "ref_logps": ref}
+        summed, _ = rl.rl_loss(policy, r, cfg)  # the config key reaches grpo_loss
+        units = completion_mask.sum() if loss_type == "dapo" else len(ids)
+        assert abs(summed.item() / units - trl_loss.item()) <= 1e-5 * max(1.0, abs(trl_loss.item()))
     assert abs((entropy * completion_mask).sum().item() / completion_mask.sum().item() - logged["entropy"]) < 1e-4
     if beta:
         assert abs(metrics["kl"].item() - logged["kl"]) < 1e-5
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_group_advantages_match_trl_scale_rewards(tmp_path, scale):
+    """TRL 1.16's own _generate_and_score_completions (its generation replaced by fixed completions, its reward function
+    returning fixed rewards: a tie, a group of equal rewards, rewards far from 0) gives the advantages group_advantages
+    gives with that scale_rewards; 'batch' also when the generation batch comes as two micro-batches, one with a group
+    of padding rows (a static rollout's rows without a prompt) whose rewards must not count (rl.batch_std)."""
+    hf = tiny_hf_llava(seed=0)
+    hf.save_pretrained(tmp_path / "policy")
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.5, 0.5, 0.5, 2.0, -1.0, 0.25, 31.0, 30.5, 31.25])
+    trainer = trl_grpo(str(tmp_path / "policy"), "dapo", 0.0, tmp_path, n_prompts=4, rewards=rewards,
+                       scale_rewards=scale)
+    completions = [[5, 6, EOS], [7, EOS], [8, 9, 10, EOS]] * 4
+    trainer._generate = lambda prompts: ([[3, 4]] * len(prompts), completions, None, ["y"] * len(prompts), None, {},
+                                         None, None)
+    trl_advantages = trainer._generate_and_score_completions([{"prompt": "x"}] * len(rewards))["advantages"]
+
+    advantages = group_advantages(rewards, G, scale)
+    assert torch.allclose(advantages, trl_advantages, atol=1e-5, rtol=1e-6), (advantages, trl_advantages)
+    assert (advantages[3:6] == 0).all() and advantages.abs().max() > 0.1
+    if scale == "batch":
+        pad = torch.tensor([100.0, -100.0, 7.0])
+        rows = [torch.cat([rewards[:6], pad]), rewards[6:]]
+        micro = [{"rewards": r, "completion_mask": torch.ones(len(r), 2),
+                  "mask": torch.cat([torch.ones(len(r), 1), torch.ones(len(r), 2)], 1)} for r in rows]
+        micro[0]["mask"][6:, 0] = 0  # the padding rows: no prompt
+        std = rl.batch_std(micro, lambda t: t)
+        split = torch.cat([group_advantages(r["rewards"], G, "batch", batch_std=std) for r in micro])
+        assert torch.allclose(torch.cat([split[:6], split[9:]]), trl_advantages, atol=1e-5, rtol=1e-6)
 
 
 def test_grpo_loss_rejects_an_unknown_kind():
@@ -109,7 +159,8 @@ def short_answers(completions, answers):
 
 
 def test_generate_never_samples_suppressed_tokens():
-    from model import build_model, vlm_preset
+    from model import build_model
+    from model_config import vlm_preset
 
     cfg = vlm_preset("debug").with_overrides({"llm": {"vocab_size": 64}, "image_token_id": 60})
     model = build_model(cfg, seed=0)
@@ -166,7 +217,8 @@ def test_static_generation_on_xla_compiles_the_same_graphs_whatever_the_length_a
 
 def test_logits_to_keep_are_the_last_positions_logits():
     """RL's log-probs read only the completion's logits (HF's logits_to_keep): (B, k, vocab), not (B, T, vocab)."""
-    from model import build_model, vlm_preset
+    from model import build_model
+    from model_config import vlm_preset
 
     model = build_model(vlm_preset("debug").with_overrides({"llm": {"vocab_size": 64}, "image_token_id": 60}), seed=0)
     ids = torch.randint(1, 60, (3, 11), generator=torch.Generator().manual_seed(0))
@@ -178,33 +230,33 @@ def test_logits_to_keep_are_the_last_positions_logits():
 
 
 def test_prompts_are_cut_where_the_answer_starts(tmp_path):
-    import data
+    import loader
     from shapes import make_shapes
 
     make_shapes(tmp_path, n=24, seed=0, val_fraction=0.2)
-    stream = data.ShardStream(tmp_path / "shards", tmp_path / "tokenizer.model", split="train", batch_size=8, seq_len=48,
+    stream = loader.ShardStream(tmp_path / "shards", tmp_path / "tokenizer.model", split="train", batch_size=8, seq_len=48,
                               image_size=28, image_token_id=512, n_image_tokens=4, template="llama_3")
     b = stream.batch(0)
-    stop = data.stop_token_id("llama_3", stream.tok)
+    stop = chat.stop_token_id("llama_3", stream.tok)
     for r, prompt, answer in rl.prompts_of(b):
-        conv, image = data.sample_conversation(stream.read(int(b["sample_id"][r]))[1])
-        want_prompt, want_answer = data.prompt_and_answer(conv, image is not None, "llama_3", stream.tok, 512, 4)
-        assert prompt == list(want_prompt) and data.decode_answer(stream.tok, answer, stop) == want_answer.strip()
+        conv, image = loader.sample_conversation(stream.read(int(b["sample_id"][r]))[1])
+        want_prompt, want_answer = chat.prompt_and_answer(conv, image is not None, "llama_3", stream.tok, 512, 4)
+        assert prompt == list(want_prompt) and chat.decode_answer(stream.tok, answer, stop) == want_answer.strip()
 
 
 @pytest.mark.parametrize("reward", ["rule", "reward_model"])
 def test_grpo_loop_logs_its_metrics(shapes_pairs, tmp_path, reward):  # noqa: F811
     import json
 
-    import convert
-    from model import build_model
     from test_dpo import debug_init, dpo_args
+
+    from model import build_model
 
     init = debug_init(tmp_path / "init")
     spec = "test_grpo:short_answers"
     if reward == "reward_model":
-        judge = build_model(convert.load_model(init).cfg.with_overrides({"reward_head": True}), seed=5)
-        convert.save_model(judge, tmp_path / "judge")
+        judge = build_model(checkpoint.load_model(init).cfg.with_overrides({"reward_head": True}), seed=5)
+        checkpoint.save_model(judge, tmp_path / "judge")
         spec = str(tmp_path / "judge")
     steps = 4 if reward == "rule" else 2
     train.main(dpo_args(shapes_pairs, tmp_path / "out", f"--init_from={init}", "--objective=grpo",
@@ -225,12 +277,12 @@ def test_grpo_loop_logs_its_metrics(shapes_pairs, tmp_path, reward):  # noqa: F8
 
 def small_model_and_stream(dataset, batch_size, seq_len):
     """The debug VLM at 28 px (4 image tokens) and the shapes SFT stream it reads: the rollout tests' setup."""
-    import data
-    from model import vlm_preset
+    import loader
+    from model_config import vlm_preset
 
     cfg = vlm_preset("debug").with_overrides({"vision": {"image_size": 28, "patch_size": 14},
                                              "llm": {"vocab_size": 576}, "image_token_id": 512})
-    return cfg, data.ShardStream(dataset / "shards", dataset / "tokenizer.model", split="train",
+    return cfg, loader.ShardStream(dataset / "shards", dataset / "tokenizer.model", split="train",
                                  batch_size=batch_size, seq_len=seq_len, image_size=28, image_token_id=512,
                                  n_image_tokens=4, template="llama_3")
 
@@ -238,14 +290,13 @@ def small_model_and_stream(dataset, batch_size, seq_len):
 def test_one_grpo_update_moves_probability_towards_positive_advantages(shapes_pairs):  # noqa: F811
     """A rollout from a shapes batch, one small SGD step on rl_loss: sum_i A_i (log-prob_i after - before) > 0 (the
     policy gradient's first-order effect), and the completions' stop token and suppressed ids are as sampled."""
-    import data
     from model import build_model
 
     cfg, stream = small_model_and_stream(shapes_pairs, batch_size=4, seq_len=48)
     model = build_model(cfg, seed=0)
     b = stream.batch(0)
-    stop = data.stop_token_id("llama_3", stream.tok)
-    run = dict(train.DEFAULTS) | {"grpo_group": 4, "grpo_max_new_tokens": 6}
+    stop = chat.stop_token_id("llama_3", stream.tok)
+    run = dict(config.DEFAULTS) | {"grpo_group": 4, "grpo_max_new_tokens": 6}
     score = lambda texts, answers, *_: torch.tensor(short_answers(texts, answers))  # noqa: E731
     r, _, texts = rl.rollout(model, b, stream.tok, stop, run, score, torch.Generator().manual_seed(0))
     new = r["ids"][:, -r["completion_mask"].shape[1]:]
@@ -273,7 +324,6 @@ def test_a_static_rollout_trains_on_its_skipped_rows_as_if_they_were_absent(shap
     """Static rollouts keep every row: a prompt longer than the bucket (and a row the loader dropped) is generated from
     padding. Those rows must weigh nothing: the loss per unit, its KL, clip ratio and entropy, and the reward metrics
     equal those of the kept rows alone (taken out of the same rollout and scored as an eager rollout would be)."""
-    import data
     from model import build_model
 
     cfg, stream = small_model_and_stream(shapes_pairs, batch_size=8, seq_len=48)
@@ -281,10 +331,10 @@ def test_a_static_rollout_trains_on_its_skipped_rows_as_if_they_were_absent(shap
     b = stream.batch(1)
     lengths = sorted(len(p) for _, p, _ in rl.prompts_of(b))
     bucket = next(n for n in lengths if n < lengths[-1])  # the shortest prompts fit, the longest do not
-    run = dict(train.DEFAULTS) | {"grpo_group": 3, "grpo_max_new_tokens": 6, "grpo_prompt_len": bucket,
+    run = dict(config.DEFAULTS) | {"grpo_group": 3, "grpo_max_new_tokens": 6, "grpo_prompt_len": bucket,
                                   "grpo_loss": kind, "grpo_beta": 0.1, "grpo_iterations": 2}
     score = lambda texts, answers, *_: torch.tensor(short_answers(texts, answers))  # noqa: E731
-    stop = data.stop_token_id("llama_3", stream.tok)
+    stop = chat.stop_token_id("llama_3", stream.tok)
     r, _, texts = rl.rollout(model, b, stream.tok, stop, run, score, torch.Generator().manual_seed(0), reference,
                              static=True)
     kept = r["mask"][:, bucket - 1] == 1  # a row with a prompt ends it with a real token
@@ -315,6 +365,8 @@ def test_a_static_rollout_trains_on_its_skipped_rows_as_if_they_were_absent(shap
     (["--grpo_static=True", "--grpo_prompt_len=41"], "static rollouts need grpo_prompt_len in \\[1, seq_len - grpo_"),
     (["--device=xla", "--grpo_max_new_tokens=48"], "static rollouts need grpo_prompt_len in \\[1, .* = 0\\]"),
     (["--grpo_beta=0.1", "--init_from=scratch"], "grpo_beta > 0 needs a reference checkpoint"),
+    (["--grpo_scale_rewards=std"], "grpo_scale_rewards must be one of \\('group', 'batch', 'none'\\), got 'std'"),
+    (["--grpo_epsilon_high=-0.1"], "grpo_epsilon_high must be >= 0"),
 ])
 def test_grpo_config_errors_are_one_sentence(tmp_path, extra, message):
     from test_dpo import dpo_args
@@ -326,8 +378,8 @@ def test_grpo_config_errors_are_one_sentence(tmp_path, extra, message):
 def test_rl_configs_parse():
     from conftest import ROOT
 
-    assert train.load_config([str(ROOT / "configs/grpo_shapes.py")])["objective"] == "grpo"
-    assert train.load_config([str(ROOT / "configs/reward_shapes.py")])["objective"] == "reward"
+    assert config.load_config([str(ROOT / "configs/grpo_shapes.py")])["objective"] == "grpo"
+    assert config.load_config([str(ROOT / "configs/reward_shapes.py")])["objective"] == "reward"
 
 
 def test_grpo_onevision_config_is_trls_recipe():
@@ -339,8 +391,8 @@ def test_grpo_onevision_config_is_trls_recipe():
     from trl import GRPOConfig
 
     trl = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
-    cfg = train.load_config([str(ROOT / "configs/grpo_onevision.py")])
-    train.check_objective(cfg)
+    cfg = config.load_config([str(ROOT / "configs/grpo_onevision.py")])
+    config.check_objective(cfg)
     ours = {"loss_type": "grpo_loss", "beta": "grpo_beta", "num_generations": "grpo_group", "temperature":
             "grpo_temperature", "top_p": "grpo_top_p", "epsilon": "grpo_epsilon", "num_iterations": "grpo_iterations",
             "max_completion_length": "grpo_max_new_tokens", "learning_rate": "lr", "weight_decay": "weight_decay",
@@ -351,25 +403,26 @@ def test_grpo_onevision_config_is_trls_recipe():
     assert cfg["batch_size"] * cfg["grpo_group"] == 8 * trl["per_device_train_batch_size"]  # on 8 GPUs
     assert (cfg["model"], cfg["template"], cfg["parallel"], cfg["min_lr"]) == ("llava-onevision-qwen2-7b", "chatml",
                                                                                "fsdp", 0.0)
-    from model import vlm_preset
+    from model_config import vlm_preset
 
     assert cfg["seq_len"] + cfg["grpo_max_new_tokens"] <= vlm_preset(cfg["model"]).llm.max_seq_len
 
 
-@pytest.mark.parametrize("iterations,stop", [(1, 2), (2, 3)])
-def test_grpo_resumes_exactly(shapes_pairs, tmp_path, iterations, stop):  # noqa: F811
+@pytest.mark.parametrize("iterations,stop,scale", [(1, 2, "group"), (2, 3, "batch")])
+def test_grpo_resumes_exactly(shapes_pairs, tmp_path, iterations, stop, scale):  # noqa: F811
     """4 steps straight, or `stop` then a resume for the rest: the same rollouts (sampler seeded by step), rewards and
-    loss; stopped inside a generation batch (grpo_iterations 2, step 3), the resume trains on the saved rollouts."""
+    loss; stopped inside a generation batch (grpo_iterations 2, step 3), the resume trains on the saved rollouts (with
+    grpo_scale_rewards='batch', two micro-batches: their advantages divided by the whole generation batch's std)."""
     import json
 
     from test_dpo import debug_init, dpo_args
 
     init = debug_init(tmp_path / "init")
     common = ["--objective=grpo", f"--data_dir={shapes_pairs / 'shards'}", "--grpo_reward=test_grpo:short_answers",
-              "--batch_size=2", "--micro_batch_size=2", "--grpo_group=3", "--grpo_beta=0.05",
-              f"--grpo_reference={init}", "--lr=3e-3", "--warmup_iters=1", "--lr_decay_iters=4", "--eval_interval=0",
-              "--final_accuracy_samples=0", "--grpo_max_new_tokens=5", "--ckpt_interval=2",
-              f"--grpo_iterations={iterations}"]
+              "--batch_size=2", f"--micro_batch_size={2 if scale == 'group' else 1}", "--grpo_group=3",
+              "--grpo_beta=0.05", f"--grpo_reference={init}", "--lr=3e-3", "--warmup_iters=1", "--lr_decay_iters=4",
+              "--eval_interval=0", "--final_accuracy_samples=0", "--grpo_max_new_tokens=5", "--ckpt_interval=2",
+              f"--grpo_iterations={iterations}", f"--grpo_scale_rewards={scale}"]
     train.main(dpo_args(shapes_pairs, tmp_path / "straight", f"--init_from={init}", "--max_iters=4", *common))
     train.main(dpo_args(shapes_pairs, tmp_path / "resumed", f"--init_from={init}", f"--max_iters={stop}", *common))
     train.main(dpo_args(shapes_pairs, tmp_path / "resumed", "--init_from=resume", "--max_iters=4", *common))
@@ -396,18 +449,16 @@ def test_grpo_under_torchrun_fsdp_matches_ddp_and_resumes_exactly(shapes_pairs, 
     from test_dpo import debug_init, dpo_args
     from test_train import run
 
-    import convert
     from model import build_model
 
-    import data
 
-    policy = convert.load_model(debug_init(tmp_path / "random"))
-    stop = data.stop_token_id("llama_3", data.Tokenizer(shapes_pairs / "tokenizer.model"))
+    policy = checkpoint.load_model(debug_init(tmp_path / "random"))
+    stop = chat.stop_token_id("llama_3", chat.Tokenizer(shapes_pairs / "tokenizer.model"))
     with torch.no_grad():  # the stop token likely at about half the positions: completions of different lengths, so
         policy.llm.output.weight[stop] *= 10  # FSDP2's ranks, which decode every step, must end where DDP's stop
-    convert.save_model(policy, init := tmp_path / "init")
+    checkpoint.save_model(policy, init := tmp_path / "init")
     judge = build_model(policy.cfg.with_overrides({"reward_head": True}), seed=5)
-    convert.save_model(judge, tmp_path / "judge")  # a random reward model: rewards that differ within a group
+    checkpoint.save_model(judge, tmp_path / "judge")  # a random reward model: rewards that differ within a group
     common = [f"--grpo_reward={tmp_path / 'judge'}", "--objective=grpo", f"--data_dir={shapes_pairs / 'shards'}",
               "--batch_size=4", "--micro_batch_size=1", "--grpo_group=3", "--grpo_beta=0.05",
               f"--grpo_reference={init}", "--grpo_iterations=2", "--lr=1e-4", "--warmup_iters=1",
@@ -440,11 +491,7 @@ def test_grpo_on_xla_spmd_compiles_once_and_matches_cpu_eager(shapes_pairs, tmp_
     eager with grpo_static=True: static rollouts draw from hashed noise, so both sample the same completions, and
     rewards, KL and losses agree. Prompts of 23-28 tokens in a bucket of 26: both skip the same longer ones. The first
     rollout compiles its graphs (prefill, decode step, last draw); after step 2 (AdamW's step count) nothing compiles."""
-    import json
-    import subprocess
-    import sys
-
-    from conftest import ROOT
+    from conftest import ROOT, assert_same_logs, run_log, train_on_xla
     from test_dpo import debug_init, dpo_args
 
     init = debug_init(tmp_path / "init")
@@ -454,24 +501,15 @@ def test_grpo_on_xla_spmd_compiles_once_and_matches_cpu_eager(shapes_pairs, tmp_
               "--lr=3e-3", "--warmup_iters=1", "--eval_interval=0", "--ckpt_interval=0", "--final_accuracy_samples=0"]
     train.main(dpo_args(shapes_pairs, tmp_path / "cpu", *common, "--grpo_static=True"))
     cpu_out = capsys.readouterr().out
-    env = os.environ | {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "OMP_NUM_THREADS": "1",
-                        "XLA_FLAGS": "--xla_backend_optimization_level=0", "PYTHONPATH": str(ROOT / "tests")}
-    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *dpo_args(shapes_pairs, tmp_path / "xla", *common,
-                                                                          "--device=xla")],
-                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    r = train_on_xla(dpo_args(shapes_pairs, tmp_path / "xla", *common), timeout=600,
+                     env={"PYTHONPATH": str(ROOT / "tests")})
     assert "grpo: static rollouts, prompts left-padded to 26 tokens" in r.stdout  # XLA needs no grpo_static
     skipped = [line for line in cpu_out.splitlines() if "longer than grpo_prompt_len=26 skipped" in line]
     assert skipped and skipped == [line for line in r.stdout.splitlines() if "longer than grpo_prompt_len" in line]
-    cpu, xla = ([json.loads(line) for line in (tmp_path / name / "log.jsonl").read_text().splitlines()
-                 if "rl/reward" in line] for name in ("cpu", "xla"))
-    assert [e["step"] for e in cpu] == [e["step"] for e in xla] == [1, 2, 3, 4, 5]
-    for want, got in zip(cpu, xla):
-        for k in ("loss", "rl/reward", "rl/reward_std", "rl/kl", "rl/entropy", "rl/completion_length"):
-            assert abs(got[k] - want[k]) <= 1e-4 * max(1.0, abs(want[k])), (want["step"], k, got[k], want[k])
+    cpu, xla = run_log(tmp_path / "cpu", "rl/reward"), run_log(tmp_path / "xla", "rl/reward")
+    assert [e["step"] for e in cpu] == [1, 2, 3, 4, 5]
+    assert_same_logs(cpu, xla, ("loss", "rl/reward", "rl/reward_std", "rl/kl", "rl/entropy", "rl/completion_length"))
     assert cpu[-1]["rl/kl"] > 0 and len({e["rl/reward"] for e in cpu}) > 1  # the policy moved; the samples differ
-    compiles = [e["xla_compiles"] for e in xla]
-    assert compiles[1] == compiles[-1], compiles
 
 
 @pytest.mark.parametrize("static", [False, True])
@@ -480,20 +518,22 @@ def test_tiled_rollouts_place_each_prompts_tiles_as_the_row_run_alone(shapes_pai
     shifting each row's tile placement with it; every completion's log-probs equal those of its row run alone, unpadded,
     with the placement the loader gave it. The tiles reach generation: other pixels, other samples. Static: prompts
     padded to a bucket below the longest (which is skipped: no completion) and above the others."""
-    import data
-    from model import build_model, vlm_preset
     from test_dpo import tiled_pairs
     from xla_runs import TILED_MODEL
+
+    import loader
+    from model import build_model
+    from model_config import vlm_preset
 
     tiled_pairs(tmp_path, ["How many circles are there?",
                            "Count the circles in this picture, please. How many are there?", "Circles?"])
     cfg = vlm_preset("debug").with_overrides(TILED_MODEL)
-    stream = data.ShardStream(tmp_path / "shards", shapes_pairs / "tokenizer.model", batch_size=3, seq_len=160,
+    stream = loader.ShardStream(tmp_path / "shards", shapes_pairs / "tokenizer.model", batch_size=3, seq_len=160,
                               image_size=28, image_token_id=512, n_image_tokens=4, template="llama_3", vlm=cfg,
                               max_tiles=5, shuffle_block=1)
     model = build_model(cfg, seed=0).eval()
-    stop = data.stop_token_id("llama_3", stream.tok)
-    run = dict(train.DEFAULTS) | {"grpo_group": 2, "grpo_max_new_tokens": 5, "grpo_beta": 0.1, "grpo_iterations": 2}
+    stop = chat.stop_token_id("llama_3", stream.tok)
+    run = dict(config.DEFAULTS) | {"grpo_group": 2, "grpo_max_new_tokens": 5, "grpo_beta": 0.1, "grpo_iterations": 2}
     lengths = sorted({len(p) for k in range(2) for _, p, _ in rl.prompts_of(stream.batch(k))})
     bucket = lengths[-1] - 1  # the longest prompts are skipped, the others padded by 1 or more beyond their batch's
     if static:
@@ -501,7 +541,7 @@ def test_tiled_rollouts_place_each_prompts_tiles_as_the_row_run_alone(shapes_pai
     score = lambda texts, answers, *_: torch.tensor(short_answers(texts, answers))  # noqa: E731
     for k in range(2):
         b = stream.batch(k)  # the loader's host batch, as train.py hands it to rollout (which normalises the pixels)
-        pixels = data.normalize_images(b["pixel_values"], *cfg.vision.image_stats)
+        pixels = images.normalize_images(b["pixel_values"], *cfg.vision.image_stats)
         asked = rl.prompts_of(b)
         assert len({len(p) for _, p, _ in asked}) > 1  # prompts of different lengths: left padding moves the tiles
         r, _, _ = rl.rollout(model, b, stream.tok, stop, run, score, torch.Generator().manual_seed(k), ref_model=model,
@@ -533,15 +573,14 @@ def test_rows_the_loader_dropped_are_generated_from_padding_and_weigh_nothing(sh
     """A micro-batch whose prompts the loader dropped (too long for seq_len: no labels), all or some, outside static
     rollouts: every row is still generated (under FSDP2 every rank must run generate's collectives), a dropped one
     from padding, and it weighs nothing: no completion tokens, no units, no gradient."""
-    import data
     from model import build_model
 
     cfg, stream = small_model_and_stream(shapes_pairs, batch_size=4, seq_len=48)
     model = build_model(cfg, seed=0)
     b = stream.batch(0)
     b["labels"][dropped] = -100  # as the loader leaves a dropped sample
-    stop = data.stop_token_id("llama_3", stream.tok)
-    run = dict(train.DEFAULTS) | {"grpo_group": 3, "grpo_max_new_tokens": 6, "grpo_beta": 0.1, "grpo_iterations": 2}
+    stop = chat.stop_token_id("llama_3", stream.tok)
+    run = dict(config.DEFAULTS) | {"grpo_group": 3, "grpo_max_new_tokens": 6, "grpo_beta": 0.1, "grpo_iterations": 2}
     score = lambda texts, answers, *_: torch.tensor(short_answers(texts, answers))  # noqa: E731
     r, _, texts = rl.rollout(model, b, stream.tok, stop, run, score, torch.Generator().manual_seed(0), model)
     gone = torch.zeros(4, dtype=torch.bool)
@@ -618,14 +657,14 @@ def test_a_reward_model_that_reads_ids_or_images_unlike_the_policy_is_refused(sh
     reward model of another width reads them as the policy does and is accepted."""
     import shutil
 
-    import convert
-    from model import build_model
-    from shapes import train_tokenizer
     from test_dpo import debug_init, dpo_args
 
+    from model import build_model
+    from shapes import train_tokenizer
+
     init = debug_init(tmp_path / "init")
-    policy = convert.load_model(init).cfg
-    convert.save_model(build_model(policy.with_overrides({"reward_head": True} | (judge if judge != "tokenizer" else {})),
+    policy = checkpoint.load_model(init).cfg
+    checkpoint.save_model(build_model(policy.with_overrides({"reward_head": True} | (judge if judge != "tokenizer" else {})),
                                    seed=5), tmp_path / "judge")
     if judge == "tokenizer":
         texts = [f"{w} {n} {w[::-1]}" for n in range(200) for w in ("alpha", "beta", "gamma", "delta")]
@@ -640,7 +679,7 @@ def test_a_reward_model_that_reads_ids_or_images_unlike_the_policy_is_refused(sh
         train.main(args)
     if judge == "tokenizer":  # a narrower reward model with the run's tokenizer: accepted
         shutil.rmtree(tmp_path / "judge")
-        convert.save_model(build_model(policy.with_overrides({"reward_head": True, "llm": {"dim": 32, "n_heads": 2,
+        checkpoint.save_model(build_model(policy.with_overrides({"reward_head": True, "llm": {"dim": 32, "n_heads": 2,
                                                                                          "n_kv_heads": 2}}), seed=5),
                            tmp_path / "judge")
         shutil.copy(shapes_pairs / "tokenizer.model", tmp_path / "judge")
@@ -650,13 +689,13 @@ def test_a_reward_model_that_reads_ids_or_images_unlike_the_policy_is_refused(sh
 def test_rollouts_past_the_models_max_seq_len_are_refused_at_setup(shapes_pairs, tmp_path):  # noqa: F811
     """A model of max_seq_len 30 and seq_len 30: prompts of up to 29 tokens plus 8 new ones do not fit the model;
     one sentence at setup, not a ValueError from generate at the first long prompt."""
-    import convert
-    from model import build_model
     from test_dpo import debug_init, dpo_args
 
-    model = convert.load_model(debug_init(tmp_path / "init"))
+    from model import build_model
+
+    model = checkpoint.load_model(debug_init(tmp_path / "init"))
     model.cfg.llm.max_seq_len = 30
-    convert.save_model(build_model(model.cfg, seed=0), tmp_path / "short")
+    checkpoint.save_model(build_model(model.cfg, seed=0), tmp_path / "short")
     args = dpo_args(shapes_pairs, tmp_path / "out", f"--init_from={tmp_path / 'short'}", "--objective=grpo",
                     f"--data_dir={shapes_pairs / 'shards'}", "--grpo_reward=exact_match", "--max_iters=2",
                     "--batch_size=8", "--micro_batch_size=8", "--grpo_group=2", "--grpo_max_new_tokens=8",
@@ -666,7 +705,8 @@ def test_rollouts_past_the_models_max_seq_len_are_refused_at_setup(shapes_pairs,
         train.main(args)
 
 
-@pytest.mark.parametrize("change", ["--grpo_beta=0.05", "--grpo_loss=grpo", "--grpo_group=4", "--grpo_reference"])
+@pytest.mark.parametrize("change", ["--grpo_beta=0.05", "--grpo_loss=grpo", "--grpo_group=4", "--grpo_scale_rewards=none",
+                                    "--grpo_reference"])
 def test_a_resume_that_changes_how_rollouts_are_made_samples_a_new_generation_batch(shapes_pairs,  # noqa: F811
                                                                                    tmp_path, capsys, change):
     """Stopped inside a generation batch (grpo_iterations 2, step 3) and resumed with another grpo_beta (the saved
@@ -702,17 +742,16 @@ def test_a_reference_answer_cut_at_seq_len_is_not_a_rules_reference(shapes_pairs
     """seq_len 26: a prompt of 25 tokens keeps one answer token of two (the word, not <|eot_id|>): exact_match would
     reward a completion that stops there. A rule reward skips (and counts) those rows; a reward model, which never
     reads the reference, keeps them. Answers that end with the stop token are kept either way."""
-    import data
     from model import build_model
 
     cfg, stream = small_model_and_stream(shapes_pairs, batch_size=8, seq_len=26)
     model = build_model(cfg, seed=0)
-    stop = data.stop_token_id("llama_3", stream.tok)
+    stop = chat.stop_token_id("llama_3", stream.tok)
     b = next(stream.batch(k) for k in range(20) if any(stop not in a for _, _, a in rl.prompts_of(stream.batch(k))))
     cut = {r for r, _, a in rl.prompts_of(b) if stop not in a}
     whole = {r for r, _, a in rl.prompts_of(b) if stop in a}
     assert cut and whole
-    run = dict(train.DEFAULTS) | {"grpo_group": 2, "grpo_max_new_tokens": 4,
+    run = dict(config.DEFAULTS) | {"grpo_group": 2, "grpo_max_new_tokens": 4,
                                   "grpo_reward": "exact_match" if reward == "rule" else str(tmp_path)}
     seen = []
     score = lambda texts, answers, *_: seen.extend(answers) or torch.zeros(len(texts))  # noqa: E731

@@ -9,7 +9,9 @@ import json
 import pytest
 from PIL import Image
 
-import data
+import chat
+import checkpoint
+import loader
 import pack
 import processor
 
@@ -57,7 +59,7 @@ def packed(tmp_path_factory):
     from test_data import bpe_tokenizer
 
     tok = bpe_tokenizer(d)
-    stream = data.ShardStream(d / "shards", tok, 1, 256, 28, tok.vocab_size, 4, template="chatml")
+    stream = loader.ShardStream(d / "shards", tok, 1, 256, 28, tok.vocab_size, 4, template="chatml")
     read = {}
     for i in range(len(stream)):
         _, conv, kind, blobs = stream.read_conversation(i)
@@ -73,7 +75,7 @@ def hf_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"[UNK]": 0}, unk_token="[UNK]")))
 
 
-@pytest.mark.parametrize("template", sorted(data.TEMPLATES))
+@pytest.mark.parametrize("template", sorted(chat.TEMPLATES))
 @pytest.mark.parametrize("system,placement,n_images", CASES)
 def test_packed_image_lands_where_the_chat_template_puts_it(packed, hf_tokenizer, template, system, placement,
                                                             n_images):
@@ -81,7 +83,7 @@ def test_packed_image_lands_where_the_chat_template_puts_it(packed, hf_tokenizer
     key = record(system, placement, n_images)["id"]
     assert key in read, f"pack dropped it: {skips.summary()}"
     conv, _ = read[key]
-    ours = "".join(t for t, _ in data.render(template, conv))
+    ours = "".join(t for t, _ in chat.render(template, conv))
     want = hf_tokenizer.apply_chat_template(hf_messages(system, placement, n_images), tokenize=False,
                                             chat_template=processor.chat_template(template))
     assert ours == want
@@ -119,10 +121,10 @@ def test_reader_moves_a_tag_old_shards_kept_in_the_system_turn(hf_tokenizer):
                                             chat_template=processor.chat_template("chatml"))
     for conv in (old, untagged):
         members = {"jpg": buf.getvalue(), "json": json.dumps({"conversations": conv}).encode()}
-        read, image = data.sample_conversation(members)
-        assert "".join(t for t, _ in data.render("chatml", read)) == want and image == buf.getvalue()
+        read, image = loader.sample_conversation(members)
+        assert "".join(t for t, _ in chat.render("chatml", read)) == want and image == buf.getvalue()
     several = {"0.jpg": buf.getvalue(), "1.jpg": buf.getvalue(), "txt": b"Grey.", "json": b'{"question": "Sky?"}'}
-    assert data.sample_conversation(several)[0][0]["value"] == "<image>\n<image>\nSky?"
+    assert loader.sample_conversation(several)[0][0]["value"] == "<image>\n<image>\nSky?"
 
 
 def test_sample_puts_one_image_before_the_question_wherever_the_prompt_has_its_tag(tmp_path, packed, monkeypatch,
@@ -130,14 +132,14 @@ def test_sample_puts_one_image_before_the_question_wherever_the_prompt_has_its_t
     """sample.py adds the tag only to a prompt without one; a prompt holding it (before or after the question) gets
     the same single run of image tokens, the one transformers' generation prompt gives; two tags for one image is
     a one-line error."""
-    import convert
     import sample
-    from model import build_model, vlm_preset
+    from model import build_model
+    from model_config import vlm_preset
 
     _, tok, _ = packed
     cfg = vlm_preset("debug").with_overrides({"image_token_id": tok.vocab_size,
                                               "llm": {"vocab_size": -(-(tok.vocab_size + 1) // 64) * 64}})
-    convert.save_model(build_model(cfg, seed=0), tmp_path / "ckpt", tokenizer_dir=tok.path.parent)
+    checkpoint.save_model(build_model(cfg, seed=0), tmp_path / "ckpt", tokenizer_dir=tok.path.parent)
     Image.new("RGB", (45, 31), (200, 30, 60)).save(tmp_path / "a.jpg")
     seen = []
     monkeypatch.setattr(sample, "answer", lambda args, model, template, tok, ids, mask, pixels, extra:

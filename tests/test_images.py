@@ -10,8 +10,10 @@ import pytest
 import torch
 from PIL import Image
 
-import data
+import images
+import loader
 import pack
+import shards
 
 SIZE = 336
 
@@ -47,12 +49,12 @@ def reference_levels(processors, raw, mode):
     transparent colour, transformers 5 composites on white instead: a model trained by LLaVA never saw that.)"""
     img = np.asarray(Image.open(io.BytesIO(raw)).convert("RGB"))
     ref = processors[mode](images=img, return_tensors="pt", input_data_format="channels_last")["pixel_values"][0]
-    mean, std = torch.tensor(data.CLIP_MEAN).view(3, 1, 1), torch.tensor(data.CLIP_STD).view(3, 1, 1)
+    mean, std = torch.tensor(images.CLIP_MEAN).view(3, 1, 1), torch.tensor(images.CLIP_STD).view(3, 1, 1)
     return (ref * std + mean) * 255
 
 
 def max_level_diff(processors, raw, mode, **kw):
-    return (data.load_image(raw, SIZE, mode, **kw).float() - reference_levels(processors, raw, mode)).abs().max()
+    return (images.load_image(raw, SIZE, mode, **kw).float() - reference_levels(processors, raw, mode)).abs().max()
 
 
 # COCO/LAION-range photos, portrait and landscape, sizes whose scaled side has a fractional part >= 0.5
@@ -112,28 +114,28 @@ def test_pack_keeps_every_source_lossless(processors, tmp_path):
     pack.pack(tmp_path / "data.json", tmp_path / "images", tmp_path / "shards", shard_size=100)
     (tar,) = sorted((tmp_path / "shards").glob("*.tar"))
     with open(tar, "rb") as f:
-        samples = [data.read_members(f, s, e)[1] for s, e in data.sample_offsets(tar)]
+        samples = [shards.read_members(f, s, e)[1] for s, e in shards.sample_offsets(tar)]
     assert len(samples) == len(MODES)
     for members in samples:
         name = json.loads(members["json"])["id"]
         source = (tmp_path / "images" / name).read_bytes()
-        _, stored = data.sample_conversation(members)
+        _, stored = loader.sample_conversation(members)
         if name.endswith((".png", ".jpeg")):
             assert stored == source  # the file itself
         else:
             assert "png" in members  # re-encoded losslessly, never as JPEG
-        ours = data.load_image(stored, SIZE, "crop").float()  # against the processor on the original file
+        ours = images.load_image(stored, SIZE, "crop").float()  # against the processor on the original file
         assert (ours - reference_levels(processors, source, "crop")).abs().max() <= 1
 
 
 def test_fast_images_is_off_by_default_and_its_cost_is_bounded(processors):
     raw = encode(photo(2048, 1536, seed=3), "JPEG", quality=90)
-    exact = data.load_image(raw, SIZE, "crop")
-    assert torch.equal(exact, data.load_image(raw, SIZE, "crop", fast=False))
+    exact = images.load_image(raw, SIZE, "crop")
+    assert torch.equal(exact, images.load_image(raw, SIZE, "crop", fast=False))
     img = Image.open(io.BytesIO(raw))
     img.draft("RGB", (2 * SIZE * 2048 // 1536 + 1, 2 * SIZE))
     assert img.size == (1024, 768)  # decoded at 1/2 scale, still twice the target
-    diff = (data.load_image(raw, SIZE, "crop", fast=True).float() - reference_levels(processors, raw, "crop")).abs()
+    diff = (images.load_image(raw, SIZE, "crop", fast=True).float() - reference_levels(processors, raw, "crop")).abs()
     assert 1 < diff.max() <= 16 and diff.flatten().quantile(0.999) <= 6  # the cost README states
 
 
@@ -145,11 +147,11 @@ def test_a_siglip_tower_gets_siglips_statistics_and_pad_colour(w, h):
     from transformers import LlavaImageProcessor, SiglipImageProcessor
 
     import processor
-    from model import ViTConfig
+    from model_config import ViTConfig
 
     siglip = ViTConfig(image_size=384, patch_size=14, kind="siglip", act="gelu_pytorch_tanh")
     mean, std = siglip.image_stats
-    assert (mean, std) == ((0.5,) * 3, (0.5,) * 3) and ViTConfig().image_stats == (data.CLIP_MEAN, data.CLIP_STD)
+    assert (mean, std) == ((0.5,) * 3, (0.5,) * 3) and ViTConfig().image_stats == (images.CLIP_MEAN, images.CLIP_STD)
     raw = encode(photo(w, h, seed=w), "PNG", compress_level=1)
     img = np.asarray(Image.open(io.BytesIO(raw)).convert("RGB"))
     references = {"resize": SiglipImageProcessor(size={"height": 384, "width": 384}),
@@ -157,7 +159,7 @@ def test_a_siglip_tower_gets_siglips_statistics_and_pad_colour(w, h):
                                              crop_size={"height": 384, "width": 384}, image_mean=mean, image_std=std)}
     for mode, reference in references.items():
         theirs = reference(images=img, return_tensors="pt", input_data_format="channels_last")["pixel_values"]
-        ours = data.normalize_images(data.load_image(raw, 384, mode, mean=mean)[None], mean, std)
+        ours = images.normalize_images(images.load_image(raw, 384, mode, mean=mean)[None], mean, std)
         assert ((theirs - ours) * 0.5 * 255).abs().max() <= 1.0 + 1e-3, mode  # within one uint8 level
     exported = processor.image_processor_config(384, "pad", *siglip.image_stats)
     assert exported["image_mean"] == [0.5] * 3 and exported["image_std"] == [0.5] * 3

@@ -1,7 +1,6 @@
 """The house (STYLE.md): the imports between the top-level modules, read from their source, go one way: no cycle,
-and no module imports one of a higher layer. Every import statement counts, those inside functions included. The
-block under `if __name__ == "__main__":` runs only when the file is the program, never when it is imported, so its
-imports are the program's (node "data:__main__"): `python data.py audit` dispatches there to data_cli.py."""
+no module imports one of a higher layer, and no program imports another program. Every import statement counts,
+those inside functions and under `if __name__ == "__main__":` included."""
 
 import ast
 import subprocess
@@ -11,40 +10,28 @@ from conftest import ROOT
 
 MODULES = sorted(p.stem for p in ROOT.glob("*.py"))
 
-# STYLE.md's layers. processor.py writes data.py's chat templates (and its image settings) as HF processor files,
-# so it sits beside data.py rather than with the formats below it.
-LAYERS = {"model": 1, "model_config": 1, "anyres": 1, "lora": 1,
-          "images": 2, "shards": 2, "weight_files": 2, "hf_config": 2, "hf_names": 2, "checkpoint": 2, "parallel": 2,
-          "chat": 3, "data": 3, "pack": 3, "shapes": 3, "processor": 3,
-          "train": 4, "config": 4, "evaluation": 4, "dpo": 4, "rl": 4, "convert": 4, "sample": 4, "bench": 4, "data_cli": 4}
-# imports up a layer still to be removed (the layer test fails while an entry is stale): none
-PENDING = set()
-
-
-def is_main_guard(node):
-    t = node.test
-    return isinstance(node, ast.If) and isinstance(t, ast.Compare) and isinstance(t.left, ast.Name) and \
-        t.left.id == "__name__" and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in t.comparators)
+# STYLE.md's layers: 1 model, 2 formats and I/O, 3 data, 4 pieces of the training loop, 5 programs
+LAYERS = {"model": 1, "model_config": 1, "anyres": 1, "lora": 1, "losses": 1,
+          "chat": 2, "images": 2, "shards": 2, "weight_files": 2, "hf_config": 2, "hf_names": 2, "checkpoint": 2,
+          "parallel": 2, "storage": 2,
+          "loader": 3, "pack": 3, "shapes": 3, "processor": 3,
+          "config": 4, "evaluation": 4, "dpo": 4, "rl": 4,
+          "train": 5, "convert": 5, "sample": 5, "bench": 5, "data": 5}
+PROGRAMS = 5
 
 
 def import_edges():
-    """{(importer, imported): first line} over the top-level modules; importer is "name:__main__" for a main block."""
+    """{(importer, imported): first line} over the top-level modules, every import statement in the file counted."""
     edges = {}
-
-    def visit(node, source, path):
-        for child in ast.iter_child_nodes(node):
-            here = f"{source}:__main__" if isinstance(child, ast.If) and is_main_guard(child) else source
-            names = [a.name for a in child.names] if isinstance(child, ast.Import) else \
-                [child.module] if isinstance(child, ast.ImportFrom) and child.module and not child.level else []
-            for name in names:
-                target = name.split(".")[0]
-                if target in MODULES and target != source.split(":")[0]:
-                    edges.setdefault((source, target), f"{path.name}:{child.lineno}")
-            visit(child, here, path)
-
     for name in MODULES:
         path = ROOT / f"{name}.py"
-        visit(ast.parse(path.read_text(), filename=str(path)), name, path)
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+            for imported in names:
+                target = imported.split(".")[0]
+                if target in MODULES and target != name:
+                    edges.setdefault((name, target), f"{path.name}:{node.lineno}")
     return edges
 
 
@@ -90,19 +77,30 @@ def test_find_cycle_finds_the_cycle_that_was_there():
 
 
 def test_imports_go_down_the_layers():
-    """No module imports one of a higher layer (programs may use each other, as bench.py runs train.py's step)."""
+    """No module imports one of a higher layer, and no program imports another program."""
     assert set(MODULES) == set(LAYERS), "give each top-level module a layer here (STYLE.md): " \
         f"{sorted(set(MODULES) ^ set(LAYERS))}"
-    edges = import_edges()
-    layer = lambda node: 4 if node.endswith(":__main__") else LAYERS[node]  # noqa: E731  a main block is a program
-    upward = {(a, b) for a, b in edges if layer(a) < layer(b)}
-    assert upward == PENDING, "imports up a layer: " + ", ".join(
-        f"{a} (layer {layer(a)}) imports {b} (layer {layer(b)}) at {edges.get((a, b), 'nowhere now')}"
-        for a, b in sorted(upward ^ PENDING))
+    bad = {(a, b): line for (a, b), line in import_edges().items()
+           if LAYERS[a] < LAYERS[b] or LAYERS[a] == LAYERS[b] == PROGRAMS}
+    assert not bad, "imports up a layer or between programs: " + ", ".join(
+        f"{a} (layer {LAYERS[a]}) imports {b} (layer {LAYERS[b]}) at {line}" for (a, b), line in sorted(bad.items()))
+
+
+def test_no_module_only_passes_names_on():
+    """Every name a module imports from another of ours is used there: a re-exported name hides where code lives."""
+    passed_on = []
+    for name in MODULES:
+        tree = ast.parse((ROOT / f"{name}.py").read_text())
+        used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | \
+            {n.value.id for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module in MODULES:
+                passed_on += [f"{name}.{a.asname or a.name}" for a in node.names if (a.asname or a.name) not in used]
+    assert not passed_on, f"imported but unused (a re-export): {passed_on}"
 
 
 def test_data_py_is_still_the_command_line(tmp_path):
-    """`python data.py pack|shapes|audit` as README documents it: the command line moved to data_cli.py."""
+    """`python data.py pack|shapes|audit` as README documents it: the packing program."""
     r = subprocess.run([sys.executable, str(ROOT / "data.py"), "audit", str(tmp_path / "none"), "--tokenizer",
                         str(tmp_path / "none.model"), "--show", "0"], capture_output=True, text=True, cwd=ROOT,
                        timeout=120)

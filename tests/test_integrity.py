@@ -14,10 +14,13 @@ import torch
 from conftest import ROOT, checkpoint_bytes, checkpoint_tensors
 from test_train import args, run, shapes, weights  # noqa: F401  (shapes is a fixture)
 
-import data
-import evaluation
+import chat
 import checkpoint
-import train
+import config
+import evaluation
+import loader
+import parallel
+import model
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +63,7 @@ def test_nonfinite_steps_in_a_row_stop_with_a_clear_error(shapes, tmp_path, monk
             check=False)
     no_traceback(r)
     assert "3 steps in a row had a non-finite loss or gradient" in r.stderr and "max_nonfinite_steps" in r.stderr
-    assert [p.name for p in train.checkpoints(tmp_path)] == ["step-000004"] and not (tmp_path / "DONE").exists()
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-000004"] and not (tmp_path / "DONE").exists()
     assert checkpoint.verify_checkpoint(tmp_path / "step-000004") is None
     assert all(torch.isfinite(t).all() for t in checkpoint_tensors(tmp_path / "step-000004", "model.").values())
 
@@ -70,7 +73,7 @@ def test_nonfinite_weights_are_never_checkpointed_and_the_good_one_is_kept(shape
     r = run(args(shapes, tmp_path, "--max_iters=20", "--ckpt_interval=3", "--keep_last=1"), check=False)
     no_traceback(r)
     assert "not writing step-000006: non-finite values" in r.stderr and "step-000003" in r.stderr
-    assert [p.name for p in train.checkpoints(tmp_path)] == ["step-000003"]
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-000003"]
     assert checkpoint.verify_checkpoint(tmp_path / "step-000003") is None
 
 
@@ -156,7 +159,7 @@ def test_resume_falls_back_past_a_silently_corrupted_checkpoint(shapes, base, tm
     # retrained from step 3: the same bytes as the uninterrupted run, written over the step marked CORRUPT
     assert weights(out / "step-000006") == weights(base / "step-000006")
     assert not (out / "step-000006/CORRUPT").exists() and checkpoint.verify_checkpoint(out / "step-000006") is None
-    assert [p.name for p in train.checkpoints(out)] == ["step-000006"]
+    assert [p.name for p in checkpoint.checkpoints(out)] == ["step-000006"]
 
 
 def test_step_numbers_of_any_width_sort_numerically_and_pruning_spares_newer(tmp_path):
@@ -166,28 +169,28 @@ def test_step_numbers_of_any_width_sort_numerically_and_pruning_spares_newer(tmp
     (tmp_path / "step-000500/CORRUPT").write_text("{}")  # marked at a resume: never taken, never pruned
     (tmp_path / "step-000100.corrupt-1").mkdir()
     (tmp_path / "step-000200").mkdir()  # a write that did not finish: no manifest
-    assert [p.name for p in train.checkpoints(tmp_path)] == ["step-000012", "step-000999", "step-999999",
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-000012", "step-000999", "step-999999",
                                                              "step-1000000"]
     checkpoint.prune_checkpoints(tmp_path, tmp_path / "step-000999", keep_last=1)  # never anything after the newest
-    assert [p.name for p in train.checkpoints(tmp_path)] == ["step-000999", "step-999999", "step-1000000"]
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-000999", "step-999999", "step-1000000"]
     checkpoint.prune_checkpoints(tmp_path, tmp_path / "step-1000000", keep_last=2)
-    assert [p.name for p in train.checkpoints(tmp_path)] == ["step-999999", "step-1000000"]
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-999999", "step-1000000"]
     assert (tmp_path / "step-000500/CORRUPT").exists()
 
 
 def test_held_out_questions_longer_than_the_model_are_counted_and_skipped(shapes):  # noqa: F811
-    cfg = train.load_config([str(ROOT / "configs/debug.py"), f"--tokenizer={shapes / 'tokenizer.model'}"])
-    stream = data.ShardStream(shapes / "shards", cfg["tokenizer"], batch_size=1, seq_len=48, image_size=28,
+    cfg = config.load_config([str(ROOT / "configs/debug.py"), f"--tokenizer={shapes / 'tokenizer.model'}"])
+    stream = loader.ShardStream(shapes / "shards", cfg["tokenizer"], batch_size=1, seq_len=48, image_size=28,
                               image_token_id=512, n_image_tokens=4, template="llama_3", split="val")
     lengths = []
     for i in range(10):
-        conv, image = data.sample_conversation(stream.read(i)[1])
-        lengths.append(len(data.prompt_and_answer(conv, True, "llama_3", stream.tok, 512, 4)[0]))
+        conv, image = loader.sample_conversation(stream.read(i)[1])
+        lengths.append(len(chat.prompt_and_answer(conv, True, "llama_3", stream.tok, 512, 4)[0]))
     limit = max(lengths) + 7  # the longest prompts, with 8 answer tokens, no longer fit
-    model_cfg = train.model_config(cfg)
+    model_cfg = config.model_config(cfg)
     model_cfg.llm.max_seq_len = limit
-    raw = train.build_model(model_cfg, seed=0)
-    env = train.SimpleNamespace(kind="cpu", device=torch.device("cpu"), distributed=False)
+    raw = model.build_model(model_cfg, seed=0)
+    env = parallel.Env({"device": "cpu"})
     acc, shown, asked, too_long = evaluation.answer_accuracy(raw, stream, env, cfg, 10)
     assert too_long == sum(n + 8 > limit for n in lengths) > 0 and asked == 10 - too_long
 

@@ -11,12 +11,17 @@ import torch
 from conftest import ROOT, checkpoint_tensors, image_batch, tiny_hf_llava
 from safetensors.torch import load_file, save_file
 from test_convert import anyres_logits, tiny_hf_anyres
-from shapes import make_shapes
 from test_train import args, losses, run, weights
 
+import checkpoint
+import config
 import convert
+import hf_config
+import hf_names
 import train
-from model import LoRAConfig, LoRALinear, apply_lora, build_model, merge_lora, vlm_preset
+from lora import LoRAConfig, LoRALinear, apply_lora, merge_lora
+from model import build_model
+from model_config import vlm_preset
 
 # our layer -> transformers-5's module, written out here (not taken from convert.py)
 HF_NAMES = [(r"llm\.layers\.(\d+)\.attention\.w([qkvo])", r"model.language_model.layers.\1.self_attn.\2_proj"),
@@ -45,10 +50,7 @@ def adapted(peft_model):
 
 def ours_from_hf(hf, path):
     hf.save_pretrained(path)
-    state, cfg = convert.llava_from_hf(path)
-    model = build_model(cfg, init=False)
-    model.load_state_dict(state, strict=not cfg.llm.tie_embeddings)
-    return model
+    return checkpoint.load_model(path)
 
 
 def randomize_adapters(model, seed=0, std=0.3):
@@ -261,7 +263,7 @@ def lora_checkpoint(hf, tmp_path, targets, seed=0):
     with torch.no_grad():
         for p in ours.projector.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
-    convert.save_model(ours, tmp_path / "ours")
+    checkpoint.save_model(ours, tmp_path / "ours")
     return ours.eval()
 
 
@@ -305,7 +307,7 @@ def test_anyres_exports_load_in_transformers_and_peft(tmp_path, kind):
     ours = lora_checkpoint(tiny_hf_anyres(kind), tmp_path, ["llm", "vision.attn"])
     convert.main(["to-hf", "--ckpt", str(tmp_path / "ours"), "--merge-lora", "--out", str(tmp_path / "merged")])
     convert.main(["to-hf", "--ckpt", str(tmp_path / "ours"), "--lora-only", "--out", str(tmp_path / "adapter")])
-    cls = getattr(tf, convert.HF_ARCHITECTURES[kind])
+    cls = getattr(tf, hf_config.HF_ARCHITECTURES[kind])
     merged, info = cls.from_pretrained(tmp_path / "merged", output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     peft = PeftModel.from_pretrained(cls.from_pretrained(tmp_path / "src"), tmp_path / "adapter").eval()
@@ -332,7 +334,7 @@ def test_from_hf_reads_a_peft_adapter_back(tmp_path):
     twin.save_pretrained(tmp_path / "adapter")
     convert.main(["from-hf", "--llava", str(tmp_path / "base"), "--lora", str(tmp_path / "adapter"),
                   "--out", str(tmp_path / "ours")])
-    ours = convert.load_model(tmp_path / "ours").eval()
+    ours = checkpoint.load_model(tmp_path / "ours").eval()
     assert ours.cfg.lora == LoRAConfig(r=3, alpha=7, targets=["llm.attention.wq", "llm.attention.wk", "llm.attention.wv",
                                                               "llm.attention.wo", "llm.feed_forward.w1",
                                                               "llm.feed_forward.w2", "llm.feed_forward.w3"], rslora=True)
@@ -353,7 +355,7 @@ def test_from_hf_reads_a_peft_adapter_back(tmp_path):
     save_file(tf4, tmp_path / "tf4/adapter_model.safetensors")
     convert.main(["from-hf", "--llava", str(tmp_path / "base"), "--lora", str(tmp_path / "tf4"),
                   "--out", str(tmp_path / "o4")])
-    assert all(torch.equal(a, b) for a, b in zip(convert.load_model(tmp_path / "o4").state_dict().values(),
+    assert all(torch.equal(a, b) for a, b in zip(checkpoint.load_model(tmp_path / "o4").state_dict().values(),
                                                  ours.state_dict().values()))
     convert.main(["to-hf", "--ckpt", str(tmp_path / "ours"), "--lora-only", "--out", str(tmp_path / "again")])
     theirs, again = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("adapter", "again"))
@@ -389,7 +391,7 @@ def test_memory_names_are_transformers_own():
     hf = [tiny_hf_llava(), tiny_hf_anyres("llava_next"), tiny_hf_anyres("llava_onevision")]
     for model in hf:
         for key in model.state_dict():
-            assert convert.memory_name(convert.hub_name(key)) == key
+            assert hf_names.memory_name(hf_names.hub_name(key)) == key
 
 
 # -----------------------------------------------------------------------------
@@ -401,10 +403,8 @@ LR_SCALE = "--lr_scale={'vision': 1.0, 'projector': 0.1, 'llm': 1.0}"  # LLaVA's
 
 
 @pytest.fixture(scope="module")
-def shapes(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shapes")
-    make_shapes(out, n=400, seed=0, val_fraction=0.1)
-    return out
+def shapes(shapes_data):
+    return shapes_data(n=400, seed=0, val_fraction=0.1)
 
 
 @pytest.fixture(scope="module")
@@ -413,7 +413,7 @@ def base(tmp_path_factory):
     cfg = vlm_preset("debug")
     cfg.vision.image_size, cfg.llm.vocab_size, cfg.image_token_id = 28, 576, 512
     out = tmp_path_factory.mktemp("lora-base")
-    convert.save_model(build_model(cfg, seed=0), out / "init")
+    checkpoint.save_model(build_model(cfg, seed=0), out / "init")
     return out / "init"
 
 
@@ -483,14 +483,14 @@ def test_lora_config_errors_name_the_field(shapes, base, tmp_path):
                          ("{'r': 4, 'targets': ['q_proj']}", "lora=.*unknown targets \\['q_proj'\\]"),
                          ("{'r': 0}", "lora=.*r must be a positive integer")]:
         with pytest.raises(SystemExit, match=message):
-            train.load_config([f"--lora={bad}"])
+            config.load_config([f"--lora={bad}"])
     with pytest.raises(SystemExit, match="adapt \\['llm'\\], which stage 1 does not train"):
         train.main(lora_args(shapes, tmp_path, base, 0.0, "--stage=1"))
 
 
 def test_llava_lora_recipe_config():
-    cfg = train.load_config([str(ROOT / "configs/finetune_lora.py")])
-    lora = train.lora_config(cfg)
+    cfg = config.load_config([str(ROOT / "configs/finetune_lora.py")])
+    lora = config.lora_config(cfg)
     assert (lora.r, lora.alpha, lora.dropout, lora.scaling, cfg["stage"]) == (128, 256, 0.05, 2.0, 2)
     assert cfg["lr"] == 2e-4 and cfg["lr"] * cfg["lr_scale"]["projector"] == pytest.approx(2e-5)
     assert lora.sites() == ["llm.attention.wq", "llm.attention.wk", "llm.attention.wv", "llm.attention.wo",

@@ -4,18 +4,18 @@ import pytest
 import torch
 from conftest import image_batch, tiny_hf_llava
 
+import checkpoint
 import convert
-from model import LLM_PRESETS, VIT_PRESETS, VLM, Llama, ViT, VLMConfig, build_model, vlm_preset
+import hf_config
+from model import VLM, Llama, ViT, build_model
+from model_config import LLM_PRESETS, VIT_PRESETS, VLMConfig, vlm_preset
 
 TOL = 1e-4
 
 
 def ours_from_hf(hf_model, tmp_path):
     hf_model.save_pretrained(tmp_path / "hf")
-    state, cfg = convert.llava_from_hf(tmp_path / "hf")
-    model = build_model(cfg, init=False)
-    model.load_state_dict(state, strict=not cfg.llm.tie_embeddings)
-    return model.eval()
+    return checkpoint.load_model(tmp_path / "hf").eval()
 
 
 @pytest.mark.parametrize("rope", [None, {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
@@ -55,7 +55,7 @@ def test_clip_hidden_states_match_transformers(tmp_path):
             if "norm" in name or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
     hf.save_pretrained(tmp_path)
-    cfg = VLMConfig(vision=convert.vit_config(convert.read_json(tmp_path / "config.json")), llm=vlm_preset("debug").llm)
+    cfg = VLMConfig(vision=hf_config.vit_config(hf_config.read_json(tmp_path / "config.json")), llm=vlm_preset("debug").llm)
     vit = ViT(cfg.vision)
     vit.load_state_dict({k.removeprefix("vision."): v for k, v in convert.vision_from_clip(tmp_path, cfg).items()})
     pixels = torch.randn(2, 3, 56, 56)
@@ -161,7 +161,7 @@ def test_presets_have_published_shapes():
 
 def packed_and_single(model_cfg, seed=0):
     """Three samples (two with an image, one text-only) packed into two rows, and each alone."""
-    from data import packed_batch
+    from loader import packed_batch
 
     g = torch.Generator().manual_seed(seed)
     n, image = model_cfg.n_image_tokens, model_cfg.image_token_id
@@ -253,7 +253,7 @@ def test_siglip_hidden_states_match_transformers(tmp_path, image_size):
             if "norm" in name or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
     hf.save_pretrained(tmp_path)
-    vcfg = convert.vit_config(convert.read_json(tmp_path / "config.json"))
+    vcfg = hf_config.vit_config(hf_config.read_json(tmp_path / "config.json"))
     assert vcfg.kind == "siglip" and vcfg.act == "gelu_pytorch_tanh" and vcfg.norm_eps == 1e-6
     cfg = VLMConfig(vision=vcfg, llm=vlm_preset("debug").llm)
     vit = ViT(cfg.vision).eval()

@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM
 
-import train
+import config
 from model import build_model
 
 DEMO = []  # train.py's defaults: the shapes demo
@@ -24,7 +24,7 @@ def hf_shapes(c):
 
 @pytest.mark.parametrize("argv", [DEMO, WIDE, NARROW], ids=["shapes-demo", "widened-debug", "fewer-heads"])
 def test_overrides_rederive_head_dim(argv):
-    c = train.model_config(train.load_config(argv))
+    c = config.model_config(config.load_config(argv))
     with torch.device("meta"):
         model = build_model(c, device="meta", init=False)
     attn = model.llm.layers[0].attention
@@ -35,20 +35,20 @@ def test_overrides_rederive_head_dim(argv):
 
 
 def test_demo_and_widened_values():
-    demo = train.model_config(train.load_config(DEMO))
+    demo = config.model_config(config.load_config(DEMO))
     assert (demo.llm.head_dim, demo.llm.n_kv_heads, demo.n_image_tokens) == (32, 4, 9)
-    wide = train.model_config(train.load_config(WIDE))
+    wide = config.model_config(config.load_config(WIDE))
     assert (wide.llm.head_dim, wide.llm.n_kv_heads, wide.n_image_tokens) == (64, 2, 9)  # debug's GQA (2 kv heads) kept
 
 
 def test_explicit_head_dim_and_mha_kv_heads():
     # an explicit head_dim wins (Gemma-style); a preset without GQA keeps n_kv_heads = n_heads when n_heads changes
-    c = train.model_config(train.load_config(["--model=llava-1.5-7b", "--model_overrides={'llm': {'n_heads': 16}}"]))
+    c = config.model_config(config.load_config(["--model=llava-1.5-7b", "--model_overrides={'llm': {'n_heads': 16}}"]))
     assert (c.llm.head_dim, c.llm.n_kv_heads) == (256, 16)
-    c = train.model_config(train.load_config(["--model=debug", "--model_overrides={'llm': {'dim': 128, 'head_dim': 8}}"]))
+    c = config.model_config(config.load_config(["--model=debug", "--model_overrides={'llm': {'dim': 128, 'head_dim': 8}}"]))
     assert c.llm.head_dim == 8
 
 
 def test_bad_override_is_a_clear_error():
     with pytest.raises(SystemExit, match="model_overrides.*unknown LlamaConfig keys \\['heads'\\]"):
-        train.model_config(train.load_config(["--model_overrides={'llm': {'heads': 8}}"]))
+        config.model_config(config.load_config(["--model_overrides={'llm': {'heads': 8}}"]))

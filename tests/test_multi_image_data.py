@@ -12,7 +12,10 @@ import torch
 from PIL import Image
 from test_images import encode, photo
 
-import data
+import chat
+import checkpoint
+import images
+import loader
 import pack
 
 # -----------------------------------------------------------------------------
@@ -103,14 +106,14 @@ OV_PINPOINTS = [[384 * i, 384 * j] for i in range(1, 7) for j in range(1, 7)]  #
 
 
 def next_config(**kw):  # llava-v1.6: CLIP ViT-L/14-336, "default" features
-    from model import VIT_PRESETS, VLMConfig, vlm_preset
+    from model_config import VIT_PRESETS, VLMConfig, vlm_preset
 
     return VLMConfig(vision=VIT_PRESETS["clip-vit-l-336"], llm=vlm_preset("debug").llm,
                      **{"image_token_id": 1, "anyres": "anyres", "grid_pinpoints": NEXT_PINPOINTS} | kw)
 
 
 def onevision_config(**kw):  # llava-onevision: SigLIP so400m 384, "full" features
-    from model import VIT_PRESETS, VLMConfig, vlm_preset
+    from model_config import VIT_PRESETS, VLMConfig, vlm_preset
 
     return VLMConfig(vision=VIT_PRESETS["siglip-so400m-patch14-384"], llm=vlm_preset("debug").llm, vision_layer=-1,
                      vision_select="cls_patch", **{"image_token_id": 1, "video_token_id": 2, "anyres": "anyres_max_9",
@@ -133,12 +136,11 @@ def test_tiles_equal_the_llava_next_and_onevision_processors(w, h):
     """Base view + grid (LlavaNextImageProcessorPil, CLIP 336, v1.6 pinpoints; LlavaOnevisionImageProcessorPil,
     SigLIP 384, OneVision pinpoints) and OneVision's view of an image among several (pad to square in the mean
     colour): within one uint8 level of the processors, and as many tiles as anyres.image_layout places."""
-    from anyres import image_layout
     from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
-    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import \
-        LlavaOnevisionImageProcessorPil
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import LlavaOnevisionImageProcessorPil
 
     import images
+    from anyres import image_layout
 
     raw = encode(photo(w, h, seed=w + h), "JPEG", quality=90)
     rgb = np.asarray(Image.open(io.BytesIO(raw)).convert("RGB"))
@@ -168,10 +170,10 @@ def test_tiles_equal_the_llava_next_and_onevision_processors(w, h):
 def test_video_frames_are_squashed_as_llava_onevision_preprocesses_them():
     """LLaVA-NeXT's training code runs each frame through the SigLIP image processor (resize to 384 x 384);
     transformers' LlavaOnevisionVideoProcessor needs torchvision, which is not installed here."""
-    from anyres import image_layout
     from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
     import images
+    from anyres import image_layout
 
     cfg = onevision_config()
     processor = SiglipImageProcessorPil(size={"height": 384, "width": 384}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
@@ -201,14 +203,13 @@ def chat_tokenizer(folder):
                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     folder.mkdir(exist_ok=True)
     t.save(str(folder / "tokenizer.json"))
-    return data.Tokenizer(folder / "tokenizer.json")
+    return chat.Tokenizer(folder / "tokenizer.json")
 
 
 def onevision_processor(folder):
     """LlavaOnevisionProcessor without its video processor (that needs torchvision): images only."""
     from transformers import LlavaOnevisionProcessor, PreTrainedTokenizerFast
-    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import \
-        LlavaOnevisionImageProcessorPil
+    from transformers.models.llava_onevision.image_processing_pil_llava_onevision import LlavaOnevisionImageProcessorPil
 
     tok = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
     p = LlavaOnevisionProcessor.__new__(LlavaOnevisionProcessor)
@@ -223,7 +224,7 @@ def onevision_processor(folder):
 def tiny_onevision_config(tok):
     """OneVision's layout at test size: SigLIP-style 28 px tiles of 2x2 features, pinpoints up to 4x4 tiles (so
     anyres_max_9 reduces the biggest grids), <image>/<video> ids from `tok`."""
-    from model import VIT_PRESETS, VLMConfig, vlm_preset
+    from model_config import VIT_PRESETS, VLMConfig, vlm_preset
 
     vision = VIT_PRESETS["debug"].__class__(**{**vars(VIT_PRESETS["debug"]), "kind": "siglip"})
     return VLMConfig(vision=vision, llm=vlm_preset("debug").llm, vision_layer=-1, vision_select="cls_patch",
@@ -237,24 +238,24 @@ def test_tiled_loader_resumes_at_the_exact_next_batch_and_the_legacy_one_refuses
     cfg = tiny_onevision_config(tok)
     kw = {"batch_size": 2, "seq_len": 200, "image_size": 28, "image_token_id": cfg.image_token_id,
           "n_image_tokens": cfg.n_image_tokens, "template": "chatml", "shuffle_block": 2}
-    run = data.Loader(data.ShardStream(d / "out", tok, vlm=cfg, max_tiles=17, **kw))
+    run = loader.Loader(loader.ShardStream(d / "out", tok, vlm=cfg, max_tiles=17, **kw))
     batches = [b for b, _ in zip(run, range(4))]
     assert sum(b["image_weight"].gt(0).any(-1).sum() for b in batches) > 0
-    resumed = data.Loader(data.ShardStream(d / "out", tok, vlm=cfg, max_tiles=17, **kw))
+    resumed = loader.Loader(loader.ShardStream(d / "out", tok, vlm=cfg, max_tiles=17, **kw))
     state = {**run.state_dict(), "position": 2 * 2}  # after two batches
     resumed.load_state_dict(state)
     again = [b for b, _ in zip(resumed, range(2))]
     for a, b in zip(batches[2:], again):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    short = data.ShardStream(d / "out", tok, vlm=cfg, max_tiles=17, **kw | {"batch_size": len(good), "seq_len": 40})
+    short = loader.ShardStream(d / "out", tok, vlm=cfg, max_tiles=17, **kw | {"batch_size": len(good), "seq_len": 40})
     assert short.batch(0)["dropped"].tolist() == [True] * 4 + [False]  # only the text-only sample fits in 40
     # the 3-image sample and the 13-tile photo: their image tokens would be cut; the others lose their answer
     assert dict(short.skips.counts) == {"image_beyond_seq_len": 2, "no_supervised_tokens": 2}
-    legacy = data.ShardStream(d / "out", tok, **kw | {"batch_size": len(good)})
+    legacy = loader.ShardStream(d / "out", tok, **kw | {"batch_size": len(good)})
     legacy.batch(0)
     assert legacy.skips.counts["multi_needs_max_tiles"] == 2 and legacy.skips.counts["video_needs_max_tiles"] == 1
     with pytest.raises(ValueError, match="max_tiles > 0 .* needs the model config"):
-        data.ShardStream(d / "out", tok, max_tiles=4, **kw)
+        loader.ShardStream(d / "out", tok, max_tiles=4, **kw)
 
 
 def test_tiled_batches_hold_the_prompts_and_tiles_llava_onevision_processor_gives(tmp_path):
@@ -273,7 +274,7 @@ def test_tiled_batches_hold_the_prompts_and_tiles_llava_onevision_processor_give
     (tmp_path / "d.json").write_text(json.dumps(recs))
     pack.pack(tmp_path / "d.json", imgs, tmp_path / "out")
     cfg = onevision_config(image_token_id=processor.image_token_id, video_token_id=processor.video_token_id)
-    stream = data.ShardStream(tmp_path / "out", tok, batch_size=5, seq_len=2200, image_size=384,
+    stream = loader.ShardStream(tmp_path / "out", tok, batch_size=5, seq_len=2200, image_size=384,
                               image_token_id=cfg.image_token_id, n_image_tokens=cfg.n_image_tokens, template="chatml",
                               shuffle_block=1, vlm=cfg, max_tiles=4, image_mean=cfg.vision.image_stats[0])
     b = stream.batch(0)
@@ -283,7 +284,7 @@ def test_tiled_batches_hold_the_prompts_and_tiles_llava_onevision_processor_give
     assert dict(stream.skips.counts) == {"too_many_tiles": 1}  # the 1920 x 1080 photo needs 16 tiles
     for row, rec in enumerate(recs[:4]):
         stored = json.loads(pack.prepare_record((0, rec, imgs))[0]["json"])["conversations"]  # tag added if absent
-        prompt = "".join(text for text, _ in data.render("chatml", stored, tok))
+        prompt = "".join(text for text, _ in chat.render("chatml", stored, tok))
         names = rec.get("image") or rec.get("video") or []
         pictures = [np.asarray(Image.open(imgs / n).convert("RGB")) for n in ([names] if isinstance(names, str) else
                                                                                names)]
@@ -337,7 +338,7 @@ def test_packed_rows_with_varying_image_tokens_give_each_sample_its_unpacked_los
           "template": "chatml", "shuffle_block": 1, "vlm": cfg, "max_tiles": 20}
 
     def sample_losses(batch):
-        pixels = data.normalize_images(batch["pixel_values"], *cfg.vision.image_stats)
+        pixels = images.normalize_images(batch["pixel_values"], *cfg.vision.image_stats)
         with torch.no_grad():
             _, loss = model(batch["input_ids"], pixels, batch["labels"], loss_reduction="none",
                             position_ids=batch.get("position_ids"), image_index=batch["image_index"],
@@ -347,8 +348,8 @@ def test_packed_rows_with_varying_image_tokens_give_each_sample_its_unpacked_los
         return sorted(float(loss[r][segment[r] == s].sum()) for r in range(len(loss)) for s in segment[r].unique()
                       if loss[r][segment[r] == s].abs().sum() > 0)
 
-    alone = data.ShardStream(tmp_path / "out", tok, batch_size=6, seq_len=160, **kw).batch(0)
-    packed_stream = data.ShardStream(tmp_path / "out", tok, batch_size=2, seq_len=240, pack=3, **kw)
+    alone = loader.ShardStream(tmp_path / "out", tok, batch_size=6, seq_len=160, **kw).batch(0)
+    packed_stream = loader.ShardStream(tmp_path / "out", tok, batch_size=2, seq_len=240, pack=3, **kw)
     packed = packed_stream.batch(0)
     assert not alone["dropped"].any() and not packed["dropped"].any()
     tiles_per_row = packed["pixel_values"].flatten(2).any(-1).sum(1)  # slots holding a tile
@@ -361,7 +362,6 @@ def test_packed_rows_with_varying_image_tokens_give_each_sample_its_unpacked_los
 def test_sample_py_asks_about_several_images_as_the_processor_and_the_loader_build_them(tmp_path, capsys):
     """data.tiled_prompt (sample.py's) gives LlavaOnevisionProcessor's ids for a two-image question, and sample.py
     --together answers a tiny model exactly as generate() does on the tiled loader's own row for that sample."""
-    import convert
     import sample
     from model import VLM, left_pad
 
@@ -374,9 +374,9 @@ def test_sample_py_asks_about_several_images_as_the_processor_and_the_loader_bui
     blobs = [(imgs / n).read_bytes() for n in ("a.jpg", "b.png")]
     question = "Which image has more circles?"
     cfg = onevision_config(image_token_id=processor.image_token_id, video_token_id=processor.video_token_id)
-    ids, tiles, _ = data.tiled_prompt(cfg, "chatml", tok, question, blobs, image_mode="pad",
+    ids, tiles, _ = loader.tiled_prompt(cfg, "chatml", tok, question, blobs, image_mode="pad",
                                       mean=cfg.vision.image_stats[0])
-    prompt = data.generation_prompt("chatml", "<image>\n<image>\n" + question, tok)
+    prompt = chat.generation_prompt("chatml", "<image>\n<image>\n" + question, tok)
     pictures = [np.asarray(Image.open(io.BytesIO(b)).convert("RGB")) for b in blobs]
     ref = processor(text=[prompt], images=[pictures])
     assert ids == list(ref["input_ids"][0]) and len(tiles) == 2
@@ -385,23 +385,23 @@ def test_sample_py_asks_about_several_images_as_the_processor_and_the_loader_bui
     with torch.device("meta"):
         model = VLM(cfg)
     model.to_empty(device="cpu").init_weights(seed=0)
-    convert.save_model(model, tmp_path / "ckpt", tmp_path / "tok")
+    checkpoint.save_model(model, tmp_path / "ckpt", tmp_path / "tok")
     (tmp_path / "d.json").write_text(json.dumps([{"id": "q", "image": ["a.jpg", "b.png"],
                                                   "conversations": conv("<image>\n<image>\n" + question, "The first.")}]))
     pack.pack(tmp_path / "d.json", imgs, tmp_path / "out")
-    stream = data.ShardStream(tmp_path / "out", tok, batch_size=1, seq_len=100, image_size=28,
+    stream = loader.ShardStream(tmp_path / "out", tok, batch_size=1, seq_len=100, image_size=28,
                               image_token_id=cfg.image_token_id, n_image_tokens=cfg.n_image_tokens, template="chatml",
                               vlm=cfg, max_tiles=4, image_mean=cfg.vision.image_stats[0])
     b = stream.batch(0)
     start = int((b["labels"][0] != -100).nonzero()[0])  # the answer starts here: the prompt is what precedes it
     ids, mask = left_pad([b["input_ids"][0, :start].tolist()], tok.pad_id)
-    want = model.eval().generate(ids, data.normalize_images(b["pixel_values"], *cfg.vision.image_stats),
+    want = model.eval().generate(ids, images.normalize_images(b["pixel_values"], *cfg.vision.image_stats),
                                  max_new_tokens=4, attention_mask=mask, image_index=b["image_index"][:, :start],
                                  image_weight=b["image_weight"][:, :start])
     capsys.readouterr()
     sample.main(["--ckpt", str(tmp_path / "ckpt"), "--image", str(imgs / "a.jpg"), str(imgs / "b.png"), "--together",
                  "--prompt", question, "--template", "chatml", "--max-new-tokens", "4", "--device", "cpu"])
-    stop = data.stop_token_id("chatml", tok)
+    stop = chat.stop_token_id("chatml", tok)
     tokens = want[0].tolist()
     assert capsys.readouterr().out.strip() == tok.decode(tokens[: tokens.index(stop)] if stop in tokens else tokens).strip()
     with pytest.raises(SystemExit, match="video"):  # this model has a <video> id; a plain anyres one would not
@@ -442,11 +442,11 @@ def test_llava_next_rows_hold_the_prompts_and_tiles_llava_next_processor_gives(t
     (tmp_path / "d.json").write_text(json.dumps([rec]))
     pack.pack(tmp_path / "d.json", imgs, tmp_path / "out")
     cfg = next_config(image_token_id=tok.specials["<image>"])
-    stream = data.ShardStream(tmp_path / "out", tok, batch_size=1, seq_len=4000, image_size=336,
+    stream = loader.ShardStream(tmp_path / "out", tok, batch_size=1, seq_len=4000, image_size=336,
                               image_token_id=cfg.image_token_id, n_image_tokens=cfg.n_image_tokens, template="chatml",
                               vlm=cfg, max_tiles=8, image_mean=cfg.vision.image_stats[0])
     b = stream.batch(0)
-    prompt = "".join(text for text, _ in data.render("chatml", rec["conversations"], tok))
+    prompt = "".join(text for text, _ in chat.render("chatml", rec["conversations"], tok))
     pictures = [np.asarray(Image.open(imgs / n).convert("RGB")) for n in rec["image"]]
     ref = processor(text=[prompt], images=pictures)
     want = list(ref["input_ids"][0])
@@ -469,7 +469,7 @@ def test_one_image_loader_drops_a_one_frame_video_with_a_reason(tmp_path):
     (tmp_path / "d.json").write_text(json.dumps(records))
     pack.pack(tmp_path / "d.json", imgs, tmp_path / "out", shard_size=2)
     tok = chat_tokenizer(tmp_path / "tok")
-    stream = data.ShardStream(tmp_path / "out", tok, batch_size=2, seq_len=64, image_size=28,
+    stream = loader.ShardStream(tmp_path / "out", tok, batch_size=2, seq_len=64, image_size=28,
                               image_token_id=tok.specials["<image>"], n_image_tokens=4, template="chatml")
     assert stream.batch(0)["dropped"].sum() == 1
     assert dict(stream.skips.counts) == {"video_needs_max_tiles": 1}

@@ -15,8 +15,10 @@ import pytest
 from conftest import ROOT
 from PIL import Image
 
-import data
+import chat
+import loader
 import pack
+import shards
 
 # -----------------------------------------------------------------------------
 # helpers: photo-sized JPEGs, ShareGPT/LLaVA-style records, a byte-level tokenizer
@@ -55,13 +57,13 @@ def tok(tmp_path_factory):
                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     d = tmp_path_factory.mktemp("tok")
     t.save(str(d / "tokenizer.json"))
-    return data.Tokenizer(d / "tokenizer.json")
+    return chat.Tokenizer(d / "tokenizer.json")
 
 
 def open_stream(paths, tok, split="train", **kw):
     args = {"batch_size": 2, "seq_len": 256, "image_size": 28, "image_token_id": 999, "n_image_tokens": 4,
             "template": "vicuna_v1", "shuffle_block": 1} | kw
-    return data.ShardStream(paths, tok, split=split, **args)
+    return loader.ShardStream(paths, tok, split=split, **args)
 
 
 def answers(stream, tok):
@@ -258,7 +260,7 @@ def test_a_killed_pack_leaves_a_folder_the_loader_refuses(tmp_path, tok):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert (out / "shard-000001.tar").exists() and not (out / "shard-000074.tar").exists(), "killed too late"
-    with pytest.raises(data.DatasetError, match=r"out: no \.nv-meta/\.info\.json, so not a finished dataset"):
+    with pytest.raises(shards.DatasetError, match=r"out: no \.nv-meta/\.info\.json, so not a finished dataset"):
         open_stream(out, tok)
     import train
 
@@ -305,7 +307,7 @@ def test_loader_refuses_an_inconsistent_folder_naming_the_file(packed, tok, dama
         (packed / "shard-000007.tar").write_bytes(shard.read_bytes())
     else:
         (packed / "shard-000002.tar").unlink()
-    with pytest.raises(data.DatasetError, match=message):
+    with pytest.raises(shards.DatasetError, match=message):
         open_stream(packed, tok)
 
 
@@ -314,11 +316,11 @@ def test_a_bare_tar_with_a_short_or_truncated_index_is_refused(packed, tok):
     idx = packed / "shard-000000.tar.idx"
     assert len(open_stream(tar, tok)) == 4
     truncate(idx, idx.stat().st_size - 8)
-    with pytest.raises(data.DatasetError, match=r"shard-000000\.tar\.idx: .*more samples follow"):
+    with pytest.raises(shards.DatasetError, match=r"shard-000000\.tar\.idx: .*more samples follow"):
         open_stream(tar, tok)
     idx.unlink()
     truncate(tar, tar.stat().st_size // 2)
-    with pytest.raises(data.DatasetError, match=r"shard-000000\.tar: truncated"):
+    with pytest.raises(shards.DatasetError, match=r"shard-000000\.tar: truncated"):
         open_stream(tar, tok)
 
 
@@ -339,7 +341,7 @@ def test_pack_over_an_existing_dataset_refuses_unless_overwrite_which_removes_st
 
 def test_the_loader_keeps_a_bounded_number_of_shards_open(tmp_path, tok):
     (tmp_path / "images").mkdir()
-    recs = [record(i, image=False, answer=f"Answer {i}.") for i in range(3 * data.MAX_OPEN_SHARDS)]
+    recs = [record(i, image=False, answer=f"Answer {i}.") for i in range(3 * loader.MAX_OPEN_SHARDS)]
     (tmp_path / "d.json").write_text(json.dumps(recs))
     pack.pack(tmp_path / "d.json", tmp_path / "images", tmp_path / "out", shard_size=1)
     s = open_stream(tmp_path / "out", tok, batch_size=8, shuffle_block=1)
@@ -347,4 +349,4 @@ def test_the_loader_keeps_a_bounded_number_of_shards_open(tmp_path, tok):
     before = fds()
     got = answers(s, tok)
     assert sorted(got) == sorted(r["conversations"][1]["value"] for r in recs)
-    assert fds() - before <= data.MAX_OPEN_SHARDS
+    assert fds() - before <= loader.MAX_OPEN_SHARDS

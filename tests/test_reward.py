@@ -9,8 +9,11 @@ import torch
 from conftest import tiny_hf_llava
 from test_dpo import IMAGE, N_IMAGE_TOKENS, PAD, debug_init, our_model
 
+import checkpoint
 import train
-from model import reward_loss
+import weight_files
+from losses import reward_loss
+from model import build_model
 
 
 def test_reward_loss_and_metrics_equal_an_independent_bradley_terry():
@@ -45,7 +48,7 @@ def test_reward_head_reads_each_rows_last_real_token_as_transformers_does(tmp_pa
     *ForSequenceClassification reads), positions counted from each row's first real token, through our head."""
     hf = tiny_hf_llava(seed=0)
     base, cfg = our_model(hf, tmp_path, "policy")
-    model = train.build_model(cfg.with_overrides({"reward_head": True}), seed=3).eval()
+    model = build_model(cfg.with_overrides({"reward_head": True}), seed=3).eval()
     assert set(model.load_state_dict(base.state_dict(), strict=False).missing_keys) == {"reward_head.weight",
                                                                                      "reward_head.bias"}
     seqs, pixels = rows()
@@ -72,9 +75,10 @@ def test_reward_head_reads_each_rows_last_real_token_as_transformers_does(tmp_pa
 def test_reward_model_ranks_right_above_wrong_on_held_out_shapes_pairs(tmp_path):
     """A short run from a random init on the shapes pairs: accuracy above chance on 120 held-out pairs; the
     checkpoint reloads with its head (convert.load_model)."""
+    from test_dpo import dpo_args
+
     import convert
     from shapes import make_shapes
-    from test_dpo import dpo_args
 
     shapes_pairs = tmp_path / "shapes"
     make_shapes(shapes_pairs, n=480, seed=1, val_fraction=0.25, preference=True)
@@ -88,9 +92,9 @@ def test_reward_model_ranks_right_above_wrong_on_held_out_shapes_pairs(tmp_path)
     assert [e["step"] for e in logged] == [10, 20, 30, 40]
     val = next(e for e in events if "val_loss" in e)
     assert val["val_reward/accuracy"] > 0.6 and val["val_reward/margin"] > 0 and val["val_loss"] < math.log(2), val
-    reloaded = convert.load_model(tmp_path / "out/step-000040")
+    reloaded = checkpoint.load_model(tmp_path / "out/step-000040")
     assert reloaded.reward_head is not None and reloaded.cfg.reward_head
-    with pytest.raises(convert.ConversionError, match="no Hugging Face LLaVA class holds its scalar head"):
+    with pytest.raises(weight_files.ConversionError, match="no Hugging Face LLaVA class holds its scalar head"):
         convert.llava_to_hf(tmp_path / "out/step-000040", tmp_path / "hf")
 
 
@@ -105,9 +109,10 @@ def test_reward_config_errors_are_one_sentence(tmp_path, extra, message):
 
 @pytest.mark.slow
 def test_reward_model_under_torchrun_ddp_and_fsdp_matches_one_process(tmp_path):
-    from shapes import make_shapes
     from test_dpo import dpo_args
     from test_train import run
+
+    from shapes import make_shapes
 
     make_shapes(tmp_path / "shapes", n=120, seed=2, val_fraction=0.1, preference=True)
     init = debug_init(tmp_path / "init")
@@ -130,32 +135,20 @@ def test_reward_model_on_xla_spmd_compiles_once_and_matches_cpu_eager(tmp_path):
     """torch_xla SPMD on 4 CPU devices (fsdp 4): the reward head's gather at each row's last real token and the
     Bradley-Terry loss shard like any batch and model; losses and accuracy equal CPU eager's, and after the second step
     (AdamW's step count) every step reuses the compiled graphs."""
-    import os
-    import subprocess
-    import sys
 
-    from conftest import ROOT
-    from shapes import make_shapes
+    from conftest import assert_same_logs, run_log, train_on_xla
     from test_dpo import dpo_args
     from test_train import run
+
+    from shapes import make_shapes
 
     make_shapes(tmp_path / "shapes", n=120, seed=3, val_fraction=0.1, preference=True)
     init = debug_init(tmp_path / "init")
     common = [f"--init_from={init}", "--objective=reward", "--max_iters=5", "--eval_interval=0", "--ckpt_interval=0",
               "--lr=2e-3", "--reward_center_weight=0.01", "--seq_len=40"]  # some pairs drop: still one graph
     run(dpo_args(tmp_path / "shapes", tmp_path / "cpu", *common))
-    env = os.environ | {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "OMP_NUM_THREADS": "1",
-                        "XLA_FLAGS": "--xla_backend_optimization_level=0"}
-    r = subprocess.run([sys.executable, str(ROOT / "train.py"), *dpo_args(tmp_path / "shapes", tmp_path / "xla",
-                                                                          *common, "--device=xla")],
-                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    cpu, xla = ([json.loads(line) for line in (tmp_path / name / "log.jsonl").read_text().splitlines()]
-                for name in ("cpu", "xla"))
+    train_on_xla(dpo_args(tmp_path / "shapes", tmp_path / "xla", *common))
+    cpu, xla = run_log(tmp_path / "cpu"), run_log(tmp_path / "xla")
     assert len(cpu) == len(xla) == 5
-    for want, got in zip(cpu, xla):
-        for k in ("loss", "reward/accuracy", "reward/margin", "reward/chosen"):
-            assert abs(got[k] - want[k]) <= 1e-4 * max(1.0, abs(want[k])), (want["step"], k, got[k], want[k])
+    assert_same_logs(cpu, xla, ("loss", "reward/accuracy", "reward/margin", "reward/chosen"))
     assert len({e["loss"] for e in cpu}) > 1  # the head trained
-    compiles = [e["xla_compiles"] for e in xla]
-    assert compiles[1] == compiles[-1], compiles

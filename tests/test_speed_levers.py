@@ -13,22 +13,19 @@ import forkserver
 import pytest
 import torch
 from conftest import ROOT, checkpoint_bytes, checkpoint_tensors, image_batch, tiny_hf_llava
-from shapes import make_shapes
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import convert
+import checkpoint
+import config
 import parallel
-import train
 from lora import LoRAConfig, apply_lora, merge_lora
-from model import build_model, vlm_preset
+from model import build_model
+from model_config import vlm_preset
 
 
 def ours_from_hf(hf, path):
     hf.save_pretrained(path)
-    state, cfg = convert.llava_from_hf(path)
-    model = build_model(cfg, init=False)
-    model.load_state_dict(state, strict=not cfg.llm.tie_embeddings)
-    return model
+    return checkpoint.load_model(path)
 
 
 def copy_of(model):
@@ -78,8 +75,8 @@ def test_bf16_frozen_weights_give_the_autocast_losses_and_gradients(tmp_path, st
                                       batch=3, seq=37, image_size=base.cfg.vision.image_size)
     fp32_frozen, bf16_frozen = copy_of(base), copy_of(base)
     for m in (fp32_frozen, bf16_frozen):
-        train.freeze(m, stage)
-    train.store_frozen(bf16_frozen, torch.bfloat16)
+        parallel.freeze(m, stage)
+    parallel.store_frozen(bf16_frozen, torch.bfloat16)
     ref_loss, ref_grads = loss_and_grads(fp32_frozen, ids, pixels, labels, amp=True)
     loss, grads = loss_and_grads(bf16_frozen, ids, pixels, labels, amp=True)
     assert abs(loss - ref_loss) <= 1e-6 * ref_loss
@@ -111,12 +108,14 @@ def test_bf16_frozen_base_under_fp32_lora_adapters(tmp_path):
     ids, pixels, labels = image_batch(base.cfg.n_image_tokens, 511, 512, batch=2, seq=23)
     fp32_base, bf16_base = copy_of(base), copy_of(base)
     for m in (fp32_base, bf16_base):
-        train.freeze(m, 2)
-    train.store_frozen(bf16_base, torch.bfloat16)
+        parallel.freeze(m, 2)
+    parallel.store_frozen(bf16_base, torch.bfloat16)
     wq = bf16_base.llm.layers[0].attention.wq
     assert wq.weight.dtype == torch.bfloat16 and wq.lora_A.weight.dtype == wq.lora_B.weight.dtype == torch.float32
     assert wq.lora_A.weight.requires_grad and not wq.weight.requires_grad
-    optimizer = train.make_optimizer(bf16_base, dict(train.DEFAULTS), parallel.Env({"device": "cpu"}))
+    d = config.DEFAULTS
+    optimizer = parallel.make_optimizer(bf16_base, parallel.Env({"device": "cpu"}), d["lr"], (d["beta1"], d["beta2"]),
+                                        d["weight_decay"], d["lr_scale"])
     assert all(p.dtype == torch.float32 for g in optimizer.param_groups for p in g["params"])
     ref_loss, ref_grads = loss_and_grads(fp32_base, ids, pixels, labels, amp=True)
     loss, grads = loss_and_grads(bf16_base, ids, pixels, labels, amp=True)
@@ -147,10 +146,8 @@ def losses(out):
 
 
 @pytest.fixture(scope="module")
-def shapes(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shapes")
-    make_shapes(out, n=200, seed=1, val_fraction=0.1)
-    return out
+def shapes(shapes_data):
+    return shapes_data(n=200, seed=1, val_fraction=0.1)
 
 
 @pytest.mark.slow
@@ -189,7 +186,7 @@ def test_bf16_frozen_run_trains_saves_resumes_and_exports(shapes, tmp_path):
     # export: transformers reads the mixed-dtype weights (upcast to fp32) and agrees with ours
     run(["to-hf", "--ckpt", str(step), "--out", str(tmp_path / "hf")], script="convert.py")
     hf = LlavaForConditionalGeneration.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
-    ours = convert.load_model(step).eval()
+    ours = checkpoint.load_model(step).eval()
     assert torch.equal(ours.llm.layers[0].feed_forward.w1.weight, saved["model.llm.layers.0.feed_forward.w1.weight"].float())
     ids, pixels, _ = image_batch(ours.cfg.n_image_tokens, 512, 512, seq=20)
     with torch.no_grad():
@@ -233,7 +230,7 @@ def test_lever_config_errors_name_the_key():
                          (["--checkpoint_policy=selective"], "it is off: set activation_checkpointing=True"),
                          (["--checkpoint_every=2"], "checkpoint_every=2 say how activation_checkpointing")]:
         with pytest.raises(SystemExit, match=message):
-            train.load_config(bad)
+            config.load_config(bad)
     with pytest.raises(SystemExit, match="use checkpoint_policy='full' under XLA"):
         parallel.checkpoint_fn("xla", "selective")
 
@@ -272,7 +269,7 @@ def test_checkpointing_policies_give_the_uncheckpointed_gradients_and_recompute_
 
     def run_counted(fn):
         model = copy_of(base)
-        train.set_checkpointing(model, fn, every)
+        parallel.set_checkpointing(model, fn, every)
         with MatmulCounter() as forward:
             loss = model(ids, pixels, labels, "sum", positions)[1]
         with MatmulCounter() as backward:
@@ -307,7 +304,7 @@ def test_selective_checkpointing_compiles_with_the_blocks():
     torch._dynamo.reset()
     counters.clear()
     model = copy_of(base)
-    train.set_checkpointing(model, parallel.checkpoint_fn("cpu", "selective", compile_backend="aot_eager"))
+    parallel.set_checkpointing(model, parallel.checkpoint_fn("cpu", "selective", compile_backend="aot_eager"))
     for block in list(model.vision.blocks) + list(model.llm.layers):
         block.compile(backend="aot_eager")
     _, grads = loss_and_grads(model, ids, pixels, labels, amp=False, positions=positions)
@@ -353,10 +350,11 @@ def test_computed_activation_bytes_are_what_the_compiler_saves(stage, frozen_dty
     """bench.kept_bytes (the activations BENCHMARKS.md's memory table counts) against the tensors inductor's min-cut
     partitioner keeps between forward and backward for an LLM block under bf16 autocast, per policy; and the bf16
     weight copies it keeps when a weight is fp32 (none when frozen_dtype stores them in bf16)."""
-    import bench
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    import bench
 
     kept = {}
 
@@ -372,9 +370,9 @@ def test_computed_activation_bytes_are_what_the_compiler_saves(stage, frozen_dty
     cfg = vlm_preset("debug").with_overrides({"llm": {"dim": 96, "ffn_dim": 272, "n_heads": 6, "n_kv_heads": 2}})
     c = cfg.llm
     model = build_model(cfg, seed=0).train()
-    train.freeze(model, stage)
+    parallel.freeze(model, stage)
     if frozen_dtype == "bfloat16":
-        train.store_frozen(model, torch.bfloat16)
+        parallel.store_frozen(model, torch.bfloat16)
     B, T = 3, 40
     x = torch.randn(B, T, c.dim, requires_grad=True)
     layer = model.llm.layers[0]
@@ -437,8 +435,8 @@ def test_computed_weight_bytes_are_what_a_bf16_frozen_model_holds(stage):
 
     cfg = vlm_preset("debug").with_overrides({"llm": {"n_layers": 3, "ffn_dim": 200}, "vision": {"n_layers": 3}})
     model = build_model(cfg, seed=0)
-    train.freeze(model, stage)
-    train.store_frozen(model, torch.bfloat16)
+    parallel.freeze(model, stage)
+    parallel.store_frozen(model, torch.bfloat16)
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     assert bench.lever_memory(build_model(cfg, seed=0), stage, "bfloat16", "full", 1, 2, 64)[0] == held
     assert bench.lever_memory(build_model(cfg, seed=0), stage, "float32", "full", 1, 2, 64)[0] == 4 * sum(
@@ -446,8 +444,8 @@ def test_computed_weight_bytes_are_what_a_bf16_frozen_model_holds(stage):
 
 
 def test_the_7b_bench_config_is_issue_24s_row_and_bench_levers_runs():
-    cfg = train.load_config([str(ROOT / "configs/bench_7b_stage1.py")])
-    vlm = train.model_config(cfg)
+    cfg = config.load_config([str(ROOT / "configs/bench_7b_stage1.py")])
+    vlm = config.model_config(cfg)
     assert (vlm.llm.dim, vlm.llm.n_layers, vlm.vision.image_size, cfg["stage"], cfg["seq_len"], cfg["pack"],
             cfg["micro_batch_size"], cfg["activation_checkpointing"], cfg["compile"]) == (4096, 32, 336, 1, 2048, 3, 8,
                                                                                            True, True)
@@ -470,8 +468,8 @@ def test_a_bf16_frozen_lora_checkpoint_merges_its_small_update_in_fp32(tmp_path)
         for m in model.modules():
             if hasattr(m, "lora_B"):
                 m.lora_B.weight.normal_(std=5e-5)
-    train.freeze(model, 2)
-    train.store_frozen(model, torch.bfloat16)
+    parallel.freeze(model, 2)
+    parallel.store_frozen(model, torch.bfloat16)
     merged = merge_lora_state(model.state_dict(), lora)
     assert merged["llm.layers.0.attention.wq.weight"].dtype == torch.float32
     plain = build_model(vlm_preset("debug").with_overrides({"vision": {"image_size": 28, "patch_size": 14},

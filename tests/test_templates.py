@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-import data
+import chat
 
 # -----------------------------------------------------------------------------
 # three tokenizer families, built here: nothing downloads
@@ -38,7 +38,7 @@ def hf_llama(sp_dir, legacy):
     (sp_dir / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "LlamaTokenizer", "legacy": legacy, "bos_token": "<s>", "eos_token": "</s>",
          "unk_token": "<unk>", "add_bos_token": True}))
-    return AutoTokenizer.from_pretrained(sp_dir), data.Tokenizer(sp_dir / "tokenizer.model")
+    return AutoTokenizer.from_pretrained(sp_dir), chat.Tokenizer(sp_dir / "tokenizer.model")
 
 
 def bpe_dir(tmp_path, specials, bos=None):
@@ -71,13 +71,13 @@ def hf_fast(d, **special):
 @pytest.fixture(scope="module")
 def llama3(tmp_path_factory):
     d = bpe_dir(tmp_path_factory.mktemp("llama3"), LLAMA3_SPECIALS, bos="<|begin_of_text|>")
-    return hf_fast(d, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>"), data.Tokenizer(d)
+    return hf_fast(d, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>"), chat.Tokenizer(d)
 
 
 @pytest.fixture(scope="module")
 def qwen2(tmp_path_factory):
     d = bpe_dir(tmp_path_factory.mktemp("qwen2"), QWEN2_SPECIALS)
-    return hf_fast(d, eos_token="<|im_end|>", pad_token="<|endoftext|>"), data.Tokenizer(d)
+    return hf_fast(d, eos_token="<|im_end|>", pad_token="<|endoftext|>"), chat.Tokenizer(d)
 
 
 # conversations as they occur in llava_v1_5_mix665k and ShareGPT-style data: the image after the question,
@@ -139,7 +139,7 @@ def llava_plain(turns, tokenizer):
 
 
 def llava_vicuna_prompt(turns):
-    out = data.VICUNA_SYSTEM + " "
+    out = chat.VICUNA_SYSTEM + " "
     for i, (role, value) in enumerate(turns):
         out += {"human": "USER", "gpt": "ASSISTANT"}[role] + ": " + value + (" " if i % 2 == 0 else "</s>")
     return out
@@ -172,7 +172,7 @@ def llava_llama_2_prompt(turns):
     out = ""
     for i, (_, value) in enumerate(turns):
         if i == 0:
-            value = f"<<SYS>>\n{data.LLAMA2_SYSTEM}\n<</SYS>>\n\n" + value
+            value = f"<<SYS>>\n{chat.LLAMA2_SYSTEM}\n<</SYS>>\n\n" + value
         out += f"<s>[INST] {value} [/INST]" if i % 2 == 0 else f" {value} </s>"
     return out.lstrip("<s>")
 
@@ -187,11 +187,11 @@ def test_vicuna_v1_ids_and_labels_equal_llavas_preprocess_v1(sp_dir, legacy, n):
     hf, tok = hf_llama(sp_dir, legacy)
     turns = llava_multimodal(CONVERSATIONS[n])
     has_image = any("<image>" in v for _, v in turns)
-    ids, labels, _ = data.encode_conversation(as_conv(CONVERSATIONS[n]), has_image, "vicuna_v1", tok, 4096, IMAGE, 1)
+    ids, labels, _ = chat.encode_conversation(as_conv(CONVERSATIONS[n]), has_image, "vicuna_v1", tok, 4096, IMAGE, 1)
     want_ids, want_labels = llava_v1(turns, hf, has_image)
     assert ids == want_ids
     assert labels == want_labels
-    assert "".join(t for t, _ in data.render("vicuna_v1", as_conv(CONVERSATIONS[n]), tok)) == \
+    assert "".join(t for t, _ in chat.render("vicuna_v1", as_conv(CONVERSATIONS[n]), tok)) == \
         "<s>" + llava_vicuna_prompt(turns)
 
 
@@ -200,23 +200,23 @@ def test_vicuna_v1_ids_and_labels_equal_llavas_preprocess_v1(sp_dir, legacy, n):
 def test_plain_uses_the_tokenizers_own_bos_like_llavas_preprocess_plain(sp_dir, llama3, qwen2, family, n):
     hf, tok = {"sentencepiece": hf_llama(sp_dir, False), "llama3": llama3, "qwen2": qwen2}[family]
     turns = llava_multimodal(CONVERSATIONS[n])
-    ids, labels, _ = data.encode_conversation(as_conv(CONVERSATIONS[n]), True, "plain", tok, 4096, IMAGE, 1)
+    ids, labels, _ = chat.encode_conversation(as_conv(CONVERSATIONS[n]), True, "plain", tok, 4096, IMAGE, 1)
     assert (ids, labels) == llava_plain(turns, hf)
     assert "<s>" not in tok.decode([i for i in ids if i >= 0]) or family == "sentencepiece"
 
 
 def test_image_moves_to_the_front_of_its_turn():
     c = as_conv(CONVERSATIONS[0])
-    assert "".join(t for t, _ in data.render("vicuna_v1", c)).endswith(
+    assert "".join(t for t, _ in chat.render("vicuna_v1", c)).endswith(
         " USER: <image>\nWhat is shown in this image? ASSISTANT: A black cat sits on a red sofa.</s>")
-    assert data.image_first("  <image>  ") == "<image>" and data.image_first("a <image> b") == "<image>\na  b"
+    assert chat.image_first("  <image>  ") == "<image>" and chat.image_first("a <image> b") == "<image>\na  b"
 
 
 def test_llama_2_string_equals_llavas_conversation_for_stripped_messages(sp_dir):
     _, tok = hf_llama(sp_dir, True)
     for turns in CONVERSATIONS:
         turns = [(r, v.strip()) for r, v in llava_multimodal(turns)]  # LLaVA's llama_2 does not strip; Meta's does
-        ours = "".join(t for t, _ in data.render("llama_2", as_conv(turns), tok))
+        ours = "".join(t for t, _ in chat.render("llama_2", as_conv(turns), tok))
         assert ours == "<s>" + llava_llama_2_prompt(turns)
 
 
@@ -268,12 +268,12 @@ def test_template_equals_published_jinja_in_text_and_ids(sp_dir, llama3, qwen2, 
         turns = llava_multimodal(turns)  # LLaVA's data pipeline moves <image> first for every template
         want = hf.apply_chat_template(as_messages(turns, system), chat_template=jinja, tokenize=False)
         our_system = DATED + system.strip() if jinja is LLAMA31_JINJA else system
-        pieces = data.render(template, as_conv(turns), tok, system=our_system)
+        pieces = chat.render(template, as_conv(turns), tok, system=our_system)
         assert "".join(t for t, _ in pieces) == want
         text_only = [(r, v.replace("<image>", "")) for r, v in turns]
         want_ids = hf(hf.apply_chat_template(as_messages(text_only, system), chat_template=jinja, tokenize=False),
                       add_special_tokens=False).input_ids
-        ids, labels = data.tokenize(data.render(template, as_conv(text_only), tok, system=our_system), tok, -1, 0)
+        ids, labels = chat.tokenize(chat.render(template, as_conv(text_only), tok, system=our_system), tok, -1, 0)
         assert ids == want_ids
         answers = [v.strip() if template != "chatml" else v for r, v in text_only if r == "gpt"]
         end = {"llama_3": "<|eot_id|>", "chatml": "<|im_end|>", "llama_2": tok.eos}[template]
@@ -296,20 +296,20 @@ def test_sentencepiece_wrapper_equals_llama_tokenizer_for_both_legacy_settings(s
     for text in texts:
         assert tok.encode(text) == hf(text, add_special_tokens=False).input_ids, text
     if not legacy:  # the difference the flag makes: no "▁" after a special token
-        assert tok.encode("</s>USER") != data.Tokenizer(sp_dir / "tokenizer.model", legacy=True).encode("</s>USER")
+        assert tok.encode("</s>USER") != chat.Tokenizer(sp_dir / "tokenizer.model", legacy=True).encode("</s>USER")
 
 
 def test_bos_and_eos_are_the_tokenizers_own(sp_dir, llama3, qwen2):
     assert (hf_llama(sp_dir, True)[1].bos, hf_llama(sp_dir, True)[1].eos) == ("<s>", "</s>")
     assert llama3[1].bos == "<|begin_of_text|>" and llama3[1].bos_id == llama3[0].bos_token_id
     assert qwen2[1].bos is None and qwen2[1].bos_id == -1 and qwen2[1].eos == "<|im_end|>"
-    assert data.generation_prompt("plain", "<image>\nWhat?", qwen2[1]) == "<image>"
+    assert chat.generation_prompt("plain", "<image>\nWhat?", qwen2[1]) == "<image>"
 
 
 def test_a_template_the_tokenizer_cannot_write_is_refused(sp_dir, qwen2):
     _, tok = hf_llama(sp_dir, True)
     with pytest.raises(ValueError, match=r"template 'chatml' needs <\|im_start\|>, <\|im_end\|>"):
-        data.check_template("chatml", tok)
+        chat.check_template("chatml", tok)
     with pytest.raises(ValueError, match="'llama_3' needs <.start_header_id.>"):
-        data.check_template("llama_3", qwen2[1])
-    data.check_template("chatml", qwen2[1])
+        chat.check_template("llama_3", qwen2[1])
+    chat.check_template("chatml", qwen2[1])

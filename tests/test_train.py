@@ -13,22 +13,23 @@ import forkserver
 import pytest
 import torch
 from conftest import ROOT, checkpoint_bytes, checkpoint_tensors
-from shapes import make_shapes
 from safetensors.torch import load_file
 
-import convert
-import data
-import evaluation
+import chat
 import checkpoint
+import config
+import evaluation
+import images
+import loader
+import parallel
 import train
-from model import build_model, vlm_preset
+from model import build_model
+from model_config import vlm_preset
 
 
 @pytest.fixture(scope="module")
-def shapes(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shapes")
-    make_shapes(out, n=400, seed=0, val_fraction=0.1)
-    return out
+def shapes(shapes_data):
+    return shapes_data(n=400, seed=0, val_fraction=0.1)
 
 
 def args(shapes, out, *extra):
@@ -125,7 +126,7 @@ def test_sigterm_finishes_the_step_checkpoints_and_resumes(shapes, tmp_path):
     rest = proc.stdout.read()
     assert proc.wait(timeout=120) == 0, rest
     assert "stopping after this step" in rest
-    (ckpt,) = train.checkpoints(tmp_path)
+    (ckpt,) = checkpoint.checkpoints(tmp_path)
     stopped = json.loads((ckpt / "state.json").read_text())["iter"]
     assert stopped >= 3 and not (tmp_path / "DONE").exists()
     r = run(args(shapes, tmp_path, f"--max_iters={stopped + 2}", "--init_from=resume"))
@@ -145,7 +146,7 @@ def test_sigterm_to_the_process_group_with_loader_workers_checkpoints_and_resume
             break
     rest = proc.stdout.read()
     assert proc.wait(timeout=120) == 0, rest
-    (ckpt,) = train.checkpoints(tmp_path)
+    (ckpt,) = checkpoint.checkpoints(tmp_path)
     assert 4 <= json.loads((ckpt / "state.json").read_text())["iter"] < 20, rest
     run(args(shapes, tmp_path, "--max_iters=20", "--init_from=resume", *common))
     assert weights(tmp_path / "step-000020") == weights(single_run / "step-000020")
@@ -183,7 +184,7 @@ def test_torchrun_stop_checkpoint_survives_the_sigkill_after_the_grace_period(sh
     while not all(m.exists() for m in markers) and time.time() < t0 + 10:  # every rank has forked its writer
         time.sleep(0.05)
     writer = int(markers[0].read_text())
-    assert not train.checkpoints(out)  # the kill comes mid-write
+    assert not checkpoint.checkpoints(out)  # the kill comes mid-write
     for pid in torchrun_workers(proc.pid):  # what torchrun does when its 30 s are up, brought forward
         os.kill(pid, signal.SIGKILL)
     rest = proc.stdout.read()
@@ -191,7 +192,7 @@ def test_torchrun_stop_checkpoint_survives_the_sigkill_after_the_grace_period(sh
     assert "got signal 15" in rest, rest
     while os.path.exists(f"/proc/{writer}") and time.time() < t0 + 60:  # the writer lives on, in its own session
         time.sleep(0.2)
-    (ckpt,) = train.checkpoints(out)
+    (ckpt,) = checkpoint.checkpoints(out)
     assert 2 <= json.loads((ckpt / "state.json").read_text())["iter"] < 10
     r = run(args(shapes, out, "--init_from=resume", *common), nproc=2)
     assert f"resuming from {ckpt}" in r.stdout
@@ -209,13 +210,13 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(shapes, tmp_path):
               f"train.main({args(shapes, tmp_path, '--max_iters=20', '--ckpt_interval=5')!r})\n")
     r = forkserver.run([sys.executable, "-c", script], os.environ | {"OMP_NUM_THREADS": "1"})
     assert r.returncode == -signal.SIGKILL
-    assert [p.name for p in train.checkpoints(tmp_path)] == ["step-000005"]
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-000005"]
     assert (tmp_path / "step-000010/.metadata").exists() and not (tmp_path / "step-000010/manifest.json").exists()
     r = run(args(shapes, tmp_path, "--max_iters=12", "--init_from=resume"))
     assert f"removing {tmp_path / 'step-000010'}: its write did not finish" in r.stdout
     assert "resuming from" in r.stdout and "step-000005" in r.stdout
     assert checkpoint.verify_checkpoint(tmp_path / "step-000010") is None  # written again, whole
-    assert [p.name for p in train.checkpoints(tmp_path)][-1] == "step-000012"
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)][-1] == "step-000012"
 
 
 def test_skip_steps_consume_batches_without_training(shapes, single_run, tmp_path):
@@ -233,16 +234,16 @@ def test_skip_steps_consume_batches_without_training(shapes, single_run, tmp_pat
 
 def test_config_errors_name_the_key(tmp_path):
     with pytest.raises(SystemExit, match="unknown key 'n_layer'"):
-        train.load_config(["--n_layer=3"])
+        config.load_config(["--n_layer=3"])
     with pytest.raises(SystemExit, match="max_iters must be int"):
-        train.load_config(["--max_iters=ten"])
+        config.load_config(["--max_iters=ten"])
     with pytest.raises(SystemExit, match="lr must be float"):
-        train.load_config(["--lr='fast'"])
+        config.load_config(["--lr='fast'"])
     bad = tmp_path / "bad.py"
     bad.write_text("batch_size = 8\nlearning_rate = 1e-3\n")
     with pytest.raises(SystemExit, match=f"unknown key 'learning_rate' in {bad}"):
-        train.load_config([str(bad)])
-    cfg = train.load_config([str(ROOT / "configs/debug.py"), "--lr=3e-4", "--skip_steps=[(1, 2)]", "--template=vicuna_v1"])
+        config.load_config([str(bad)])
+    cfg = config.load_config([str(ROOT / "configs/debug.py"), "--lr=3e-4", "--skip_steps=[(1, 2)]", "--template=vicuna_v1"])
     assert cfg["lr"] == 3e-4 and cfg["skip_steps"] == [(1, 2)] and cfg["template"] == "vicuna_v1"
 
 
@@ -260,7 +261,7 @@ def test_model_and_data_mismatches_are_config_errors(shapes, tmp_path):
 def test_stages_change_exactly_the_intended_parameters(shapes, tmp_path, stage, trained):
     cfg = vlm_preset("debug")
     cfg.vision.image_size, cfg.llm.vocab_size, cfg.image_token_id = 28, 576, 512
-    convert.save_model(build_model(cfg, seed=0), tmp_path / "init")
+    checkpoint.save_model(build_model(cfg, seed=0), tmp_path / "init")
     train.main(args(shapes, tmp_path / "out", f"--stage={stage}", f"--init_from={tmp_path / 'init'}", "--max_iters=3"))
     before, after = load_file(tmp_path / "init/model.safetensors"), checkpoint_model(tmp_path / "out/step-000003")
     changed = {k.split(".")[0] for k in before if not torch.equal(before[k], after[k])}
@@ -277,11 +278,11 @@ def test_trained_checkpoint_converts_to_hf_and_transformers_agrees(shapes, singl
                         "--out", str(tmp_path / "hf")], os.environ | {"OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     hf = LlavaForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
-    ours = convert.load_model(single_run / "step-000020").eval()
-    s = data.ShardStream(shapes / "shards", shapes / "tokenizer.model", batch_size=2, seq_len=48, image_size=28,
+    ours = checkpoint.load_model(single_run / "step-000020").eval()
+    s = loader.ShardStream(shapes / "shards", shapes / "tokenizer.model", batch_size=2, seq_len=48, image_size=28,
                          image_token_id=512, n_image_tokens=4, template="llama_3", split="val")
     b = s.batch(0)
-    pixels = data.normalize_images(b["pixel_values"])  # the loader hands over uint8; train.py normalises on device
+    pixels = images.normalize_images(b["pixel_values"])  # the loader hands over uint8; train.py normalises on device
     with torch.no_grad():
         theirs = hf(input_ids=b["input_ids"], pixel_values=pixels).logits
         mine, _ = ours(b["input_ids"], pixels)
@@ -294,16 +295,16 @@ def test_trained_checkpoint_converts_to_hf_and_transformers_agrees(shapes, singl
     processor = AutoProcessor.from_pretrained(tmp_path / "hf")
     image = Image.new("RGB", (333, 500), (200, 40, 40))
     assert hf(**processor(images=image, text="<image>\nWhat is at the top?", return_tensors="pt")).logits.shape[1] > 4
-    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is at the top?"}]}]
-    inputs = processor(text=processor.apply_chat_template(chat, add_generation_prompt=True), images=image)
-    tok = data.Tokenizer(shapes / "tokenizer.model")
-    assert inputs.input_ids[0] == data.tokenize([(data.generation_prompt("llama_3", "<image>\nWhat is at the top?", tok),
+    conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is at the top?"}]}]
+    inputs = processor(text=processor.apply_chat_template(conversation, add_generation_prompt=True), images=image)
+    tok = chat.Tokenizer(shapes / "tokenizer.model")
+    assert inputs.input_ids[0] == chat.tokenize([(chat.generation_prompt("llama_3", "<image>\nWhat is at the top?", tok),
                                                   False)], tok, 512, 4)[0]
 
 
 @pytest.mark.parametrize("name", ["debug", "shapes", "pretrain", "finetune", "tpu_pretrain", "bench"])
 def test_shipped_configs_parse(name):
-    cfg = train.load_config([str(ROOT / "configs" / f"{name}.py")])
+    cfg = config.load_config([str(ROOT / "configs" / f"{name}.py")])
     assert cfg["batch_size"] % cfg["micro_batch_size"] == 0
 
 
@@ -368,12 +369,11 @@ def test_samples_that_do_not_fit_a_packed_batch_are_counted(shapes, tmp_path):
 
 def test_final_accuracy_pass_batches_questions_without_changing_answers(shapes, single_run):
     """Left-padded batches of val questions (5 a batch: the last batch is short) give the answers asked one by one."""
-    from types import SimpleNamespace
 
-    model = convert.load_model(single_run / "step-000020")
-    s = data.ShardStream(shapes / "shards", shapes / "tokenizer.model", batch_size=2, seq_len=48, image_size=28,
+    model = checkpoint.load_model(single_run / "step-000020")
+    s = loader.ShardStream(shapes / "shards", shapes / "tokenizer.model", batch_size=2, seq_len=48, image_size=28,
                          image_token_id=512, n_image_tokens=4, template="llama_3", split="val")
-    env = SimpleNamespace(kind="cpu", device=torch.device("cpu"), distributed=False)
+    env = parallel.Env({"device": "cpu"})
     cfg = {"template": "llama_3", "dtype": "float32"}
     alone = evaluation.answer_accuracy(model, s, env, cfg, 12, show=12, batch_size=1)
     batched = evaluation.answer_accuracy(model, s, env, cfg, 12, show=12, batch_size=5)
@@ -396,14 +396,13 @@ def test_one_tile_a_row_trains_as_the_single_image_path(shapes, single_run, tmp_
 def test_tiled_answer_accuracy_gives_the_single_image_answers(shapes, single_run):
     """The tile path's accuracy pass cuts the loader's rows at the answer and left-pads image_index with them: the
     same greedy answers as the single-image pass, which tokenizes the questions itself."""
-    from types import SimpleNamespace
 
-    model = convert.load_model(single_run / "step-000020")
+    model = checkpoint.load_model(single_run / "step-000020")
     common = dict(batch_size=5, seq_len=48, image_size=28, image_token_id=512, n_image_tokens=4, template="llama_3",
                   split="val")
-    legacy = data.ShardStream(shapes / "shards", shapes / "tokenizer.model", **common)
-    tiled = data.ShardStream(shapes / "shards", shapes / "tokenizer.model", **common, vlm=model.cfg, max_tiles=1)
-    env = SimpleNamespace(kind="cpu", device=torch.device("cpu"), distributed=False)
+    legacy = loader.ShardStream(shapes / "shards", shapes / "tokenizer.model", **common)
+    tiled = loader.ShardStream(shapes / "shards", shapes / "tokenizer.model", **common, vlm=model.cfg, max_tiles=1)
+    env = parallel.Env({"device": "cpu"})
     cfg = {"template": "llama_3", "dtype": "float32"}
     n = len(legacy)  # every val question: the tile pass asks them in the loader's shuffled order
     want = evaluation.answer_accuracy(model, legacy, env, cfg, n, show=n)
@@ -413,10 +412,8 @@ def test_tiled_answer_accuracy_gives_the_single_image_answers(shapes, single_run
 
 
 @pytest.fixture(scope="module")
-def shapes2(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shapes2")
-    make_shapes(out, n=120, seed=0, val_fraction=0.1, images=2)
-    return out
+def shapes2(shapes_data):
+    return shapes_data(n=120, seed=0, val_fraction=0.1, images=2)
 
 
 def multi_args(shapes2, out, *extra):
@@ -452,7 +449,7 @@ def test_image_newline_trains_with_the_llm(shapes, tmp_path, stage):
     cfg = vlm_preset("debug").with_overrides({"vision": {"image_size": 28, "patch_size": 14}, "llm": {"vocab_size": 576},
                                               "image_token_id": 512, "anyres": "anyres",
                                               "grid_pinpoints": [[28, 56], [56, 28], [56, 56]]})
-    convert.save_model(build_model(cfg, seed=0), tmp_path / "init")
+    checkpoint.save_model(build_model(cfg, seed=0), tmp_path / "init")
     train.main(args(shapes, tmp_path / "out", f"--stage={stage}", f"--init_from={tmp_path / 'init'}", "--max_iters=2",
                     "--max_tiles=5"))
     before, after = load_file(tmp_path / "init/model.safetensors"), checkpoint_model(tmp_path / "out/step-000002")

@@ -58,6 +58,7 @@ def make_mixed(out, n=48):
     (2x2, 1x2, 2x1, 1x1-ish strips, odd sizes), two-image samples and text-only ones, in an order that gives every
     batch of 8 another mix."""
     import numpy as np
+
     from pack import pack
     from shapes import NUMBERS, draw_scene
 
@@ -208,13 +209,14 @@ def test_bad_meshes_are_clear_errors(xla):
 def test_tiled_steps_compile_once_and_match_cpu_eager(xla):
     """Batches of single images of many aspect ratios (different grids, OneVision's reduction), two-image samples
     and text-only rows, in another mix each step: one compiled step, and the CPU eager losses."""
-    import data
-    from model import vlm_preset
     from xla_runs import TILED_MODEL
+
+    import loader
+    from model_config import vlm_preset
 
     out, shapes, _, results = xla
     vlm = vlm_preset("debug").with_overrides(TILED_MODEL)
-    stream = data.ShardStream(out / "mixed/shards", shapes / "tokenizer.model", batch_size=8, seq_len=48, image_size=28,
+    stream = loader.ShardStream(out / "mixed/shards", shapes / "tokenizer.model", batch_size=8, seq_len=48, image_size=28,
                               image_token_id=512, n_image_tokens=4, template="llama_3", vlm=vlm, max_tiles=5)
     batches = [stream.batch(k) for k in range(10)]  # what the 10 steps read
     tokens = [tuple((b["image_weight"].sum(-1) > 0).sum(-1).tolist()) for b in batches]  # image tokens a row

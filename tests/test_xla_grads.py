@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 from conftest import ROOT, start_in_background, wait_for_background
+
 from shapes import make_shapes
 
 pytestmark = pytest.mark.slow

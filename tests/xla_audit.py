@@ -17,6 +17,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import config  # noqa: E402
 import parallel  # noqa: E402
 import train  # noqa: E402
 from model import TransformerBlock, ViTBlock, build_model  # noqa: E402
@@ -65,14 +66,14 @@ def step(mesh_shape, fsdpv2):
     import torch_xla
     import torch_xla.core.xla_model
 
-    cfg = train.load_config([f"--mesh={list(mesh_shape)}", "--device=xla", "--dtype=bfloat16", "--model=debug",
+    cfg = config.load_config([f"--mesh={list(mesh_shape)}", "--device=xla", "--dtype=bfloat16", "--model=debug",
                              "--activation_checkpointing=True", f"--loss_chunk={ROWS * SEQ // 4}",
                              f"--model_overrides={MODEL}"])
     env = parallel.Env(cfg)
-    model = build_model(train.model_config(cfg), seed=0)
-    train.freeze(model, 0)
+    model = build_model(config.model_config(cfg), seed=0)
+    parallel.freeze(model, 0)
     model.loss_chunk, model.recompute = cfg["loss_chunk"], parallel.checkpoint_fn("xla")
-    train.set_checkpointing(model, parallel.checkpoint_fn("xla"))  # as the TPU recipes
+    parallel.set_checkpointing(model, parallel.checkpoint_fn("xla"))  # as the TPU recipes
     if fsdpv2:  # torch_xla's own FSDP over SPMD, wrapping every block, on the same mesh
         from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
         from torch_xla.experimental.spmd_fully_sharded_data_parallel import SpmdFullyShardedDataParallel
@@ -81,8 +82,9 @@ def step(mesh_shape, fsdpv2):
         net = SpmdFullyShardedDataParallel(model, mesh=env.mesh, auto_wrap_policy=policy, shard_output=lambda o, m: None)
         model = net.module
     else:
-        net = parallel.shard(model, env, cfg)
-    optimizer = train.make_optimizer(model, cfg, env)
+        net = parallel.shard(model, env)
+    optimizer = parallel.make_optimizer(model, env, cfg["lr"], (cfg["beta1"], cfg["beta2"]), cfg["weight_decay"],
+                                         cfg["lr_scale"])
     parallel.init_optimizer_state(model, optimizer, env)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 4000, (ROWS, SEQ), generator=g)
@@ -91,7 +93,7 @@ def step(mesh_shape, fsdpv2):
     b = env.to_device(b)  # batch-sharded over (dp, fsdp) for both
     torch_xla.sync()
     count = (b["labels"][:, 1:] != -100).sum().float()
-    train.forward_backward(net, b, env, cfg, 1 / count)
+    train.forward_backward(net, b, env, cfg, 1 / count, train.OBJECTIVES["sft"])
     torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
     optimizer.step()
     torch_xla.sync()

@@ -11,7 +11,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model import build_model, left_pad, vlm_preset  # noqa: E402
+from model import build_model, left_pad  # noqa: E402
+from model_config import vlm_preset
 
 
 def main():

@@ -3,8 +3,8 @@ CPU_NUM_DEVICES=4), for stage x dtype x activation checkpointing x packing. Run 
 python tests/xla_grads.py SHAPES_DIR OUT_FILE writes OUT_FILE (torch.save of the losses and gradients)."""
 
 import itertools
-import time
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -12,7 +12,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import data  # noqa: E402
+import config  # noqa: E402
+import loader  # noqa: E402
 import parallel  # noqa: E402
 import train  # noqa: E402
 from model import build_model  # noqa: E402
@@ -22,7 +23,7 @@ MESH = [1, 2, 2]
 
 def batch(shapes, packed, mcfg):
     """The first training batch of the debug config, as train.py reads it (4 rows, or 4 packed rows of 2 samples)."""
-    stream = data.ShardStream(shapes / "shards", shapes / "tokenizer.model", batch_size=4, seq_len=96 if packed else 48,
+    stream = loader.ShardStream(shapes / "shards", shapes / "tokenizer.model", batch_size=4, seq_len=96 if packed else 48,
                               image_size=mcfg.vision.image_size, image_token_id=mcfg.image_token_id,
                               n_image_tokens=mcfg.n_image_tokens, template="llama_3", pack=2 if packed else 0)
     return stream.batch(0)
@@ -31,13 +32,13 @@ def batch(shapes, packed, mcfg):
 def micro_step(env, cfg, mcfg, b, stage, checkpointing, packed):
     """train.py's micro-step on a fresh debug model; the loss and the model, whose .grad are still lazy on XLA."""
     model = build_model(mcfg, seed=0)
-    train.freeze(model, stage)
+    parallel.freeze(model, stage)
     model.loss_chunk, model.recompute = (40 if packed else 0), parallel.checkpoint_fn(env.kind)
-    train.set_checkpointing(model, parallel.checkpoint_fn(env.kind) if checkpointing else None)
-    model = parallel.shard(model, env, cfg)
+    parallel.set_checkpointing(model, parallel.checkpoint_fn(env.kind) if checkpointing else None)
+    model = parallel.shard(model, env)
     b = env.to_device(b)
     count = (b["labels"][:, 1:] != -100).sum().float()
-    return train.forward_backward(model, b, env, cfg, 1 / count).detach(), model
+    return train.forward_backward(model, b, env, cfg, 1 / count, train.OBJECTIVES["sft"]).detach(), model
 
 
 def read(loss, model):
@@ -46,8 +47,8 @@ def read(loss, model):
 
 
 def main(shapes, out):
-    cfg = train.load_config([str(ROOT / "configs/debug.py"), f"--mesh={MESH}"])
-    mcfg = train.model_config(cfg)
+    cfg = config.load_config([str(ROOT / "configs/debug.py"), f"--mesh={MESH}"])
+    mcfg = config.model_config(cfg)
     cpu, xla = parallel.Env(cfg | {"device": "cpu"}), parallel.Env(cfg | {"device": "xla"})
     batches = {packed: batch(shapes, packed, mcfg) for packed in (False, True)}
     combos = list(itertools.product((0, 1, 2), ("float32", "bfloat16"), (False, True), (False, True)))

@@ -15,7 +15,9 @@ sys.path.insert(0, str(ROOT))
 
 import parallel  # noqa: E402
 import train  # noqa: E402
-from model import LoRAConfig, apply_lora, build_model, vlm_preset  # noqa: E402
+from lora import LoRAConfig, apply_lora  # noqa: E402
+from model import build_model  # noqa: E402
+from model_config import vlm_preset  # noqa: E402
 
 # each mesh once, each stage on two of them (the gradient matrix in xla_grads.py covers stages x dtypes x
 # checkpointing x packing on one mesh; these runs check five-step losses across meshes)

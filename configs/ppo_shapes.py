@@ -1,0 +1,26 @@
+# The PPO demo (docs/post-training.md "PPO", BENCHMARKS.md): GRPO's start (the shapes VLM after only 66 SFT steps,
+# 50.8% held-out) and a shapes reward model as the reward and the value model's start; one sample a question, 64
+# questions a rollout batch, 2 epochs of 4 mini-batches of 16 (8 updates a batch), a k1 KL penalty to the start.
+# The reward model must read the run's tokenizer: make it from preference pairs of the same shapes data.
+#   python data.py shapes --out data/shapes --n 6000 --preference
+#   python train.py configs/shapes.py --out_dir=out/shapes-sft-66 --max_iters=66 --lr_decay_iters=250
+#   python train.py configs/reward_shapes.py --init_from=out/shapes-sft-66/step-000066 --out_dir=out/shapes-reward-66
+#   python train.py configs/ppo_shapes.py
+out_dir = "out/shapes-ppo"
+init_from = "out/shapes-sft-66/step-000066"
+objective = "ppo"
+grpo_reward = "out/shapes-reward-66/step-000100"  # also the value model's start (ppo_value_init '')
+grpo_max_new_tokens = 6
+grpo_temperature = 1.0
+ppo_kl_coef = 0.05
+ppo_epochs = 2
+ppo_mini_batch_size = 16
+batch_size = 64  # questions a rollout batch: one completion each
+micro_batch_size = 16
+max_iters = 200  # 25 rollout batches: 1600 questions, GRPO's 100 steps x 16
+lr = 3e-5  # GRPO's (configs/grpo_shapes.py)
+min_lr = 3e-6
+warmup_iters = 10
+log_interval = 8
+eval_interval = 0
+ckpt_interval = 200

@@ -1,0 +1,506 @@
+"""
+The loader: Energon-compatible tar shards -> fixed-shape batches, in a deterministic order that resumes exactly
+(the tokenizer and chat templates: chat.py; pixels: images.py; tars and .nv-meta: shards.py; writing shards: pack.py).
+A sample is KEY.jpg (image), KEY.txt (first answer) and KEY.json ({"question", "conversations", "id"}),
+the layout of Megatron-Energon's VQA datasets; several images are KEY.0.jpg, KEY.1.png... (tag order), a video's
+frames KEY.f0.jpg, KEY.f1.jpg...
+"""
+
+import json
+import os
+import re
+
+import numpy as np
+import torch
+
+from chat import (
+    IMAGE_TAG,
+    IMAGE_TAG_RE,
+    TAGS_RE,
+    VIDEO_TAG,
+    DropSample,
+    Tokenizer,
+    check_template,
+    conversation_problem,
+    encode_conversation,
+    encode_preference,
+    generation_prompt,
+    place_image_tags,
+    tokenize,
+)
+from images import CLIP_MEAN, image_hw, image_tiles, load_image
+from shards import Skips, log, read_members, sample_offsets, shard_files
+
+NUMBERED_IMAGE_RE = re.compile(r"(f?)(\d+)\.(?:jpg|jpeg|png|webp)")  # KEY.0.jpg: image 0 of several; KEY.f0.jpg: frame 0
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+MAX_OPEN_SHARDS = 64  # shard files one ShardStream keeps open
+
+
+# -----------------------------------------------------------------------------
+# reading shards: an index of samples, a deterministic order, exact resume (tars and .nv-meta: shards.py)
+
+
+CAPTION_KEYS = ("caption", "answer", "text", "captions", "answers")  # where webdatasets keep a caption in KEY.json
+
+
+def sample_conversation(members):
+    """(conversation, image bytes or None) from our members, or from a plain webdataset jpg/png + json/txt; images
+    without a tag get theirs as pack gives them (place_image_tags)."""
+    image = next((members[e] for e in IMAGE_EXTS if e in members), None)
+    meta = json.loads(members["json"]) if "json" in members else {}
+    if "conversations" in meta:
+        conv = meta["conversations"]
+    else:
+        answer = members["txt"].decode() if "txt" in members else ""
+        if not answer:  # a caption kept only in KEY.json
+            found = [v[0] if isinstance(v, list) and v else v for v in map(meta.get, CAPTION_KEYS)]
+            answer = next((v for v in found if isinstance(v, str)), "")
+        question = meta.get("question") or meta.get("context") or ""
+        conv = [{"from": "human", "value": question}, {"from": "gpt", "value": answer}]
+    try:
+        kind, blobs = sample_images(members)
+    except DropSample:  # images and frames: the loader drops it by its own sample_images call
+        return conv, image
+    if not blobs or conversation_problem(conv):
+        return conv, image
+    return place_image_tags(conv, VIDEO_TAG if kind == "video" else IMAGE_TAG, len(blobs) if kind == "multi" else 1), \
+        image
+
+
+def sample_images(members):
+    """("image" | "multi" | "video", [image bytes]) of a sample's members: KEY.jpg alone, KEY.0.jpg, KEY.1.png...
+    (several, in tag order), KEY.f0.jpg, KEY.f1.jpg... (a video's frames). No image: ("image", [])."""
+    numbered = sorted((m[1] == "f", int(m[2]), ext) for ext in members if (m := NUMBERED_IMAGE_RE.fullmatch(ext)))
+    single = [members[e] for e in IMAGE_EXTS if e in members][:1]
+    frames = [members[ext] for is_frame, _, ext in numbered if is_frame]
+    several = [members[ext] for is_frame, _, ext in numbered if not is_frame]
+    if sum(map(bool, (single, frames, several))) > 1:
+        raise DropSample("image_and_video (in the sample's members)")
+    if frames:
+        return "video", frames
+    return ("multi" if len(several) > 1 else "image"), several or single
+
+
+def image_layouts(vlm, kind, sizes):
+    """anyres.image_layout of each image of a sample, kind and (height, width) sizes as sample_images / image_hw give
+    them; a video is one layout over all its frames."""
+    from anyres import image_layout
+
+    if kind == "video":
+        return [image_layout(vlm, *(sizes[0] if sizes else (0, 0)), "video", len(sizes))]  # no frames: its ValueError
+    return [image_layout(vlm, h, w, kind) for h, w in sizes]
+
+
+def sample_tiles(vlm, kind, blobs, image_mode="pad", mean=None):
+    """(n_tiles, 3, S, S) uint8: the tiles of a sample's images in order (images.image_tiles), None for none."""
+    return torch.cat([image_tiles(b, vlm, kind, image_mode, mean) for b in blobs]) if blobs else None
+
+
+def tiled_prompt(vlm, template, tok, question, blobs, kind=None, image_mode="pad", mean=None):
+    """(ids, tiles, layouts) of a generation prompt asking `question` about image bytes `blobs` with a tiling model:
+    what the tiled loader makes of such a sample. kind: "image" (one), "multi" (several, one <image> each), "video"
+    (frames, one <video>); by default "image" or "multi" by count. Tags are put first unless the question has them."""
+    kind = kind or ("multi" if len(blobs) > 1 else "image")
+    if kind == "video" and vlm.video_token_id is None:
+        raise ValueError("this model has no <video> token (video_token_id is None): ask about the frames as images")
+    tag = VIDEO_TAG if kind == "video" else IMAGE_TAG
+    n_tags = len(blobs) if kind == "multi" else 1 if blobs else 0
+    if blobs and tag not in question:
+        question = (tag + "\n") * n_tags + question
+    layouts = image_layouts(vlm, kind, [image_hw(b) for b in blobs])
+    counts = [len(index) for _, index, _ in layouts]
+    pieces = [(generation_prompt(template, question, tok), False)]
+    n_found = sum(len((TAGS_RE if vlm.video_token_id is not None else IMAGE_TAG_RE).findall(t)) for t, _ in pieces)
+    if n_found != len(counts):
+        raise ValueError(f"the prompt has {n_found} image/video tags for {len(counts)} {kind} inputs")
+    ids, _ = tokenize(pieces, tok, vlm.image_token_id, counts, vlm.video_token_id)
+    return ids, sample_tiles(vlm, kind, blobs, image_mode, mean), layouts
+
+
+class ShardStream(torch.utils.data.IterableDataset):
+    """An endless stream of fixed-shape batches from shards, the same for any number of DataLoader workers.
+
+    Epoch e visits every sample once in a deterministic order: the shards shuffled by (seed, e), then
+    each block of `shuffle_block` consecutive samples shuffled, so reads stay mostly sequential. The epochs
+    follow each other in one global sequence; rank r of W takes its positions r, r + W, r + 2W, ... Batch k of
+    a rank is samples [k*N, (k+1)*N) of its stream (N = B, or pack x B when packing), so global batch k is the
+    global positions [k*N*W, (k+1)*N*W) whatever W is: a resume on another world size with the same global batch
+    continues the same sample order (Loader.load_state_dict). Batch k is built by worker k % n_workers; the
+    DataLoader hands batches back in k order, so a resume needs only the position: no replay."""
+
+    def __init__(self, paths, tokenizer, batch_size, seq_len, image_size, image_token_id, n_image_tokens,
+                 template="plain", image_mode="pad", split="train", seed=0, rank=0, world_size=1, shuffle_block=1000,
+                 pack=0, fast_images=False, image_mean=CLIP_MEAN, vlm=None, max_tiles=0, preference=False):
+        if not isinstance(max_tiles, int) or max_tiles < 0:
+            raise ValueError(f"ShardStream: max_tiles must be an integer >= 0 (tile slots a row), got {max_tiles!r}")
+        if max_tiles and vlm is None:
+            raise ValueError("ShardStream: max_tiles > 0 (tile slots) needs the model config: pass vlm=VLMConfig")
+        # max_tiles > 0: each row holds max_tiles tile slots; images are tiled and placed by vlm (encode_tiled)
+        self.vlm, self.max_tiles = vlm, max_tiles
+        if preference and pack:
+            raise ValueError("ShardStream: preference pairs (DPO) are read one pair a row pair: pack must be 0")
+        self.preference = preference  # batches of 2B rows [chosen..., rejected...], one image a pair (pair_batch)
+        expected = shard_files(paths, split)
+        self.files = list(expected)
+        self.index = [(i, s, e) for i, f in enumerate(self.files) for s, e in sample_offsets(f, expected[f])]
+        if not self.index:
+            raise ValueError(f"the {split} shards in {paths} hold no samples")
+        ends = np.cumsum(np.bincount([i for i, _, _ in self.index], minlength=len(self.files)))
+        self.shard_ranges = list(zip([0, *ends[:-1]], ends))  # each shard's samples, as a range of the index
+        self.tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer(tokenizer)
+        check_template(template, self.tok)
+        self.batch_size, self.seq_len, self.image_size = batch_size, seq_len, image_size
+        # pack > 0: a batch reads pack x batch_size samples and packs them into its rows (packed_batch)
+        self.pack, self.samples_per_batch = pack, batch_size * pack if pack else batch_size
+        self.image_token_id, self.n_image_tokens = image_token_id, n_image_tokens
+        self.template, self.image_mode, self.split, self.fast_images = template, image_mode, split, fast_images
+        self.image_mean = image_mean  # the pad colour: the tower's mean
+        self.seed, self.rank, self.world_size, self.shuffle_block = seed, rank, world_size, shuffle_block
+        self.start = 0  # sample position in this rank's stream; set by Loader
+        self._order_cache = (None, None)
+        self.skips = Skips()
+        self._files = {}
+
+    def __len__(self):
+        return len(self.index)
+
+    def order(self, epoch):
+        if self._order_cache[0] != epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            blocks = [np.arange(*self.shard_ranges[s]) for s in rng.permutation(len(self.files))]
+            order = np.concatenate(blocks)
+            for b in range(0, len(order), self.shuffle_block):
+                order[b : b + self.shuffle_block] = rng.permutation(order[b : b + self.shuffle_block])
+            self._order_cache = (epoch, order)
+        return self._order_cache[1]
+
+    def sample_at(self, position):
+        """The sample index at `position` of this rank's stream: global position position * W + rank."""
+        epoch, i = divmod(position * self.world_size + self.rank, len(self.index))
+        return int(self.order(epoch)[i])
+
+    def read(self, sample):
+        """(key, {ext: bytes}) of one sample."""
+        shard, start, end = self.index[sample]
+        # at most MAX_OPEN_SHARDS files stay open, the least recently read closed first: reads run mostly
+        # shard by shard, and a process holding thousands hits "Too many open files"
+        f = self._files.pop(shard, None) or open(self.files[shard], "rb")  # noqa: SIM115
+        self._files[shard] = f
+        if len(self._files) > MAX_OPEN_SHARDS:
+            self._files.pop(next(iter(self._files))).close()
+        return read_members(f, start, end)
+
+    def read_conversation(self, sample):
+        """(where, conversation, kind, image bytes) of a sample both encoders share; DropSample if its tar, JSON or
+        conversation cannot be trained on."""
+        try:
+            key, members = self.read(sample)
+            conv, _ = sample_conversation(members)
+            kind, blobs = sample_images(members)
+            problem = conversation_problem(conv)
+        except DropSample:
+            raise
+        except Exception as e:  # noqa: BLE001  corrupt tar or JSON in a foreign shard
+            raise DropSample(f"unreadable_sample ({type(e).__name__}: {e})") from None
+        if problem:
+            raise DropSample(f"{problem} (in the sample's conversation)")
+        return f"{self.files[self.index[sample][0]].name}:{key}", conv, kind, blobs
+
+    def encode(self, sample):
+        if self.max_tiles:
+            return self.encode_tiled(sample)
+        where, conv, kind, blobs = self.read_conversation(sample)
+        if len(blobs) > 1 or kind == "video":  # a one-frame video too: its tag is <video>
+            raise DropSample(f"{kind}_needs_max_tiles ({len(blobs)} {'frames' if kind == 'video' else 'images'}: "
+                             "set max_tiles > 0)")
+        try:
+            pixels = load_image(blobs[0], self.image_size, self.image_mode, self.fast_images, self.image_mean) \
+                if blobs else None
+        except Exception as e:  # noqa: BLE001  image bytes PIL cannot decode
+            raise DropSample(f"unreadable_sample ({type(e).__name__}: {e})") from None
+        if self.preference:
+            return (*self.encode_pair(where, conv, bool(blobs), self.n_image_tokens), pixels)
+        ids, labels, truncated = encode_conversation(conv, bool(blobs), self.template, self.tok, self.seq_len,
+                                                     self.image_token_id, self.n_image_tokens)
+        if truncated:
+            self.skips.add("truncated_not_dropped", where)
+        return ids, labels, pixels
+
+    def encode_pair(self, where, conv, has_image, n_image_tokens):
+        """(chosen (ids, labels), rejected (ids, labels)) of a preference sample (see encode_preference)."""
+        if "rejected" not in conv[-1]:
+            raise DropSample("not_a_preference_pair (no rejected answer in its last turn)")
+        chosen, rejected, truncated = encode_preference(conv, has_image, self.template, self.tok, self.seq_len,
+                                                        self.image_token_id, n_image_tokens,
+                                                        self.vlm.video_token_id if self.vlm else None)
+        if truncated:
+            self.skips.add("truncated_not_dropped", where)
+        return chosen, rejected
+
+    def encode_tiled(self, sample):
+        """(ids, labels, tiles (n, 3, S, S) uint8 or None, layouts): each tag expanded to its image's token count
+        (anyres.image_layout), the tiles as the HF image processors make them (images.image_tiles)."""
+        vlm = self.vlm
+        where, conv, kind, blobs = self.read_conversation(sample)
+        try:
+            sizes = [image_hw(b) for b in blobs]
+        except Exception as e:  # noqa: BLE001  image bytes with no readable header
+            raise DropSample(f"unreadable_sample ({type(e).__name__}: {e})") from None
+        if kind == "video" and vlm.video_token_id is None:
+            raise DropSample(f"video_without_video_token ({len(blobs)} frames; the model has no video_token_id)")
+        layouts = image_layouts(vlm, kind, sizes)
+        n_tiles = sum(n for n, _, _ in layouts)
+        if n_tiles > self.max_tiles:
+            raise DropSample(f"too_many_tiles ({n_tiles} tiles, max_tiles {self.max_tiles})")
+        if self.preference:
+            encoded = self.encode_pair(where, conv, bool(blobs), [len(index) for _, index, _ in layouts])
+        else:
+            ids, labels, truncated = encode_conversation(conv, bool(blobs), self.template, self.tok, self.seq_len,
+                                                         self.image_token_id, [len(index) for _, index, _ in layouts],
+                                                         vlm.video_token_id)
+            encoded = ids, labels
+            if truncated:
+                self.skips.add("truncated_not_dropped", where)
+        try:
+            tiles = sample_tiles(vlm, kind, blobs, self.image_mode, self.image_mean)
+        except Exception as e:  # noqa: BLE001  bytes PIL cannot decode past the header
+            raise DropSample(f"unreadable_sample ({type(e).__name__}: {e})") from None
+        return *encoded, tiles, layouts
+
+    def encode_or_drop(self, sample):
+        """encode(sample), or None for a sample that cannot be trained on: counted, and the first few printed."""
+        try:
+            return self.encode(sample)
+        except DropSample as e:
+            self.drop(sample, str(e))
+            return None
+
+    def drop(self, sample, why):
+        shard, _, _ = self.index[sample]
+        reason = why.split(" ")[0]
+        self.skips.add(reason, f"{self.files[shard].name}#{sample}")
+        if self.skips.counts[reason] <= 3:
+            log(f"data: dropped sample {sample} of {self.files[shard].name}: {why}")
+
+    def batch(self, k):
+        B, T, S, N = self.batch_size, self.seq_len, self.image_size, self.samples_per_batch
+        sample_ids = torch.tensor([self.sample_at(k * N + i) for i in range(N)])
+        encoded = [self.encode_or_drop(sample) for sample in sample_ids.tolist()]
+        # a dropped sample keeps its place as padding with no labels: shapes are static, the position arithmetic holds
+        dropped = torch.tensor([e is None for e in encoded])
+        if self.preference:
+            return self.pair_batch(sample_ids, encoded, dropped)
+        if self.max_tiles:
+            return self.tiled_batch(sample_ids, encoded, dropped)
+        images = torch.zeros((N, 3, S, S), dtype=torch.uint8)
+        has_image = torch.zeros(N, dtype=torch.bool)
+        if self.pack:
+            kept = [i for i, e in enumerate(encoded) if e is not None]
+            b = packed_batch([encoded[i][:2] for i in kept], B, T, self.tok.pad_id)
+            for i, where in zip(kept, b["where"]):
+                if where is None:  # no room left in this batch's rows: lower `pack` if this is frequent
+                    self.drop(int(sample_ids[i]), f"no_room_in_pack ({len(encoded[i][0])} tokens)")
+                    dropped[i] = True
+            with_image = [kept[j] for j in b["order"] if encoded[kept[j]][2] is not None]
+            for slot, i in enumerate(with_image):  # in placeholder order, as the model's packed convention wants
+                images[slot], has_image[i] = encoded[i][2], True
+            extra = {"position_ids": b["position_ids"]}
+            input_ids, labels = b["input_ids"], b["labels"]
+        else:
+            input_ids = torch.full((B, T), self.tok.pad_id, dtype=torch.long)
+            labels = torch.full((B, T), -100, dtype=torch.long)
+            for row, e in enumerate(encoded):
+                if e is not None:
+                    ids, lab, pixels = e
+                    input_ids[row, : len(ids)] = torch.tensor(ids)
+                    labels[row, : len(lab)] = torch.tensor(lab)
+                    if pixels is not None:
+                        images[row], has_image[row] = pixels, True
+            extra = {}
+        return {"input_ids": input_ids, "labels": labels, "pixel_values": images,  # uint8: normalize_images on device
+                "has_image": has_image, "dropped": dropped, "sample_id": sample_ids} | extra
+
+    def pair_batch(self, sample_ids, encoded, dropped):
+        """Preference pairs: input_ids and labels (2B, T), rows [chosen..., rejected...] (pair i in rows i and B + i),
+        pixel_values once a pair: (B, 3, S, S), or (B, max_tiles, 3, S, S) with image_index / image_weight (2B, T,
+        taps) placing the pair's tiles in both its rows. A dropped pair's rows have no labels: dpo_loss leaves them
+        out."""
+        from anyres import place_images
+
+        B, T, vlm = self.batch_size, self.seq_len, self.vlm
+        input_ids = torch.full((2 * B, T), self.tok.pad_id, dtype=torch.long)
+        labels = torch.full((2 * B, T), -100, dtype=torch.long)
+        if self.max_tiles:
+            S, taps = vlm.vision.image_size, vlm.image_taps
+            images = torch.zeros((B, self.max_tiles, 3, S, S), dtype=torch.uint8)
+            image_index = torch.zeros((2 * B, T, taps), dtype=torch.long)
+            image_weight = torch.zeros((2 * B, T, taps), dtype=torch.float32)
+        else:
+            images = torch.zeros((B, 3, self.image_size, self.image_size), dtype=torch.uint8)
+        has_image = torch.zeros(B, dtype=torch.bool)
+        for i, e in enumerate(encoded):
+            if e is None:
+                continue
+            for row, (ids, lab) in ((i, e[0]), (B + i, e[1])):
+                input_ids[row, : len(ids)], labels[row, : len(lab)] = torch.tensor(ids), torch.tensor(lab)
+                if self.max_tiles and e[2] is not None:
+                    image_index[row], image_weight[row] = place_images(input_ids[row], e[3], vlm)
+            if e[2] is not None:
+                if self.max_tiles:
+                    images[i, : len(e[2])] = e[2]
+                else:
+                    images[i] = e[2]
+                has_image[i] = True
+        tiled = {"image_index": image_index, "image_weight": image_weight} if self.max_tiles else {}
+        return {"input_ids": input_ids, "labels": labels, "pixel_values": images, "has_image": has_image,
+                "dropped": dropped, "sample_id": sample_ids} | tiled
+
+    def tiled_batch(self, sample_ids, encoded, dropped):
+        """batch() with tile slots: pixel_values (B, max_tiles, 3, S, S) uint8 and image_index / image_weight
+        (B, T, taps) from anyres.place_images, each row's images in placeholder order in its slots from slot 0."""
+        from anyres import place_images
+
+        B, T, vlm = self.batch_size, self.seq_len, self.vlm
+        S, taps = vlm.vision.image_size, vlm.image_taps
+        has_image = torch.tensor([e is not None and e[2] is not None for e in encoded])
+        if self.pack:
+            kept = [i for i, e in enumerate(encoded) if e is not None]
+            n_tiles = [0 if encoded[i][2] is None else len(encoded[i][2]) for i in kept]
+            b = packed_batch([encoded[i][:2] for i in kept], B, T, self.tok.pad_id, n_tiles, self.max_tiles)
+            for i, where in zip(kept, b["where"]):
+                if where is None:  # no room (tokens or tile slots) left in this batch's rows: lower `pack`
+                    self.drop(int(sample_ids[i]), f"no_room_in_pack ({len(encoded[i][0])} tokens, "
+                                                  f"{n_tiles[kept.index(i)]} tiles)")
+                    dropped[i], has_image[i] = True, False
+            rows = [[kept[j] for j in members] for members in b["rows"]]
+            input_ids, labels, extra = b["input_ids"], b["labels"], {"position_ids": b["position_ids"]}
+        else:
+            input_ids = torch.full((B, T), self.tok.pad_id, dtype=torch.long)
+            labels = torch.full((B, T), -100, dtype=torch.long)
+            rows, extra = [[i] if e is not None else [] for i, e in enumerate(encoded)], {}
+            for row, i in ((r, m[0]) for r, m in enumerate(rows) if m):
+                ids, lab = encoded[i][:2]
+                input_ids[row, : len(ids)], labels[row, : len(lab)] = torch.tensor(ids), torch.tensor(lab)
+        pixel_values = torch.zeros((B, self.max_tiles, 3, S, S), dtype=torch.uint8)
+        image_index = torch.zeros((B, T, taps), dtype=torch.long)
+        image_weight = torch.zeros((B, T, taps), dtype=torch.float32)
+        for row, members in enumerate(rows):
+            with_images = [encoded[i] for i in members if encoded[i][2] is not None]
+            if with_images:  # the row's images in the order of their placeholders: its samples' order
+                tiles = torch.cat([e[2] for e in with_images])  # (n_tiles, 3, S, S)
+                pixel_values[row, : len(tiles)] = tiles
+                image_index[row], image_weight[row] = place_images(input_ids[row], [lay for e in with_images
+                                                                                    for lay in e[3]], vlm)
+        return {"input_ids": input_ids, "labels": labels, "pixel_values": pixel_values,  # uint8: normalised on device
+                "image_index": image_index, "image_weight": image_weight, "has_image": has_image, "dropped": dropped,
+                "sample_id": sample_ids} | extra
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, n_workers = (info.id, info.num_workers) if info else (0, 1)
+        self._files = {}
+        k = self.start // self.samples_per_batch + worker
+        while True:
+            yield self.batch(k)
+            k += n_workers
+
+
+def pack_rows(lengths, n_rows, seq_len, tiles=None, max_tiles=0):
+    """First-fit decreasing: place samples of the given lengths into n_rows rows of seq_len tokens (and, with
+    max_tiles > 0, of max_tiles image tile slots, each sample taking tiles[i]).
+    Returns (row, offset) per sample, None for a sample that found no room, and each row's samples in order."""
+    free, rows, where = [seq_len] * n_rows, [[] for _ in range(n_rows)], [None] * len(lengths)
+    tiles, free_tiles = tiles or [0] * len(lengths), [max_tiles] * n_rows
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        row = next((r for r in range(n_rows) if free[r] >= lengths[i] and (not max_tiles or free_tiles[r] >= tiles[i])),
+                   None)
+        if row is not None:
+            where[i] = (row, seq_len - free[row])
+            free[row] -= lengths[i]
+            free_tiles[row] -= tiles[i]
+            rows[row].append(i)
+    for r in rows:
+        r.sort(key=lambda i: where[i][1])
+    return where, rows
+
+
+def packed_batch(samples, n_rows, seq_len, pad_id, tiles=None, max_tiles=0):
+    """Several samples a row: input_ids, labels and position_ids (B, T); position 0 starts a sample, so the
+    model keeps samples apart (model.Llama.forward). `order` lists the placed samples in flattened order: their
+    images (text-only ones have none) go to pixel_values in that order; `rows` each row's samples in order;
+    `where` is None for an unplaced sample. tiles/max_tiles: each sample's image tiles and a row's slots (pack_rows)."""
+    where, rows = pack_rows([len(ids) for ids, _ in samples], n_rows, seq_len, tiles, max_tiles)
+    input_ids = torch.full((n_rows, seq_len), pad_id, dtype=torch.long)
+    labels = torch.full((n_rows, seq_len), -100, dtype=torch.long)
+    position_ids = torch.zeros((n_rows, seq_len), dtype=torch.long)
+    for r, members in enumerate(rows):
+        end = 0
+        for i in members:
+            ids, lab = samples[i]
+            start, end = where[i][1], where[i][1] + len(ids)
+            input_ids[r, start:end] = torch.as_tensor(ids)
+            labels[r, start : start + len(lab)] = torch.as_tensor(lab)
+            position_ids[r, start:end] = torch.arange(len(ids))
+        position_ids[r, end:] = torch.arange(seq_len - end)  # the padding tail: one more (unsupervised) sample
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids,
+            "order": [i for r in rows for i in r], "rows": rows, "where": where}
+
+
+def _survive_group_signals(worker_id):
+    """DataLoader worker init. Schedulers signal the whole process group (VM shutdown, SLURM, systemd, kill -- -PGID):
+    a worker that died of it would make the main process raise before its stop checkpoint. SIGINT is ignored;
+    SIGTERM is blocked and a thread ends the worker only when the parent sends it (DataLoader's own shutdown).
+    A worker whose parent dies exits by itself (DataLoader's watchdog)."""
+    import signal
+    import threading
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    parent = os.getppid()
+
+    def wait_for_parent_term():
+        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != parent:
+            pass
+        os._exit(0)
+
+    threading.Thread(target=wait_for_parent_term, daemon=True).start()
+
+
+class Loader:
+    """Wraps ShardStream in a DataLoader and counts what it hands out; state_dict() is that position."""
+
+    def __init__(self, stream, num_workers=0, prefetch_factor=4):
+        self.stream, self.num_workers, self.prefetch_factor = stream, num_workers, prefetch_factor
+        self.position = 0
+
+    def __iter__(self):
+        self.stream.start = self.position
+        kw = {"prefetch_factor": self.prefetch_factor, "persistent_workers": False,
+              "worker_init_fn": _survive_group_signals} if self.num_workers else {}
+        # its base seed from a generator of its own: a DataLoader draws it from the global RNG when it starts, which
+        # shifted the dropout masks (LoRA's) of a resumed run, whose loader starts after the RNG state is restored
+        for batch in torch.utils.data.DataLoader(self.stream, batch_size=None, num_workers=self.num_workers,
+                                                 generator=torch.Generator(), **kw):
+            self.position += self.stream.samples_per_batch
+            yield batch
+
+    def state_dict(self):
+        s = self.stream
+        # every rank is at the same position of its own stream, so one state serves all ranks; global_position
+        # (samples consumed by all ranks together) is what a resume on another world size continues from
+        return {"position": self.position, "global_position": self.position * s.world_size, "seed": s.seed,
+                "n_samples": len(s), "world_size": s.world_size, "batch_size": s.batch_size, "pack": s.pack}
+
+    def load_state_dict(self, state):
+        s, state = self.stream, {"pack": 0} | state  # states from before packing existed
+        mine = {"seed": s.seed, "n_samples": len(s), "pack": s.pack}
+        differ = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
+        if differ:
+            raise ValueError(f"data loader state does not match this run (saved, now): {differ}")
+        consumed = state["position"] * state.get("world_size", 1)  # global: every rank is at the same position
+        if consumed % (s.samples_per_batch * s.world_size):  # the global batch changed with the world size
+            raise ValueError(f"the checkpoint's loader stopped after {consumed} samples, which is not a whole number "
+                             f"of this run's global batches ({s.world_size} ranks x {s.samples_per_batch} samples): "
+                             f"keep the global batch (batch_size) the same across the change")
+        self.position = consumed // s.world_size
+
