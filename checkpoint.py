@@ -8,11 +8,15 @@ shards are copied to host memory. A step directory holds:
     state.json                  iteration, loader position (global), run config, world size, optimizer param groups
     rng.safetensors, tokenizer  each rank's RNG; the run's tokenizer
     manifest.json               size and sha256 of every file above, every rank's included: written last, by rank 0,
-                                once every rank has finished; resume takes the newest directory that matches it
+                                once every rank has finished: the commit
+    CORRUPT                     (only in a step found damaged at resume) why: such a step is never taken again
 
-A step is written to .step-N.tmp-dcp and renamed when complete, so a rank killed mid-write leaves no step-N. DCP
-reshards on load: a checkpoint resumes on another world size, mesh, or backend (XLA <-> torchrun), because the
-keys name parameters, not ranks.
+A step directory may be a local folder or a prefix in a bucket (s3://, gs://, storage.py), and the protocol is the same
+on both, with no rename anywhere (buckets have none; gcsfuse and Mountpoint for S3 mounts cannot rename folders):
+each rank writes its shards straight into step-N/, rank 0 writes the manifest last, and readers take a step only if
+its manifest is there and verifies. A rank killed mid-write leaves a step-N without a manifest, which nothing takes
+and the next run deletes; deleting a step removes its manifest first. DCP reshards on load: a checkpoint resumes on
+another world size, mesh, or backend (XLA <-> torchrun), because the keys name parameters, not ranks.
 """
 
 import contextlib
@@ -24,6 +28,7 @@ import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -35,60 +40,93 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
 
+import storage
 from hf_config import HF_ARCHITECTURES
 from hf_names import expected_shapes, llava_from_hf, remap
 from model import VLM, build_model
 from model_config import VLMConfig
 from parallel import print0
-from weight_files import SHARD_BYTES, ConversionError, read_weights, write_dir, write_safetensors, write_weights
+from weight_files import SHARD_BYTES, ConversionError, read_weights, write_dir, write_weights
 
 MANIFEST = "manifest.json"
+CORRUPT = "CORRUPT"  # in a step found damaged: the reason; the step is skipped, not renamed
 WRITER_PID = ".stop-writer.pid"  # in out_dir while rank 0's detached stop-checkpoint writer runs
 
 
 def writer_pid_file(out, rank):
-    """Each rank's detached writer is named in out_dir while it runs: rank 0's as WRITER_PID (what scripts wait on)."""
-    return Path(out) / (WRITER_PID if rank == 0 else f".stop-writer.rank{rank}.pid")
+    """Each rank's detached writer is named while it runs, in out_dir (a bucket's out_dir: in a local folder named
+    after it, since a pid means something only on its host): rank 0's as WRITER_PID (what scripts wait on)."""
+    folder = Path(tempfile.gettempdir(), "llavax", re.sub(r"[^\w.-]+", "_", str(out))) if storage.is_url(out) else out
+    return Path(folder) / (WRITER_PID if rank == 0 else f".stop-writer.rank{rank}.pid")
+
+
+def steps(out):
+    """Every step-N in out_dir, committed or not, oldest first: N of any width (step-1000000 follows step-999999)."""
+    found = [(int(m.group(1)), name) for name in storage.ls(out) if (m := re.fullmatch(r"step-(\d+)", name))]
+    return [storage.join(out, name) for _, name in sorted(found)]
 
 
 def checkpoints(out):
-    """out_dir's step-N directories, oldest first: N of any width (step-1000000 follows step-999999)."""
-    found = [(int(m.group(1)), p) for p in Path(out).glob("step-*") if (m := re.fullmatch(r"step-(\d+)", p.name))]
-    return [p for _, p in sorted(found) if p.is_dir()]
+    """The committed steps (a manifest, no CORRUPT mark), oldest first."""
+    committed = {storage.name(storage.parent(p)) for p in storage.glob(out, f"step-*/{MANIFEST}")}
+    marked = {storage.name(storage.parent(p)) for p in storage.glob(out, f"step-*/{CORRUPT}")}
+    return [p for p in steps(out) if storage.name(p) in committed - marked]
+
+
+def unfinished_steps(out):
+    """The steps whose write did not finish: no manifest (and no CORRUPT mark: a damaged step is kept for a look)."""
+    kept = set(map(str, checkpoints(out))) | {str(storage.parent(p)) for p in storage.glob(out, f"step-*/{CORRUPT}")}
+    return [p for p in steps(out) if str(p) not in kept]
+
+
+def remove_step(path):
+    """Delete a step, its manifest first: a step half deleted is never taken for a complete one."""
+    storage.rm(storage.join(path, MANIFEST))
+    storage.rm(path, recursive=True)
 
 
 def file_sha256(path):
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with storage.open(path, "rb") as f:
         while chunk := f.read(1 << 24):
             h.update(chunk)
     return h.hexdigest()
 
 
 def describe(files):
-    """{name: {size, sha256}} of files (paths), hashed in parallel: hashlib releases the GIL."""
+    """{name: {size, sha256}} of files (paths, local or in a bucket: read back), hashed in parallel: hashlib and the
+    downloads release the GIL."""
     with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
-        return {f.name: {"size": f.stat().st_size, "sha256": d} for f, d in zip(files, pool.map(file_sha256, files))}
+        return {storage.name(f): {"size": storage.size(f), "sha256": d} for f, d in zip(files, pool.map(file_sha256, files))}
 
 
 def write_manifest(path, files=None):
-    """manifest.json: {name: {size, sha256}} of `files` (default: every file in `path`, read back from disk)."""
+    """manifest.json, the commit: {name: {size, sha256}} of `files` (default: every file in `path`, read back)."""
     if files is None:
-        files = describe([f for f in sorted(Path(path).iterdir()) if f.is_file() and f.name != MANIFEST])
-    tmp = Path(path) / f"{MANIFEST}.tmp"
-    tmp.write_text(json.dumps({"files": dict(sorted(files.items()))}, indent=2))
-    fsync(tmp)
-    tmp.rename(Path(path) / MANIFEST)
+        files = describe([storage.join(path, n) for n in storage.ls(path) if n not in (MANIFEST, CORRUPT)])
+    storage.write_text(storage.join(path, MANIFEST), json.dumps({"files": dict(sorted(files.items()))}, indent=2))
 
 
-def fsync(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def dcp_writer(path):
+    if storage.is_url(path):
+        # not sync_files: on a remote stream it calls os.sync(); an object is durable once its upload completes.
+        # The options go to the writer itself: DCP's reset(checkpoint_id) would drop them (REFERENCES.md 13)
+        return FsspecWriter(str(path), single_file_per_rank=True, sync_files=False, **storage.options(path))
+    return dcp.FileSystemWriter(str(path), sync_files=True, single_file_per_rank=True)
+
+
+def dcp_reader(path):
+    if storage.is_url(path):
+        return FsspecReader(str(path), **storage.options(path))
+    return dcp.FileSystemReader(str(path))
+
+
+def read_json(path):
+    return json.loads(storage.read_text(path))
 
 
 # -----------------------------------------------------------------------------
@@ -98,7 +136,7 @@ def fsync(path):
 def expected_keys(path, state):
     """{DCP key: shape} every complete checkpoint of this model (and PPO's value model) and these param groups holds."""
     def weight_shapes(config_file, prefix):
-        cfg = VLMConfig.from_dict(json.loads((path / config_file).read_text()))
+        cfg = VLMConfig.from_dict(read_json(storage.join(path, config_file)))
         with torch.device("meta"):
             shapes = {prefix + k: tuple(v.shape) for k, v in VLM(cfg).state_dict().items()}
         if cfg.llm.tie_embeddings:
@@ -106,7 +144,7 @@ def expected_keys(path, state):
         return shapes
 
     shapes = weight_shapes("config.json", "") | \
-        (weight_shapes(VALUE_CONFIG, VALUE) if (path / VALUE_CONFIG).exists() else {})
+        (weight_shapes(VALUE_CONFIG, VALUE) if storage.exists(storage.join(path, VALUE_CONFIG)) else {})
     keys = {(k if k.startswith(VALUE) else f"model.{k}"): s for k, s in shapes.items()}
     for group in state["param_groups"]:
         for name in group["params"]:
@@ -117,14 +155,13 @@ def expected_keys(path, state):
 
 def saved_tensors(path):
     """{DCP key: its metadata} from DCP's index (.metadata)."""
-    return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return dcp_reader(path).read_metadata().state_dict_metadata
 
 
 def verify_checkpoint(path):
     """None when checkpoint directory `path` is complete and unchanged since it was written, else the reason."""
-    path = Path(path)
     try:
-        files = json.loads((path / MANIFEST).read_text())["files"]
+        files = read_json(storage.join(path, MANIFEST))["files"]
         expected = {name: (int(f["size"]), str(f["sha256"])) for name, f in files.items()}
     except FileNotFoundError:
         return f"no {MANIFEST} (written last: the write did not finish, or it is not a llavax training checkpoint)"
@@ -134,16 +171,17 @@ def verify_checkpoint(path):
         if name not in expected:
             return f"{MANIFEST} does not list {name}"
     for name, (size, _) in expected.items():
-        f = path / name
-        if not f.is_file():
+        try:
+            now = storage.size(storage.join(path, name))
+        except FileNotFoundError:
             return f"{name} is missing"
-        if f.stat().st_size != size:
-            return f"{name} is {f.stat().st_size} bytes, {size} when written (truncated or overwritten)"
-    for name, now in describe([path / n for n in expected]).items():
+        if now != size:
+            return f"{name} is {now} bytes, {size} when written (truncated or overwritten)"
+    for name, now in describe([storage.join(path, n) for n in expected]).items():
         if now["sha256"] != expected[name][1]:
             return f"{name} differs from its sha256 when written (corrupted on disk or edited)"
     try:  # a planner that drops tensors (torch_xla 2.9's, pytorch/xla#7919) writes a complete-looking checkpoint
-        want, have = expected_keys(path, json.loads((path / "state.json").read_text())), saved_tensors(path)
+        want, have = expected_keys(path, read_json(storage.join(path, "state.json"))), saved_tensors(path)
     except Exception as e:  # noqa: BLE001  whatever a foreign or damaged index raises, named
         return f"its index cannot be checked ({type(e).__name__}: {e})"
     missing = sorted(set(want) - set(have))
@@ -155,16 +193,16 @@ def verify_checkpoint(path):
 
 
 def newest_good_checkpoint(out, env):
-    """The newest checkpoint that verifies. Newer ones that do not are renamed step-N.corrupt-T (kept for a look,
-    out of the way of this run's own step-N) with the reason printed. Decided by rank 0 and broadcast."""
+    """The newest checkpoint that verifies. Newer ones that do not get a CORRUPT file that says why (kept for a look
+    until this run writes its own step-N there), with the reason printed. Decided by rank 0 and broadcast."""
     choice = [None, []]  # the good one, [(a bad one, why)]
     if env.master:
         for path in reversed(checkpoints(out)):
             reason = verify_checkpoint(path)
             if reason is None:
-                choice[0] = str(path)
+                choice[0] = path
                 break
-            choice[1].append((str(path), reason))
+            choice[1].append((path, reason))
     if dist.is_initialized():
         dist.broadcast_object_list(choice, src=0)
     if choice[0] is None and choice[1]:
@@ -173,17 +211,21 @@ def newest_good_checkpoint(out, env):
     for bad, why in choice[1]:
         print0(env, f"resume: skipping {bad}: {why}")
         if env.master:
-            Path(bad).rename(f"{bad}.corrupt-{int(time.time())}")
+            storage.write_text(storage.join(bad, CORRUPT), json.dumps({"reason": why, "time": time.time()}))
     if dist.is_initialized():
         dist.barrier()
-    return Path(choice[0]) if choice[0] else None
+    return choice[0]
 
 
 def prune_checkpoints(out, newest, keep_last):
     """Keep the keep_last newest checkpoints up to `newest` (just written and verified); never touch a newer one."""
-    upto = [p for p in checkpoints(out) if int(p.name[5:]) <= int(newest.name[5:])]
+    upto = [p for p in checkpoints(out) if step_number(p) <= step_number(newest)]
     for old in upto[:-keep_last] if keep_last > 0 else []:
-        shutil.rmtree(old)
+        remove_step(old)
+
+
+def step_number(path):
+    return int(storage.name(path)[5:])
 
 
 # -----------------------------------------------------------------------------
@@ -376,13 +418,13 @@ class Checkpointer:
             self.write(*args)
         else:
             # not a daemon: an exit (a SystemExit in the loop included) waits for the write to commit
-            self.thread = threading.Thread(target=self.write, args=args, name=f"checkpoint {path.name}")
+            self.thread = threading.Thread(target=self.write, args=args, name=f"checkpoint {storage.name(path)}")
             self.thread.start()
 
     def write(self, path, staged, small, t0, blocked):
-        """DCP writes each rank's shards to the temporary directory; each rank hashes its own files; rank 0 adds the
-        small files and the manifest, renames the directory and prunes. Runs in the background thread."""
-        env, cfg, tmp = self.env, self.cfg, path.parent / f".{path.name}.tmp-dcp"
+        """DCP writes each rank's shards into the step directory; each rank hashes its own files; rank 0 adds the small
+        files and, last, the manifest (the commit), and prunes. Runs in the background thread."""
+        env, cfg, name = self.env, self.cfg, storage.name(path)
         try:
             rank = dist.get_rank(self.group) if self.group is not None else 0
             # never write (and so never prune for) a checkpoint of non-finite values: checked here, off the loop's time
@@ -392,39 +434,43 @@ class Checkpointer:
                 dist.all_gather_object(nonfinite, (env.rank, nonfinite_keys(staged)), group=self.group)
             bad = [(r, keys) for r, keys in nonfinite if keys]
             if bad:
-                found = checkpoints(path.parent)
-                self.error = (f"step {small['state']['iter']}: not writing {path.name}: non-finite values in "
+                found = checkpoints(storage.parent(path))
+                self.error = (f"step {small['state']['iter']}: not writing {name}: non-finite values in "
                               f"{bad[0][1][:3]}{' and more' if len(bad[0][1]) > 3 else ''} (rank {bad[0][0]}). The "
                               f"last checkpoint is {found[-1] if found else 'none'}; resume from it with a lower lr")
                 return
-            writer = dcp.FileSystemWriter(str(tmp), sync_files=True, single_file_per_rank=True)
+            if rank == 0 and storage.exists(path):  # an earlier attempt's, never committed or marked CORRUPT
+                remove_step(path)
+            if self.group is not None:
+                dist.barrier(group=self.group)  # no rank writes before it is gone
             with quiet():
-                dcp.save(staged, storage_writer=writer, planner=planners(env)[0], process_group=self.group)
+                dcp.save(staged, storage_writer=dcp_writer(path), planner=planners(env)[0], process_group=self.group)
             time.sleep(float(os.environ.get("LLAVAX_TEST_SLOW_CHECKPOINT", "0")))  # tests only: a slow disk
-            if small["own"]:
-                write_safetensors(small["own"], tmp / f"rank{rank}.safetensors")
-            mine = describe(sorted(tmp.glob(f"__{rank}_*.distcp")) + sorted(tmp.glob(f"rank{rank}.safetensors")))
+            own = [f"rank{rank}.safetensors"] if small["own"] else []
+            if own:
+                storage.write_bytes(storage.join(path, own[0]), save_safetensors(small["own"]))
+            mine = describe([storage.join(path, n) for n in storage.ls(path)
+                             if re.fullmatch(rf"__{rank}_\d+\.distcp", n)] + [storage.join(path, n) for n in own])
             every = [None] * (dist.get_world_size(self.group) if self.group is not None else 1)
             if self.group is not None:
                 dist.all_gather_object(every, mine, group=self.group)
             else:
                 every = [mine]
             if rank == 0:
-                (tmp / "state.json").write_text(json.dumps(small["state"], indent=2))
-                (tmp / "config.json").write_text(json.dumps(small["config"], indent=2))
+                storage.write_text(storage.join(path, "state.json"), json.dumps(small["state"], indent=2))
+                storage.write_text(storage.join(path, "config.json"), json.dumps(small["config"], indent=2))
+                storage.write_bytes(storage.join(path, "rng.safetensors"), save_safetensors(small["rng"]))
+                extra = [".metadata", "state.json", "config.json", "rng.safetensors"]
                 if small["value_config"]:
-                    (tmp / VALUE_CONFIG).write_text(json.dumps(small["value_config"], indent=2))
-                write_safetensors(small["rng"], tmp / "rng.safetensors")
-                for name in ("tokenizer.model", "tokenizer.json"):
-                    if Path(cfg["tokenizer"]).name == name and Path(cfg["tokenizer"]).exists():
-                        shutil.copy(cfg["tokenizer"], tmp / name)
+                    storage.write_text(storage.join(path, VALUE_CONFIG), json.dumps(small["value_config"], indent=2))
+                    extra.append(VALUE_CONFIG)
+                tokenizer = cfg["tokenizer"]
+                if storage.name(tokenizer) in ("tokenizer.model", "tokenizer.json") and storage.exists(tokenizer):
+                    storage.upload(tokenizer, storage.join(path, storage.name(tokenizer)))
+                    extra.append(storage.name(tokenizer))
                 files = {k: v for part in every for k, v in part.items()}
-                extra = [f for f in tmp.iterdir() if f.is_file() and f.name not in files and not f.name.endswith(".tmp")]
-                write_manifest(tmp, files | describe(extra))  # last: its presence means every file is complete
-                if path.exists():  # a stale step-N of an earlier attempt that was never verified good
-                    shutil.rmtree(path)
-                tmp.rename(path)
-                prune_checkpoints(path.parent, path, cfg["keep_last"])
+                write_manifest(path, files | describe([storage.join(path, n) for n in extra]))  # last: the commit
+                prune_checkpoints(storage.parent(path), path, cfg["keep_last"])
                 size = sum(f["size"] for f in files.values())
                 print(f"checkpoint {path}: {size / 2**30:.2f} GiB from {len(every)} rank(s); training blocked "
                       f"{blocked:.2f} s, written in {time.perf_counter() - t0:.2f} s", flush=True)
@@ -432,7 +478,7 @@ class Checkpointer:
                 dist.barrier(group=self.group)  # every rank knows the step is committed before the next save
         except BaseException as e:  # noqa: BLE001  named on the next wait(), in the loop's thread
             traceback.print_exc()
-            self.error = (f"checkpoint {path.name}: the write failed on rank {env.rank} ({type(e).__name__}: {e}); "
+            self.error = (f"checkpoint {name}: the write failed on rank {env.rank} ({type(e).__name__}: {e}); "
                           f"the previous checkpoint is the newest")
 
     def write_detached(self, args):
@@ -441,7 +487,7 @@ class Checkpointer:
         reach another session, so the checkpoint is finished from the host copy each fork holds. The children
         cannot use their parents' process groups (the fork does not copy gloo's threads): they meet in a group of
         their own, on a store that rank 0's child serves at a port agreed on before the fork."""
-        out, port = args[0].parent, [0]
+        out, port = storage.parent(args[0]), [0]
         if self.group is not None:
             if self.env.master:
                 with socket.socket() as s:
@@ -475,6 +521,7 @@ class Checkpointer:
             finally:
                 os._exit(code)
         marker = writer_pid_file(out, self.env.rank)
+        marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text(str(pid))
         _, status = os.waitpid(pid, 0)
         marker.unlink(missing_ok=True)
@@ -488,7 +535,7 @@ class Checkpointer:
 
     def load(self, path, model, raw, optimizer, loader, value=None):
         env = self.env
-        state = json.loads((path / "state.json").read_text())
+        state = read_json(storage.join(path, "state.json"))
         tensors, groups = train_state(model, raw, optimizer, env, value)
         have = saved_tensors(path)
         missing = sorted(set(tensors) - set(have))
@@ -499,7 +546,7 @@ class Checkpointer:
                              f"{len(missing)} tensors missing ({', '.join(missing[:3])}), {len(extra)} not in this run "
                              f"({', '.join(extra[:3])}), {len(wrong)} of another shape ({', '.join(wrong[:3])}); "
                              f"{len(state['param_groups'])} optimizer groups saved, {len(groups)} now")
-        dcp.load(tensors, storage_reader=dcp.FileSystemReader(str(path)), planner=planners(env)[1],
+        dcp.load(tensors, storage_reader=dcp_reader(path), planner=planners(env)[1],
                  process_group=self.group)
         weights = {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}
         value_weights = {k.removeprefix(VALUE): v for k, v in tensors.items() if k.startswith(VALUE)}
@@ -537,7 +584,7 @@ class Checkpointer:
             trained = trained_modules(model, value)
             set_model_state_dict(trained, weights, options=StateDictOptions(strict=not tied))
             set_optimizer_state_dict(trained, optimizer, {"state": moments, "param_groups": groups})
-        rng = load_file(path / "rng.safetensors")
+        rng = load_safetensors(storage.read_bytes(storage.join(path, "rng.safetensors")))
         if f"rank{env.rank}.cpu" in rng:  # a rank the writing run did not have keeps its seeded generator
             torch.set_rng_state(rng[f"rank{env.rank}.cpu"])
             if env.kind == "cuda" and f"rank{env.rank}.cuda" in rng:
@@ -572,18 +619,18 @@ class SavedTensor:
         t = torch.empty(self.shape, dtype=self.dtype)
         with quiet():
             # a new reader each time (it reads the index again): a shared index keeps every loaded tensor alive
-            dcp.load({self.key: t}, storage_reader=dcp.FileSystemReader(str(self.path)), no_dist=True)
+            dcp.load({self.key: t}, storage_reader=dcp_reader(self.path), no_dist=True)
         return t
 
 
 def saved_own(path, env):
     """What this rank saved alone (Checkpointer.save's own), or None: none saved, or another world size wrote it."""
-    f, world = Path(path) / f"rank{env.rank}.safetensors", json.loads((Path(path) / "state.json").read_text())["world"]
-    return load_file(f) if f.exists() and world == env.world else None
+    f, world = storage.join(path, f"rank{env.rank}.safetensors"), read_json(storage.join(path, "state.json"))["world"]
+    return load_safetensors(storage.read_bytes(f)) if world == env.world and storage.exists(f) else None
 
 
 def is_sharded_checkpoint(path):
-    return (Path(path) / ".metadata").is_file()
+    return storage.exists(storage.join(path, ".metadata"))
 
 
 def saved_weights(path):
@@ -595,8 +642,7 @@ def load_weights(path):
     """{our weight name: tensor} of a sharded step directory, read in one pass over its files."""
     tensors = {k: torch.empty(t.shape, dtype=t.dtype) for k, t in saved_weights(path).items()}
     with quiet():
-        dcp.load({f"model.{k}": t for k, t in tensors.items()}, storage_reader=dcp.FileSystemReader(str(path)),
-                 no_dist=True)
+        dcp.load({f"model.{k}": t for k, t in tensors.items()}, storage_reader=dcp_reader(path), no_dist=True)
     return tensors
 
 
@@ -607,7 +653,8 @@ def load_weights(path):
 def wait_for_stop_writer(out):
     """A run killed while its detached writers still worked left their pid files: wait for those on this host (a
     writer elsewhere shows as a pid this host does not run) to finish the checkpoint."""
-    for marker in [Path(out) / WRITER_PID, *Path(out).glob(".stop-writer.rank*.pid")]:
+    folder = writer_pid_file(out, 0).parent
+    for marker in [folder / WRITER_PID, *folder.glob(".stop-writer.rank*.pid")]:
         pid = int(marker.read_text() or 0) if marker.exists() else 0
         while pid and Path(f"/proc/{pid}").exists() and b"train.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
             print(f"waiting for the stop checkpoint writer of the previous run (pid {pid}) to finish", flush=True)
@@ -625,10 +672,10 @@ FIXED_ON_RESUME = ("seed", "batch_size", "pack", "max_tiles", "seq_len", "data_d
 def check_resume_config(path, cfg, env):
     """Say which keys differ from the checkpoint's config; stop if one that may not change did."""
     try:
-        state = json.loads((path / "state.json").read_text())
+        state = read_json(storage.join(path, "state.json"))
         saved = state["config"] | {"world": state.get("world", env.world)}
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise SystemExit(f"{path / 'state.json'}: unreadable ({type(e).__name__}: {e})") from None
+        raise SystemExit(f"{storage.join(path, 'state.json')}: unreadable ({type(e).__name__}: {e})") from None
     now = json.loads(json.dumps(cfg | {"world": env.world}))  # tuples become lists, as in the saved one
     changed = {k: (saved[k], now[k]) for k in now if k in saved and saved[k] != now[k] and k != "init_from"}
     refused = [k for k in changed if k in FIXED_ON_RESUME and k not in cfg["allow_config_change"]]

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import chat
 import checkpoint
 import images
+import storage
 import weight_files
 from checkpoint import saved_own
 from losses import (GRPO_LOSSES, GRPO_SCALES, KL_ESTIMATORS, explained_variance, gae, group_advantages, grpo_loss,
@@ -422,7 +423,7 @@ def saved_batch(resume_from, env, cfg, keys, steps_a_batch, what):
     if not resume_from:
         return None
     saved = saved_own(resume_from, env)
-    state = json.loads((resume_from / "state.json").read_text())
+    state = json.loads(storage.read_text(storage.join(resume_from, "state.json")))
     made_with = lambda c: {k: bool(c.get(k)) if k == "grpo_beta" else c.get(k, LATER_KEYS.get(k))  # noqa: E731
                            for k in keys}
     changed = [k for k in keys if made_with(state.get("config", {}))[k] != made_with(cfg)[k]] if saved else []
@@ -501,7 +502,7 @@ def load_value_model(cfg, env, policy, tok, resume_from=None):
     spec = cfg["ppo_value_init"] or cfg["grpo_reward"]
     build_on = "cpu" if env.kind == "xla" else env.device
     if resume_from:
-        saved = VLMConfig.from_dict(json.loads((resume_from / checkpoint.VALUE_CONFIG).read_text()))
+        saved = VLMConfig.from_dict(json.loads(storage.read_text(storage.join(resume_from, checkpoint.VALUE_CONFIG))))
         return build_model(saved, device=build_on, init=False)
     try:
         value_model = checkpoint.load_model(spec, device=build_on)

@@ -12,9 +12,9 @@ stage 0 trains everything, stage 1 the projector only, stage 2 the projector and
 import json
 import math
 import os
-import shutil
 import signal
 import sys
+import tempfile
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -27,8 +27,10 @@ import chat
 import checkpoint
 import config
 import rl
+import storage
 import weight_files
-from checkpoint import Checkpointer, check_resume_config, checkpoints, newest_good_checkpoint, wait_for_stop_writer
+from checkpoint import (Checkpointer, check_resume_config, checkpoints, newest_good_checkpoint, remove_step,
+                        unfinished_steps, wait_for_stop_writer)
 from config import check_tiles, load_config
 from dpo import evaluate_preference, preference_loss, reference_model, reward_pairs
 from evaluation import device_batch, evaluate, final_accuracy
@@ -134,18 +136,24 @@ def stop_nonfinite(out, it, n, cfg, loader):
 def prepare_out_dir(out, cfg, env):
     """out_dir made, a killed checkpoint write cleaned, the config stored and logged; refused if it holds another
     run's checkpoints and this one is not resuming it."""
-    found = checkpoints(out) if out.is_dir() else []
+    if storage.is_url(out):
+        try:
+            storage.check_bucket(out)
+        except storage.StorageError as e:
+            raise SystemExit(f"out_dir {e}") from None
+    found = checkpoints(out)
     if found and cfg["init_from"] != "resume":  # its pruning would delete them, or they would collide with ours
         names = ", ".join(p.name for p in found[-3:]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
         raise SystemExit(f"out_dir {out} already holds checkpoints ({names}): continue that run with "
                          f"--init_from=resume, or give this one a new out_dir")
     if env.master:
         try:
-            out.mkdir(parents=True, exist_ok=True)
+            storage.makedirs(out)
             wait_for_stop_writer(out)
-            for stale in out.glob(".step-*.tmp-*"):  # a checkpoint write that was killed
-                shutil.rmtree(stale, ignore_errors=True)
-            (out / "config.json").write_text(json.dumps(cfg, indent=2))
+            for stale in unfinished_steps(out):  # a checkpoint write that was killed: never committed, never taken
+                print0(env, f"removing {stale}: its write did not finish (no manifest)")
+                remove_step(stale)
+            storage.write_text(storage.join(out, "config.json"), json.dumps(cfg, indent=2))
         except OSError as e:
             raise SystemExit(f"out_dir {str(out)!r}: cannot write there ({e.strerror or e})") from None
         print0(env, "config:", json.dumps(cfg))
@@ -202,7 +210,7 @@ def init_model(cfg, env, resume_from):
     source = cfg["init_from"] if cfg["init_from"] not in ("scratch", "resume") else None
     build_on = "cpu" if env.kind == "xla" else env.device  # XLA: built and initialised on the host, then sharded
     if resume_from:  # built empty: each rank loads its own shards of the weights once the model is sharded
-        return build_model(VLMConfig.from_dict(json.loads((resume_from / "config.json").read_text())),
+        return build_model(VLMConfig.from_dict(json.loads(storage.read_text(storage.join(resume_from, "config.json")))),
                            device=build_on, init=False)
     if source:
         try:
@@ -307,8 +315,13 @@ def stop_on_signal(env):
 
 
 def open_log(out, cfg, env):
-    """(log(event), the log file or None): events go to out_dir/log.jsonl and wandb, from the master only."""
-    log_file = open(out / "log.jsonl", "a") if env.master else None  # noqa: SIM115
+    """(log(event), the log file or None): events go to out_dir/log.jsonl and wandb, from the master only. A bucket
+    has no appends: there the log is kept in a local copy, uploaded whole after each event."""
+    remote = storage.join(out, "log.jsonl") if storage.is_url(out) else None
+    local = Path(tempfile.mkdtemp(prefix="llavax-log-"), "log.jsonl") if remote else out / "log.jsonl"
+    if env.master and remote and storage.exists(remote):
+        local.write_bytes(storage.read_bytes(remote))  # a resumed run's log goes on
+    log_file = open(local, "a") if env.master else None  # noqa: SIM115
     if cfg["wandb_log"] and env.master:
         import wandb
 
@@ -318,6 +331,8 @@ def open_log(out, cfg, env):
         if env.master:
             log_file.write(json.dumps(event) + "\n")
             log_file.flush()
+            if remote:
+                storage.upload(local, remote)
             if cfg["wandb_log"]:
                 wandb.log(event, step=event["step"])
 
@@ -551,7 +566,7 @@ def evaluate_and_log(model, ref_model, val_loader, env, cfg, vision, objective, 
 def main(argv=None):
     cfg = load_config(sys.argv[1:] if argv is None else argv)
     env = Env(cfg)
-    out = Path(cfg["out_dir"])
+    out = storage.join(cfg["out_dir"])
     prepare_out_dir(out, cfg, env)
     check_inputs(cfg)
     grad_accum, rows_per_host = batch_layout(cfg, env)
@@ -614,9 +629,10 @@ def main(argv=None):
             checkpointer.poll()
             stopping = env.agree(stop["requested"])
             if stopping or (cfg["ckpt_interval"] and it % cfg["ckpt_interval"] == 0) or it == cfg["max_iters"]:
-                checkpointer.save(out / f"step-{it:06d}", model, raw, optimizer, loader, it, stop=stopping,
+                step_dir = storage.join(out, f"step-{it:06d}")
+                checkpointer.save(step_dir, model, raw, optimizer, loader, it, stop=stopping,
                                   own=steps.in_flight(it), value=value)  # grpo, ppo: the rollouts the next step uses
-                print0(env, f"step {it}: checkpoint {out / f'step-{it:06d}'}" + ("" if stopping else " (writing)"))
+                print0(env, f"step {it}: checkpoint {step_dir}" + ("" if stopping else " (writing)"))
                 meter.t_last = time.perf_counter()
             if stopping:
                 print0(env, f"stopped at step {it} by a signal; resume with --init_from=resume")
@@ -630,7 +646,7 @@ def main(argv=None):
         if cfg["final_accuracy_samples"] and val_stream is not None and objective.answers:
             log({"step": it, "accuracy": final_accuracy(raw, val_stream, stream_args, env, cfg)})
         if env.master:
-            (out / "DONE").write_text(json.dumps({"step": it}))  # the babysitter's completion marker
+            storage.write_text(storage.join(out, "DONE"), json.dumps({"step": it}))  # the babysitter's completion marker
     if log_file:
         log_file.close()
     if env.distributed:

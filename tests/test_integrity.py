@@ -156,22 +156,26 @@ def test_resume_falls_back_past_a_silently_corrupted_checkpoint(shapes, base, tm
     assert f"skipping {out / 'step-000006'}: __0_0.distcp differs from its sha256" in r.stdout
     assert f"resuming from {out / 'step-000003'}" in r.stdout
     assert "log_interval changed from 1 to 2 (allowed)" in r.stdout
-    # retrained from step 3: the same bytes as the uninterrupted run; the corrupt one kept aside, not pruned
+    # retrained from step 3: the same bytes as the uninterrupted run, written over the step marked CORRUPT
     assert weights(out / "step-000006") == weights(base / "step-000006")
-    assert len(list(out.glob("step-000006.corrupt-*"))) == 1
+    assert not (out / "step-000006/CORRUPT").exists() and checkpoint.verify_checkpoint(out / "step-000006") is None
     assert [p.name for p in checkpoint.checkpoints(out)] == ["step-000006"]
 
 
 def test_step_numbers_of_any_width_sort_numerically_and_pruning_spares_newer(tmp_path):
-    for step in (999, 999999, 1000000, 12):
+    for step in (999, 999999, 1000000, 12, 500):
         (tmp_path / f"step-{step:06d}").mkdir()
+        (tmp_path / f"step-{step:06d}/manifest.json").write_text("{}")
+    (tmp_path / "step-000500/CORRUPT").write_text("{}")  # marked at a resume: never taken, never pruned
     (tmp_path / "step-000100.corrupt-1").mkdir()
+    (tmp_path / "step-000200").mkdir()  # a write that did not finish: no manifest
     assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-000012", "step-000999", "step-999999",
                                                              "step-1000000"]
     checkpoint.prune_checkpoints(tmp_path, tmp_path / "step-000999", keep_last=1)  # never anything after the newest
     assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-000999", "step-999999", "step-1000000"]
     checkpoint.prune_checkpoints(tmp_path, tmp_path / "step-1000000", keep_last=2)
     assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-999999", "step-1000000"]
+    assert (tmp_path / "step-000500/CORRUPT").exists()
 
 
 def test_held_out_questions_longer_than_the_model_are_counted_and_skipped(shapes):  # noqa: F811

@@ -1,0 +1,298 @@
+"""
+Where files live: a local path, or an object in a bucket (s3://bucket/key, gs://bucket/key) read and written
+through fsspec (s3fs, gcsfs: optional packages, needed only for bucket paths). Every function takes either.
+
+What a bucket has and a disk has not, and what follows for callers:
+- no rename, no append, no directories: a "directory" is a key prefix; makedirs is a no-op; ls lists a prefix;
+- an object appears whole when its upload completes, or not at all: write_bytes is atomic on both (locally: a
+  temporary file, then os.replace of that one file; a directory is never renamed);
+- requests are throttled (429, 503 SlowDown) and connections reset: each call here is retried with exponential
+  backoff (and s3fs, gcsfs and botocore retry their own requests too).
+Endpoints and credentials come only from the standard places: AWS_ENDPOINT_URL, the other AWS_* variables or
+~/.aws for S3; STORAGE_EMULATOR_HOST or application default credentials (gcloud, GOOGLE_APPLICATION_CREDENTIALS,
+a VM's service account) for GCS.
+"""
+
+import builtins
+import importlib.util
+import os
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+
+PACKAGES = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}  # the schemes we read and write, and who serves each
+RETRIES = 6  # attempts of one call on a transient error
+BACKOFF = 0.25  # seconds before the first retry, doubled before each next one (with jitter)
+
+
+class StorageError(OSError):
+    """A bucket path that cannot work as given: said in one sentence (the programs print it and stop)."""
+
+
+def is_url(path):
+    return re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", str(path)) is not None
+
+
+def scheme(url):
+    return str(url).split("://", 1)[0].lower()
+
+
+def join(base, *names):
+    """base/names: a Path for a local base, a URL (str) for a bucket."""
+    if is_url(base):
+        return "/".join([str(base).rstrip("/"), *(str(n).strip("/") for n in names)])
+    return Path(base, *names)
+
+
+def name(path):
+    return str(path).rstrip("/").rsplit("/", 1)[-1]
+
+
+def parent(path):
+    return str(path).rstrip("/").rsplit("/", 1)[0] if is_url(path) else Path(path).parent
+
+
+# -----------------------------------------------------------------------------
+# the filesystem of a URL: package, endpoint and credentials checked once, each with a sentence
+
+
+def options(url):
+    """fsspec options for url's filesystem (also what DCP's FsspecWriter/Reader take)."""
+    if scheme(url) in ("gs", "gcs"):  # the emulator takes no credentials; otherwise ADC only, never anonymous
+        return {"token": "anon" if os.environ.get("STORAGE_EMULATOR_HOST") else "google_default"}
+    return {}
+
+
+def filesystem(url):
+    """url's fsspec filesystem (fsspec keeps one instance per options and process)."""
+    kind = scheme(url)
+    if kind not in PACKAGES:
+        raise StorageError(f"{url}: unknown storage scheme '{kind}://': use a local path, s3://bucket/... or "
+                           f"gs://bucket/...")
+    package = PACKAGES[kind]
+    if importlib.util.find_spec(package) is None:
+        raise StorageError(f"{url}: {kind}:// paths need the {package} package: pip install {package}")
+    if package == "gcsfs" and os.environ.get("STORAGE_EMULATOR_HOST"):
+        # gcsfs's hierarchical-namespace probe costs ~60 s a bucket against a plain-HTTP emulator
+        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    import fsspec
+
+    try:
+        return fsspec.filesystem(kind, **options(url))
+    except Exception as e:  # noqa: BLE001  gcsfs looks for credentials here
+        if (plain := plain_error(e, url)) is not None:
+            raise plain from None
+        raise
+
+
+def bucket(url):
+    return str(url).split("://", 1)[1].split("/", 1)[0]
+
+
+def key(url):
+    """The path within the filesystem, as fsspec names it: bucket/key."""
+    return str(url).split("://", 1)[1].rstrip("/")
+
+
+# -----------------------------------------------------------------------------
+# retries and errors
+
+
+TRANSIENT_TYPES = {"ConnectionError", "ClientConnectionError", "ServerDisconnectedError", "ClientPayloadError",
+                   "EndpointConnectionError", "ConnectionClosedError", "IncompleteRead", "ProtocolError",
+                   "ReadTimeoutError", "TimeoutError"}
+TRANSIENT_TEXT = re.compile(r"SlowDown|Throttl|TooManyRequests|Too Many Requests|Service Unavailable|"
+                            r"RequestTimeout|InternalError|\b(429|500|502|503|504)\b")
+
+
+def causes(e):
+    while e is not None:
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def transient(e):
+    """Throttling (429, 503 SlowDown), a server error or a dropped connection: worth trying again."""
+    for err in causes(e):
+        if isinstance(err, (FileNotFoundError, PermissionError, StorageError)):
+            return False
+        if {c.__name__ for c in type(err).__mro__} & TRANSIENT_TYPES:
+            return True
+        if getattr(err, "code", None) in (429, 500, 502, 503, 504) or TRANSIENT_TEXT.search(str(err)):
+            return True
+    return False
+
+
+def plain_error(e, path):
+    """A StorageError sentence for the errors a user can fix (credentials, a bucket that is not there), else None."""
+    text = " ".join(f"{type(err).__name__}: {err}" for err in causes(e))
+    if re.search(r"NoCredentialsError|Unable to locate credentials|PartialCredentialsError", text):
+        return StorageError(f"{path}: no AWS credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+                            f"AWS_PROFILE with ~/.aws/credentials")
+    if re.search(r"DefaultCredentialsError|RefreshError", text):
+        return StorageError(f"{path}: no Google credentials: run `gcloud auth application-default login`, or set "
+                            f"GOOGLE_APPLICATION_CREDENTIALS to a service account key")
+    if re.search(r"NoSuchBucket|specified bucket does not exist", text):
+        return StorageError(f"{path}: bucket '{bucket(path)}' does not exist (create it first, or check its name)")
+    if re.search(r"InvalidAccessKeyId|SignatureDoesNotMatch|AccessDenied|\b403\b|Forbidden", text):
+        return StorageError(f"{path}: access denied ({text.splitlines()[0][:200]}); check the credentials and the "
+                            f"bucket's permissions")
+    return None
+
+
+def call(path, fn, *args, **kwargs):
+    """fn(*args, **kwargs), retried with exponential backoff while it fails transiently; an error the user can fix
+    becomes a StorageError that says how."""
+    t0 = time.monotonic()
+    for attempt in range(RETRIES):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001  whatever the filesystem raises: sorted below
+            if attempt + 1 < RETRIES and transient(e):
+                time.sleep(BACKOFF * 2**attempt * random.uniform(0.5, 1.0))
+                continue
+            if not is_url(path):
+                raise
+            if (plain := plain_error(e, path)) is not None:
+                raise plain from None
+            if transient(e):
+                raise StorageError(f"{path}: still failing after {RETRIES} attempts in {time.monotonic() - t0:.0f} s "
+                                   f"({type(e).__name__}: {str(e)[:200]})") from e
+            if isinstance(e, FileNotFoundError) and not bucket_exists(path):  # gcsfs names only the URL it used
+                raise StorageError(f"{path}: bucket '{bucket(path)}' does not exist (create it first, or check its "
+                                   f"name)") from None
+            raise
+
+
+def bucket_exists(url):
+    try:
+        return filesystem(url).exists(bucket(url))
+    except Exception:  # noqa: BLE001  unknown: let the caller's own error stand
+        return True
+
+
+def check_bucket(url):
+    """Stop early, in one sentence, when url's bucket is not there or these credentials cannot reach it."""
+    try:  # s3fs's exists(bucket) says False for any failure, missing credentials included: a listing tells them apart
+        call(url, filesystem(url).ls, key(url), detail=False)
+    except FileNotFoundError:  # a new prefix in a bucket that is there (call() names a missing bucket)
+        pass
+
+
+# -----------------------------------------------------------------------------
+# the operations
+
+
+def exists(path):
+    if not is_url(path):
+        return Path(path).exists()
+    fs = filesystem(path)
+    fs.invalidate_cache(key(path))  # another process (a rank, a host) may have written it since we looked
+    return call(path, fs.exists, key(path))
+
+
+def size(path):
+    return Path(path).stat().st_size if not is_url(path) else call(path, filesystem(path).size, key(path))
+
+
+def ls(path):
+    """The names directly under path (files and sub-folders / prefixes), sorted; [] when there is none."""
+    if not is_url(path):
+        return sorted(p.name for p in Path(path).iterdir()) if Path(path).is_dir() else []
+    fs = filesystem(path)
+    fs.invalidate_cache(key(path))
+    try:
+        found = call(path, fs.ls, key(path), detail=False)
+    except FileNotFoundError:
+        return []
+    return sorted(name(p) for p in found if p.rstrip("/") != key(path))
+
+
+def glob(path, pattern):
+    """The paths under path that match pattern ('step-*/manifest.json'), as join(path, ...) gives them."""
+    if not is_url(path):
+        return sorted(Path(path).glob(pattern))
+    fs = filesystem(path)
+    fs.invalidate_cache(key(path))
+    prefix = key(path) + "/"
+    found = call(path, fs.glob, prefix + pattern)
+    return [join(path, p[len(prefix):]) for p in sorted(found)]
+
+
+def makedirs(path):
+    """A local folder and its parents; nothing on a bucket (its folders are key prefixes)."""
+    if not is_url(path):
+        Path(path).mkdir(parents=True, exist_ok=True)
+
+
+def rm(path, recursive=False):
+    """Remove a file or object (a folder or prefix with recursive=True); nothing when there is none."""
+    if not is_url(path):
+        p = Path(path)
+        if p.is_dir() and not p.is_symlink() and recursive:
+            shutil.rmtree(p)
+        elif p.is_dir() and not p.is_symlink():
+            p.rmdir()
+        else:
+            p.unlink(missing_ok=True)
+        return
+    fs = filesystem(path)
+    try:
+        call(path, fs.rm, key(path), recursive=recursive)
+    except FileNotFoundError:
+        pass
+    fs.invalidate_cache(key(path))
+
+
+def open(path, mode="rb"):  # noqa: A001  the storage layer's open: callers write storage.open
+    """A file object. Writing to a bucket, the object appears when it is closed, complete; a local write is not
+    atomic (use write_bytes for that)."""
+    if not is_url(path):
+        if "r" not in mode:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        return builtins.open(path, mode)
+    return call(path, filesystem(path).open, key(path), mode)
+
+
+def read_bytes(path, start=None, end=None):
+    """The bytes [start, end) of a file or object (one ranged request on a bucket), or all of them."""
+    if not is_url(path):
+        with builtins.open(path, "rb") as f:
+            f.seek(start or 0)
+            return f.read() if end is None else f.read(end - (start or 0))
+    return call(path, filesystem(path).cat_file, key(path), start=start, end=end)
+
+
+def read_text(path):
+    return read_bytes(path).decode()
+
+
+def write_bytes(path, data):
+    """Write a whole file atomically: readers see the old one or the new one, never a part. Locally a temporary file
+    in the same folder is fsynced and os.replace'd over the name (a file rename; folders are never renamed)."""
+    if is_url(path):
+        return call(path, filesystem(path).pipe_file, key(path), bytes(data))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)  # as on a bucket, where a key needs no folder
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with builtins.open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text(path, text):
+    write_bytes(path, text.encode())
+
+
+def upload(local_file, path):
+    """Copy a local file to path (an object appears whole, a local copy is replaced atomically)."""
+    if is_url(path):
+        return call(path, filesystem(path).put_file, str(local_file), key(path))
+    write_bytes(path, Path(local_file).read_bytes())

