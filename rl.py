@@ -555,7 +555,7 @@ class PPOBatches:
         m = {k: env.place_rows(b[k][idx]) for k in TRAINED_ON if k in b}
         m["pixel_values"] = images.normalize_images(m["pixel_values"], *self.vision.image_stats)
         asked = int(b["valid"][idx].sum())  # rows with a prompt: whether the micro-batch's metrics count
-        names = [k for k in b if k.startswith("metrics.")]
+        names = sorted(k for k in b if k.startswith("metrics."))
         # one vector: XLA would make a 0-d tensor holding 0 or 1 a constant of the graph (a graph for each value)
         values = (torch.stack([b[k] for k in names]) * bool(asked)).to(env.device)
         return m | {"units": m["completion_mask"].sum(), "asked": asked,

@@ -542,7 +542,9 @@ def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader):
         meter.gen_seconds, meter.gen_rows = 0.0, 0
     if meter.dpo:  # means over the interval's micro-steps and ranks, as the loss
         n_micro = env.all_sum(torch.tensor(float(meter.dpo_micro), device=env.device))
-        event |= {k: (env.all_sum(v) / n_micro.clamp(min=1)).item() for k, v in meter.dpo.items()}
+        # in one order on every rank: each all_sum must meet the same metric on the others (a resumed batch's metrics
+        # come in its file's order)
+        event |= {k: (env.all_sum(v) / n_micro.clamp(min=1)).item() for k, v in sorted(meter.dpo.items())}
         print0(env, f"step {it}: " + ", ".join(f"{k} {event[k]:.4f}" for k in meter.dpo))
         meter.dpo, meter.dpo_micro = {}, 0
     mfu = f"{100 * event['mfu']:.1f}%" if peak else "n/a"
