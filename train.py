@@ -162,6 +162,10 @@ def prepare_out_dir(out, cfg, env):
 
 
 def check_inputs(cfg):
+    for key in ("data_dir", "tokenizer", "init_from", "dpo_reference", "grpo_reference", "ppo_value_init"):
+        if storage.is_url(cfg.get(key) or ""):  # not a local folder that is missing: say what is not built
+            raise SystemExit(f"{key} {cfg[key]!r}: reading {key} from a bucket is not built yet (only out_dir may be "
+                             f"one); copy it to a local disk or a mount")
     if not Path(cfg["data_dir"]).exists():
         raise SystemExit(f"data_dir {cfg['data_dir']!r} does not exist. For the shapes demo run "
                          "`python data.py shapes --out data/shapes` first (make demo does it).")
