@@ -14,7 +14,6 @@ its recorded logits, and approxkl's mean over every slot (padding's zeros includ
 usage: python tests/trl_ppo.py SIDE_DIR OUT_JSON
 """
 
-import losses
 import json
 import os
 import shutil
@@ -64,6 +63,7 @@ def main(side, out):
 
     import checkpoint
     import hf_names
+    import losses
     import model
     import rl
 
