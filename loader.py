@@ -13,21 +13,9 @@ import re
 import numpy as np
 import torch
 
-from chat import (
-    IMAGE_TAG,
-    IMAGE_TAG_RE,
-    TAGS_RE,
-    VIDEO_TAG,
-    DropSample,
-    Tokenizer,
-    check_template,
-    conversation_problem,
-    encode_conversation,
-    encode_preference,
-    generation_prompt,
-    place_image_tags,
-    tokenize,
-)
+from chat import (IMAGE_TAG, IMAGE_TAG_RE, TAGS_RE, VIDEO_TAG, DropSample, Tokenizer, check_template,
+                  conversation_problem, encode_conversation, encode_preference, generation_prompt, place_image_tags,
+                  tokenize)
 from images import CLIP_MEAN, image_hw, image_tiles, load_image
 from shards import Skips, log, read_members, sample_offsets, shard_files
 

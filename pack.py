@@ -32,21 +32,8 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont, ImageOps
 from tqdm import tqdm
 
-from chat import (
-    IMAGE_TAG,
-    ROLES,
-    TEMPLATES,
-    VIDEO_TAG,
-    DropSample,
-    Tokenizer,
-    check_template,
-    conversation_problem,
-    encode_conversation,
-    place_image_tags,
-    render,
-    tokenize,
-    turns,
-)
+from chat import (IMAGE_TAG, ROLES, TEMPLATES, VIDEO_TAG, DropSample, Tokenizer, check_template, conversation_problem,
+                  encode_conversation, place_image_tags, render, tokenize, turns)
 from images import image_hw, image_tiles, load_image, orientation
 from loader import image_layouts, pack_rows, sample_conversation, sample_images
 from shards import Skips, log, read_members, sample_offsets, shard_files
