@@ -5,6 +5,7 @@ Benchmarks. Figures go to BENCHMARKS.md with the command, date and machine.
     python bench.py train --config configs/bench_7b_stage1.py --variant bf16:frozen_dtype=bfloat16 ...
     python bench.py train [--size bench|debug] [--stage 1|2] [--peer hf] [--pack] [--compile] [--loss-chunk N]
     python bench.py data [--shards DIR]        # decode + preprocess images/s per core, ours vs webdataset + PIL
+    python bench.py loader [--latency_ms 50]   # the loader from local files and from S3 (moto) behind latency
     python bench.py xla                        # computed per-device memory of the 7B recipes on TPU pods
     python bench.py levers                     # computed memory, predicted speed of the speed levers (7B, H100)
     python bench.py attention                  # computed activation memory a chip, dense vs bounded attention (TPU)
@@ -421,6 +422,131 @@ def bench_images(shards, size=336, repeats=2):
 
 
 # -----------------------------------------------------------------------------
+# loader: the same shards from local files and from an S3 server behind injected latency
+
+
+class LatencyProxy:
+    """An HTTP/1.1 proxy on 127.0.0.1 that holds every request `latency` seconds before forwarding it to
+    127.0.0.1:upstream: a bucket's time to first byte (50-100 ms on S3 and GCS) in front of a local S3 server."""
+
+    def __init__(self, upstream, latency):
+        import http.client
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        hop_by_hop = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
+                      "expect", "content-length"}
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def handle_one_request(self):
+                try:
+                    super().handle_one_request()
+                except ConnectionError:  # a client that went away (a loader worker at its end)
+                    self.close_connection = True
+
+            def forward(self):
+                time.sleep(latency)
+                n = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(n) if n else None
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in hop_by_hop}
+                if not hasattr(self, "upstream"):  # one connection upstream for each client connection
+                    self.upstream = http.client.HTTPConnection("127.0.0.1", upstream, timeout=60)
+                self.upstream.request(self.command, self.path, body=body, headers=headers)
+                r = self.upstream.getresponse()
+                data = r.read()
+                self.send_response_only(r.status)
+                for k, v in dict(r.getheaders()).items():  # once each: the S3 server sends two "Server" headers
+                    if k.lower() not in hop_by_hop:
+                        self.send_header(k, v)
+                length = r.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", length if length is not None else str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = forward
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def time_loader(loader, n_batches, step_s, warmup=2):
+    """(samples/s, share of the time spent waiting for batches) over n_batches after `warmup`, each batch followed
+    by step_s seconds of simulated training (the loader's workers go on meanwhile)."""
+    batches, waited, n = iter(loader), 0.0, 0
+    for _ in range(warmup):
+        next(batches)
+        time.sleep(step_s)
+    t0 = time.perf_counter()
+    for _ in range(n_batches):
+        t = time.perf_counter()
+        n += len(next(batches)["sample_id"])
+        waited += time.perf_counter() - t
+        time.sleep(step_s)
+    total = time.perf_counter() - t0
+    return n / total, waited / total
+
+
+def bench_loader(args):
+    """The bench JPEGs (make_bench_shards) read by the loader, decoded to 336 px, from local files and from moto's S3
+    server behind --latency_ms a request: with the ranged reads fetched ahead (shards.ShardReader), and one request
+    a sample, as reading without prefetch would."""
+    import logging
+    import os
+
+    from moto.server import ThreadedMotoServer
+
+    import shards
+    import storage
+    from loader import Loader, ShardStream
+    from shapes import train_tokenizer
+
+    work = Path(args.workdir)
+    local = work / "shards"
+    if not (local / ".nv-meta" / ".info.json").exists():
+        make_bench_shards(work, args.n)
+    if not (work / "tokenizer.model").exists():
+        train_tokenizer(["Describe the image.", "Waves."] * 50, work / "tokenizer", 320)
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server logs every request
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    moto.start()
+    proxy = LatencyProxy(moto.get_host_and_port()[1], args.latency_ms / 1000)
+    os.environ.update({"AWS_ENDPOINT_URL": proxy.url, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+                       "AWS_DEFAULT_REGION": "us-east-1"})
+    url = "s3://llavax-bench/shards"
+    storage.filesystem(url).mkdir("llavax-bench")
+    for f in sorted(p for p in local.rglob("*") if p.is_file()):
+        storage.upload(f, f"{url}/{f.relative_to(local)}")
+    mb = sum(f.stat().st_size for f in local.glob("*.tar")) / 2**20
+    print(f"loader: {args.n} samples ({mb / args.n * 1024:.0f} KiB a sample), batch {args.batch}, {args.workers} "
+          f"workers, {args.step_ms} ms a simulated step, S3 (moto) behind {args.latency_ms} ms a request")
+    print("| source | samples/s | waiting on data |\n|---|---|---|")
+    ahead = shards.AHEAD
+    for name, where, n_ahead in (("local files", local, ahead), (f"S3 +{args.latency_ms} ms, read ahead", url, ahead),
+                                 (f"S3 +{args.latency_ms} ms, one request a sample", url, 1)):
+        shards.AHEAD = n_ahead  # read at fork time by the workers too
+        tok = work / "tokenizer.model"
+        stream = ShardStream(where, tok, batch_size=args.batch, seq_len=640, image_size=336, image_token_id=320,
+                             n_image_tokens=576)
+        rate, waiting = time_loader(Loader(stream, args.workers), args.batches, args.step_ms / 1000)
+        print(f"| {name} | {rate:.1f} | {waiting:.0%} |", flush=True)
+    shards.AHEAD = ahead
+    proxy.close()
+    moto.stop()
+
+
+# -----------------------------------------------------------------------------
 # xla: computed per-device memory of the TPU recipes (not measured on a TPU)
 
 PODS = {"v4-64": (32, 32), "v5p-128": (64, 95), "v6e-64": (64, 32)}  # chips, HBM GiB a chip
@@ -726,6 +852,14 @@ def main(argv=None):
     d.add_argument("--workdir", default="out/bench-data")
     d.add_argument("--size", type=int, default=336)
     d.add_argument("--n", type=int, default=400)
+    ld = sub.add_parser("loader", help="the loader from local files and from an S3 server behind injected latency")
+    ld.add_argument("--latency_ms", type=float, default=50, help="added to every request to the S3 server")
+    ld.add_argument("--workers", type=int, default=1, help="DataLoader worker processes (train.py's num_workers)")
+    ld.add_argument("--step_ms", type=float, default=100, help="simulated training time a batch")
+    ld.add_argument("--batch", type=int, default=8)
+    ld.add_argument("--batches", type=int, default=20, help="batches timed a source, after 2 of warm-up")
+    ld.add_argument("--n", type=int, default=400, help="samples of the generated dataset")
+    ld.add_argument("--workdir", default="out/bench-loader")
     sub.add_parser("xla", help="computed per-device memory of the LLaVA-1.5-7B TPU recipes (docs/recipes.md)")
     sub.add_parser("levers", help="computed memory and predicted speed of the speed levers for LLaVA-1.5-7B")
     sub.add_parser("attention", help="computed activation memory a chip of the long recipes: dense vs bounded attention")
@@ -744,6 +878,8 @@ def main(argv=None):
         print_levers()
     elif args.cmd == "attention":
         print_attention_memory()
+    elif args.cmd == "loader":
+        bench_loader(args)
     elif args.cmd == "data":
         shards = args.shards or make_bench_shards(args.workdir, args.n)
         r = bench_images(shards, args.size)

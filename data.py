@@ -2,6 +2,7 @@
 Data for llavax: LLaVA conversations and images -> Energon-compatible tar shards, and what training would read.
 
     python data.py pack --json llava_v1_5_mix665k.json --images DIR --out SHARDS [--shard-size 1000] [--val-ratio 0.01]
+    python data.py pack ... --out s3://BUCKET/shards      # or gs://: each shard uploaded when complete, .nv-meta last
     python data.py shapes --out DIR [--n 20000] [--seed 0]      # the synthetic demo dataset (shapes.py)
     python data.py audit SHARDS|JSON [--config configs/x.py] [--sheet F.png]   # what training would get (pack.py)
 
@@ -16,6 +17,7 @@ from pathlib import Path
 import chat
 import config
 import shapes
+import storage
 from model_config import VLMConfig
 from pack import audit, pack
 
@@ -95,14 +97,17 @@ def main(argv=None):
     audit_arguments(sub.add_parser("audit", help="what training would get from a dataset: counts, lengths, prompts, "
                                                  "images, the chat template"))
     args = p.parse_args(argv)
-    if args.cmd == "audit":
-        audit_command(args)
-    elif args.cmd == "pack":
-        pack(args.json, args.images, args.out, args.shard_size, args.val_ratio, args.workers, args.strict,
-             overwrite=args.overwrite)
-    else:
-        shapes.make_shapes(args.out, args.n, args.seed, image_size=args.image_size, turns=args.turns,
-                           images=args.images, preference=args.preference)
+    try:
+        if args.cmd == "audit":
+            audit_command(args)
+        elif args.cmd == "pack":
+            pack(args.json, args.images, args.out, args.shard_size, args.val_ratio, args.workers, args.strict,
+                 overwrite=args.overwrite)
+        else:
+            shapes.make_shapes(args.out, args.n, args.seed, image_size=args.image_size, turns=args.turns,
+                               images=args.images, preference=args.preference)
+    except storage.StorageError as e:  # a bucket that is not there, no credentials, an outage: one sentence
+        raise SystemExit(f"{args.cmd}: {e}") from None
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ the layout of Megatron-Energon's VQA datasets; several images are KEY.0.jpg, KEY
 frames KEY.f0.jpg, KEY.f1.jpg...
 """
 
+import itertools
 import json
 import os
 import re
@@ -13,15 +14,15 @@ import re
 import numpy as np
 import torch
 
+import storage
 from chat import (IMAGE_TAG, IMAGE_TAG_RE, TAGS_RE, VIDEO_TAG, DropSample, Tokenizer, check_template,
                   conversation_problem, encode_conversation, encode_preference, generation_prompt, place_image_tags,
                   tokenize)
 from images import CLIP_MEAN, image_hw, image_tiles, load_image
-from shards import Skips, log, read_members, sample_offsets, shard_files
+from shards import ShardReader, Skips, all_sample_offsets, log, shard_files
 
 NUMBERED_IMAGE_RE = re.compile(r"(f?)(\d+)\.(?:jpg|jpeg|png|webp)")  # KEY.0.jpg: image 0 of several; KEY.f0.jpg: frame 0
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
-MAX_OPEN_SHARDS = 64  # shard files one ShardStream keeps open
 
 
 # -----------------------------------------------------------------------------
@@ -129,8 +130,8 @@ class ShardStream(torch.utils.data.IterableDataset):
             raise ValueError("ShardStream: preference pairs (DPO) are read one pair a row pair: pack must be 0")
         self.preference = preference  # batches of 2B rows [chosen..., rejected...], one image a pair (pair_batch)
         expected = shard_files(paths, split)
-        self.files = list(expected)
-        self.index = [(i, s, e) for i, f in enumerate(self.files) for s, e in sample_offsets(f, expected[f])]
+        self.files, offsets = list(expected), all_sample_offsets(expected)
+        self.index = [(i, s, e) for i, f in enumerate(self.files) for s, e in offsets[f]]
         if not self.index:
             raise ValueError(f"the {split} shards in {paths} hold no samples")
         ends = np.cumsum(np.bincount([i for i, _, _ in self.index], minlength=len(self.files)))
@@ -147,7 +148,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.start = 0  # sample position in this rank's stream; set by Loader
         self._order_cache = (None, None)
         self.skips = Skips()
-        self._files = {}
+        self.reader = ShardReader(self.files, self.index)  # plain reads from a disk, ranged requests from a bucket
 
     def __len__(self):
         return len(self.index)
@@ -169,14 +170,7 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     def read(self, sample):
         """(key, {ext: bytes}) of one sample."""
-        shard, start, end = self.index[sample]
-        # at most MAX_OPEN_SHARDS files stay open, the least recently read closed first: reads run mostly
-        # shard by shard, and a process holding thousands hits "Too many open files"
-        f = self._files.pop(shard, None) or open(self.files[shard], "rb")  # noqa: SIM115
-        self._files[shard] = f
-        if len(self._files) > MAX_OPEN_SHARDS:
-            self._files.pop(next(iter(self._files))).close()
-        return read_members(f, start, end)
+        return self.reader.read(sample)
 
     def read_conversation(self, sample):
         """(where, conversation, kind, image bytes) of a sample both encoders share; DropSample if its tar, JSON or
@@ -186,13 +180,13 @@ class ShardStream(torch.utils.data.IterableDataset):
             conv, _ = sample_conversation(members)
             kind, blobs = sample_images(members)
             problem = conversation_problem(conv)
-        except DropSample:
+        except (DropSample, storage.StorageError):  # a bucket that stays unreachable stops training, drops nothing
             raise
         except Exception as e:  # noqa: BLE001  corrupt tar or JSON in a foreign shard
             raise DropSample(f"unreadable_sample ({type(e).__name__}: {e})") from None
         if problem:
             raise DropSample(f"{problem} (in the sample's conversation)")
-        return f"{self.files[self.index[sample][0]].name}:{key}", conv, kind, blobs
+        return f"{storage.name(self.files[self.index[sample][0]])}:{key}", conv, kind, blobs
 
     def encode(self, sample):
         if self.max_tiles:
@@ -266,13 +260,15 @@ class ShardStream(torch.utils.data.IterableDataset):
     def drop(self, sample, why):
         shard, _, _ = self.index[sample]
         reason = why.split(" ")[0]
-        self.skips.add(reason, f"{self.files[shard].name}#{sample}")
+        self.skips.add(reason, f"{storage.name(self.files[shard])}#{sample}")
         if self.skips.counts[reason] <= 3:
-            log(f"data: dropped sample {sample} of {self.files[shard].name}: {why}")
+            log(f"data: dropped sample {sample} of {storage.name(self.files[shard])}: {why}")
 
     def batch(self, k):
         B, T, S, N = self.batch_size, self.seq_len, self.image_size, self.samples_per_batch
         sample_ids = torch.tensor([self.sample_at(k * N + i) for i in range(N)])
+        if not self.reader.planned():  # a batch asked for by itself (evaluation): its samples fetched together
+            self.reader.ahead(sample_ids.tolist())
         encoded = [self.encode_or_drop(sample) for sample in sample_ids.tolist()]
         # a dropped sample keeps its place as padding with no labels: shapes are static, the position arithmetic holds
         dropped = torch.tensor([e is None for e in encoded])
@@ -386,11 +382,15 @@ class ShardStream(torch.utils.data.IterableDataset):
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker, n_workers = (info.id, info.num_workers) if info else (0, 1)
-        self._files = {}
-        k = self.start // self.samples_per_batch + worker
-        while True:
-            yield self.batch(k)
-            k += n_workers
+        N, first = self.samples_per_batch, self.start // self.samples_per_batch + worker
+        # this worker's batches are first, first + n_workers, ...: their samples, in order, are what a bucket's
+        # ranged reads fetch ahead (shards.ShardReader); the order of the batches themselves is not touched
+        self.reader.ahead(self.sample_at(k * N + i) for k in itertools.count(first, n_workers) for i in range(N))
+        try:
+            for k in itertools.count(first, n_workers):
+                yield self.batch(k)
+        finally:  # the consumer stopped (an evaluation's few batches): its requests ahead are not waited for
+            self.reader.forget()
 
 
 def pack_rows(lengths, n_rows, seq_len, tiles=None, max_tiles=0):

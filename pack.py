@@ -19,10 +19,10 @@ import io
 import json
 import os
 import re
-import shutil
 import struct
 import sys
 import tarfile
+import tempfile
 import textwrap
 from collections import Counter
 from multiprocessing import Pool
@@ -32,11 +32,12 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont, ImageOps
 from tqdm import tqdm
 
+import storage
 from chat import (IMAGE_TAG, ROLES, TEMPLATES, VIDEO_TAG, DropSample, Tokenizer, check_template, conversation_problem,
                   encode_conversation, place_image_tags, render, tokenize, turns)
 from images import image_hw, image_tiles, load_image, orientation
 from loader import image_layouts, pack_rows, sample_conversation, sample_images
-from shards import Skips, log, read_members, sample_offsets, shard_files
+from shards import ShardReader, Skips, all_sample_offsets, log, shard_files
 
 ENERGON_VERSION = "7.4.1"  # the megatron-energon release whose .nv-meta layout we write
 
@@ -222,16 +223,19 @@ def stored_image(data, img):
 
 
 class ShardWriter:
-    """Deterministic tars (fixed mtime/owner) written as NAME.tmp then renamed, each with an energon .tar.idx."""
+    """Deterministic tars (fixed mtime/owner), each with an energon .tar.idx. In a local out_dir a tar is written as
+    NAME.tmp, then renamed; for a bucket it is written in a local staging folder and uploaded when it is complete
+    (the object appears whole, or not at all), then deleted there."""
 
-    def __init__(self, out_dir, shard_size, prefix="shard"):
-        self.out_dir, self.shard_size, self.prefix, self.next_shard = Path(out_dir), shard_size, prefix, 0
+    def __init__(self, out_dir, shard_size, prefix="shard", staging=None):
+        self.out_dir, self.shard_size, self.prefix, self.next_shard = out_dir, shard_size, prefix, 0
+        self.local = Path(staging or out_dir)  # where the tar being written lies
         self.tar, self.offsets, self.done = None, [], []
 
     def add(self, key, members):
         if self.tar is None:
             self.name = f"{self.prefix}-{self.next_shard:06d}.tar"
-            self.tar = tarfile.open(self.out_dir / (self.name + ".tmp"), "w", format=tarfile.USTAR_FORMAT)
+            self.tar = tarfile.open(self.local / (self.name + ".tmp"), "w", format=tarfile.USTAR_FORMAT)
             self.offsets = []
         self.offsets.append(self.tar.offset)
         for ext, data in members:
@@ -246,10 +250,15 @@ class ShardWriter:
             return self.done
         self.offsets.append(self.tar.offset)  # the end of the last sample, as energon's index has it
         self.tar.close()
-        path = self.out_dir / self.name
-        Path(str(path) + ".idx").write_bytes(b"".join(struct.pack("Q", o) for o in self.offsets))
-        os.replace(self.out_dir / (self.name + ".tmp"), path)
-        self.done.append((self.name, len(self.offsets) - 1, path.stat().st_size))
+        tmp, index = self.local / (self.name + ".tmp"), b"".join(struct.pack("Q", o) for o in self.offsets)
+        self.done.append((self.name, len(self.offsets) - 1, tmp.stat().st_size))
+        if storage.is_url(self.out_dir):
+            storage.upload(tmp, storage.join(self.out_dir, self.name))
+            storage.write_bytes(storage.join(self.out_dir, self.name + ".idx"), index)
+            tmp.unlink()
+        else:
+            Path(self.out_dir, self.name + ".idx").write_bytes(index)
+            os.replace(tmp, Path(self.out_dir, self.name))
         self.tar, self.next_shard = None, self.next_shard + 1
         return self.done
 
@@ -281,31 +290,32 @@ def part_filter(part):
 
 def write_energon_meta(out_dir, train, val, skips):
     """.nv-meta as `energon prepare` writes it, with our sample loader, plus llavax.json (each shard's sample
-    count and byte size, what was skipped). .info.json goes last: a folder without it is not a dataset."""
-    meta = Path(out_dir, ".nv-meta")
-    meta.mkdir(exist_ok=True)
+    count and byte size, what was skipped). .info.json goes last: a folder without it is not a dataset. Each file is
+    written whole (storage.write_text), on a disk or in a bucket."""
+    meta = storage.join(out_dir, ".nv-meta")
+    storage.makedirs(meta)
     listing = lambda shards: "".join(f"\n    - {s[0]}" for s in shards) or " []"  # noqa: E731
     split = f"split_parts:\n  train:{listing(train)}\n  val:{listing(val)}\n  test: []\nexclude: []\n"
-    (meta / "split.yaml").write_text(split)
-    (meta / "dataset.yaml").write_text(
-        "sample_type:\n  __module__: megatron.energon\n  __class__: VQASample\n"
-        "sample_loader: sample_loader.py:sample_loader\npart_filter: sample_loader.py:part_filter\n")
-    (meta / "sample_loader.py").write_text(SAMPLE_LOADER)
+    storage.write_text(storage.join(meta, "split.yaml"), split)
+    storage.write_text(storage.join(meta, "dataset.yaml"),
+                       "sample_type:\n  __module__: megatron.energon\n  __class__: VQASample\n"
+                       "sample_loader: sample_loader.py:sample_loader\npart_filter: sample_loader.py:part_filter\n")
+    storage.write_text(storage.join(meta, "sample_loader.py"), SAMPLE_LOADER)
     shards = {name: {"samples": n, "bytes": size} for name, n, size in train + val}
-    (meta / "llavax.json").write_text(json.dumps({"shards": shards, "skipped": dict(sorted(skips.counts.items()))},
-                                                 indent=1))
+    storage.write_text(storage.join(meta, "llavax.json"),
+                       json.dumps({"shards": shards, "skipped": dict(sorted(skips.counts.items()))}, indent=1))
     info = {"energon_version": ENERGON_VERSION, "shard_counts": {name: s["samples"] for name, s in shards.items()}}
-    (meta / ".info.json.tmp").write_text(json.dumps(info, indent=2))
-    os.replace(meta / ".info.json.tmp", meta / ".info.json")
+    storage.write_text(storage.join(meta, ".info.json"), json.dumps(info, indent=2))
 
 
 OUR_FILES = re.compile(r"^(shard|val)-\d{6}\.tar(\.idx|\.tmp)?$")
 
 
 def clear_out_dir(out_dir, overwrite):
-    """Refuse to pack over an existing dataset unless overwrite; then remove it, metadata first."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    old = sorted(p.name for p in out_dir.iterdir() if p.name == ".nv-meta" or p.name.endswith((".tar", ".idx", ".tmp")))
+    """Refuse to pack over an existing dataset (or the shards of a killed pack) unless overwrite; then remove it,
+    metadata first. out_dir: a local folder or a bucket prefix."""
+    storage.makedirs(out_dir)
+    old = [name for name in storage.ls(out_dir) if name == ".nv-meta" or name.endswith((".tar", ".idx", ".tmp"))]
     if not old:
         return
     if not overwrite:
@@ -315,10 +325,12 @@ def clear_out_dir(out_dir, overwrite):
     if foreign:
         sys.exit(f"pack: --overwrite removes only what pack writes, and {out_dir} also holds {foreign[0]}: "
                  "move it away or choose another --out")
-    # metadata first: an interrupted removal never leaves a folder that looks complete
-    shutil.rmtree(out_dir / ".nv-meta", ignore_errors=True)
+    # metadata first, .info.json before the rest: an interrupted removal never leaves a folder that looks complete
+    storage.rm(storage.join(out_dir, ".nv-meta", ".info.json"))
+    storage.rm(storage.join(out_dir, ".nv-meta"), recursive=True)
     for name in old:
-        (out_dir / name).unlink(missing_ok=True)
+        if name != ".nv-meta":
+            storage.rm(storage.join(out_dir, name))
 
 
 def is_val(sample_id, val_ratio):
@@ -328,8 +340,19 @@ def is_val(sample_id, val_ratio):
 
 def pack(json_path, images_dir, out_dir, shard_size=1000, val_ratio=0.0, workers=1, strict=False, val_ids=None,
          overwrite=False):
-    """Pack a LLaVA JSON/JSONL file; a record goes to val by a hash of its id (val_ratio) or by val_ids(id)."""
-    out_dir = Path(out_dir)
+    """Pack a LLaVA JSON/JSONL file into out_dir, a local folder or a bucket prefix (s3://, gs://: each shard
+    uploaded when it is complete, .nv-meta last); a record goes to val by a hash of its id (val_ratio) or by
+    val_ids(id)."""
+    if storage.is_url(out_dir):
+        storage.check_bucket(out_dir)  # a bucket that is not there, or no credentials: one sentence, before any work
+        with tempfile.TemporaryDirectory(prefix="llavax-pack-") as staging:
+            return pack_into(json_path, images_dir, str(out_dir).rstrip("/"), shard_size, val_ratio, workers, strict,
+                             val_ids, overwrite, staging)
+    return pack_into(json_path, images_dir, Path(out_dir), shard_size, val_ratio, workers, strict, val_ids, overwrite)
+
+
+def pack_into(json_path, images_dir, out_dir, shard_size, val_ratio, workers, strict, val_ids, overwrite,
+              staging=None):
     clear_out_dir(out_dir, overwrite)
     skips = Skips()
     records = list(read_records(json_path))
@@ -338,7 +361,8 @@ def pack(json_path, images_dir, out_dir, shard_size=1000, val_ratio=0.0, workers
     indexed = [(i, rec) for i, (rec, _) in enumerate(records) if rec is not None]
     jobs = ((i, rec, images_dir) for i, rec in indexed)
     # train and val stream into their own shards; keys count across both, so they stay unique
-    writers = {split: ShardWriter(out_dir, shard_size, prefix) for split, prefix in (("train", "shard"), ("val", "val"))}
+    writers = {split: ShardWriter(out_dir, shard_size, prefix, staging)
+               for split, prefix in (("train", "shard"), ("val", "val"))}
     pool = Pool(workers) if workers > 1 else None
     results = pool.imap(prepare_record, jobs, chunksize=16) if pool else map(prepare_record, jobs)
     n = 0
@@ -371,10 +395,9 @@ def pack(json_path, images_dir, out_dir, shard_size=1000, val_ratio=0.0, workers
 
 
 def audit_sources(source, images_dir, split):
-    """Yield (where, members) or (where, drop reason) in source order: shards as the loader reads them, a LLaVA
-    JSON/JSONL as pack would write it."""
-    source = Path(source)
-    if source.is_file() and source.suffix != ".tar":
+    """Yield (where, members) or (where, drop reason) in source order: shards as the loader reads them (from a local
+    folder or tar, or from a bucket), a LLaVA JSON/JSONL as pack would write it."""
+    if not storage.is_url(source) and Path(source).is_file() and Path(source).suffix != ".tar":
         if images_dir is None or not Path(images_dir).is_dir():
             raise SystemExit(f"audit: {source} is a LLaVA JSON: --images must name its image folder (got {images_dir})")
         for i, (rec, err) in enumerate(read_records(source)):
@@ -385,18 +408,23 @@ def audit_sources(source, images_dir, split):
             where = str(rec.get("id", i)) if isinstance(rec, dict) else f"record {i}"
             yield where, reason or {ext: b for ext, b in sample.items() if b is not None}
         return
-    if not source.exists():
+    if not storage.is_url(source) and not Path(source).exists():
         raise SystemExit(f"audit: {source}: no such shard folder, tar or JSON file")
     try:  # an unfinished or inconsistent folder is refused as the loader refuses it
         files = shard_files(source, split)
-        offsets = {path: sample_offsets(path, count) for path, count in files.items()}
-    except (FileNotFoundError, ValueError) as e:
+        offsets = all_sample_offsets(files)
+    except (FileNotFoundError, ValueError, storage.StorageError) as e:
         raise SystemExit(f"audit: {e}") from None
-    for path, ranges in offsets.items():
-        with open(path, "rb") as f:
-            for start, end in ranges:
-                key, members = read_members(f, start, end)
-                yield f"{path.name}:{key}", members
+    names = [storage.name(path) for path in files]
+    index = [(i, start, end) for i, path in enumerate(files) for start, end in offsets[path]]
+    reader = ShardReader(list(files), index)  # a bucket's samples fetched ahead, by byte range
+    reader.ahead(range(len(index)))
+    try:
+        for sample, (shard, _, _) in enumerate(index):
+            key, members = reader.read(sample)
+            yield f"{names[shard]}:{key}", members
+    finally:
+        reader.forget()
 
 
 def hf_chat_tokenizer(directory):

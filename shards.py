@@ -1,19 +1,24 @@
 """
 Shard folders and tars for llavax's loader: the .nv-meta checks, each sample's byte range (from SHARD.tar.idx or a
-header scan) and its members. Split out of data.py (over its line budget); data.py re-exports these names.
+header scan) and its members, read from a local folder or a bucket (s3://, gs://: through storage.py).
 A folder or tar that is incomplete or inconsistent raises DatasetError: one message naming the file.
 """
 
 import io
 import json
+import os
 import re
 import struct
 import sys
 import tarfile
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import storage
+
 KEY_RE = re.compile(r"^((?:.*/)?[^./]+)\.([^/]+)$")  # webdataset/energon: the key ends at the first dot of the basename
+MAX_OPEN_SHARDS = 64  # local shard files one reader keeps open
 
 
 class DatasetError(SystemExit):
@@ -22,9 +27,10 @@ class DatasetError(SystemExit):
 
 
 def split_parts(split_yaml):
-    """{part: [shard names]} from .nv-meta/split.yaml (the tiny YAML subset pack and `energon prepare` write)."""
+    """{part: [shard names]} from the text of .nv-meta/split.yaml (the tiny YAML subset pack and `energon prepare`
+    write)."""
     parts, current = {}, None
-    for line in split_yaml.read_text().splitlines():
+    for line in split_yaml.splitlines():
         if m := re.match(r"^  (\w+):\s*(\[\])?\s*$", line):
             current = m.group(1)
             parts[current] = []
@@ -36,27 +42,34 @@ def split_parts(split_yaml):
 
 
 def dataset_shards(folder, split):
-    """{shard path: sample count} of one split of a dataset folder, after checking the folder is whole: pack
-    (like `energon prepare`) writes .nv-meta/.info.json last, and every shard must match what it records."""
-    meta = folder / ".nv-meta"
-    missing = [name for name in (".info.json", "split.yaml") if not (meta / name).exists()]
+    """{shard path: sample count} of one split of a dataset folder (local, or a prefix in a bucket), after checking
+    the folder is whole: pack (like `energon prepare`) writes .nv-meta/.info.json last, and every shard must match
+    what it records. Two listings and three small reads, however many shards there are."""
+    meta = storage.join(folder, ".nv-meta")
+    meta_files = storage.file_sizes(meta)
+    missing = [name for name in (".info.json", "split.yaml") if name not in meta_files]
+    if missing and not storage.ls(folder):
+        raise DatasetError(f"{folder}: no dataset there (nothing under it): check the path, or write one with "
+                           "`python data.py pack --out`")
     if missing:
         raise DatasetError(f"{folder}: no .nv-meta/{missing[0]}, so not a finished dataset (a pack that was killed "
                            "or is still running leaves this); re-run pack with --overwrite, run `energon prepare` on "
                            "a webdataset folder, or pass its .tar files themselves")
-    counts = json.loads((meta / ".info.json").read_text())["shard_counts"]
-    ours = json.loads((meta / "llavax.json").read_text())["shards"] if (meta / "llavax.json").exists() else {}
-    unlisted = sorted(p.name for p in folder.glob("*.tar") if p.name not in counts)
+    counts = json.loads(storage.read_text(storage.join(meta, ".info.json")))["shard_counts"]
+    ours = json.loads(storage.read_text(storage.join(meta, "llavax.json")))["shards"] \
+        if "llavax.json" in meta_files else {}
+    sizes = storage.file_sizes(folder)
+    unlisted = sorted(name for name in sizes if name.endswith(".tar") and name not in counts)
     if unlisted:
-        raise DatasetError(f"{folder / unlisted[0]}: a shard that .nv-meta/.info.json does not list (left by an "
-                           "earlier pack?); remove it, or re-pack with --overwrite")
+        raise DatasetError(f"{storage.join(folder, unlisted[0])}: a shard that .nv-meta/.info.json does not list "
+                           "(left by an earlier pack?); remove it, or re-pack with --overwrite")
     shards = {}
-    for name in split_parts(meta / "split.yaml").get(split, []):
-        path = folder / name
-        if name not in counts or not path.exists():
-            raise DatasetError(f"{path}: listed in {meta / 'split.yaml'} but "
+    for name in split_parts(storage.read_text(storage.join(meta, "split.yaml"))).get(split, []):
+        path = storage.join(folder, name)
+        if name not in counts or name not in sizes:
+            raise DatasetError(f"{path}: listed in {storage.join(meta, 'split.yaml')} but "
                                f"{'missing' if name in counts else 'not in .info.json'}")
-        size, expected = path.stat().st_size, ours.get(name, {}).get("bytes")
+        size, expected = sizes[name], ours.get(name, {}).get("bytes")
         if expected is not None and size != expected:
             raise DatasetError(f"{path}: {size} bytes where .nv-meta/llavax.json records {expected}: truncated "
                                "or replaced; re-pack with --overwrite")
@@ -65,38 +78,52 @@ def dataset_shards(folder, split):
 
 
 def shard_files(paths, split="train"):
-    """{tar: expected sample count or None} of `paths`: tar files, or dataset folders (their `split` part)."""
+    """{tar: expected sample count or None} of `paths`: tar files, or dataset folders (their `split` part); each a
+    local path or a bucket URL (a URL ending in .tar is a tar)."""
     out = {}
-    for p in map(Path, [paths] if isinstance(paths, (str, Path)) else paths):
-        out |= {p: None} if p.is_file() else dataset_shards(p, split)
+    for p in [paths] if isinstance(paths, (str, Path)) else paths:
+        if storage.is_url(p):
+            storage.check_bucket(p)  # a bucket that is not there, or credentials that cannot reach it: said so
+            out |= {str(p): None} if str(p).endswith(".tar") else dataset_shards(str(p).rstrip("/"), split)
+        else:
+            out |= {Path(p): None} if Path(p).is_file() else dataset_shards(Path(p), split)
     if not out:
         raise FileNotFoundError(f"no {split} shards found in {paths}")
     return out
 
 
+def index_path(tar_path):
+    return f"{tar_path}.idx" if storage.is_url(tar_path) else Path(f"{tar_path}.idx")
+
+
 def sample_offsets(tar_path, count=None):
     """[(start, end)] byte ranges of the samples in one tar, from its .tar.idx or a scan of the headers.
     An index that does not fit its tar (stale, short, or the tar truncated) is an error naming the file."""
-    idx, size = Path(str(tar_path) + ".idx"), Path(tar_path).stat().st_size
-    if idx.exists():
-        raw = idx.read_bytes()
-        offsets = struct.unpack(f"{len(raw) // 8}Q", raw)
-        with open(tar_path, "rb") as f:
-            # the index ends where the last sample ends: the tar's end-of-archive zeros must follow
-            f.seek(offsets[-1] if offsets else 0)
-            tail = f.read(512)
-        problem = ("not a whole number of 8-byte offsets" if len(raw) % 8 or len(offsets) < 2 else
-                   "offsets not increasing" if any(b <= a for a, b in zip(offsets, offsets[1:])) else
-                   f"ends at byte {offsets[-1]} of a {size}-byte tar" if offsets[-1] > size else
-                   f"{len(offsets) - 1} samples where .nv-meta says {count}" if count not in (None, len(offsets) - 1)
-                   else f"more samples follow its last offset {offsets[-1]}" if tail.strip(b"\0") else None)
-        if problem:
-            raise DatasetError(f"{idx}: does not match {Path(tar_path).name} ({problem}): stale or short; "
-                               "re-pack, or delete the .idx to read the tar by scanning")
-        return list(zip(offsets[:-1], offsets[1:]))
+    idx, size = index_path(tar_path), storage.size(tar_path)
+    try:
+        raw = storage.read_bytes(idx)
+    except FileNotFoundError:
+        return scanned_offsets(tar_path, count, size)
+    offsets = struct.unpack(f"{len(raw) // 8}Q", raw)
+    # the index ends where the last sample ends: the tar's end-of-archive zeros must follow
+    last = offsets[-1] if offsets else 0
+    tail = storage.read_bytes(tar_path, last, min(last + 512, size)) if last < size else b""
+    problem = ("not a whole number of 8-byte offsets" if len(raw) % 8 or len(offsets) < 2 else
+               "offsets not increasing" if any(b <= a for a, b in zip(offsets, offsets[1:])) else
+               f"ends at byte {offsets[-1]} of a {size}-byte tar" if offsets[-1] > size else
+               f"{len(offsets) - 1} samples where .nv-meta says {count}" if count not in (None, len(offsets) - 1)
+               else f"more samples follow its last offset {offsets[-1]}" if tail.strip(b"\0") else None)
+    if problem:
+        raise DatasetError(f"{idx}: does not match {storage.name(tar_path)} ({problem}): stale or short; "
+                           "re-pack, or delete the .idx to read the tar by scanning")
+    return list(zip(offsets[:-1], offsets[1:]))
+
+
+def scanned_offsets(tar_path, count, size):
+    """sample_offsets of a tar without an index, by reading its headers."""
     ranges, last_key = [], None
     try:
-        with tarfile.open(tar_path) as tar:  # only headers are read; data blocks are skipped
+        with storage.open(tar_path) as f, tarfile.open(fileobj=f) as tar:  # only headers are read; data is skipped
             for member in tar:
                 m = KEY_RE.match(member.name) if member.isreg() else None
                 if not m:
@@ -120,10 +147,23 @@ def sample_offsets(tar_path, count=None):
     return [tuple(r) for r in ranges]
 
 
+def all_sample_offsets(files):
+    """{tar: sample_offsets(tar, count)} of shard_files' {tar: count}; a bucket's tars several at a time (each
+    costs three requests: its size, its index, the end of its last sample)."""
+    threads = 16 if any(storage.is_url(f) for f in files) else 1
+    with ThreadPoolExecutor(threads) as pool:
+        return dict(zip(files, pool.map(lambda f: sample_offsets(f, files[f]), files)))
+
+
 def read_members(f, start, end):
-    """(key, {ext: bytes}) of one sample: its tar members between two header offsets."""
+    """(key, {ext: bytes}) of one sample: its tar members between two header offsets of an open file."""
     f.seek(start)
-    buf, members, key, pos = f.read(end - start), {}, None, 0
+    return parse_members(f.read(end - start))
+
+
+def parse_members(buf):
+    """(key, {ext: bytes}) of one sample's bytes: its tar members, headers and data."""
+    members, key, pos = {}, None, 0
     while pos + 512 <= len(buf):
         info = tarfile.TarInfo.frombuf(buf[pos : pos + 512], tarfile.ENCODING, "surrogateescape")
         if info.type in LONG_NAME_TYPES:
@@ -151,6 +191,113 @@ def read_members_by_tarfile(buf):
                 key = m.group(1)
                 members[m.group(2).lower()] = tar.extractfile(info).read()
     return key, members
+
+
+# -----------------------------------------------------------------------------
+# reading samples: plain file reads on a disk, ranged requests fetched ahead of use from a bucket
+
+REQUEST_BYTES = 4 << 20  # the most one ranged request reads: neighbouring samples merged up to this
+MERGE_GAP = 64 << 10  # samples at most this far apart are read in one request, the gap with them
+AHEAD, AHEAD_BYTES = 256, 64 << 20  # samples, and bytes, requested before they are asked for (per process)
+THREADS = 16  # ranged requests in flight
+
+
+def merged_requests(ranges):
+    """{(shard, start, end): the request (shard, start, end) that reads it} for `ranges`: each shard's ranges sorted,
+    and neighbours less than MERGE_GAP apart joined while the request stays within REQUEST_BYTES (a request costs
+    ~50-100 ms on a real bucket, a gap that small ~1 ms of reading)."""
+    groups = []  # [[shard, start, end, [ranges]]]
+    for shard, start, end in sorted(set(ranges)):
+        last = groups[-1] if groups else None
+        if last and last[0] == shard and start - last[2] <= MERGE_GAP and max(end, last[2]) - last[1] <= REQUEST_BYTES:
+            last[2] = max(end, last[2])
+            last[3].append((shard, start, end))
+        else:
+            groups.append([shard, start, end, [(shard, start, end)]])
+    return {r: (shard, start, end) for shard, start, end, members in groups for r in members}
+
+
+class ShardReader:
+    """(key, members) of sample i of index [(shard, start, end)] over tars `files`. Local tars are read with plain
+    file reads, at most MAX_OPEN_SHARDS of them open (reads run mostly shard by shard, and a process holding
+    thousands hits "Too many open files"). Bucket tars are read by byte range, ahead of use: ahead(order) gives the
+    order in which read() will ask for samples; the next AHEAD of them are grouped by shard, merged into requests
+    (merged_requests) and fetched by THREADS threads while the caller decodes, so that 50-100 ms a request does
+    not stall it. The order only decides what is fetched early: read(i) returns sample i whatever was planned.
+    Every request goes through storage.read_bytes, retried on throttling and reset connections."""
+
+    def __init__(self, files, index):
+        self.files, self.index = files, index
+        self.remote = any(storage.is_url(f) for f in files)
+        self.open_files, self.pool, self.pid = {}, None, None
+        self.order, self.more = iter(()), False  # the samples still to plan, and whether the order may hold more
+        self.pending, self.pending_bytes = deque(), 0  # (sample, its request, its offset in the request's bytes)
+
+    def __getstate__(self):  # a process of its own (DataLoader's spawn) opens its own files and threads
+        return {"files": self.files, "index": self.index}
+
+    def __setstate__(self, state):
+        self.__init__(state["files"], state["index"])
+
+    def ahead(self, order):
+        """Samples in the order read() will ask for them (any iterable, endless or not); forgets an earlier order."""
+        self.forget()
+        if self.remote:
+            self.order, self.more = iter(order), True
+
+    def planned(self):
+        return self.more or bool(self.pending)
+
+    def forget(self):
+        if self.pid == os.getpid():  # a forked child's copy has no threads to tell
+            for _, request, _ in self.pending:
+                request.cancel()
+        self.order, self.more, self.pending, self.pending_bytes = iter(()), False, deque(), 0
+
+    def read(self, sample):
+        if not self.remote:
+            return self.read_local(sample)
+        self.fetch_ahead()
+        shard, start, end = self.index[sample]
+        if self.pending and self.pending[0][0] == sample:
+            _, request, offset = self.pending.popleft()
+            self.pending_bytes -= end - start
+            return parse_members(request.result()[offset : offset + end - start])
+        self.forget()  # asked for another sample than planned: the plan is stale
+        return parse_members(storage.read_bytes(self.files[shard], start, end))
+
+    def fetch_ahead(self):
+        """Request the next samples of the order once fewer than half of AHEAD (and AHEAD_BYTES) are pending."""
+        if self.pid != os.getpid():  # first use, or a DataLoader worker forked from a process that had threads
+            self.pool, self.pid = ThreadPoolExecutor(THREADS, thread_name_prefix="shards"), os.getpid()
+        if not self.more or len(self.pending) > AHEAD // 2 or self.pending_bytes > AHEAD_BYTES // 2:
+            return
+        samples, n_bytes = [], self.pending_bytes
+        while len(self.pending) + len(samples) < AHEAD and n_bytes < AHEAD_BYTES:
+            sample = next(self.order, None)
+            if sample is None:
+                self.more = False
+                break
+            samples.append(sample)
+            n_bytes += self.index[sample][2] - self.index[sample][1]
+        request_of = merged_requests([self.index[s] for s in samples])
+        fetched = {}  # requests sent in the order their first sample is needed
+        for s in samples:
+            r = request_of[self.index[s]]
+            if r not in fetched:
+                fetched[r] = self.pool.submit(storage.read_bytes, self.files[r[0]], r[1], r[2])
+            self.pending.append((s, fetched[r], self.index[s][1] - r[1]))
+        self.pending_bytes = n_bytes
+
+    def read_local(self, sample):
+        shard, start, end = self.index[sample]
+        if self.pid != os.getpid():  # files opened by the parent of a DataLoader worker share its offsets
+            self.open_files, self.pid = {}, os.getpid()
+        f = self.open_files.pop(shard, None) or open(self.files[shard], "rb")  # noqa: SIM115  kept open, closed below
+        self.open_files[shard] = f
+        if len(self.open_files) > MAX_OPEN_SHARDS:  # the least recently read closed first
+            self.open_files.pop(next(iter(self.open_files))).close()
+        return read_members(f, start, end)
 
 
 def log(msg):

@@ -19,6 +19,8 @@ import os
 import random
 import re
 import shutil
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -80,11 +82,32 @@ def filesystem(url):
     import fsspec
 
     try:
-        return fsspec.filesystem(kind, **options(url))
+        with CREATING:
+            return fsspec.filesystem(kind, **options(url))
     except Exception as e:  # noqa: BLE001  gcsfs looks for credentials here
         if (plain := plain_error(e, url)) is not None:
             raise plain from None
         raise
+
+
+# Forks (DataLoader workers): fsspec forgets the parent's filesystems in a child and makes new ones there, and the
+# clean-up of a forgotten one would run on the child's event loop and print "attached to a different loop"
+# tracebacks; the child keeps the copies it inherits (INHERITED), unused. CREATING serialises making one, which fsspec
+# does not: threads that ask at once (ranged reads) would each make their own.
+INHERITED, CREATING = [], threading.Lock()
+
+
+def before_fork():
+    INHERITED[:] = [fs for package, name in (("s3fs", "S3FileSystem"), ("gcsfs", "GCSFileSystem"))
+                    if package in sys.modules for fs in getattr(sys.modules[package], name)._cache.values()]
+
+
+def after_fork_in_child():
+    global CREATING
+    CREATING = threading.Lock()  # a parent's thread may have held it at the fork
+
+
+os.register_at_fork(before=before_fork, after_in_child=after_fork_in_child)
 
 
 def bucket(url):
@@ -208,6 +231,20 @@ def ls(path):
     except FileNotFoundError:
         return []
     return sorted(name(p) for p in found if p.rstrip("/") != key(path))
+
+
+def file_sizes(path):
+    """{name: bytes} of the files directly under path, from one listing (a bucket answers it in one request, where
+    asking each object's size would be a request each)."""
+    if not is_url(path):
+        return {p.name: p.stat().st_size for p in Path(path).iterdir() if p.is_file()} if Path(path).is_dir() else {}
+    fs = filesystem(path)
+    fs.invalidate_cache(key(path))
+    try:
+        found = call(path, fs.ls, key(path), detail=True)
+    except FileNotFoundError:
+        return {}
+    return {name(e["name"]): e["size"] for e in found if e["type"] == "file" and e["name"].rstrip("/") != key(path)}
 
 
 def glob(path, pattern):

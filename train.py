@@ -162,11 +162,16 @@ def prepare_out_dir(out, cfg, env):
 
 
 def check_inputs(cfg):
-    for key in ("data_dir", "tokenizer", "init_from", "dpo_reference", "grpo_reference", "ppo_value_init"):
+    for key in ("tokenizer", "init_from", "dpo_reference", "grpo_reference", "ppo_value_init"):
         if storage.is_url(cfg.get(key) or ""):  # not a local folder that is missing: say what is not built
-            raise SystemExit(f"{key} {cfg[key]!r}: reading {key} from a bucket is not built yet (only out_dir may be "
-                             f"one); copy it to a local disk or a mount")
-    if not Path(cfg["data_dir"]).exists():
+            raise SystemExit(f"{key} {cfg[key]!r}: reading {key} from a bucket is not built yet (only out_dir and "
+                             f"data_dir may be one); copy it to a local disk or a mount")
+    if storage.is_url(cfg["data_dir"]):  # shards read by byte range (shards.ShardReader); a missing dataset: make_loaders
+        try:
+            storage.check_bucket(cfg["data_dir"])
+        except storage.StorageError as e:
+            raise SystemExit(f"data_dir {e}") from None
+    elif not Path(cfg["data_dir"]).exists():
         raise SystemExit(f"data_dir {cfg['data_dir']!r} does not exist. For the shapes demo run "
                          "`python data.py shapes --out data/shapes` first (make demo does it).")
     try:

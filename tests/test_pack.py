@@ -341,7 +341,7 @@ def test_pack_over_an_existing_dataset_refuses_unless_overwrite_which_removes_st
 
 def test_the_loader_keeps_a_bounded_number_of_shards_open(tmp_path, tok):
     (tmp_path / "images").mkdir()
-    recs = [record(i, image=False, answer=f"Answer {i}.") for i in range(3 * loader.MAX_OPEN_SHARDS)]
+    recs = [record(i, image=False, answer=f"Answer {i}.") for i in range(3 * shards.MAX_OPEN_SHARDS)]
     (tmp_path / "d.json").write_text(json.dumps(recs))
     pack.pack(tmp_path / "d.json", tmp_path / "images", tmp_path / "out", shard_size=1)
     s = open_stream(tmp_path / "out", tok, batch_size=8, shuffle_block=1)
@@ -349,4 +349,4 @@ def test_the_loader_keeps_a_bounded_number_of_shards_open(tmp_path, tok):
     before = fds()
     got = answers(s, tok)
     assert sorted(got) == sorted(r["conversations"][1]["value"] for r in recs)
-    assert fds() - before <= loader.MAX_OPEN_SHARDS
+    assert fds() - before <= shards.MAX_OPEN_SHARDS

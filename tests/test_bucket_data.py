@@ -1,0 +1,197 @@
+"""Training data in a bucket (moto's S3 server, fake-gcs-server: tests/buckets.py): `pack --out` a bucket writes the
+same bytes as a local pack, each shard when complete and .nv-meta last; the loader reads it by byte range, ahead of
+use, and gives the batches a local folder gives, through a mid-epoch resume, DataLoader workers, throttling and reset
+connections; a pack that dies midway leaves nothing a reader takes for a dataset; bad paths get one sentence."""
+
+import json
+import re
+
+import pytest
+import torch
+from buckets import forget_filesystems
+from test_train import args, run
+
+import data
+import pack
+import shards
+import storage
+from loader import Loader, ShardStream
+
+
+@pytest.fixture(scope="module")
+def shapes(shapes_data):
+    return shapes_data(n=240, seed=0, val_fraction=0.25)
+
+
+def pack_shapes(shapes, out, **kw):
+    """The shapes records in shards of 37 samples (an odd size: the last shard is short), val by id."""
+    return pack.pack(shapes / "shapes.json", shapes / "images", out, shard_size=37,
+                     val_ids=lambda i: str(i).startswith("val"), **kw)
+
+
+@pytest.fixture(scope="module")
+def local(shapes, tmp_path_factory):
+    out = tmp_path_factory.mktemp("packed")
+    pack_shapes(shapes, out)
+    return out
+
+
+def stream(shapes, where, **kw):
+    kw = {"batch_size": 8, "seq_len": 64, "image_size": 28, "image_token_id": 512, "n_image_tokens": 4,
+          "template": "plain", "shuffle_block": 50} | kw
+    return ShardStream(where, shapes / "tokenizer.model", **kw)
+
+
+def take(loader, n):
+    out = []
+    for batch in loader:
+        out.append(batch)
+        if len(out) == n:
+            break
+    return out
+
+
+def assert_same_batches(got, want):
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+
+
+def local_files(folder):
+    """{relative name: bytes} of a packed folder."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def bucket_files(url):
+    return {name: storage.read_bytes(storage.join(url, name))
+            for name in [*storage.file_sizes(url), *(f".nv-meta/{n}" for n in storage.file_sizes(f"{url}/.nv-meta"))]}
+
+
+@pytest.mark.parametrize("kind", ["s3", "gs"])
+def test_a_dataset_packed_to_a_bucket_reads_as_the_local_one_across_a_resume(kind, shapes, local, request):
+    url = request.getfixturevalue(f"{'gcs' if kind == 'gs' else 's3'}_bucket") + "/shapes/shards"
+    pack_shapes(shapes, url)
+    assert bucket_files(url) == local_files(local)  # every shard, index and metadata file, byte for byte
+
+    # 180 train samples, 8 a batch: batch 23 starts the second epoch
+    straight = take(Loader(stream(shapes, local)), 26)
+    first = Loader(stream(shapes, url), num_workers=2)  # workers forked after the parent has used the bucket
+    assert_same_batches(take(first, 9), straight[:9])
+    state = json.loads(json.dumps(first.state_dict()))
+    resumed = Loader(stream(shapes, url), num_workers=0)
+    resumed.load_state_dict(state)
+    assert_same_batches(take(resumed, 17), straight[9:])
+    val = stream(shapes, url, split="val")
+    assert_same_batches([val.batch(k) for k in (0, 7)], [stream(shapes, local, split="val").batch(k) for k in (0, 7)])
+
+
+def test_ranged_reads_are_merged_and_retried_through_throttling_and_resets(shapes, local, s3_bucket, s3_proxy,
+                                                                            monkeypatch):
+    url, bucket = s3_bucket + "/shards", storage.bucket(s3_bucket)
+    pack_shapes(shapes, url)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore gives up at once: storage.py's own retries are tested
+    monkeypatch.setattr(storage, "BACKOFF", 0.01)
+    forget_filesystems()
+    s = stream(shapes, url)
+    want = take(Loader(stream(shapes, local)), 12)
+    n_before = len(s3_proxy.requests)
+    shard_gets = rf"^GET /{bucket}/shards/shard-00000\d\.tar"
+    for fault, count in ((503, 3), (429, 2), ("reset", 3)):
+        s3_proxy.inject(shard_gets, fault, count)
+    assert_same_batches(take(Loader(s), 12), want)
+    assert s3_proxy.faults == 8
+    gets = [r for r in s3_proxy.requests[n_before:] if re.match(shard_gets, r)]
+    assert 8 < len(gets) < 96 // 4  # 96 samples came in far fewer requests (neighbours merged), faults retried
+
+    # an outage outlasting the retries stops the loader in one sentence: no sample is dropped as unreadable
+    s = stream(shapes, url, seed=3)
+    s3_proxy.inject(shard_gets, 503, 1000)
+    monkeypatch.setattr(storage, "RETRIES", 2)
+    with pytest.raises(storage.StorageError, match=r"shard-00000\d\.tar: still failing after 2 attempts"):
+        take(Loader(s), 1)
+
+
+def test_ranged_reads_are_retried_on_gcs(shapes, local, gcs_bucket, gcs_proxy):
+    url = gcs_bucket + "/shards"
+    pack_shapes(shapes, url)
+    for fault in (503, 429, "reset"):
+        gcs_proxy.inject(r"^GET .*shards%2Fshard-00000\d\.tar", fault, 1)
+    assert_same_batches(take(Loader(stream(shapes, url)), 4), take(Loader(stream(shapes, local)), 4))
+    assert gcs_proxy.faults == 3
+
+
+def audit_text(source, shapes, capsys):
+    status = pack.audit(source, shapes / "tokenizer.model", "plain", 64, 28, 4, 512, show=2, progress=0)
+    return status, capsys.readouterr().out.replace(str(source), "SOURCE")
+
+
+def test_a_pack_that_dies_midway_leaves_no_dataset_and_audit_reads_the_finished_one(shapes, local, s3_bucket,
+                                                                                     s3_proxy, monkeypatch, capsys):
+    url, bucket = s3_bucket + "/shards", storage.bucket(s3_bucket)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    monkeypatch.setattr(storage, "BACKOFF", 0.01)
+    monkeypatch.setattr(storage, "RETRIES", 2)
+    forget_filesystems()
+    s3_proxy.inject(rf"^PUT /{bucket}/shards/shard-000002\.tar", 503, 1000)  # the third shard's upload never lands
+    with pytest.raises(storage.StorageError, match="shard-000002.tar: still failing"):
+        pack_shapes(shapes, url)
+    assert storage.exists(f"{url}/shard-000001.tar") and not storage.exists(f"{url}/.nv-meta/.info.json")
+    for read in (lambda: stream(shapes, url), lambda: audit_text(url, shapes, capsys)):
+        with pytest.raises(SystemExit, match=r"shards: no \.nv-meta/\.info\.json, so not a finished dataset"):
+            read()
+    s3_proxy.rules.clear()
+    with pytest.raises(SystemExit, match=r"already holds a dataset \(shard-000000\.tar, .*pass --overwrite"):
+        pack_shapes(shapes, url)  # the killed pack's shards are not overwritten without asking
+
+    pack_shapes(shapes, url, overwrite=True)
+    assert bucket_files(url) == local_files(local)
+    capsys.readouterr()
+    assert audit_text(url, shapes, capsys) == audit_text(local, shapes, capsys)
+    with pytest.raises(SystemExit, match=r"already holds a dataset \(.nv-meta, shard-000000.tar"):
+        data.main(["pack", "--json", str(shapes / "shapes.json"), "--images", str(shapes / "images"), "--out", url])
+    assert bucket_files(url) == local_files(local)
+
+
+def test_bad_data_paths_are_one_sentence(shapes, local, s3_bucket, gcs_bucket, tmp_path, capsys):
+    storage.write_text(f"{s3_bucket}/other/notes.txt", "not a dataset")
+    cases = [("s3://llavax-no-such-bucket/shards", "bucket 'llavax-no-such-bucket' does not exist"),
+             ("gs://llavax-no-such-bucket/shards", "bucket 'llavax-no-such-bucket' does not exist"),
+             ("ftp://host/shards", "unknown storage scheme 'ftp://'"),
+             (f"{s3_bucket}/shards", "no dataset there"),
+             (f"{gcs_bucket}/shards", "no dataset there"),
+             (f"{s3_bucket}/other", r"no \.nv-meta/\.info\.json, so not a finished dataset")]
+    for url, said in cases:
+        with pytest.raises((storage.StorageError, SystemExit), match=said):
+            stream(shapes, url)
+    for url, said in (cases[0], cases[2], cases[3]):
+        r = run(args(shapes, tmp_path / "out", f"--data_dir={url}", "--max_iters=1"), check=False)
+        assert r.returncode == 1 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert url in r.stderr and re.search(said, r.stderr), r.stderr
+    with pytest.raises(SystemExit, match="audit: s3://llavax-no-such-bucket/shards: bucket 'llavax-no-such-bucket'"):
+        data.main(["audit", "s3://llavax-no-such-bucket/shards", "--tokenizer", str(shapes / "tokenizer.model")])
+
+
+def test_train_from_a_bucket_logs_the_local_runs_losses_bit_for_bit(shapes, s3_bucket, tmp_path):
+    url = f"{s3_bucket}/shapes/shards"
+    for name in storage.ls(shapes / "shards"):  # the demo's own shards, uploaded as they are
+        path = shapes / "shards" / name
+        for f in sorted(path.rglob("*")) if path.is_dir() else [path]:
+            storage.upload(f, f"{url}/{f.relative_to(shapes / 'shards')}")
+    for where, out in ((shapes / "shards", tmp_path / "local"), (url, tmp_path / "bucket")):
+        run(args(shapes, out, f"--data_dir={where}", "--max_iters=4", "--num_workers=1", "--ckpt_interval=0"))
+    local, bucket = ((tmp_path / d / "log.jsonl").read_text() for d in ("local", "bucket"))
+    losses = lambda text: [(e["step"], e["loss"]) for e in map(json.loads, text.splitlines()) if "loss" in e]  # noqa: E731
+    assert len(losses(local)) == 4 and losses(bucket) == losses(local)
+
+
+def test_merged_requests_cover_each_range_within_the_request_cap():
+    ranges = [(0, 0, 10), (0, 10, 30), (0, 30 + shards.MERGE_GAP + 1, 200_000), (1, 0, 5), (0, 10, 30),
+              (0, 200_000, 200_000 + shards.REQUEST_BYTES - 100)]
+    request_of = shards.merged_requests(ranges)
+    assert set(request_of) == set(ranges)
+    assert sorted(set(request_of.values())) == [(0, 0, 30), (0, 30 + shards.MERGE_GAP + 1, 200_000),
+                                                (0, 200_000, 200_000 + shards.REQUEST_BYTES - 100), (1, 0, 5)]
+    for (shard, start, end), (r_shard, r_start, r_end) in request_of.items():
+        assert shard == r_shard and r_start <= start < end <= r_end and r_end - r_start <= shards.REQUEST_BYTES
