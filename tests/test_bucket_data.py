@@ -4,12 +4,16 @@ use, and gives the batches a local folder gives, through a mid-epoch resume, Dat
 connections; a pack that dies midway leaves nothing a reader takes for a dataset; bad paths get one sentence."""
 
 import json
+import os
 import re
+import sys
 
 import pytest
 import torch
+import forkserver
 from buckets import forget_filesystems
-from test_train import args, run
+from conftest import ROOT
+from test_train import args
 
 import data
 import pack
@@ -154,7 +158,7 @@ def test_a_pack_that_dies_midway_leaves_no_dataset_and_audit_reads_the_finished_
     assert bucket_files(url) == local_files(local)
 
 
-def test_bad_data_paths_are_one_sentence(shapes, local, s3_bucket, gcs_bucket, tmp_path, capsys):
+def test_bad_data_paths_are_one_sentence(shapes, s3_bucket, gcs_bucket):
     storage.write_text(f"{s3_bucket}/other/notes.txt", "not a dataset")
     cases = [("s3://llavax-no-such-bucket/shards", "bucket 'llavax-no-such-bucket' does not exist"),
              ("gs://llavax-no-such-bucket/shards", "bucket 'llavax-no-such-bucket' does not exist"),
@@ -165,25 +169,27 @@ def test_bad_data_paths_are_one_sentence(shapes, local, s3_bucket, gcs_bucket, t
     for url, said in cases:
         with pytest.raises((storage.StorageError, SystemExit), match=said):
             stream(shapes, url)
-    for url, said in (cases[0], cases[2], cases[3]):
-        r = run(args(shapes, tmp_path / "out", f"--data_dir={url}", "--max_iters=1"), check=False)
-        assert r.returncode == 1 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
-        assert url in r.stderr and re.search(said, r.stderr), r.stderr
     with pytest.raises(SystemExit, match="audit: s3://llavax-no-such-bucket/shards: bucket 'llavax-no-such-bucket'"):
         data.main(["audit", "s3://llavax-no-such-bucket/shards", "--tokenizer", str(shapes / "tokenizer.model")])
 
 
 def test_train_from_a_bucket_logs_the_local_runs_losses_bit_for_bit(shapes, s3_bucket, tmp_path):
     url = f"{s3_bucket}/shapes/shards"
-    for name in storage.ls(shapes / "shards"):  # the demo's own shards, uploaded as they are
-        path = shapes / "shards" / name
-        for f in sorted(path.rglob("*")) if path.is_dir() else [path]:
-            storage.upload(f, f"{url}/{f.relative_to(shapes / 'shards')}")
-    for where, out in ((shapes / "shards", tmp_path / "local"), (url, tmp_path / "bucket")):
-        run(args(shapes, out, f"--data_dir={where}", "--max_iters=4", "--num_workers=1", "--ckpt_interval=0"))
-    local, bucket = ((tmp_path / d / "log.jsonl").read_text() for d in ("local", "bucket"))
-    losses = lambda text: [(e["step"], e["loss"]) for e in map(json.loads, text.splitlines()) if "loss" in e]  # noqa: E731
-    assert len(losses(local)) == 4 and losses(bucket) == losses(local)
+    for f in sorted(p for p in (shapes / "shards").rglob("*") if p.is_file()):  # the demo's shards, as they are
+        storage.upload(f, f"{url}/{f.relative_to(shapes / 'shards')}")
+    runs = {"local": shapes / "shards", "bucket": url, "no_bucket": "s3://llavax-no-such-bucket/shards",
+            "no_dataset": f"{s3_bucket}/nothing"}
+    results = dict(zip(runs, forkserver.run_many(
+        [[sys.executable, str(ROOT / "train.py"), *args(shapes, tmp_path / name, f"--data_dir={where}", "--max_iters=3",
+                                                        "--num_workers=1", "--ckpt_interval=0")]
+         for name, where in runs.items()], os.environ | {"OMP_NUM_THREADS": "1"}, parallel=2)))
+    losses = {name: [(e["step"], e["loss"]) for e in map(json.loads, (tmp_path / name / "log.jsonl").read_text()
+                                                          .splitlines()) if "loss" in e] for name in ("local", "bucket")}
+    assert len(losses["local"]) == 3 and losses["bucket"] == losses["local"], results["bucket"].stderr[-2000:]
+    for name, said in (("no_bucket", "bucket 'llavax-no-such-bucket' does not exist"), ("no_dataset", "no dataset there")):
+        r = results[name]
+        assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr  # one sentence, no traceback
+        assert runs[name] in r.stderr and said in r.stderr, r.stderr
 
 
 def test_merged_requests_cover_each_range_within_the_request_cap():
