@@ -5,9 +5,11 @@ into shards by pack.pack, with a sentencepiece tokenizer trained on the text.
 
     python data.py shapes --out data/shapes [--n 20000] [--seed 0] [--turns 1]
     python data.py shapes --out data/shapes2 --images 2     # two images a sample: "Which image has more circles?"
+    python data.py shapes --out gs://BUCKET/shapes          # shards, tokenizer and JSON in a bucket
 """
 
 import json
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import numpy as np
 from PIL import Image, ImageDraw
 from tqdm import tqdm
 
+import storage
 from chat import IMAGE_TAG, TEMPLATES
 from pack import pack
 from shards import log
@@ -122,10 +125,25 @@ def make_shapes(out, n=20000, seed=0, val_fraction=0.1, image_size=48, vocab_siz
                 preference=False):
     """n samples of one image and `turns` questions, or (images=2) of two images and "Which image has more
     circles?", in the OneVision format: "image": [first, second] and one <image> tag for each, in order.
-    preference: the same samples as right/wrong answer pairs too, in out/preference (objective='dpo')."""
+    preference: the same samples as right/wrong answer pairs too, in out/preference (objective='dpo').
+    out may be a bucket (s3://, gs://): drawn in a local temporary folder, the shards packed into the bucket and the
+    tokenizer and JSON uploaded beside them (the images stay local, and go)."""
     if images not in (1, 2):
         raise SystemExit(f"shapes: --images must be 1 or 2, got {images}")
-    out = Path(out)
+    if not storage.is_url(out):
+        return draw_and_pack(Path(out), out, n, seed, val_fraction, image_size, vocab_size, turns, images, preference)
+    storage.check_bucket(out)
+    with tempfile.TemporaryDirectory(prefix="llavax-shapes-") as local:
+        draw_and_pack(Path(local), str(out).rstrip("/"), n, seed, val_fraction, image_size, vocab_size, turns, images,
+                      preference)
+        for name in ("tokenizer.model", "tokenizer.vocab", "shapes.json", "preference.json"):
+            if Path(local, name).exists():
+                storage.upload(Path(local, name), storage.join(out, name))
+    return out
+
+
+def draw_and_pack(out, packed, n, seed, val_fraction, image_size, vocab_size, turns, images, preference):
+    """make_shapes with its images, JSON and tokenizer in the local folder `out`, its shards in `packed`/shards."""
     (out / "images").mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     records = []
@@ -155,13 +173,14 @@ def make_shapes(out, n=20000, seed=0, val_fraction=0.1, image_size=48, vocab_siz
     for fn in TEMPLATES.values():  # so the template scaffolding tokenizes compactly too
         texts += ["".join(t for t, _ in fn(r["conversations"])).replace(IMAGE_TAG, "") for r in records[:50]]
     train_tokenizer(texts, out / "tokenizer", vocab_size)
-    pack(out / "shapes.json", out / "images", out / "shards", shard_size=2000, val_ids=lambda i: str(i).startswith("val"),
-         overwrite=True)
+    pack(out / "shapes.json", out / "images", storage.join(packed, "shards"), shard_size=2000,
+         val_ids=lambda i: str(i).startswith("val"), overwrite=True)
     if preference:
         (out / "preference.json").write_text(json.dumps(preference_records(records, seed)))
-        pack(out / "preference.json", out / "images", out / "preference", shard_size=2000,
+        pack(out / "preference.json", out / "images", storage.join(packed, "preference"), shard_size=2000,
              val_ids=lambda i: str(i).startswith("val"), overwrite=True)
-    log(f"shapes: {n} samples of {images} image(s), tokenizer {out / 'tokenizer.model'}, shards in {out / 'shards'}")
+    log(f"shapes: {n} samples of {images} image(s), tokenizer {storage.join(packed, 'tokenizer.model')}, shards in "
+        f"{storage.join(packed, 'shards')}")
     return out
 
 

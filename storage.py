@@ -98,8 +98,9 @@ INHERITED, CREATING = [], threading.Lock()
 
 
 def before_fork():
-    INHERITED[:] = [fs for package, name in (("s3fs", "S3FileSystem"), ("gcsfs", "GCSFileSystem"))
-                    if package in sys.modules for fs in getattr(sys.modules[package], name)._cache.values()]
+    classes = [getattr(sys.modules[package], name)
+               for package, name in (("s3fs", "S3FileSystem"), ("gcsfs", "GCSFileSystem")) if package in sys.modules]
+    INHERITED[:] = [fs for cls in classes for fs in list(cls._cache.values())]  # list(): one step, as threads add more
 
 
 def after_fork_in_child():

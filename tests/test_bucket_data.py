@@ -201,3 +201,14 @@ def test_merged_requests_cover_each_range_within_the_request_cap():
                                                 (0, 200_000, 200_000 + shards.REQUEST_BYTES - 100), (1, 0, 5)]
     for (shard, start, end), (r_shard, r_start, r_end) in request_of.items():
         assert shard == r_shard and r_start <= start < end <= r_end and r_end - r_start <= shards.REQUEST_BYTES
+
+
+def test_shapes_out_to_a_bucket_packs_its_shards_there(s3_bucket, tmp_path):
+    from shapes import make_shapes
+
+    make_shapes(f"{s3_bucket}/shapes", n=16, val_fraction=0.25)
+    assert {"tokenizer.model", "shapes.json"} <= set(storage.file_sizes(f"{s3_bucket}/shapes"))
+    (tmp_path / "tokenizer.model").write_bytes(storage.read_bytes(f"{s3_bucket}/shapes/tokenizer.model"))
+    s = ShardStream(f"{s3_bucket}/shapes/shards", tmp_path / "tokenizer.model", batch_size=2, seq_len=64, image_size=28,
+                    image_token_id=512, n_image_tokens=4)
+    assert len(s) == 12 and s.batch(0)["dropped"].sum() == 0
