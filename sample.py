@@ -10,7 +10,8 @@ Ask a trained model about an image.
     python sample.py --ckpt CKPT --image f0.jpg f1.jpg f2.jpg --video --prompt "What happens?"   # OneVision
 
 --ckpt is a llavax checkpoint directory (a training step or a convert.py output) or an HF LLaVA
-directory, converted in memory; a local folder, or a prefix in a bucket (s3://, gs://). The template defaults to the one the checkpoint was trained with.
+directory, converted in memory; a local folder, or a prefix in a bucket (s3://, gs://). The template defaults to
+the one the checkpoint was trained with.
 Several images and/or prompts run as one left-padded batch: N images with one prompt, one image
 with N prompts, or N of each paired in order; one answer is printed per line. --together asks each
 prompt about all the images at once (one <image> each, in order; put the tags in the prompt to place

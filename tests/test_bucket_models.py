@@ -14,7 +14,7 @@ import pytest
 import torch
 from buckets import forget_filesystems
 from conftest import ROOT
-from test_train import args, run
+from test_train import args
 
 import checkpoint
 import convert
@@ -24,20 +24,27 @@ import sample
 import storage
 import train
 import weight_files
+from model import build_model
+from model_config import vlm_preset
 
 
 @pytest.fixture(scope="module")
 def shapes(shapes_data):
-    return shapes_data(n=200, seed=0, val_fraction=0.1)
+    return shapes_data(n=400, seed=0, val_fraction=0.1)  # test_train's
 
 
 @pytest.fixture(scope="module")
 def step(shapes, tmp_path_factory):
-    """A local training step (3 steps of the debug model, its tokenizer carried) and its local HF export."""
+    """A local training step: 3 steps of the debug model, its tokenizer carried."""
     out = tmp_path_factory.mktemp("run")
-    run(args(shapes, out, "--max_iters=3", "--ckpt_interval=3"))
-    convert.llava_to_hf(out / "step-000003", out / "hf")
+    train.main(args(shapes, out, "--max_iters=3", "--ckpt_interval=3"))
     return out / "step-000003"
+
+
+@pytest.fixture(scope="module")
+def hf_export(step):
+    """The step's HF export, on a local disk."""
+    return convert.llava_to_hf(step, step.parent / "hf")
 
 
 def upload_folder(folder, url):
@@ -63,17 +70,18 @@ def first_losses(out):
 
 
 @pytest.mark.slow
-def test_training_from_bucket_inputs_equals_training_from_local_folders(shapes, step, s3_bucket, gcs_bucket, tmp_path):
+def test_training_from_bucket_inputs_equals_training_from_local_folders(shapes, step, hf_export, s3_bucket, gcs_bucket,
+                                                                        tmp_path):
     """init_from an HF folder in S3 and our step in GCS, the tokenizer the step carries in GCS: the same losses, bit for
     bit, as from the local folders (the HF export holds the step's tensors, renamed)."""
-    hf, gcs_step = upload_folder(step.parent / "hf", f"{s3_bucket}/hf"), upload_folder(step, f"{gcs_bucket}/run/step-3")
+    hf, gcs_step = upload_folder(hf_export, f"{s3_bucket}/hf"), upload_folder(step, f"{gcs_bucket}/run/step-3")
     assert storage.read_bytes(f"{gcs_step}/tokenizer.model") == (shapes / "tokenizer.model").read_bytes()
     runs = {"local": (step, shapes / "tokenizer.model"), "hf_in_s3": (hf, f"{gcs_step}/tokenizer.model"),
             "step_in_gcs": (gcs_step, gcs_step)}  # a folder names the tokenizer it holds
-    results = forkserver.run_many(
-        [[sys.executable, str(ROOT / "train.py"), *args(shapes, tmp_path / name, "--max_iters=2", f"--init_from={init}",
-                                                       f"--tokenizer={tokenizer}")] for name, (init, tokenizer) in runs.items()],
-        os.environ | {"OMP_NUM_THREADS": "1"}, parallel=2)
+    cmds = [[sys.executable, str(ROOT / "train.py"), *args(shapes, tmp_path / name, "--max_iters=2", f"--init_from={init}",
+                                                           f"--tokenizer={tokenizer}")]
+            for name, (init, tokenizer) in runs.items()]
+    results = forkserver.run_many(cmds, os.environ | {"OMP_NUM_THREADS": "1"}, parallel=2)
     for r in results:
         assert r.returncode == 0, r.stderr[-3000:]
     losses = {name: first_losses(tmp_path / name) for name in runs}
@@ -110,14 +118,15 @@ def hf_logits(folder, shapes):
         return model(input_ids=b["input_ids"], pixel_values=images.normalize_images(b["pixel_values"])).logits
 
 
-def test_convert_and_sample_read_a_step_in_a_bucket_and_export_to_one(shapes, step, s3_bucket, tmp_path, capsys):
+@pytest.mark.slow
+def test_convert_and_sample_read_a_step_in_a_bucket_and_export_to_one(shapes, step, hf_export, s3_bucket, tmp_path,
+                                                                      capsys):
     bucket_step = upload_folder(step, f"{s3_bucket}/run/step-3")
     convert.main(["to-hf", "--ckpt", bucket_step, "--out", f"{s3_bucket}/hf"])
     assert "config.json" in storage.ls(f"{s3_bucket}/hf") and weight_files.UNFINISHED not in storage.ls(f"{s3_bucket}/hf")
-    local = step.parent / "hf"
     got = download_folder(f"{s3_bucket}/hf", tmp_path / "hf")
-    assert sorted(p.name for p in got.iterdir()) == sorted(p.name for p in local.iterdir())
-    assert torch.equal(hf_logits(got, shapes), hf_logits(local, shapes))
+    assert sorted(p.name for p in got.iterdir()) == sorted(p.name for p in hf_export.iterdir())
+    assert torch.equal(hf_logits(got, shapes), hf_logits(hf_export, shapes))
 
     image = next(Path(shapes, "images").glob("*.png"))
     answers = []
@@ -153,7 +162,7 @@ def export_dir(request, tmp_path, monkeypatch):
 
 
 def test_an_export_commits_its_config_last_without_a_folder_rename(step, export_dir, monkeypatch):
-    local = step.parent / "hf"
+    model = build_model(vlm_preset("debug"), seed=0)
     put, seen = weight_files.put_file, []
 
     def killed_after_two(src, dst):  # the process dies while it puts its files into place
@@ -164,29 +173,25 @@ def test_an_export_commits_its_config_last_without_a_folder_rename(step, export_
 
     monkeypatch.setattr(weight_files, "put_file", killed_after_two)
     with pytest.raises(KeyboardInterrupt):
-        convert.llava_to_hf(step, export_dir)
+        checkpoint.save_model(model, export_dir, tokenizer_dir=step)
     monkeypatch.setattr(weight_files, "put_file", put)
-    held = storage.ls(export_dir)
-    assert "config.json" not in held and weight_files.UNFINISHED in held and set(seen) <= set(held)
+    assert storage.ls(export_dir) == sorted([weight_files.UNFINISHED, *seen]) and "config.json" not in seen
     with pytest.raises(weight_files.ConversionError, match="a write that did not finish"):
         checkpoint.read_checkpoint(export_dir)
 
-    convert.llava_to_hf(step, export_dir)  # our unfinished write is replaced
-    assert storage.ls(export_dir) == sorted(p.name for p in local.iterdir())
-    for f in local.iterdir():
-        assert storage.read_bytes(storage.join(export_dir, f.name)) == f.read_bytes(), f.name
-
+    checkpoint.save_model(model, export_dir, tokenizer_dir=step)  # our unfinished write is replaced
+    assert storage.ls(export_dir) == ["config.json", "model.safetensors", "tokenizer.model"]
     before = {n: storage.read_bytes(storage.join(export_dir, n)) for n in storage.ls(export_dir)}
     with pytest.raises(weight_files.ConversionError, match="already exists; refusing to overwrite"):
-        convert.llava_to_hf(step, export_dir)  # a finished export: kept
-    with pytest.raises(weight_files.ConversionError, match="already exists"):
-        checkpoint.save_model(model := checkpoint.load_model(step), export_dir)
+        checkpoint.save_model(build_model(vlm_preset("debug"), seed=1), export_dir)  # a finished one: kept
     assert {n: storage.read_bytes(storage.join(export_dir, n)) for n in storage.ls(export_dir)} == before
 
-    checkpoint.save_model(model, export_dir, overwrite=True)  # asked for: replaced, no file of the HF export left
-    assert storage.ls(export_dir) == ["config.json", "model.safetensors"]
+    other = build_model(vlm_preset("debug"), seed=1)
+    checkpoint.save_model(other, export_dir, overwrite=True, shard_bytes=200_000)  # asked for: no old file left
+    held = storage.ls(export_dir)
+    assert "model.safetensors" not in held and "tokenizer.model" not in held and "model.safetensors.index.json" in held
     for k, v in checkpoint.load_model(export_dir).state_dict().items():
-        assert torch.equal(v, model.state_dict()[k]), k
+        assert torch.equal(v, other.state_dict()[k]), k
 
 
 # -----------------------------------------------------------------------------
@@ -196,7 +201,7 @@ def test_an_export_commits_its_config_last_without_a_folder_rename(step, export_
 def test_bad_bucket_inputs_get_one_sentence_and_overwrite_nothing(shapes, step, s3_bucket, tmp_path, monkeypatch, capsys):
     empty, missing = f"{s3_bucket}/nothing-here", "s3://llavax-no-such-bucket/run/step-3"
     bucket_step = upload_folder(step, f"{s3_bucket}/run/step-3")
-    export = upload_folder(step.parent / "hf", f"{s3_bucket}/hf")
+    export = upload_folder(step, f"{s3_bucket}/kept")  # a folder of files in the way of an export
     kept = {n: storage.read_bytes(f"{export}/{n}") for n in storage.ls(export)}
     train_cases = {
         ("init_from", missing): "init_from s3://llavax-no-such-bucket/run/step-3: bucket 'llavax-no-such-bucket' does "
