@@ -2,6 +2,7 @@
 The writing side of llavax's data: LLaVA JSON/JSONL + images -> tar shards with energon metadata.
 
     python data.py pack --json llava_v1_5_mix665k.json --images DIR --out SHARDS [--shard-size 1000] [--val-ratio 0.01]
+    python data.py pack ... --out gs://BUCKET/SHARDS     # or s3://: each shard uploaded when complete, .nv-meta last
     python data.py audit SHARDS|JSON [--images DIR] [--config configs/x.py] [--hf-tokenizer DIR] [--sheet sheet.png]
 
 A sample is KEY.jpg (image), KEY.txt (first answer) and KEY.json ({"question", "conversations", "id"}),

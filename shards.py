@@ -204,7 +204,7 @@ THREADS = 16  # ranged requests in flight
 
 def merged_requests(ranges):
     """{(shard, start, end): the request (shard, start, end) that reads it} for `ranges`: each shard's ranges sorted,
-    and neighbours less than MERGE_GAP apart joined while the request stays within REQUEST_BYTES (a request costs
+    and neighbours at most MERGE_GAP apart joined while the request stays within REQUEST_BYTES (a request costs
     ~50-100 ms on a real bucket, a gap that small ~1 ms of reading)."""
     groups = []  # [[shard, start, end, [ranges]]]
     for shard, start, end in sorted(set(ranges)):
