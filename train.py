@@ -41,6 +41,7 @@ from model_config import VLMConfig
 from parallel import (Env, attention_kernel, autocast, checkpoint_fn, compile_blocks, flops_per_sample, freeze,
                       frozen_matmul_weights, grad_sync, init_optimizer_state, make_optimizer, param_groups, print0,
                       set_checkpointing, shard, store_frozen, use_flex_attention)
+from shards import DatasetError, shard_files
 
 # -----------------------------------------------------------------------------
 # configuration
@@ -121,11 +122,18 @@ def step_if_finite(optimizer, finite):
                 optimizer.state[p][k].copy_(torch.where(finite, optimizer.state[p][k], v))
 
 
+def last_checkpoint(out):
+    try:
+        found = checkpoints(out)
+    except storage.StorageError:  # an out_dir in a bucket that stopped answering too
+        return "unknown (out_dir cannot be listed now)"
+    return found[-1] if found else "none"
+
+
 def stop_nonfinite(out, it, n, cfg, loader):
-    found = checkpoints(out)
     raise SystemExit(f"stopping at step {it}: {n} steps in a row had a non-finite loss or gradient "
                      f"(max_nonfinite_steps={cfg['max_nonfinite_steps']}); no update was applied. The last checkpoint "
-                     f"is {found[-1] if found else 'none'}. Lower lr, check the data near loader position "
+                     f"is {last_checkpoint(out)}. Lower lr, check the data near loader position "
                      f"{loader.position}, or jump past it with --skip_steps=[({it}, {it + n})] and --init_from=resume")
 
 
@@ -165,15 +173,22 @@ MODEL_INPUTS = ("tokenizer", "init_from", "dpo_reference", "grpo_reference", "gr
 
 
 def check_inputs(cfg):
-    for key in ("data_dir", *MODEL_INPUTS):  # read where they load (shards by byte range: shards.ShardReader); a
-        if storage.is_url(cfg.get(key) or ""):  # bucket that is not there is named now, in one sentence
+    """Each input's bucket, the dataset's metadata and the tokenizer, before anything is built (a 7B model takes
+    minutes): a missing one is one sentence now, not after the model."""
+    for key in MODEL_INPUTS:  # read where they load; a bucket that is not there is named now
+        if storage.is_url(cfg.get(key) or ""):
             try:
                 storage.check_bucket(cfg[key])
             except storage.StorageError as e:
                 raise SystemExit(f"{key} {e}") from None
-    if not storage.is_url(cfg["data_dir"]) and not Path(cfg["data_dir"]).exists():
-        raise SystemExit(f"data_dir {cfg['data_dir']!r} does not exist. For the shapes demo run "
+    data_dir = cfg["data_dir"]
+    if not storage.is_url(data_dir) and not Path(data_dir).exists():
+        raise SystemExit(f"data_dir {data_dir!r} does not exist. For the shapes demo run "
                          "`python data.py shapes --out data/shapes` first (make demo does it).")
+    try:  # its bucket, .nv-meta and shard listing: two listings and three small reads
+        shard_files(data_dir, "train")
+    except (DatasetError, OSError) as e:
+        raise SystemExit(f"data_dir {e}" if str(e).startswith(str(data_dir)) else f"data_dir {data_dir}: {e}") from None
     try:
         chat.Tokenizer(cfg["tokenizer"])
     except Exception as e:  # noqa: BLE001  sentencepiece and tokenizers raise many kinds for a bogus file
@@ -593,6 +608,13 @@ def evaluate_and_log(model, ref_model, val_loader, env, cfg, vision, objective, 
 
 def main(argv=None):
     cfg = load_config(sys.argv[1:] if argv is None else argv)
+    try:
+        run(cfg)
+    except storage.StorageError as e:  # a bucket unreachable through the retries (the loop names its step itself)
+        raise SystemExit(str(e)) from None
+
+
+def run(cfg):
     env = Env(cfg)
     out = storage.join(cfg["out_dir"])
     prepare_out_dir(out, cfg, env)
@@ -665,6 +687,10 @@ def main(argv=None):
             if stopping:
                 print0(env, f"stopped at step {it} by a signal; resume with --init_from=resume")
                 break
+    except storage.StorageError as e:  # a bucket (the data's, out_dir) that stayed unreachable through the retries
+        checkpointer.finish()
+        raise SystemExit(f"stopping at step {it}: {e}; the last checkpoint is {last_checkpoint(out)}: resume with "
+                         f"--init_from=resume once the bucket answers") from None
     except BaseException:  # a run stopped by an error lets the checkpoint in flight commit first
         checkpointer.finish()
         raise
