@@ -41,10 +41,18 @@ def scheme(url):
     return str(url).split("://", 1)[0].lower()
 
 
+def normal(url):
+    """url as every call here names it: the scheme in lower case, no empty key segment (a doubled or trailing slash),
+    so that s3://b//runs/a/ and s3://b/runs/a are one prefix (s3fs and gcsfs each keep some of those slashes and drop
+    others, so a URL typed with them was listed in one place and read from another)."""
+    kind, rest = str(url).split("://", 1)
+    return f"{kind.lower()}://{'/'.join(part for part in rest.split('/') if part)}"
+
+
 def join(base, *names):
-    """base/names: a Path for a local base, a URL (str) for a bucket."""
+    """base/names: a Path for a local base, a URL (str, normal) for a bucket."""
     if is_url(base):
-        return "/".join([str(base).rstrip("/"), *(str(n).strip("/") for n in names)])
+        return normal("/".join([str(base), *map(str, names)]))
     return Path(base, *names)
 
 
@@ -117,7 +125,7 @@ def bucket(url):
 
 def key(url):
     """The path within the filesystem, as fsspec names it: bucket/key."""
-    return str(url).split("://", 1)[1].rstrip("/")
+    return normal(url).split("://", 1)[1]
 
 
 # -----------------------------------------------------------------------------
@@ -187,6 +195,8 @@ def call(path, fn, *args, **kwargs):
             if isinstance(e, FileNotFoundError) and not bucket_exists(path):  # gcsfs names only the URL it used
                 raise StorageError(f"{path}: bucket '{bucket(path)}' does not exist (create it first, or check its "
                                    f"name)") from None
+            if isinstance(e, FileNotFoundError):  # s3fs says bucket/key, gcsfs its request's URL
+                raise FileNotFoundError(f"{normal(path)}: no such object") from None
             raise
 
 
@@ -255,8 +265,12 @@ def glob(path, pattern):
     fs = filesystem(path)
     fs.invalidate_cache(key(path))
     prefix = key(path) + "/"
-    found = call(path, fs.glob, prefix + pattern)
+    found = call(path, fs.glob, escape_glob(prefix) + pattern)  # a prefix is a name, even with [ * ? in it
     return [join(path, p[len(prefix):]) for p in sorted(found)]
+
+
+def escape_glob(name):
+    return re.sub(r"([*?[])", r"[\1]", name)
 
 
 def makedirs(path):

@@ -3,10 +3,12 @@ local folder: the same calls, the same bytes; throttling and reset connections r
 sentence."""
 
 import os
+import re
 
 import pytest
 from buckets import forget_filesystems
 
+import checkpoint
 import storage
 
 
@@ -42,6 +44,26 @@ def test_the_same_calls_give_the_same_bytes_on_disk_and_in_buckets(root, tmp_pat
     assert storage.ls(root) == ["log.jsonl", "step-12"]
     assert not storage.exists(storage.join(root, "step-1/x.bin"))
     assert not [p for p in (tmp_path / "root").rglob("*tmp*")]  # no temporary file left behind locally
+
+
+@pytest.mark.parametrize("kind", ["s3", "gs"])
+def test_a_url_names_the_same_objects_however_it_is_typed(kind, request):
+    """A prefix with spaces, unicode and glob characters, typed with double or trailing slashes, an upper-case scheme,
+    or gcs:// for gs://: every call, and the checkpoint listing resume goes by, sees the objects the plain URL names."""
+    plain = request.getfixturevalue(f"{'gcs' if kind == 'gs' else 's3'}_bucket") + "/runs/exp [1] *?#/ü 漢字"
+    storage.write_text(storage.join(plain, "step-000003/manifest.json"), "{}")
+    storage.write_bytes(storage.join(plain, "step-000004/x.bin"), b"half-written step")
+    typed = [plain + "/", plain.replace("/runs/", "//runs//") + "//", kind.upper() + plain[len(kind):],
+             *(["gcs" + plain[2:]] if kind == "gs" else [])]
+    for url in (plain, *typed):
+        assert storage.ls(url) == ["step-000003", "step-000004"], url
+        assert storage.exists(f"{url}/step-000003/manifest.json") and storage.exists(storage.join(url, "step-000004")), url
+        assert storage.read_bytes(f"{url}/step-000004/x.bin", 5, 12) == b"written", url
+        assert storage.file_sizes(storage.join(url, "step-000004")) == {"x.bin": 17}, url
+        assert [storage.name(storage.parent(p)) for p in storage.glob(url, "step-*/manifest.json")] == ["step-000003"]
+        assert [storage.name(p) for p in checkpoint.checkpoints(url)] == ["step-000003"], url  # what resume takes
+    with pytest.raises(FileNotFoundError, match=rf"^{re.escape(plain)}/step-000005/x.bin: no such object"):
+        storage.read_bytes(storage.join(typed[1], "step-000005/x.bin"))
 
 
 def test_a_local_write_renames_only_a_file(tmp_path, monkeypatch):
