@@ -27,6 +27,11 @@ from pathlib import Path
 PACKAGES = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}  # the schemes we read and write, and who serves each
 RETRIES = 6  # attempts of one call on a transient error
 BACKOFF = 0.25  # seconds before the first retry, doubled before each next one (with jitter)
+# The most a call whose answer is small (a listing, a probe, a ranged read) may take, its attempts together: an
+# endpoint that is down, or that takes connections and never answers, would otherwise hold each attempt for the
+# clients' own timeouts times their own retries (s3fs x botocore: ~7 minutes; gcsfs: longer).
+FIRST_CONTACT = 30  # seconds: a run's first look at a bucket (check_bucket): a mistyped endpoint said at once
+PATIENCE = 300  # seconds: any later one (an outage mid-run is waited out this long, then said)
 
 
 class StorageError(OSError):
@@ -174,24 +179,31 @@ def plain_error(e, path):
     return None
 
 
-def call(path, fn, *args, **kwargs):
+def call(path, fn, *args, seconds=None, **kwargs):
     """fn(*args, **kwargs), retried with exponential backoff while it fails transiently; an error the user can fix
-    becomes a StorageError that says how."""
-    t0 = time.monotonic()
+    becomes a StorageError that says how. seconds: the most its attempts may take together (fn: a method of an
+    fsspec async filesystem, whose sync wrapper takes a timeout and cancels the request when it is up)."""
+    t0, said = time.monotonic(), None
     for attempt in range(RETRIES):
+        left = None if seconds is None else seconds - (time.monotonic() - t0)
         try:
-            return fn(*args, **kwargs)
+            return fn(*args, **kwargs) if left is None else fn(*args, **kwargs, timeout=max(left, 0.1))
         except Exception as e:  # noqa: BLE001  whatever the filesystem raises: sorted below
-            if attempt + 1 < RETRIES and transient(e):
-                time.sleep(BACKOFF * 2**attempt * random.uniform(0.5, 1.0))
+            said = e if str(e) or said is None else said  # fsspec's timeout says nothing: the error before it does
+            pause = BACKOFF * 2**attempt * random.uniform(0.5, 1.0)
+            in_time = seconds is None or time.monotonic() + pause - t0 < seconds - 1
+            if attempt + 1 < RETRIES and transient(e) and in_time:
+                time.sleep(pause)
                 continue
             if not is_url(path):
                 raise
             if (plain := plain_error(e, path)) is not None:
                 raise plain from None
             if transient(e):
-                raise StorageError(f"{path}: still failing after {RETRIES} attempts in {time.monotonic() - t0:.0f} s "
-                                   f"({type(e).__name__}: {str(e)[:200]})") from e
+                reason = " ".join(str(said).split())[:200] or "no answer in time"
+                raise StorageError(f"{path}: still failing after {attempt + 1} attempt{'s' if attempt else ''} in "
+                                   f"{time.monotonic() - t0:.0f} s ({type(said).__name__}: {reason}) at "
+                                   f"{endpoint(path)}") from e
             if isinstance(e, FileNotFoundError) and not bucket_exists(path):  # gcsfs names only the URL it used
                 raise StorageError(f"{path}: bucket '{bucket(path)}' does not exist (create it first, or check its "
                                    f"name)") from None
@@ -200,9 +212,18 @@ def call(path, fn, *args, **kwargs):
             raise
 
 
+def endpoint(url):
+    """Where url's requests go, and who said so: for a sentence."""
+    names = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL") if scheme(url) == "s3" else ("STORAGE_EMULATOR_HOST",)
+    named = next((name for name in names if os.environ.get(name)), None)
+    if named:
+        return f"{os.environ[named]} ({named})"
+    return "the S3 endpoint" if scheme(url) == "s3" else "storage.googleapis.com"
+
+
 def bucket_exists(url):
     try:
-        return filesystem(url).exists(bucket(url))
+        return filesystem(url).exists(bucket(url), timeout=FIRST_CONTACT)
     except Exception:  # noqa: BLE001  unknown: let the caller's own error stand
         return True
 
@@ -210,7 +231,7 @@ def bucket_exists(url):
 def check_bucket(url):
     """Stop early, in one sentence, when url's bucket is not there or these credentials cannot reach it."""
     try:  # s3fs's exists(bucket) says False for any failure, missing credentials included: a listing tells them apart
-        call(url, filesystem(url).ls, key(url), detail=False)
+        call(url, filesystem(url).ls, key(url), detail=False, seconds=FIRST_CONTACT)
     except FileNotFoundError:  # a new prefix in a bucket that is there (call() names a missing bucket)
         pass
 
@@ -224,11 +245,12 @@ def exists(path):
         return Path(path).exists()
     fs = filesystem(path)
     fs.invalidate_cache(key(path))  # another process (a rank, a host) may have written it since we looked
-    return call(path, fs.exists, key(path))
+    return call(path, fs.exists, key(path), seconds=PATIENCE)
 
 
 def size(path):
-    return Path(path).stat().st_size if not is_url(path) else call(path, filesystem(path).size, key(path))
+    return Path(path).stat().st_size if not is_url(path) else call(path, filesystem(path).size, key(path),
+                                                                   seconds=PATIENCE)
 
 
 def ls(path):
@@ -238,7 +260,7 @@ def ls(path):
     fs = filesystem(path)
     fs.invalidate_cache(key(path))
     try:
-        found = call(path, fs.ls, key(path), detail=False)
+        found = call(path, fs.ls, key(path), detail=False, seconds=PATIENCE)
     except FileNotFoundError:
         return []
     return sorted(name(p) for p in found if p.rstrip("/") != key(path))
@@ -252,7 +274,7 @@ def file_sizes(path):
     fs = filesystem(path)
     fs.invalidate_cache(key(path))
     try:
-        found = call(path, fs.ls, key(path), detail=True)
+        found = call(path, fs.ls, key(path), detail=True, seconds=PATIENCE)
     except FileNotFoundError:
         return {}
     return {name(e["name"]): e["size"] for e in found if e["type"] == "file" and e["name"].rstrip("/") != key(path)}
@@ -265,7 +287,7 @@ def glob(path, pattern):
     fs = filesystem(path)
     fs.invalidate_cache(key(path))
     prefix = key(path) + "/"
-    found = call(path, fs.glob, escape_glob(prefix) + pattern)  # a prefix is a name, even with [ * ? in it
+    found = call(path, fs.glob, escape_glob(prefix) + pattern, seconds=PATIENCE)  # a prefix is a name, even with [ * ? in it
     return [join(path, p[len(prefix):]) for p in sorted(found)]
 
 
@@ -314,7 +336,8 @@ def read_bytes(path, start=None, end=None):
         with builtins.open(path, "rb") as f:
             f.seek(start or 0)
             return f.read() if end is None else f.read(end - (start or 0))
-    return call(path, filesystem(path).cat_file, key(path), start=start, end=end)
+    small = end is not None  # a range (the loader's requests), not a whole file of any size
+    return call(path, filesystem(path).cat_file, key(path), start=start, end=end, seconds=PATIENCE if small else None)
 
 
 def read_text(path):

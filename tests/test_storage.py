@@ -4,9 +4,11 @@ sentence."""
 
 import os
 import re
+import socket
+import time
 
 import pytest
-from buckets import forget_filesystems
+from buckets import S3_ENV, forget_filesystems
 
 import checkpoint
 import storage
@@ -117,6 +119,38 @@ def test_missing_credentials_are_named(s3_server, tmp_path, monkeypatch):
             storage.exists("gs://some-bucket/run/x")
     finally:
         monkeypatch.undo()
+        forget_filesystems()
+
+
+def test_an_endpoint_that_refuses_or_never_answers_fails_in_bounded_time(monkeypatch):
+    """AWS_ENDPOINT_URL or STORAGE_EMULATOR_HOST naming a port nothing listens on, or a server that takes connections
+    and never answers (a wedged proxy; each attempt would wait out the clients' read timeouts times their own retries,
+    ~7 minutes on S3): the first call gives up within FIRST_CONTACT seconds, a ranged read within PATIENCE, each in
+    one sentence that names the endpoint."""
+    for k, v in S3_ENV.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(storage, "FIRST_CONTACT", 0.5)
+    monkeypatch.setattr(storage, "PATIENCE", 0.5)
+    wedged = socket.create_server(("127.0.0.1", 0), backlog=64)  # the kernel accepts; nobody answers
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        dead = s.getsockname()[1]
+    cases = [("s3", "AWS_ENDPOINT_URL", dead), ("s3", "AWS_ENDPOINT_URL", wedged.getsockname()[1]),
+             ("gs", "STORAGE_EMULATOR_HOST", dead), ("gs", "STORAGE_EMULATOR_HOST", wedged.getsockname()[1])]
+    try:
+        for kind, var, port in cases:
+            monkeypatch.setenv(var, f"http://127.0.0.1:{port}")
+            forget_filesystems()
+            for url, fn in ((f"{kind}://llavax-b/run", storage.check_bucket),
+                            (f"{kind}://llavax-b/run/shard.tar", lambda url: storage.read_bytes(url, 0, 512))):
+                t0 = time.monotonic()
+                with pytest.raises(storage.StorageError) as e:
+                    fn(url)
+                said = str(e.value)
+                assert re.fullmatch(rf"{url}: still failing after \d+ attempts? in \d+ s \(.+\) at "
+                                    rf"http://127.0.0.1:{port} \({var}\)", said), said
+                assert time.monotonic() - t0 < 5, (said, time.monotonic() - t0)
+    finally:
+        wedged.close()
         forget_filesystems()
 
 
