@@ -14,6 +14,7 @@ a VM's service account) for GCS.
 """
 
 import builtins
+import functools
 import importlib.util
 import os
 import random
@@ -168,9 +169,18 @@ def plain_error(e, path):
     if re.search(r"NoCredentialsError|Unable to locate credentials|PartialCredentialsError", text):
         return StorageError(f"{path}: no AWS credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
                             f"AWS_PROFILE with ~/.aws/credentials")
-    if re.search(r"DefaultCredentialsError|RefreshError", text):
+    google = {type(err).__name__: " ".join(str(err).split())[:200] for err in causes(e)}
+    if "DefaultCredentialsError" in google and os.environ.get("GOOGLE_APPLICATION_CREDENTIALS"):
+        return StorageError(f"{path}: GOOGLE_APPLICATION_CREDENTIALS={os.environ['GOOGLE_APPLICATION_CREDENTIALS']} "
+                            f"cannot be used ({google['DefaultCredentialsError']}): point it at a service account key, "
+                            f"or unset it and run `gcloud auth application-default login`")
+    if "DefaultCredentialsError" in google:
         return StorageError(f"{path}: no Google credentials: run `gcloud auth application-default login`, or set "
                             f"GOOGLE_APPLICATION_CREDENTIALS to a service account key")
+    if "RefreshError" in google:
+        return StorageError(f"{path}: the Google credentials were refused ({google['RefreshError']}): a key revoked "
+                            f"or of another project? Check GOOGLE_APPLICATION_CREDENTIALS, or run `gcloud auth "
+                            f"application-default login` again")
     if re.search(r"NoSuchBucket|specified bucket does not exist", text):
         return StorageError(f"{path}: bucket '{bucket(path)}' does not exist (create it first, or check its name)")
     if re.search(r"InvalidAccessKeyId|SignatureDoesNotMatch|AccessDenied|\b403\b|Forbidden", text):
@@ -228,8 +238,26 @@ def bucket_exists(url):
         return True
 
 
+def check_google_credentials(url):
+    """gcsfs takes a refused token for a server error and retries it for a minute: one token asked for says why."""
+    import google.auth
+    from google.auth.transport.requests import Request
+
+    try:
+        credentials, _ = google.auth.default(scopes=["https://www.googleapis.com/auth/devstorage.read_write"])
+        credentials.refresh(functools.partial(Request(), timeout=FIRST_CONTACT))
+    except Exception as e:  # noqa: BLE001  google-auth's kinds, and the transport's
+        if (plain := plain_error(e, url)) is not None:
+            raise plain from None
+        raise StorageError(f"{url}: no Google access token ({type(e).__name__}: {' '.join(str(e).split())[:200]})") \
+            from None
+
+
 def check_bucket(url):
     """Stop early, in one sentence, when url's bucket is not there or these credentials cannot reach it."""
+    if PACKAGES.get(scheme(url)) == "gcsfs" and not os.environ.get("STORAGE_EMULATOR_HOST"):
+        filesystem(url)  # the package there, first
+        check_google_credentials(url)
     try:  # s3fs's exists(bucket) says False for any failure, missing credentials included: a listing tells them apart
         call(url, filesystem(url).ls, key(url), detail=False, seconds=FIRST_CONTACT)
     except FileNotFoundError:  # a new prefix in a bucket that is there (call() names a missing bucket)

@@ -232,9 +232,9 @@ def test_bad_bucket_inputs_get_one_sentence_and_overwrite_nothing(shapes, step, 
     with pytest.raises(SystemExit, match=r"^sample: --ckpt s3://llavax-no-such-bucket/run/step-3: bucket "):
         sample.main(["--ckpt", missing, "--prompt", "Hi"])
 
-    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "STORAGE_EMULATOR_HOST"):  # no credentials anywhere
-        monkeypatch.delenv(k, raising=False)
-    for k in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE", "GOOGLE_APPLICATION_CREDENTIALS"):
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS"):
+        monkeypatch.delenv(k, raising=False)  # no credentials anywhere
+    for k in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE", "CLOUDSDK_CONFIG"):
         monkeypatch.setenv(k, str(tmp_path / "none"))
     forget_filesystems()
     try:

@@ -2,11 +2,16 @@
 local folder: the same calls, the same bytes; throttling and reset connections retried; a bad path said in one
 sentence."""
 
+import http.server
+import json
 import os
 import re
 import socket
+import threading
 import time
+import urllib.request
 
+import boto3
 import pytest
 from buckets import S3_ENV, forget_filesystems
 
@@ -118,6 +123,86 @@ def test_missing_credentials_are_named(s3_server, tmp_path, monkeypatch):
         with pytest.raises(storage.StorageError, match="no Google credentials: run `gcloud auth application-default"):
             storage.exists("gs://some-bucket/run/x")
     finally:
+        monkeypatch.undo()
+        forget_filesystems()
+
+
+def moto_auth(endpoint, count):
+    """moto's server checks IAM credentials after `count` more requests ('inf': never), as its /moto-api says."""
+    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset-auth", data=count.encode(), method="POST",
+                                                  headers={"Content-Type": "text/plain"}))
+
+
+def token_endpoint_refusing():
+    """An OAuth token endpoint that answers every request as Google's does a revoked or forged service-account key."""
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = b'{"error": "invalid_grant", "error_description": "Invalid JWT Signature."}'
+            self.send_response(400)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_wrong_credentials_are_named(s3_bucket, tmp_path, monkeypatch):
+    """Credentials that are there but wrong: moto enforcing IAM (an unknown key id; a known key with a wrong secret),
+    a GOOGLE_APPLICATION_CREDENTIALS file that is no key, and a service-account key its token endpoint refuses
+    (gcsfs alone retried that for a minute as if the server were down): one sentence each, nothing written."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    endpoint, run = os.environ["AWS_ENDPOINT_URL"], f"{s3_bucket}/run"
+    iam = boto3.client("iam", endpoint_url=endpoint, region_name="us-east-1")
+    iam.create_user(UserName="llavax")
+    known = iam.create_access_key(UserName="llavax")["AccessKey"]["AccessKeyId"]
+    moto_auth(endpoint, "0")
+    try:
+        for key_id, secret, said in (("AKIAIOSFODNN7EXAMPLE", "wrong", "InvalidAccessKeyId"),
+                                     (known, "wrong", "SignatureDoesNotMatch")):
+            monkeypatch.setenv("AWS_ACCESS_KEY_ID", key_id)
+            monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+            forget_filesystems()
+            for fn in (storage.check_bucket, lambda url: storage.write_text(f"{url}/x", "1")):
+                with pytest.raises(storage.StorageError, match=rf"^{run}.*: access denied \(.*{said}.*\); check the "):
+                    fn(run)
+    finally:
+        moto_auth(endpoint, "inf")
+        monkeypatch.undo()
+    assert storage.ls(s3_bucket) == []
+
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # its probe would go to Google's servers
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "key.json"))
+    (tmp_path / "key.json").write_text("not a key")
+    token = token_endpoint_refusing()
+    pem = rsa.generate_private_key(public_exponent=65537, key_size=2048).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()).decode()
+    refused = {"type": "service_account", "project_id": "p", "private_key_id": "1", "private_key": pem,
+               "client_email": "llavax@p.iam.gserviceaccount.com", "client_id": "1",
+               "token_uri": f"http://127.0.0.1:{token.server_address[1]}/token"}
+    try:
+        forget_filesystems()
+        with pytest.raises(storage.StorageError, match=rf"^gs://llavax-b/run: GOOGLE_APPLICATION_CREDENTIALS="
+                                                       rf"{tmp_path}/key.json cannot be used \(.*not a valid json"):
+            storage.check_bucket("gs://llavax-b/run")
+        (tmp_path / "key.json").write_text(json.dumps(refused))
+        forget_filesystems()
+        t0 = time.monotonic()
+        with pytest.raises(storage.StorageError, match=r"^gs://llavax-b/run: the Google credentials were refused "
+                                                       r"\(.*invalid_grant: Invalid JWT Signature"):
+            storage.check_bucket("gs://llavax-b/run")
+        assert time.monotonic() - t0 < 10
+    finally:
+        token.shutdown()
         monkeypatch.undo()
         forget_filesystems()
 
