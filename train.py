@@ -185,8 +185,10 @@ def check_inputs(cfg):
     if not storage.is_url(data_dir) and not Path(data_dir).exists():
         raise SystemExit(f"data_dir {data_dir!r} does not exist. For the shapes demo run "
                          "`python data.py shapes --out data/shapes` first (make demo does it).")
-    try:  # its bucket, .nv-meta and shard listing: two listings and three small reads
-        shard_files(data_dir, "train")
+    try:  # its bucket, .nv-meta and shard listing (two listings and three small reads), or a lone tar's size
+        for tar, count in shard_files(data_dir, "train").items():
+            if count is None:
+                storage.size(tar)
     except (DatasetError, OSError) as e:
         raise SystemExit(f"data_dir {e}" if str(e).startswith(str(data_dir)) else f"data_dir {data_dir}: {e}") from None
     try:

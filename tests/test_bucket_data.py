@@ -176,7 +176,7 @@ def test_bad_data_paths_are_one_sentence(shapes, s3_bucket, gcs_bucket, tmp_path
         data.main(["audit", "s3://llavax-no-such-bucket/shards", "--tokenizer", str(shapes / "tokenizer.model")])
     # train.py says so before it builds anything
     (tmp_path / "empty").mkdir()
-    for url, said in [*cases[3:], (tmp_path / "empty", "no dataset there")]:
+    for url, said in [*cases[3:], (tmp_path / "empty", "no dataset there"), (f"{s3_bucket}/x.tar", "no such object")]:
         with pytest.raises(SystemExit) as e:
             train.main(args(shapes, tmp_path / "out", f"--data_dir={url}", "--max_iters=1"))
         assert re.match(rf"data_dir {url}: {said}", str(e.value)) and "\n" not in str(e.value), str(e.value)
