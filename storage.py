@@ -320,6 +320,7 @@ def glob(path, pattern):
 
 
 def escape_glob(name):
+    """name as a glob pattern that matches name alone."""
     return re.sub(r"([*?[])", r"[\1]", name)
 
 
@@ -341,8 +342,8 @@ def rm(path, recursive=False):
             p.unlink(missing_ok=True)
         return
     fs = filesystem(path)
-    try:
-        call(path, fs.rm, key(path), recursive=recursive)
+    try:  # fsspec's rm expands [ * ? as a pattern: removing data[1] would remove data1
+        call(path, fs.rm, escape_glob(key(path)), recursive=recursive)
     except FileNotFoundError:
         pass
     fs.invalidate_cache(key(path))

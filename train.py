@@ -12,6 +12,7 @@ stage 0 trains everything, stage 1 the projector only, stage 2 the projector and
 import json
 import math
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -144,6 +145,9 @@ def stop_nonfinite(out, it, n, cfg, loader):
 def prepare_out_dir(out, cfg, env):
     """out_dir made, a killed checkpoint write cleaned, the config stored and logged; refused if it holds another
     run's checkpoints and this one is not resuming it."""
+    if storage.is_url(out) and re.search(r"[][*?]", storage.key(out)):  # DCP renames .metadata.tmp with fsspec's mv
+        raise SystemExit(f"out_dir {out}: torch's checkpoint writer reads [ ] * ? in a bucket path as a pattern (a "
+                         f"step's index would land elsewhere or nowhere); name the run without them")
     if storage.is_url(out):
         try:
             storage.check_bucket(out)

@@ -210,12 +210,15 @@ def test_bad_bucket_inputs_get_one_sentence_and_overwrite_nothing(shapes, step, 
                                                           "scheme 'hdfs://'",
         ("init_from", empty): f"init_from '{empty}': cannot load the model ({empty}: no config.json; not a llavax or HF "
                               f"LLaVA checkpoint directory)",
+        ("out_dir", f"{s3_bucket}/runs/lr[1e-4]"): f"out_dir {s3_bucket}/runs/lr[1e-4]: torch's checkpoint writer "
+                                                   f"reads [ ] * ? in a bucket path as a pattern",
     }
     for (key, url), said in train_cases.items():
         with pytest.raises(SystemExit) as e:
             train.main(args(shapes, tmp_path / key, "--max_iters=1", f"--{key}={url}"))
         assert str(e.value).startswith(said) and "\n" not in str(e.value), str(e.value)
         assert checkpoint.checkpoints(tmp_path / key) == []
+    assert storage.ls(f"{s3_bucket}/runs") == []
 
     convert_cases = {
         ("--ckpt", missing, "--out", str(tmp_path / "hf")): "bucket 'llavax-no-such-bucket' does not exist",

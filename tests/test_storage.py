@@ -73,6 +73,22 @@ def test_a_url_names_the_same_objects_however_it_is_typed(kind, request):
         storage.read_bytes(storage.join(typed[1], "step-000005/x.bin"))
 
 
+@pytest.mark.parametrize("kind", ["s3", "gs"])
+def test_removing_a_path_with_glob_characters_removes_it_alone(kind, request):
+    """fsspec's rm reads [ ] * ? as a pattern: removing data[1]'s .info.json removed data1's (another dataset's) and
+    kept its own; removing run*b's step removed runXb's too. Every name here is a name."""
+    b = request.getfixturevalue(f"{'gcs' if kind == 'gs' else 's3'}_bucket")
+    kept = {f"{b}/data1/.nv-meta/.info.json": "another dataset", f"{b}/runXb/step-1/manifest.json": "another run"}
+    ours = {f"{b}/data[1]/.nv-meta/.info.json": "ours", f"{b}/run*b/step-1/manifest.json": "ours",
+            f"{b}/run*b/step-1/__0_0.distcp": "ours"}
+    for path, text in (kept | ours).items():
+        storage.write_text(path, text)
+    storage.rm(f"{b}/data[1]/.nv-meta/.info.json")
+    storage.rm(f"{b}/run*b/step-1", recursive=True)
+    assert not any(storage.exists(path) for path in ours)
+    assert {path: storage.read_text(path) for path in kept} == kept
+
+
 def test_a_local_write_renames_only_a_file(tmp_path, monkeypatch):
     real_replace, renamed = os.replace, []
 
