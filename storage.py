@@ -7,7 +7,10 @@ What a bucket has and a disk has not, and what follows for callers:
 - an object appears whole when its upload completes, or not at all: write_bytes is atomic on both (locally: a
   temporary file, then os.replace of that one file; a directory is never renamed);
 - requests are throttled (429, 503 SlowDown) and connections reset: each call here is retried with exponential
-  backoff (and s3fs, gcsfs and botocore retry their own requests too).
+  backoff (and s3fs, gcsfs and botocore retry their own requests too); a call whose answer is small is bounded in
+  time (FIRST_CONTACT, PATIENCE), so an endpoint that is down or never answers is said, not waited on for an hour;
+- a URL names one prefix however it is typed (normal: doubled and trailing slashes, the scheme's case), and
+  [ ] * ? in it are names, never patterns (fsspec's glob and rm would expand them).
 Endpoints and credentials come only from the standard places: AWS_ENDPOINT_URL, the other AWS_* variables or
 ~/.aws for S3; STORAGE_EMULATOR_HOST or application default credentials (gcloud, GOOGLE_APPLICATION_CREDENTIALS,
 a VM's service account) for GCS.
