@@ -294,7 +294,7 @@ def ls(path):
         found = call(path, fs.ls, key(path), detail=False, seconds=PATIENCE)
     except FileNotFoundError:
         return []
-    return sorted(name(p) for p in found if p.rstrip("/") != key(path))
+    return sorted({name(p) for p in found if p.rstrip("/") != key(path)})  # S3: an object and a prefix may share one
 
 
 def file_sizes(path):
