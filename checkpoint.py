@@ -54,14 +54,19 @@ from weight_files import SHARD_BYTES, ConversionError, read_weights, write_dir, 
 
 MANIFEST = "manifest.json"
 CORRUPT = "CORRUPT"  # in a step found damaged: the reason; the step is skipped, not renamed
-WRITER_PID = ".stop-writer.pid"  # in out_dir while rank 0's detached stop-checkpoint writer runs
+WRITER_PID = ".stop-writer.pid"  # rank 0's detached stop-checkpoint writer's pid, while it runs (what scripts wait on)
+
+
+def writer_folder(out):
+    """Where each rank names its detached stop writer while it runs: out_dir, or for a bucket out_dir a local folder
+    named after it (a pid means something only on its host; scripts/slurm.sbatch asks for this folder)."""
+    if storage.is_url(out):
+        return Path(tempfile.gettempdir(), "llavax", re.sub(r"[^\w.-]+", "_", str(storage.join(out))))
+    return Path(out)
 
 
 def writer_pid_file(out, rank):
-    """Each rank's detached writer is named while it runs, in out_dir (a bucket's out_dir: in a local folder named
-    after it, since a pid means something only on its host): rank 0's as WRITER_PID (what scripts wait on)."""
-    folder = Path(tempfile.gettempdir(), "llavax", re.sub(r"[^\w.-]+", "_", str(out))) if storage.is_url(out) else out
-    return Path(folder) / (WRITER_PID if rank == 0 else f".stop-writer.rank{rank}.pid")
+    return writer_folder(out) / (WRITER_PID if rank == 0 else f".stop-writer.rank{rank}.pid")
 
 
 def steps(out):
@@ -653,13 +658,16 @@ def load_weights(path):
 def wait_for_stop_writer(out):
     """A run killed while its detached writers still worked left their pid files: wait for those on this host (a
     writer elsewhere shows as a pid this host does not run) to finish the checkpoint."""
-    folder = writer_pid_file(out, 0).parent
+    folder = writer_folder(out)
     for marker in [folder / WRITER_PID, *folder.glob(".stop-writer.rank*.pid")]:
         pid = int(marker.read_text() or 0) if marker.exists() else 0
         while pid and Path(f"/proc/{pid}").exists() and b"train.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
             print(f"waiting for the stop checkpoint writer of the previous run (pid {pid}) to finish", flush=True)
             time.sleep(2)
         marker.unlink(missing_ok=True)
+    if storage.is_url(out):  # a bucket's local folder, empty now: not left behind in the temp folder
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 # keys whose change on resume would alter the data order, the batches or the model: refused unless listed in
