@@ -319,13 +319,14 @@ def stop_on_signal(env):
 
 
 def open_log(out, cfg, env):
-    """(log(event), the log file or None): events go to out_dir/log.jsonl and wandb, from the master only. A bucket
-    has no appends: there the log is kept in a local copy, uploaded whole after each event."""
-    remote = storage.join(out, "log.jsonl") if storage.is_url(out) else None
-    local = Path(tempfile.mkdtemp(prefix="llavax-log-"), "log.jsonl") if remote else out / "log.jsonl"
-    if env.master and remote and storage.exists(remote):
-        local.write_bytes(storage.read_bytes(remote))  # a resumed run's log goes on
-    log_file = open(local, "a") if env.master else None  # noqa: SIM115
+    """(log(event), the log file or None): events go to out_dir/log.jsonl and wandb, from the master only. Nothing is
+    appended in out_dir (a bucket cannot append, nor can a Mountpoint for S3 mount): the log is appended to a local
+    copy, which replaces out_dir/log.jsonl whole after each event (an upload, or a file written and renamed)."""
+    log_file, shared = None, storage.join(out, "log.jsonl")
+    if env.master:
+        log_file = tempfile.NamedTemporaryFile("a", prefix="llavax-log-", suffix=".jsonl")  # noqa: SIM115  gone when closed
+        if storage.exists(shared):
+            log_file.write(storage.read_text(shared))  # a resumed run's log goes on
     if cfg["wandb_log"] and env.master:
         import wandb
 
@@ -335,8 +336,7 @@ def open_log(out, cfg, env):
         if env.master:
             log_file.write(json.dumps(event) + "\n")
             log_file.flush()
-            if remote:
-                storage.upload(local, remote)
+            storage.upload(log_file.name, shared)
             if cfg["wandb_log"]:
                 wandb.log(event, step=event["step"])
 

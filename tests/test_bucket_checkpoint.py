@@ -1,5 +1,5 @@
-"""Checkpoints committed without any rename, the same protocol on a local folder, on a filesystem that cannot rename
-folders (a default gcsfuse mount, Mountpoint for S3), and in a bucket (moto's S3 server, fake-gcs-server): the
+"""Checkpoints committed without any rename, the same protocol on a local folder, on a filesystem that can neither rename
+folders nor append (a default gcsfuse mount, Mountpoint for S3), and in a bucket (moto's S3 server, fake-gcs-server): the
 manifest, written last, is the commit; a step without one is never taken; a damaged step is marked, not renamed;
 a run resumed from a bucket ends bit for bit where a local run does."""
 
@@ -53,30 +53,78 @@ def log_losses(text):
     return {e["step"]: e["loss"] for e in map(json.loads, text.splitlines()) if "loss" in e}
 
 
-NO_FOLDER_RENAMES = """
-import os, sys
+MOUNT = """
+import builtins, io, os, signal, sys
 sys.path.insert(0, {root!r})
-def files_only(real):
-    def rename(src, dst, *a, **kw):  # a gcsfuse mount without --rename-dir-limit: folders cannot be renamed
+mount = {mount!r}
+
+
+def refused(what, path):
+    return OSError(95, f"Operation not supported ({{what}})", str(path))
+
+
+def no_folder_renames(real):  # gcsfuse without --rename-dir-limit, Mountpoint for S3: a folder cannot be renamed
+    def rename(src, dst, *a, **kw):
         if os.path.isdir(src):
-            raise OSError(95, "Operation not supported (folder rename)", str(src))
+            raise refused("folder rename", src)
         return real(src, dst, *a, **kw)
     return rename
-os.rename, os.replace = files_only(os.rename), files_only(os.replace)
+
+
+def no_appends(real):  # Mountpoint for S3: a file cannot be appended to
+    def open_(file, mode="r", *a, **kw):
+        if "a" in mode and isinstance(file, (str, os.PathLike)) and os.path.abspath(file).startswith(mount):
+            raise refused("append", file)
+        return real(file, mode, *a, **kw)
+    return open_
+
+
+os.rename, os.replace = no_folder_renames(os.rename), no_folder_renames(os.replace)
+builtins.open = io.open = no_appends(io.open)
 import train
+if {stop_at}:  # SIGTERM to the whole process group once step N is logged, as a scheduler delivers it
+    os.setsid()
+    log_progress = train.log_progress
+    def signalling(meter, it, *a):
+        log_progress(meter, it, *a)
+        if it == {stop_at}:
+            os.killpg(0, signal.SIGTERM)
+    train.log_progress = signalling
 train.main({argv!r})
 """
 
 
-def test_checkpoints_commit_and_resume_where_folders_cannot_be_renamed(shapes, local_run, tmp_path):
-    for argv in (args(shapes, tmp_path, "--max_iters=6", "--ckpt_interval=3", "--keep_last=5"),
-                 args(shapes, tmp_path, "--max_iters=9", "--ckpt_interval=3", "--keep_last=5", "--init_from=resume")):
-        r = forkserver.run([sys.executable, "-c", NO_FOLDER_RENAMES.format(root=str(ROOT), argv=argv)],
-                           os.environ | {"OMP_NUM_THREADS": "1"}, cwd=ROOT)
-        assert r.returncode == 0, r.stderr[-3000:]
+def on_mount(argv, mount, stop_at=0):
+    """train.main(argv) where `mount` behaves as a bucket mounted with gcsfuse or Mountpoint for S3 does: no folder
+    renames, no appends under it."""
+    r = forkserver.run([sys.executable, "-c", MOUNT.format(root=str(ROOT), mount=str(mount), argv=argv, stop_at=stop_at)],
+                       os.environ | {"OMP_NUM_THREADS": "1"}, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return r
+
+
+def test_a_run_on_a_mount_without_appends_or_folder_renames(shapes, local_run, tmp_path):
+    # stopped by SIGTERM at step 7: the detached writer (its pid file on the mount) commits step 7, then prunes
+    common = ["--max_iters=9", "--ckpt_interval=3", "--keep_last=2"]
+    r = on_mount(args(shapes, tmp_path, *common), tmp_path, stop_at=7)
+    assert "stopped at step 7 by a signal" in r.stdout, r.stdout[-2000:]
+    stop = tmp_path / "step-000007"
+    assert checkpoint.verify_checkpoint(stop) is None and not list(tmp_path.glob(".stop-writer*"))
+    shard = stop / "__0_0.distcp"  # then it rots on the mount
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    # resumed: step 7 marked CORRUPT (a new file, no rename), step 6 taken, 9 written, 3 pruned, DONE
+    r = on_mount(args(shapes, tmp_path, *common, "--init_from=resume"), tmp_path)
+    assert f"skipping {stop}: __0_0.distcp differs from its sha256" in r.stdout
     assert f"resuming from {tmp_path / 'step-000006'}" in r.stdout
-    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-000003", "step-000006", "step-000009"]
+    assert "sha256" in json.loads((stop / "CORRUPT").read_text())["reason"]
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-000006", "step-000009"]
+    assert not (tmp_path / "step-000003").exists() and json.loads((tmp_path / "DONE").read_text()) == {"step": 9}
     same_state(tmp_path / "step-000009", local_run / "step-000009", tmp_path)
+    # the log, never appended to here: the whole run's losses, as the uninterrupted local run logged them
+    assert log_losses((tmp_path / "log.jsonl").read_text()) == log_losses((local_run / "log.jsonl").read_text())
+    assert not list(tmp_path.glob(".*.tmp-*"))  # no temporary file left behind by a write
 
 
 @pytest.mark.slow
