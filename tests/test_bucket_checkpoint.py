@@ -15,9 +15,9 @@ from pathlib import Path
 
 import forkserver
 import pytest
-from conftest import ROOT, checkpoint_bytes
+from conftest import ROOT, checkpoint_bytes, train_on_xla
 from shapes import make_shapes
-from test_train import args, run
+from test_train import args, free_port, run, torchrun_workers
 
 import checkpoint
 import storage
@@ -181,6 +181,46 @@ def test_a_writer_killed_mid_upload_leaves_no_step_that_resume_takes(shapes, loc
     r = run(args(shapes, out, "--max_iters=6", "--ckpt_interval=3", "--keep_last=5", "--init_from=resume"))
     assert f"resuming from {out}/step-000003" in r.stdout
     same_state(f"{out}/step-000006", local_run / "step-000006", tmp_path)
+
+
+@pytest.mark.slow
+def test_xla_and_fsdp2_share_a_bucket_and_resume_on_other_world_sizes(shapes, s3_bucket, s3_proxy, tmp_path):
+    out, bucket, common = f"{s3_bucket}/run", storage.bucket(s3_bucket), ["--ckpt_interval=3", "--keep_last=5"]
+    # XLA SPMD on 4 CPU devices (one host) writes step 3 to the bucket
+    train_on_xla(args(shapes, out, "--max_iters=3", *common))
+    # FSDP2 on 2 ranks resumes it there; a rank is SIGKILLed while step 6's shards upload (as the OOM killer does)
+    shard_put = rf"^PUT /{bucket}/run/step-000006/__\d_0\.distcp"
+    s3_proxy.inject(shard_put, "hold", 2)
+    s3_proxy.hold = 2.0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", str(ROOT / "train.py"),
+           *args(shapes, out, "--max_iters=6", "--init_from=resume", "--parallel=fsdp", "--micro_batch_size=4", *common)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env=os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    t0 = time.time()
+    while not any(re.search(shard_put, r) for r in s3_proxy.requests) and proc.poll() is None and time.time() < t0 + 180:
+        time.sleep(0.05)
+    os.kill(max(torchrun_workers(proc.pid)), signal.SIGKILL)
+    output = proc.stdout.read()
+    proc.wait(timeout=120)
+    time.sleep(s3_proxy.hold + 0.5)  # the held uploads end: a killed client's stores nothing
+    assert "world changed from 1 to 2" in output, output[-3000:]
+    assert [storage.name(p) for p in checkpoint.checkpoints(out)] == ["step-000003"], output[-3000:]
+    assert not storage.exists(f"{out}/step-000006/.metadata") and not storage.exists(f"{out}/step-000006/manifest.json")
+    fsdp2 = log_losses(storage.read_text(f"{out}/log.jsonl"))  # 1-3 by XLA, 4-6 by FSDP2 before the kill
+    # one process resumes XLA's step 3 from the bucket, and the same step copied to a local folder: bit for bit
+    local = tmp_path / "local"
+    for name in storage.ls(f"{out}/step-000003"):
+        storage.write_bytes(local / "step-000003" / name, storage.read_bytes(f"{out}/step-000003/{name}"))
+    r = run(args(shapes, out, "--max_iters=6", "--init_from=resume", *common))
+    assert f"removing {out}/step-000006: its write did not finish" in r.stdout
+    assert f"resuming from {out}/step-000003" in r.stdout
+    run(args(shapes, local, "--max_iters=6", "--init_from=resume", *common))
+    resumed, reference = log_losses(storage.read_text(f"{out}/log.jsonl")), log_losses((local / "log.jsonl").read_text())
+    assert sorted(reference) == [4, 5, 6] and all(resumed[s] == reference[s] for s in reference), (resumed, reference)
+    same_state(f"{out}/step-000006", local / "step-000006", tmp_path)
+    # and FSDP2 had loaded what XLA wrote: its steps 4-6 agree with one process's up to the order of summation
+    assert all(abs(fsdp2[s] - reference[s]) <= 1e-4 * abs(reference[s]) for s in reference), (fsdp2, reference)
 
 
 @pytest.mark.slow
