@@ -178,6 +178,23 @@ def test_babysit_survives_a_failed_delete_and_an_out_dir_with_a_space(gcloud):
     assert any("--command=test -f /mnt/ckpt/my\\ run/DONE" in a for a in c)
 
 
+def test_scripts_pass_bucket_paths_through(gcloud):
+    script, calls, _ = gcloud
+    bucket = ["--out_dir=gs://llavax-ckpt/run", "--data_dir=gs://llavax-data/shards", "--init_from=resume"]
+    r = script("tpu_babysit.sh", "--spot", "--out-dir=gs://llavax-ckpt/run/", "--", "python", "train.py",
+               "configs/tpu_pretrain.py", *bucket)
+    c = calls()
+    (launch,) = [next(x for x in a if x.startswith("--command=")) for a in c if any("nohup" in x for x in a)]
+    assert all(arg in launch for arg in bucket), launch  # unquoted, unchanged
+    # the DONE marker is looked up in the bucket, by worker 0 with the checkout's storage.py and its credentials
+    (check,) = {x for a in c for x in a if x.startswith("--command=") and x.endswith("/DONE")}
+    assert "storage.exists(sys.argv[1])" in check and check.endswith(" gs://llavax-ckpt/run/DONE"), check
+    assert "gs://llavax-ckpt/run/DONE exists: the run is complete" in r.stderr
+    r = subprocess.run(["bash", str(SCRIPTS / "launch.sh"), "--dry-run", "configs/debug.py", "--out_dir=s3://b/run"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.rstrip().endswith("configs/debug.py --out_dir=s3://b/run"), r.stdout + r.stderr
+
+
 # -----------------------------------------------------------------------------
 # SLURM: scripts/slurm.sbatch run as sbatch runs it, with a fake srun that signals the step as slurmstepd does
 
