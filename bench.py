@@ -684,8 +684,11 @@ def start_s3(latency_ms):
     import os
     import uuid
 
+    import logging
+
     from moto.server import ThreadedMotoServer
 
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line a request otherwise
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     port = server.get_host_and_port()[1]
