@@ -3,8 +3,9 @@
 
 FAKE_GCLOUD_DIR holds calls.jsonl (one argv a line), states (one describe answer a line, consumed in
 order, the last repeated; MISSING means "does not exist", ERROR a transient failure), copies of scp'd files, and
-a count of launches. An ssh that tests for DONE (test -f, or storage.exists in a bucket) succeeds once the training command has been launched FAKE_DONE_AFTER
-times, or from the FAKE_DONE_AT_CHECK-th such test on. pgrep for train.py finds it when FAKE_LIVE_RUN is set.
+a count of launches. An ssh that tests for DONE (test -f, or storage.exists in a bucket) succeeds once the training
+command has been launched FAKE_DONE_AFTER times, or from the FAKE_DONE_AT_CHECK-th such test on. pgrep for train.py
+finds it when FAKE_LIVE_RUN is set.
 The first FAKE_SSH_FAILS ssh calls and FAKE_DELETE_FAILS deletes fail as a dropped connection or API error does."""
 
 import json
