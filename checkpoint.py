@@ -197,12 +197,14 @@ def verify_checkpoint(path):
     return None
 
 
-def newest_good_checkpoint(out, env):
-    """The newest checkpoint that verifies. Newer ones that do not get a CORRUPT file that says why (kept for a look
-    until this run writes its own step-N there), with the reason printed. Decided by rank 0 and broadcast."""
+def newest_good_checkpoint(folders, env):
+    """The newest checkpoint that verifies, in whichever of `folders` it lives (out_dir, and local_ckpt_dir's tier:
+    the higher step wins, the earlier folder on a tie). Newer ones that do not get a CORRUPT file that says why (kept
+    for a look until this run writes its own step-N there), with the reason printed. Decided by rank 0, broadcast."""
     choice = [None, []]  # the good one, [(a bad one, why)]
     if env.master:
-        for path in reversed(checkpoints(out)):
+        found = [(step_number(p), -tier, p) for tier, folder in enumerate(folders) for p in checkpoints(folder)]
+        for *_, path in sorted(found, key=lambda f: f[:2], reverse=True):
             reason = verify_checkpoint(path)
             if reason is None:
                 choice[0] = path
@@ -211,7 +213,8 @@ def newest_good_checkpoint(out, env):
     if dist.is_initialized():
         dist.broadcast_object_list(choice, src=0)
     if choice[0] is None and choice[1]:
-        raise SystemExit(f"resume: no checkpoint in {out} verifies:\n" + "".join(f"  {p}: {why}\n" for p, why in choice[1])
+        raise SystemExit(f"resume: no checkpoint in {' or '.join(map(str, folders))} verifies:\n"
+                         + "".join(f"  {p}: {why}\n" for p, why in choice[1])
                          + "move them away to start from scratch, or point init_from at a good one")
     for bad, why in choice[1]:
         print0(env, f"resume: skipping {bad}: {why}")

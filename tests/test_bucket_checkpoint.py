@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import forkserver
 import pytest
@@ -221,6 +222,54 @@ def test_xla_and_fsdp2_share_a_bucket_and_resume_on_other_world_sizes(shapes, s3
     same_state(f"{out}/step-000006", local / "step-000006", tmp_path)
     # and FSDP2 had loaded what XLA wrote: its steps 4-6 agree with one process's up to the order of summation
     assert all(abs(fsdp2[s] - reference[s]) <= 1e-4 * abs(reference[s]) for s in reference), (fsdp2, reference)
+
+
+def flip_a_bit(path):
+    data = bytearray(storage.read_bytes(path))
+    data[len(data) // 2] ^= 1
+    storage.write_bytes(path, bytes(data))
+
+
+KILLED_AT_COMMIT = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+import checkpoint, train
+real = checkpoint.write_manifest
+def dying(path, files=None):  # every shard of step {step} is in the bucket; the manifest, the commit, is next
+    if str(path).endswith("step-{step:06d}"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(path, files)
+checkpoint.write_manifest = dying
+train.main({argv!r})
+"""
+
+
+def test_resume_takes_the_newest_verified_step_of_either_tier(shapes, local_run, s3_bucket, tmp_path):
+    # every 3rd step to the bucket, every 2nd between them to this host's disk; killed while step 9 commits
+    out, local = f"{s3_bucket}/run", tmp_path / "local"
+    common = ["--max_iters=9", "--ckpt_interval=3", f"--local_ckpt_dir={local}", "--local_ckpt_interval=2",
+              "--keep_last=5"]
+    script = KILLED_AT_COMMIT.format(root=str(ROOT), step=9, argv=args(shapes, out, *common))
+    r = forkserver.run([sys.executable, "-c", script], os.environ | {"OMP_NUM_THREADS": "1"})
+    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+    assert [storage.name(p) for p in checkpoint.checkpoints(out)] == ["step-000003", "step-000006"]
+    assert [p.name for p in checkpoint.checkpoints(local)] == ["step-000002", "step-000004", "step-000008"]
+    # resumed: the local step 8 is the newest that verifies; step 9 lands in the bucket as an uninterrupted run has it
+    r = run(args(shapes, out, *common, "--init_from=resume"))
+    assert f"resuming from {local / 'step-000008'}" in r.stdout, r.stdout[-3000:]
+    same_state(f"{out}/step-000009", local_run / "step-000009", tmp_path)
+    assert log_losses(storage.read_text(f"{out}/log.jsonl")) == log_losses((local_run / "log.jsonl").read_text())
+    # the bucket's step 9 rots: the newest that verifies is then the local step 8, not the bucket's step 6
+    flip_a_bit(f"{out}/step-000009/__0_0.distcp")
+    master = SimpleNamespace(master=True)
+    assert checkpoint.newest_good_checkpoint([out, local], master) == local / "step-000008"
+    assert storage.exists(f"{out}/step-000009/CORRUPT")
+    # a new run into the bucket prefix that holds this one's checkpoints: one sentence, nothing touched
+    before = {p: storage.read_bytes(f"{p}/manifest.json") for p in checkpoint.checkpoints(out)}
+    r = run(args(shapes, out, "--max_iters=2"), check=False)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert f"out_dir {out} already holds checkpoints (step-000003, step-000006): continue that run" in r.stderr
+    assert before == {p: storage.read_bytes(f"{p}/manifest.json") for p in checkpoint.checkpoints(out)}
 
 
 @pytest.mark.slow
