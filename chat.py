@@ -8,9 +8,25 @@ import json
 import re
 from pathlib import Path
 
+import storage
+
 IMAGE_TAG = "<image>"
 VIDEO_TAG = "<video>"  # LLaVA-OneVision's placeholder for a video's frames
 IMAGE_TAG_RE, TAGS_RE = re.compile(f"({IMAGE_TAG})"), re.compile(f"({IMAGE_TAG}|{VIDEO_TAG})")
+
+def tokenizer_file(path):
+    """The tokenizer file that path names: itself, or the tokenizer.model or tokenizer.json in the folder it names (a
+    local folder, or a bucket URL whose name does not end in .model or .json)."""
+    folder = Path(path).is_dir() if not storage.is_url(path) else not storage.name(path).endswith((".model", ".json"))
+    if folder:
+        found = [storage.join(path, n) for n in ("tokenizer.model", "tokenizer.json")
+                 if storage.exists(storage.join(path, n))]
+        path = found[0] if found else storage.join(path, "tokenizer.model")
+    path = path if storage.is_url(path) else Path(path)
+    if not storage.exists(path):
+        raise FileNotFoundError(f"{path}: no tokenizer.model or tokenizer.json")
+    return path
+
 
 class Tokenizer:
     """A sentencepiece tokenizer.model, or an HF tokenizer.json through the optional `tokenizers` package.
@@ -24,20 +40,16 @@ class Tokenizer:
     does not ("</s>USER" -> "</s>", "US"...). Both match LlamaTokenizer's ids (tests)."""
 
     def __init__(self, path, legacy=None):
-        path = Path(path)
-        if path.is_dir():
-            found = [path / n for n in ("tokenizer.model", "tokenizer.json") if (path / n).exists()]
-            path = found[0] if found else path / "tokenizer.model"
-        if not path.exists():
-            raise FileNotFoundError(f"{path}: no tokenizer.model or tokenizer.json")
-        self.path = path
-        config_path = path.parent / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        # a local path or a bucket URL (storage.py): the files are read whole, as bytes and text, which sentencepiece
+        # and tokenizers take directly: a tokenizer in a bucket needs no local copy
+        self.path = path = tokenizer_file(path)
+        config_path = storage.join(storage.parent(path), "tokenizer_config.json")
+        config = json.loads(storage.read_text(config_path)) if storage.exists(config_path) else {}
         self.legacy = config.get("legacy", True) if legacy is None else legacy
-        if path.suffix == ".model":
+        if storage.name(path).endswith(".model"):
             import sentencepiece as spm
 
-            self.sp = spm.SentencePieceProcessor(model_file=str(path))
+            self.sp = spm.SentencePieceProcessor(model_proto=storage.read_bytes(path))
             self.vocab_size = self.sp.get_piece_size()
             self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
             self.pad_id = self.sp.pad_id() if self.sp.pad_id() >= 0 else 0
@@ -50,7 +62,7 @@ class Tokenizer:
             from tokenizers import Tokenizer as HFTokenizer
 
             self.sp = None
-            self.hf = HFTokenizer.from_file(str(path))
+            self.hf = HFTokenizer.from_str(storage.read_text(path))
             self.vocab_size = self.hf.get_vocab_size()
             self.specials = {t.content: i for i, t in self.hf.get_added_tokens_decoder().items()}
             # BOS: tokenizer_config.json's, else what the tokenizer's post-processor prepends (Llama-3 does, Qwen2 not)

@@ -24,7 +24,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import sys
@@ -45,12 +44,13 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 import storage
+from chat import tokenizer_file
 from hf_config import HF_ARCHITECTURES
 from hf_names import expected_shapes, llava_from_hf, remap
 from model import VLM, build_model
 from model_config import VLMConfig
 from parallel import print0
-from weight_files import SHARD_BYTES, ConversionError, read_weights, write_dir, write_weights
+from weight_files import SHARD_BYTES, UNFINISHED, ConversionError, read_weights, write_dir, write_weights
 
 MANIFEST = "manifest.json"
 CORRUPT = "CORRUPT"  # in a step found damaged: the reason; the step is skipped, not renamed
@@ -109,6 +109,13 @@ def describe(files):
         return {storage.name(f): {"size": storage.size(f), "sha256": d} for f, d in zip(files, pool.map(file_sha256, files))}
 
 
+def put(path, data):
+    """Write the bytes data to path (atomically) and return its manifest entry, hashed from the bytes in hand: nothing
+    is read back (from a bucket, downloaded again)."""
+    storage.write_bytes(path, data)
+    return {storage.name(path): {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
+
+
 def write_manifest(path, files=None):
     """manifest.json, the commit: {name: {size, sha256}} of `files` (default: every file in `path`, read back)."""
     if files is None:
@@ -116,12 +123,51 @@ def write_manifest(path, files=None):
     storage.write_text(storage.join(path, MANIFEST), json.dumps({"files": dict(sorted(files.items()))}, indent=2))
 
 
+class HashedStreams:
+    """A DCP writer's file system, each file it writes hashed on the way out (`written`: {name: {size, sha256}}), so
+    a rank's shards get their manifest entries without being read back. DCP writes a file front to back (write() and
+    tell(); torch.save goes through its NoCloseWriter, which only writes), so the running hash is the file's."""
+
+    def __init__(self, fs):
+        self.fs, self.written = fs, {}
+
+    def __getattr__(self, name):  # everything but create_stream is the file system's own
+        return getattr(self.fs, name)
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        with self.fs.create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            hashed = HashedStream(stream)
+            yield hashed
+        self.written[storage.name(path)] = {"size": hashed.size, "sha256": hashed.sha256.hexdigest()}
+
+
+class HashedStream:
+    def __init__(self, stream):
+        self.stream, self.sha256, self.size = stream, hashlib.sha256(), 0
+
+    def __getattr__(self, name):  # tell, flush, fileno (fsync), close: the stream's own
+        return getattr(self.stream, name)
+
+    def write(self, data):
+        self.sha256.update(data)
+        self.size += memoryview(data).nbytes
+        return self.stream.write(data)
+
+
 def dcp_writer(path):
+    """DCP's writer for a step directory, local or in a bucket, its files hashed as written (HashedStreams)."""
     if storage.is_url(path):
         # not sync_files: on a remote stream it calls os.sync(); an object is durable once its upload completes.
         # The options go to the writer itself: DCP's reset(checkpoint_id) would drop them (REFERENCES.md 13)
-        return FsspecWriter(str(path), single_file_per_rank=True, sync_files=False, **storage.options(path))
-    return dcp.FileSystemWriter(str(path), sync_files=True, single_file_per_rank=True)
+        writer = FsspecWriter(str(path), single_file_per_rank=True, sync_files=False, **storage.options(path))
+    else:
+        writer = dcp.FileSystemWriter(str(path), sync_files=True, single_file_per_rank=True)
+    writer.fs = HashedStreams(writer.fs)
+    return writer
 
 
 def dcp_reader(path):
@@ -451,36 +497,32 @@ class Checkpointer:
                 remove_step(path)
             if self.group is not None:
                 dist.barrier(group=self.group)  # no rank writes before it is gone
+            writer = dcp_writer(path)
             with quiet():
-                dcp.save(staged, storage_writer=dcp_writer(path), planner=planners(env)[0], process_group=self.group)
+                dcp.save(staged, storage_writer=writer, planner=planners(env)[0], process_group=self.group)
             time.sleep(float(os.environ.get("LLAVAX_TEST_SLOW_CHECKPOINT", "0")))  # tests only: a slow disk
-            own = [f"rank{rank}.safetensors"] if small["own"] else []
-            if own:
-                storage.write_bytes(storage.join(path, own[0]), save_safetensors(small["own"]))
-            mine = describe([storage.join(path, n) for n in storage.ls(path)
-                             if re.fullmatch(rf"__{rank}_\d+\.distcp", n)] + [storage.join(path, n) for n in own])
+            mine = {n: f for n, f in writer.fs.written.items() if n.endswith(".distcp")}  # this rank's shards
+            if small["own"]:
+                mine |= put(storage.join(path, f"rank{rank}.safetensors"), save_safetensors(small["own"]))
             every = [None] * (dist.get_world_size(self.group) if self.group is not None else 1)
             if self.group is not None:
                 dist.all_gather_object(every, mine, group=self.group)
             else:
                 every = [mine]
             if rank == 0:
-                storage.write_text(storage.join(path, "state.json"), json.dumps(small["state"], indent=2))
-                storage.write_text(storage.join(path, "config.json"), json.dumps(small["config"], indent=2))
-                storage.write_bytes(storage.join(path, "rng.safetensors"), save_safetensors(small["rng"]))
-                extra = [".metadata", "state.json", "config.json", "rng.safetensors"]
-                if small["value_config"]:
-                    storage.write_text(storage.join(path, VALUE_CONFIG), json.dumps(small["value_config"], indent=2))
-                    extra.append(VALUE_CONFIG)
-                tokenizer = cfg["tokenizer"]
-                if storage.name(tokenizer) in ("tokenizer.model", "tokenizer.json") and storage.exists(tokenizer):
-                    storage.upload(tokenizer, storage.join(path, storage.name(tokenizer)))
-                    extra.append(storage.name(tokenizer))
                 files = {k: v for part in every for k, v in part.items()}
-                write_manifest(path, files | describe([storage.join(path, n) for n in extra]))  # last: the commit
+                shards = sum(f["size"] for f in files.values())
+                files |= put(storage.join(path, "state.json"), json.dumps(small["state"], indent=2).encode())
+                files |= put(storage.join(path, "config.json"), json.dumps(small["config"], indent=2).encode())
+                files |= put(storage.join(path, "rng.safetensors"), save_safetensors(small["rng"]))
+                if small["value_config"]:
+                    files |= put(storage.join(path, VALUE_CONFIG), json.dumps(small["value_config"], indent=2).encode())
+                for carried, source in tokenizer_files(cfg["tokenizer"]).items():  # the run's, as chat.Tokenizer reads it
+                    files |= put(storage.join(path, carried), storage.read_bytes(source))
+                # DCP's index is read back (it pickles it in its own finish()); last, the manifest: the commit
+                write_manifest(path, files | describe([storage.join(path, ".metadata")]))
                 prune_checkpoints(storage.parent(path), path, cfg["keep_last"])
-                size = sum(f["size"] for f in files.values())
-                print(f"checkpoint {path}: {size / 2**30:.2f} GiB from {len(every)} rank(s); training blocked "
+                print(f"checkpoint {path}: {shards / 2**30:.2f} GiB from {len(every)} rank(s); training blocked "
                       f"{blocked:.2f} s, written in {time.perf_counter() - t0:.2f} s", flush=True)
             if self.group is not None:
                 dist.barrier(group=self.group)  # every rank knows the step is committed before the next save
@@ -705,10 +747,25 @@ TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json",
                    "processor_config.json")
 
 
+def tokenizer_files(tokenizer):
+    """{name in a step: its source} of a run's tokenizer, as chat.Tokenizer reads it: the tokenizer file (the one
+    named, or in the folder named) and the tokenizer_config.json beside it (sentencepiece's legacy flag, the special
+    tokens), so that sample.py and convert.py read a step's tokenizer as its training did. {} for none there."""
+    try:
+        source = tokenizer_file(tokenizer)
+    except FileNotFoundError:
+        return {}
+    config = storage.join(storage.parent(source), "tokenizer_config.json")
+    return {"tokenizer.model" if storage.name(source).endswith(".model") else "tokenizer.json": source} | \
+        ({"tokenizer_config.json": config} if storage.exists(config) else {})
+
+
 def copy_tokenizer(src, dst):
+    """The tokenizer files of folder src (local or in a bucket) into the local folder dst."""
+    held = set(storage.ls(src)) if src else set()
     for name in TOKENIZER_FILES:
-        if src and Path(src, name).exists():
-            shutil.copy(Path(src, name), Path(dst, name))
+        if name in held:
+            Path(dst, name).write_bytes(storage.read_bytes(storage.join(src, name)))
 
 
 def save_checkpoint(state, cfg: VLMConfig, out, tokenizer_dir=None, overwrite=False, shard_bytes=SHARD_BYTES):
@@ -728,14 +785,17 @@ def save_model(model, ckpt_dir, tokenizer_dir=None, overwrite=False, shard_bytes
 def read_checkpoint(ckpt_dir, lazy=False):
     """(state dict, VLMConfig) from our directory (a training step's shards included), or from an HF LLaVA
     directory converted in memory. lazy: a training step's tensors are read when written (one at a time)."""
-    path = Path(ckpt_dir, "config.json")
-    if re.fullmatch(r"\..+\.tmp-\d+", Path(ckpt_dir).name):
+    path = storage.join(ckpt_dir, "config.json")
+    if re.fullmatch(r"\..+\.tmp-\d+", storage.name(ckpt_dir)):
         raise ConversionError(f"{ckpt_dir}: the temporary folder of a write that was killed (incomplete); use the "
                               f"finished directory, or run the conversion again")
-    if not path.exists():
-        raise ConversionError(f"{ckpt_dir}: no config.json; not a llavax or HF LLaVA checkpoint directory")
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(storage.read_text(path))
+    except (FileNotFoundError, NotADirectoryError):
+        if storage.exists(storage.join(ckpt_dir, UNFINISHED)):
+            raise ConversionError(f"{ckpt_dir}: a write that did not finish (no config.json); run the conversion "
+                                  f"again") from None
+        raise ConversionError(f"{ckpt_dir}: no config.json; not a llavax or HF LLaVA checkpoint directory") from None
     except ValueError as e:
         raise ConversionError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(raw, dict):
@@ -747,7 +807,7 @@ def read_checkpoint(ckpt_dir, lazy=False):
     except (TypeError, ValueError) as e:
         raise ConversionError(f"{path}: not a llavax config ({e})") from None
     if is_sharded_checkpoint(ckpt_dir):  # a training step: DCP's shards of every rank, checked before they are read
-        damaged = verify_checkpoint(ckpt_dir) if Path(ckpt_dir, MANIFEST).exists() else None
+        damaged = verify_checkpoint(ckpt_dir) if storage.exists(storage.join(ckpt_dir, MANIFEST)) else None
         if damaged:
             raise ConversionError(f"{ckpt_dir}: not a complete training checkpoint: {damaged}")
         state = saved_weights(ckpt_dir) if lazy else load_weights(ckpt_dir)

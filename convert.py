@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+import storage
 from checkpoint import copy_tokenizer, read_checkpoint, save_checkpoint
 from hf_config import hf_model_type, llama_config, llava_hf_config, read_json, vit_config
 from hf_names import (check_complete, drop_siglip_head, drop_tied_head, expected_shapes, hub_name, llama_table,
@@ -56,7 +57,8 @@ def llava_to_hf(ckpt_dir, out, template=None, image_mode=None, merge_lora=False)
         say(f"{ckpt_dir}: merged the LoRA adapters into the weights")
     table = llava_table(cfg)
     hub = {table[k]: v for k, v in state.items()}
-    trained = read_json(Path(ckpt_dir, "state.json"))["config"] if Path(ckpt_dir, "state.json").exists() else {}
+    trained = read_json(storage.join(ckpt_dir, "state.json"))["config"] \
+        if storage.exists(storage.join(ckpt_dir, "state.json")) else {}
     template, image_mode = template or trained.get("template"), image_mode or trained.get("image_mode")
     carried = template is None and image_mode is None and has_processor(ckpt_dir)
     if not carried and not (template and image_mode):
@@ -89,7 +91,8 @@ def lora_to_peft(ckpt_dir, out):
     if not cfg.lora:
         raise ConversionError(f"{ckpt_dir}: no LoRA adapters (its config.json has no lora); use to-hf without "
                               f"--lora-only")
-    trained = read_json(Path(ckpt_dir, "state.json"))["config"] if Path(ckpt_dir, "state.json").exists() else {}
+    trained = read_json(storage.join(ckpt_dir, "state.json"))["config"] \
+        if storage.exists(storage.join(ckpt_dir, "state.json")) else {}
     if trained.get("stage") == 0 and not any(t.startswith("vision") for t in cfg.lora.targets):
         raise ConversionError(f"{ckpt_dir}: stage 0 trained the vision tower in full beside the adapters; a peft "
                               f"directory here holds adapters and the projector only: use --merge-lora")
@@ -112,7 +115,7 @@ def lora_to_peft(ckpt_dir, out):
     def fill(tmp):
         write_safetensors(tensors, Path(tmp, "adapter_model.safetensors"))
         Path(tmp, "adapter_config.json").write_text(json.dumps(config, indent=2))
-    return write_dir(out, fill)
+    return write_dir(out, fill, commit="adapter_config.json")
 
 
 # adapter_config.json fields whose other values change what the adapter computes, and the value we read
@@ -124,11 +127,11 @@ PEFT_DEFAULTS = {"peft_type": "LORA", "bias": "none", "use_dora": False, "fan_in
 def lora_from_peft(adapter_dir, state, cfg: VLMConfig):
     """state and cfg of the base model plus a peft LoRA adapter directory trained on its HF export: the adapters
     (every block of a kind adapted alike, as ours are) and the modules_to_save it trained in full."""
-    peft = read_json(Path(adapter_dir, "adapter_config.json"))
+    peft = read_json(storage.join(adapter_dir, "adapter_config.json"))
     odd = {k: peft[k] for k, v in PEFT_DEFAULTS.items() if k in peft and peft[k] != v and (v or peft[k])}
     if odd:
         raise ConversionError(f"{adapter_dir}: adapter_config.json has settings llavax's LoRA does not compute: {odd}")
-    if not Path(adapter_dir, "adapter_model.safetensors").exists():
+    if not storage.exists(storage.join(adapter_dir, "adapter_model.safetensors")):
         raise ConversionError(f"{adapter_dir}: no adapter_model.safetensors (a pickled adapter_model.bin is not read: "
                               f"resave it with safe_serialization)")
     inverse = {theirs: ours for ours, theirs in llava_table(cfg).items()}
@@ -164,8 +167,8 @@ def lora_from_peft(adapter_dir, state, cfg: VLMConfig):
 def image_token(tokenizer_dir):
     """The id of '<image>' if the tokenizer already has one, else None."""
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        p = Path(tokenizer_dir, name)
-        if p.exists():
+        p = storage.join(tokenizer_dir, name)
+        if storage.exists(p):
             tok = read_json(p)
             for t in tok.get("added_tokens", []):
                 if t.get("content") == "<image>":
@@ -223,7 +226,7 @@ def vision_from_clip(clip_dir, shapes_cfg):
 def assemble(llm_state, llm_cfg, vision_dir, vision_state, tokenizer_dir, projector, vision_layer, vision_select,
              projector_state=None, pad_vocab=64, seed=0):
     """Join an LLM, a vision tower and a projector (fresh when projector_state is None) into one checkpoint."""
-    vision_cfg = vit_config(read_json(Path(vision_dir, "config.json")), vision_dir) if vision_dir else None
+    vision_cfg = vit_config(read_json(storage.join(vision_dir, "config.json")), vision_dir) if vision_dir else None
     cfg = VLMConfig(vision=vision_cfg or ViTConfig(), llm=llm_cfg, projector=projector, vision_layer=vision_layer,
                     vision_select=vision_select, image_token_id=0)
     if vision_state is None:
@@ -239,7 +242,7 @@ def assemble(llm_state, llm_cfg, vision_dir, vision_state, tokenizer_dir, projec
 
 
 def llm_from_hf(llm_dir):
-    llm_cfg = llama_config(read_json(Path(llm_dir, "config.json")), llm_dir)
+    llm_cfg = llama_config(read_json(storage.join(llm_dir, "config.json")), llm_dir)
     probe = VLMConfig(llm=llm_cfg)
     table = llama_table(llm_cfg, "model.", "lm_head.weight")
     state = drop_tied_head(read_weights(llm_dir), llm_cfg, "model.embed_tokens.weight", "lm_head.weight", llm_dir)
@@ -255,7 +258,7 @@ def from_hf_parts(llm_dir, vision_dir, projector="mlp2x_gelu", vision_layer=-2, 
 
 def from_llava(llava_dir, vision_dir, llm_dir=None, pad_vocab=64):
     """Original haotian-liu/LLaVA: a full checkpoint, or a stage-1 directory holding only mm_projector.bin."""
-    hf = read_json(Path(llava_dir, "config.json"))
+    hf = read_json(storage.join(llava_dir, "config.json"))
     if hf.get("mm_use_im_start_end") or hf.get("mm_use_im_patch_token"):
         raise ConversionError(f"{llava_dir}: mm_use_im_start_end / mm_use_im_patch_token are not supported")
     if str(hf.get("image_aspect_ratio", "")).startswith("anyres"):  # LLaVA-VL/LLaVA-NeXT's own checkpoints
@@ -271,7 +274,7 @@ def from_llava(llava_dir, vision_dir, llm_dir=None, pad_vocab=64):
     source = read_weights(llava_dir)
     llm_cfg = llama_config({k: v for k, v in hf.items() if not k.startswith("mm_")}, llava_dir)
     shape_cfg = VLMConfig(llm=llm_cfg, projector=projector, vision_layer=layer, vision_select=select,
-                          vision=vit_config(read_json(Path(vision_dir, "config.json")), vision_dir))
+                          vision=vit_config(read_json(storage.join(vision_dir, "config.json")), vision_dir))
     shapes = expected_shapes(shape_cfg)
     prefix = "model.mm_projector." if any(k.startswith("model.mm_projector.") for k in source) else "mm_projector."
     if all(k.startswith(prefix) for k in source):  # stage-1 output: the projector alone
@@ -286,7 +289,7 @@ def from_llava(llava_dir, vision_dir, llm_dir=None, pad_vocab=64):
         both = remap(source, table, shapes, str(llava_dir), ignore=(r"^model\.vision_tower\.",))
         llm_state = {k: v for k, v in both.items() if k.startswith("llm.")}
         projector_state = {k: v for k, v in both.items() if k.startswith("projector.")}
-        tokenizer_dir = llava_dir if Path(llava_dir, "tokenizer.model").exists() else llm_dir
+        tokenizer_dir = llava_dir if storage.exists(storage.join(llava_dir, "tokenizer.model")) else llm_dir
     return assemble(llm_state, llm_cfg, vision_dir, None, tokenizer_dir, projector, layer, select,
                     projector_state=projector_state, pad_vocab=pad_vocab)
 
@@ -378,7 +381,7 @@ def main(argv=None):
                 tokenizer_dir = args.ckpt
             elif args.cmd == "from-llava":
                 state, cfg = from_llava(args.llava, args.vision, args.llm, args.pad_vocab)
-                tokenizer_dir = args.llava if Path(args.llava, "tokenizer.model").exists() else args.llm
+                tokenizer_dir = args.llava if storage.exists(storage.join(args.llava, "tokenizer.model")) else args.llm
             elif args.llava:
                 state, cfg = llava_from_hf(args.llava)
                 if args.lora:
@@ -391,7 +394,7 @@ def main(argv=None):
             else:
                 p.error("from-hf needs --llava, or both --llm and --vision")
             out = save_checkpoint(state, cfg, args.out, tokenizer_dir)
-    except (ConversionError, ExportError) as e:
+    except (ConversionError, ExportError, storage.StorageError) as e:
         sys.exit(f"convert: error: {e}")
     n = sum(t.numel() for t in state.values()) if args.cmd != "to-hf" else None
     say(f"wrote {out}" + (f" ({n / 1e6:.1f}M parameters)" if n else ""))

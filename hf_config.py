@@ -10,8 +10,8 @@ pure functions of dicts, where every HF config field name lives.
 
 import json
 import re
-from pathlib import Path
 
+import storage
 from model_config import VIT_ACTIVATIONS, LlamaConfig, ViTConfig, VLMConfig, vlm_preset
 from weight_files import ConversionError
 
@@ -167,7 +167,7 @@ def anyres_from_hf(hf, kind, where):
 
 def read_json(path):
     try:
-        return json.loads(Path(path).read_text())
+        return json.loads(storage.read_text(path))
     except FileNotFoundError:
         raise ConversionError(f"{path}: missing") from None
     except json.JSONDecodeError as e:

@@ -6,10 +6,10 @@ its budget), which re-exports every name; hf_config.py is the same for config.js
 """
 
 import re
-from pathlib import Path
 
 import torch
 
+import storage
 from hf_config import HF_ARCHITECTURES, hf_model_type, llava_config, read_json
 from model import VLM
 from model_config import LlamaConfig, ViTConfig, VLMConfig, projector_depth
@@ -148,7 +148,7 @@ def check_complete(state, cfg, what):
 
 
 def llava_from_hf(hf_dir):
-    cfg = llava_config(read_json(Path(hf_dir, "config.json")), hf_dir)
+    cfg = llava_config(read_json(storage.join(hf_dir, "config.json")), hf_dir)
     state = drop_siglip_head({hub_name(k): v for k, v in read_weights(hf_dir).items()}, hf_dir)
     state = drop_tied_head(state, cfg.llm, "language_model.model.embed_tokens.weight", "language_model.lm_head.weight",
                            hf_dir)

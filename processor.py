@@ -16,6 +16,7 @@ from pathlib import Path
 
 import chat
 import images
+import storage
 
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.jinja")
 TEMPLATE_NAMES = sorted(chat.TEMPLATES)
@@ -128,11 +129,11 @@ def has_processor(directory):
     """Whether `directory` holds a whole HF processor (from-hf carries one through): processor_config.json, a chat
     template, and the image processor in preprocessor_config.json or, as transformers 5's save_pretrained writes
     it, nested in processor_config.json."""
-    directory = Path(directory)
-    settings = directory / "processor_config.json"
-    if not settings.exists() or not any((directory / n).exists() for n in ("chat_template.jinja", "chat_template.json")):
+    held = set(storage.ls(directory))  # a local folder or a bucket prefix
+    if "processor_config.json" not in held or not held & {"chat_template.jinja", "chat_template.json"}:
         return False
-    return (directory / "preprocessor_config.json").exists() or "image_processor" in json.loads(settings.read_text())
+    return "preprocessor_config.json" in held or \
+        "image_processor" in json.loads(storage.read_text(storage.join(directory, "processor_config.json")))
 
 
 def write_processor(cfg, directory, template, image_mode, tokenizer=None):

@@ -33,6 +33,11 @@ def exact_match(completions, answers):
 RULES = {"exact_match": exact_match}
 
 
+def is_model_dir(spec):
+    """Whether a reward spec names a checkpoint (a local folder, or a bucket URL: read when loaded), not a rule."""
+    return storage.is_url(spec) or Path(spec).is_dir()
+
+
 def reward_rule(spec):
     """A rule by name ('exact_match') or 'module:function' importable from the working directory: a callable
     (completions: list[str], answers: list[str]) -> list[float], the answers being the data's reference answers."""
@@ -115,7 +120,7 @@ def sample(raw, b, tok, stop, cfg, score, generator, G, static=False, env=None):
     place = env.place_rows if env is not None else (lambda rows: rows)
     asked = prompts_of(b)
     n_asked, T = len(asked), b["labels"].shape[1]
-    if not Path(cfg["grpo_reward"]).is_dir():  # a rule reads the reference answer: not one cut short by seq_len
+    if not is_model_dir(cfg["grpo_reward"]):  # a rule reads the reference answer: not one cut short by seq_len
         asked = [(r, p, a) for r, p, a in asked if stop in a or len(p) + len(a) < T]
     n_cut = n_asked - len(asked)
     bucket = prompt_bucket(cfg) if static else max([len(p) for _, p, _ in asked], default=1)
@@ -248,7 +253,7 @@ def check_judge(spec, judge, policy, tok, key="grpo_reward", what="reward model"
     if differ:
         raise SystemExit(f"{key} {spec!r}: the {what} reads ids and images unlike the policy "
                          f"({', '.join(differ)}: the {what}'s first)")
-    if any((Path(spec) / name).exists() for name in ("tokenizer.model", "tokenizer.json")):
+    if any(storage.exists(storage.join(spec, name)) for name in ("tokenizer.model", "tokenizer.json")):
         try:
             judge_tok = chat.Tokenizer(spec)
         except Exception as e:  # noqa: BLE001  sentencepiece and tokenizers raise many kinds for a bogus file
@@ -262,7 +267,7 @@ def reward_scorer(cfg, env, policy, tok):
     """score(completions, answers, ids, attention_mask, pixels) -> rewards (rows,), from a rule (reward_rule) or a
     reward-model checkpoint (objective='reward') reading prompt and completion as the policy (VLMConfig) does."""
     spec = cfg["grpo_reward"]
-    if not Path(spec).is_dir():
+    if not is_model_dir(spec):
         rule = reward_rule(spec)
 
         def score(texts, answers, *_):
@@ -322,9 +327,9 @@ def check_rollout_config(cfg):
     if (cfg["grpo_static"] or cfg["device"] == "xla") and not 0 < prompt_bucket(cfg) <= room:
         raise SystemExit(f"config: static rollouts need grpo_prompt_len in [1, seq_len - grpo_max_new_tokens = {room}] "
                          f"(0 takes {room}); got {cfg['grpo_prompt_len']}")
-    if "/" in cfg["grpo_reward"] and not Path(cfg["grpo_reward"]).is_dir():  # not 'module:function' either
+    if "/" in cfg["grpo_reward"] and not is_model_dir(cfg["grpo_reward"]):  # not 'module:function' either
         raise SystemExit(f"config: grpo_reward {cfg['grpo_reward']!r}: no such reward-model checkpoint directory")
-    if cfg["grpo_reward"] and not Path(cfg["grpo_reward"]).is_dir():
+    if cfg["grpo_reward"] and not is_model_dir(cfg["grpo_reward"]):
         try:
             reward_rule(cfg["grpo_reward"])
         except ValueError as e:
@@ -353,11 +358,11 @@ def check_ppo_config(cfg, replicas=1):
         raise SystemExit("config: objective='ppo' needs a reward: grpo_reward = a rule ('exact_match', "
                          "'module:function') or a reward-model checkpoint directory")
     check_rollout_config(cfg)
-    value = cfg["ppo_value_init"] or (cfg["grpo_reward"] if Path(cfg["grpo_reward"]).is_dir() else "")
+    value = cfg["ppo_value_init"] or (cfg["grpo_reward"] if is_model_dir(cfg["grpo_reward"]) else "")
     if not value:
         raise SystemExit(f"config: objective='ppo' needs a value model to start from: ppo_value_init = a reward-model "
                          f"checkpoint directory (grpo_reward {cfg['grpo_reward']!r} is a rule, not one)")
-    if not Path(value).is_dir():
+    if not is_model_dir(value):
         raise SystemExit(f"config: ppo_value_init {value!r}: no such checkpoint directory")
     if (cfg["grpo_reference"] or cfg["init_from"]) in ("scratch", "resume"):
         raise SystemExit("config: objective='ppo' needs a reference checkpoint for its KL penalty: init_from, or "

@@ -10,7 +10,8 @@ Ask a trained model about an image.
     python sample.py --ckpt CKPT --image f0.jpg f1.jpg f2.jpg --video --prompt "What happens?"   # OneVision
 
 --ckpt is a llavax checkpoint directory (a training step or a convert.py output) or an HF LLaVA
-directory, converted in memory. The template defaults to the one the checkpoint was trained with.
+directory, converted in memory; a local folder, or a prefix in a bucket (s3://, gs://). The template defaults to
+the one the checkpoint was trained with.
 Several images and/or prompts run as one left-padded batch: N images with one prompt, one image
 with N prompts, or N of each paired in order; one answer is printed per line. --together asks each
 prompt about all the images at once (one <image> each, in order; put the tags in the prompt to place
@@ -28,6 +29,7 @@ import torch
 import chat
 import checkpoint
 import loader
+import storage
 import weight_files
 from images import image_hw, load_image, normalize_images
 from model import left_pad
@@ -54,13 +56,18 @@ def main(argv=None):
     if args.temperature < 0 or not 0 < args.top_p <= 1 or (args.max_new_tokens is not None and args.max_new_tokens < 1):
         p.error(f"--temperature must be >= 0 (got {args.temperature}), --top-p in (0, 1] (got {args.top_p}), "
                 f"--max-new-tokens >= 1 (got {args.max_new_tokens})")
-    ckpt = Path(args.ckpt)
-    if not ckpt.is_dir():
-        sys.exit(f"sample: --ckpt {ckpt}: not a directory")
+    ckpt = args.ckpt if storage.is_url(args.ckpt) else Path(args.ckpt)  # a folder, or a prefix in a bucket
     try:
-        trained = json.loads((ckpt / "state.json").read_text())["config"] if (ckpt / "state.json").exists() else {}
+        if storage.is_url(ckpt):
+            storage.check_bucket(ckpt)
+        elif not ckpt.is_dir():
+            sys.exit(f"sample: --ckpt {ckpt}: not a directory")
+        state = storage.join(ckpt, "state.json")
+        trained = json.loads(storage.read_text(state))["config"] if storage.exists(state) else {}
+    except storage.StorageError as e:
+        sys.exit(f"sample: --ckpt {e}")
     except (ValueError, KeyError, TypeError) as e:
-        sys.exit(f"sample: {ckpt / 'state.json'}: unreadable ({type(e).__name__}: {e}); pass --template")
+        sys.exit(f"sample: {state}: unreadable ({type(e).__name__}: {e}); pass --template")
     template = args.template or trained.get("template", "vicuna_v1")
     if template not in chat.TEMPLATES:
         sys.exit(f"sample: unknown template {template!r}; choose from {sorted(chat.TEMPLATES)}")

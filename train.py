@@ -176,11 +176,20 @@ def prepare_out_dir(folders, cfg, env):
         dist.barrier()
 
 
+MODEL_INPUTS = ("tokenizer", "init_from", "dpo_reference", "grpo_reference", "grpo_reward", "ppo_value_init")
+
+
 def check_inputs(cfg):
-    for key in ("data_dir", "tokenizer", "init_from", "dpo_reference", "grpo_reference", "ppo_value_init"):
+    for key in ("data_dir",):
         if storage.is_url(cfg.get(key) or ""):  # not a local folder that is missing: say what is not built
             raise SystemExit(f"{key} {cfg[key]!r}: reading {key} from a bucket is not built yet (only out_dir may be "
                              f"one); copy it to a local disk or a mount")
+    for key in MODEL_INPUTS:  # read where they load; a bucket that is not there is named now, in one sentence
+        if storage.is_url(cfg.get(key) or ""):
+            try:
+                storage.check_bucket(cfg[key])
+            except storage.StorageError as e:
+                raise SystemExit(f"{key} {e}") from None
     if not Path(cfg["data_dir"]).exists():
         raise SystemExit(f"data_dir {cfg['data_dir']!r} does not exist. For the shapes demo run "
                          "`python data.py shapes --out data/shapes` first (make demo does it).")
@@ -228,6 +237,8 @@ def resume_point(folders, cfg, env):
 def init_model(cfg, env, resume_from):
     """The unsharded model: from scratch, from a converted checkpoint, or the newest checkpoint of this run."""
     source = cfg["init_from"] if cfg["init_from"] not in ("scratch", "resume") else None
+    if resume_from or source:
+        check_carried_tokenizer(resume_from or source, cfg)
     build_on = "cpu" if env.kind == "xla" else env.device  # XLA: built and initialised on the host, then sharded
     if resume_from:  # built empty: each rank loads its own shards of the weights once the model is sharded
         return build_model(VLMConfig.from_dict(json.loads(storage.read_text(storage.join(resume_from, "config.json")))),
@@ -240,6 +251,21 @@ def init_model(cfg, env, resume_from):
                              f"({e})") from None
     check_tiles(config.model_config(cfg), cfg["max_tiles"])  # before building: a 7B preset takes minutes to refuse
     return build_model(config.model_config(cfg), device=build_on, seed=cfg["seed"])
+
+
+def check_carried_tokenizer(step, cfg):
+    """A training step carries its run's tokenizer (checkpoint.tokenizer_files): this run's must encode text as that
+    one does. Another tokenizer named, or its file replaced in the bucket since, would shift the ids the model learned."""
+    try:
+        carried = checkpoint.tokenizer_files(step) if checkpoint.is_sharded_checkpoint(step) else {}
+    except OSError:  # not there, or not a step: init_model says so
+        return
+    if carried:
+        ours = chat.Tokenizer(cfg["tokenizer"])
+        theirs = chat.Tokenizer(step, legacy=None if "tokenizer_config.json" in carried else ours.legacy)
+        if (theirs.vocab_size, theirs.encode(rl.PROBE)) != (ours.vocab_size, ours.encode(rl.PROBE)):
+            raise SystemExit(f"tokenizer {cfg['tokenizer']!r} encodes text unlike {theirs.path}, the tokenizer "
+                             f"{step} was trained with; train with that one")
 
 
 def apply_backends(raw, cfg, env, objective, value_raw=None):
