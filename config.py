@@ -13,6 +13,7 @@ from pathlib import Path
 
 import chat
 import rl
+import storage
 from lora import LoRAConfig
 from losses import DPO_LOSSES
 from model_config import vlm_preset
@@ -63,7 +64,11 @@ eval_interval = 500
 eval_iters = 4
 log_interval = 50
 ckpt_interval = 500
-keep_last = 2
+keep_last = 2  # in out_dir, and in local_ckpt_dir
+# multi-tier (Orbax's): also checkpoint every local_ckpt_interval steps to a folder on this host's disk, which is fast;
+# resume takes the newest step that verifies in either. One host only (another host's disk holds its ranks' shards)
+local_ckpt_dir = ""
+local_ckpt_interval = 0
 allow_config_change = []  # keys that may differ from the checkpoint's config on resume (see FIXED_ON_RESUME)
 final_accuracy_samples = 500  # > 0: exact-match accuracy of generated answers on that many val samples
 wandb_log = False
@@ -200,9 +205,9 @@ def run_config_file(arg):
 
 POSITIVE = ("batch_size", "micro_batch_size", "max_iters", "seq_len", "log_interval", "shuffle_block",
             "max_nonfinite_steps", "checkpoint_every", "attention_block")
-NON_NEGATIVE = ("eval_interval", "eval_iters", "ckpt_interval", "keep_last", "num_workers", "pack", "warmup_iters",
-                "lr_decay_iters", "max_tiles", "final_accuracy_samples", "lr", "min_lr", "weight_decay", "grad_clip",
-                "loss_chunk", "peak_flops")
+NON_NEGATIVE = ("eval_interval", "eval_iters", "ckpt_interval", "local_ckpt_interval", "keep_last", "num_workers", "pack",
+                "warmup_iters", "lr_decay_iters", "max_tiles", "final_accuracy_samples", "lr", "min_lr", "weight_decay",
+                "grad_clip", "loss_chunk", "peak_flops")
 
 
 def check(cfg):
@@ -210,6 +215,12 @@ def check(cfg):
     for key in POSITIVE + NON_NEGATIVE:
         if cfg[key] < 0 or (cfg[key] == 0 and key in POSITIVE):
             raise SystemExit(f"config: {key} must be {'> 0' if key in POSITIVE else '>= 0'}, got {cfg[key]}")
+    if bool(cfg["local_ckpt_interval"]) != bool(cfg["local_ckpt_dir"]):
+        raise SystemExit("config: local_ckpt_dir and local_ckpt_interval go together (a folder on this host's disk, "
+                         "and the steps between its checkpoints)")
+    if storage.is_url(cfg["local_ckpt_dir"]):
+        raise SystemExit(f"config: local_ckpt_dir {cfg['local_ckpt_dir']!r} must be a folder on this host's disk; "
+                         f"out_dir is the bucket")
     if cfg["eval_interval"] and not cfg["eval_iters"]:
         raise SystemExit("config: eval_iters must be > 0 when eval_interval is (eval_interval=0 turns evaluation off)")
     if cfg["template"] not in chat.TEMPLATES:
