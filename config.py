@@ -24,6 +24,7 @@ from parallel import ATTENTION, PALLAS, pallas_refusal
 # I/O
 out_dir = "out/shapes"
 init_from = "scratch"  # 'scratch', 'resume' (newest checkpoint in out_dir) or a convert.py checkpoint directory
+resume = False  # True: the newest good checkpoint in out_dir when there is one, else init_from (the launch scripts pass it)
 model = "debug"  # the VLM preset when init_from='scratch'
 model_overrides = {  # merged into the preset; these make the shapes demo's 1.8M-parameter VLM
     "vision": {"image_size": 48, "patch_size": 16, "dim": 128, "n_layers": 4, "n_heads": 4, "ffn_dim": 512},
@@ -99,7 +100,7 @@ dpo_beta = 0.1
 dpo_loss = "sigmoid"  # 'sigmoid' (DPO), 'ipo' (length-normalised, as TRL), 'hinge'
 dpo_sft_weight = 0.0  # + this x the chosen answers' token NLL (LLaVA-NeXT's gamma; TRL's "sft" loss)
 dpo_end_of_turn = True  # False: an answer's log-prob leaves out its end-of-turn token (its last supervised one)
-dpo_reference = ""  # the reference checkpoint; '' is init_from (name it when resuming: init_from is then 'resume')
+dpo_reference = ""  # the reference checkpoint; '' is init_from (with --resume=True too; name it under init_from='resume')
 # objective='reward' (docs/post-training.md): a scalar head on the same preference shards, Bradley-Terry loss
 reward_margin = 0.0  # -log sigmoid(r_chosen - r_rejected - margin)
 reward_center_weight = 0.0  # + this x (r_chosen + r_rejected)^2: rewards stay near 0 (TRL's center_rewards_coefficient)

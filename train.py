@@ -126,7 +126,7 @@ def stop_nonfinite(out, it, n, cfg, loader):
     raise SystemExit(f"stopping at step {it}: {n} steps in a row had a non-finite loss or gradient "
                      f"(max_nonfinite_steps={cfg['max_nonfinite_steps']}); no update was applied. The last checkpoint "
                      f"is {found[-1] if found else 'none'}. Lower lr, check the data near loader position "
-                     f"{loader.position}, or jump past it with --skip_steps=[({it}, {it + n})] and --init_from=resume")
+                     f"{loader.position}, or jump past it with --skip_steps=[({it}, {it + n})] and --resume=True")
 
 
 # -----------------------------------------------------------------------------
@@ -156,10 +156,10 @@ def prepare_out_dir(folders, cfg, env):
             raise SystemExit(f"out_dir {e}") from None
     for folder in folders:
         found = checkpoints(folder)
-        if found and cfg["init_from"] != "resume":  # its pruning would delete them, or they would collide with ours
+        if found and not resuming(cfg):  # its pruning would delete them, or they would collide with ours
             names = ", ".join(map(storage.name, found[-3:])) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
             raise SystemExit(f"{'out_dir' if folder == out else 'local_ckpt_dir'} {folder} already holds checkpoints "
-                             f"({names}): continue that run with --init_from=resume, or give this one a new out_dir")
+                             f"({names}): continue that run with --resume=True, or give this one a new out_dir")
     if env.master:
         try:
             for folder in folders:
@@ -218,13 +218,19 @@ def batch_layout(cfg, env):
     return grad_accum, rows_per_host
 
 
+def resuming(cfg):
+    return cfg["resume"] or cfg["init_from"] == "resume"
+
+
 def resume_point(folders, cfg, env):
-    """The checkpoint to resume from (init_from='resume'), its config checked against this one, or None."""
+    """The checkpoint to resume from (resume=True or init_from='resume'), its config checked against this one, or
+    None: the first start of a run launched with --resume=True starts from init_from."""
     resume_from = None
-    if cfg["init_from"] == "resume":
+    if resuming(cfg):
         resume_from = newest_good_checkpoint(folders, env)
+        start = "scratch" if cfg["init_from"] == "resume" else cfg["init_from"]
         print0(env, f"resuming from {resume_from}" if resume_from
-               else f"no checkpoint in {' or '.join(map(str, folders))}: starting from scratch")
+               else f"no checkpoint in {' or '.join(map(str, folders))}: starting from {start}")
         if resume_from:
             check_resume_config(resume_from, cfg, env)
     return resume_from
@@ -232,7 +238,7 @@ def resume_point(folders, cfg, env):
 
 def init_model(cfg, env, resume_from):
     """The unsharded model: from scratch, from a converted checkpoint, or the newest checkpoint of this run."""
-    source = cfg["init_from"] if cfg["init_from"] not in ("scratch", "resume") else None
+    source = cfg["init_from"] if cfg["init_from"] not in ("scratch", "resume") and not resume_from else None
     if resume_from or source:
         check_carried_tokenizer(resume_from or source, cfg)
     build_on = "cpu" if env.kind == "xla" else env.device  # XLA: built and initialised on the host, then sharded
@@ -682,7 +688,7 @@ def main(argv=None):
                 print0(env, f"step {it}: checkpoint {step_dir}" + ("" if stopping else " (writing)"))
                 meter.t_last = time.perf_counter()
             if stopping:
-                print0(env, f"stopped at step {it} by a signal; resume with --init_from=resume")
+                print0(env, f"stopped at step {it} by a signal; resume with --resume=True")
                 break
     except BaseException:  # a run stopped by an error lets the checkpoint in flight commit first
         checkpointer.finish()

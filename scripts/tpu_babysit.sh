@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Keep a preemptible pod training until the run is done. Each round: describe the queued resource; if it is
 # preempted (SUSPENDED), FAILED or missing, delete it, create it again (scripts/tpu_up.sh: setup included)
-# and relaunch CMD, which must resume (train.py --init_from=resume); stop once train.py has written
+# and relaunch CMD, which must resume (train.py --resume=True); stop once train.py has written
 # OUT_DIR/DONE. Needs OUT_DIR (train.py's out_dir: a bucket, gs://..., or a path the workers share) to see that marker.
 # A gcloud call that fails is retried with backoff (RETRIES, RETRY_SECONDS) and never taken for a lost pod; CMD is
 # launched only while no worker runs train.py, so a babysitter started again never starts a second copy.
 set -euo pipefail
 USAGE="usage: scripts/tpu_babysit.sh [--spot | --best-effort | --reserved] [--out-dir=gs://BUCKET/RUN | DIR] [--dry-run] [settings as tpu_up.sh] -- CMD...
-  e.g. scripts/tpu_babysit.sh --spot --out-dir=gs://my-bucket/llava15-7b-pretrain -- python train.py configs/tpu_pretrain.py --init_from=resume
+  e.g. scripts/tpu_babysit.sh --spot --out-dir=gs://my-bucket/llava15-7b-pretrain -- python train.py configs/tpu_pretrain.py --resume=True
   POLL_SECONDS (default 60) between rounds; MAX_RECREATES (default 20) bounds the recreations."
 # shellcheck source=scripts/tpu_lib.sh
 source "$(dirname "$0")/tpu_lib.sh"

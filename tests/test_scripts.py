@@ -133,14 +133,14 @@ def test_babysit_recreates_after_preemption_and_stops_when_done(gcloud):
     script, calls, _ = gcloud
     # babysit: ACTIVE -> launch; SUSPENDED -> down + up (PROVISIONING, ACTIVE); ACTIVE -> relaunch; ACTIVE + DONE
     r = script("tpu_babysit.sh", "--spot", "--out-dir=/mnt/ckpt/run", "--", "python", "train.py", "configs/x.py",
-               "--init_from=resume", states=("ACTIVE", "SUSPENDED", "PROVISIONING", "ACTIVE"),
+               "--resume=True", states=("ACTIVE", "SUSPENDED", "PROVISIONING", "ACTIVE"),
                extra={"FAKE_DONE_AFTER": "2"})
     c = calls()
     kinds = [a[3] for a in c]  # describe, create, delete, ssh, scp
     assert sum(a[2:4] == ["queued-resources", "delete"] for a in c) == 1
     assert sum(a[2:4] == ["queued-resources", "create"] for a in c) == 1
     launches = [i for i, a in enumerate(c) if any("nohup" in x for x in a)]
-    assert len(launches) == 2 and all("--init_from=resume" in json.dumps(c[i]) for i in launches)
+    assert len(launches) == 2 and all("--resume=True" in json.dumps(c[i]) for i in launches)
     # the relaunch comes after the recreation, and the run ends at the DONE marker
     assert launches[0] < kinds.index("delete") < kinds.index("create") < launches[1]
     assert "DONE exists: the run is complete" in r.stderr
@@ -180,7 +180,7 @@ def test_babysit_survives_a_failed_delete_and_an_out_dir_with_a_space(gcloud):
 
 def test_scripts_pass_bucket_paths_through(gcloud):
     script, calls, _ = gcloud
-    bucket = ["--out_dir=gs://llavax-ckpt/run", "--data_dir=gs://llavax-data/shards", "--init_from=resume"]
+    bucket = ["--out_dir=gs://llavax-ckpt/run", "--data_dir=gs://llavax-data/shards", "--resume=True"]
     r = script("tpu_babysit.sh", "--spot", "--out-dir=gs://llavax-ckpt/run/", "--", "python", "train.py",
                "configs/tpu_pretrain.py", *bucket)
     c = calls()
@@ -276,7 +276,7 @@ def rank_pid(out_dir, rank):
 
 @pytest.mark.slow
 def test_killed_worker_is_restarted_and_resumes_to_the_same_weights(shapes, tmp_path):  # noqa: F811
-    common = ["--max_iters=40", "--micro_batch_size=4", "--ckpt_interval=5", "--keep_last=3", "--init_from=resume"]
+    common = ["--max_iters=40", "--micro_batch_size=4", "--ckpt_interval=5", "--keep_last=3", "--resume=True"]
     run(args(shapes, tmp_path / "straight", *common), nproc=2)
     out = tmp_path / "faulty"
     p = launch({"NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port()), "MAX_RESTARTS": "1"}, args(shapes, out, *common),
