@@ -246,6 +246,7 @@ def launch(env_extra, argv, log_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_two_nodes_on_loopback_match_one_node_with_two_processes(shapes, tmp_path):  # noqa: F811
     run(args(shapes, tmp_path / "one", "--max_iters=6", "--micro_batch_size=4"), nproc=2)
     port = str(free_port())
@@ -275,6 +276,7 @@ def rank_pid(out_dir, rank):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_killed_worker_is_restarted_and_resumes_to_the_same_weights(shapes, tmp_path):  # noqa: F811
     common = ["--max_iters=40", "--micro_batch_size=4", "--ckpt_interval=5", "--keep_last=3", "--resume=True"]
     run(args(shapes, tmp_path / "straight", *common), nproc=2)

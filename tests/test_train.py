@@ -102,7 +102,7 @@ def ddp_run(shapes, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("parallel", [pytest.param("ddp", marks=pytest.mark.full), "fsdp"])
 def test_two_process_run_matches_single_and_resumes_exactly(shapes, single_run, ddp_run, tmp_path, parallel):
     a, b = ddp_run if parallel == "ddp" else tmp_path / "a", tmp_path / "b"
     common = [f"--parallel={parallel}", "--micro_batch_size=4"]  # 2 ranks x 4 = the single run's global batch
@@ -336,6 +336,7 @@ def bench(*extra, size=("--size", "debug")):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.full
 def test_bench_runs_ours_against_transformers_on_cpu():
     report = bench()
     assert report["ours"]["tokens_per_s"] > 0 and report["ratio"]["tokens_per_s"] > 0
