@@ -479,10 +479,6 @@ class LatencyProxy:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
 
 def time_loader(loader, n_batches, step_s, warmup=2):
     """(samples/s, share of the time spent waiting for batches) over n_batches after `warmup`, each batch followed
@@ -522,13 +518,7 @@ def bench_loader(args):
     """The bench JPEGs (make_bench_shards) read by the loader, decoded to 336 px, from local files and from moto's S3
     server behind --latency_ms a request: with the ranged reads fetched ahead (shards.ShardReader), and one request
     a sample, as reading without prefetch would."""
-    import logging
-    import os
-
-    from moto.server import ThreadedMotoServer
-
     import shards
-    import storage
     from loader import Loader, ShardStream
     from shapes import train_tokenizer
 
@@ -539,14 +529,7 @@ def bench_loader(args):
         make_bench_shards(work, args.n, shard_size=10)
     if not (work / "tokenizer.model").exists():
         train_tokenizer(["Describe the image.", "Waves."] * 50, work / "tokenizer", 320)
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server logs every request
-    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    moto.start()
-    proxy = LatencyProxy(moto.get_host_and_port()[1], args.latency_ms / 1000)
-    os.environ.update({"AWS_ENDPOINT_URL": proxy.url, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-                       "AWS_DEFAULT_REGION": "us-east-1"})
-    url = "s3://llavax-bench/shards"
-    storage.filesystem(url).mkdir("llavax-bench")
+    url = start_s3(args.latency_ms) + "/shards"
     for f in sorted(p for p in local.rglob("*") if p.is_file()):
         storage.upload(f, f"{url}/{f.relative_to(local)}")
     n = sum(json.loads((local / ".nv-meta" / ".info.json").read_text())["shard_counts"].values())
@@ -566,8 +549,6 @@ def bench_loader(args):
     shards.AHEAD = ahead
     print("| source | samples/s | waiting on data |\n|---|---|---|\n" + "\n".join(
         f"| {name} | {rate:.1f} | {waiting:.0%} |" for name, (rate, waiting) in best.items()))
-    proxy.close()
-    moto.stop()
 
 
 # -----------------------------------------------------------------------------
@@ -782,57 +763,13 @@ def print_checkpoint_recipes():
               f"{fits} |")
 
 
-class DelayedLink:
-    """An HTTP/1.1 proxy on 127.0.0.1 that holds every request `delay` seconds before forwarding it to 127.0.0.1:
-    upstream: a store's round-trip time in front of an emulator on the same machine."""
-
-    def __init__(self, upstream, delay):
-        import http.client
-        import threading
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-        skip = {"connection", "keep-alive", "transfer-encoding", "content-length"}
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *a):
-                pass
-
-            def forward(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                time.sleep(delay)
-                conn = http.client.HTTPConnection("127.0.0.1", upstream, timeout=300)
-                conn.request(self.command, self.path, body=body or None,
-                             headers={k: v for k, v in self.headers.items() if k.lower() not in skip})
-                r = conn.getresponse()
-                data = r.read()
-                self.send_response_only(r.status)
-                for k, v in r.getheaders():
-                    if k.lower() not in skip:
-                        self.send_header(k, v)
-                self.send_header("Content-Length", r.getheader("Content-Length") if self.command == "HEAD"
-                                 else str(len(data)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
-                conn.close()
-
-            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = forward
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-
 def start_s3(latency_ms):
-    """moto's S3 server in this process (the tests' emulator: pip install 'moto[server]'), behind a DelayedLink when
-    latency_ms, with a new bucket; its s3:// URL. The endpoint and test credentials go to os.environ, for the ranks."""
+    """moto's S3 server in this process (the tests' emulator: pip install 'moto[server]'), behind a LatencyProxy when
+    latency_ms, with a new bucket; its s3:// URL. The endpoint and test credentials go to os.environ, for the ranks
+    and the loader's workers."""
+    import logging
     import os
     import uuid
-
-    import logging
 
     from moto.server import ThreadedMotoServer
 
@@ -840,10 +777,9 @@ def start_s3(latency_ms):
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     port = server.get_host_and_port()[1]
-    if latency_ms:
-        port = DelayedLink(port, latency_ms / 1000).port
-    os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "bench",
-                       "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"})
+    endpoint = LatencyProxy(port, latency_ms / 1000).url if latency_ms else f"http://127.0.0.1:{port}"
+    os.environ.update({"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+                       "AWS_DEFAULT_REGION": "us-east-1"})
     url = f"s3://llavax-bench-{uuid.uuid4().hex[:8]}"
     storage.filesystem(url).mkdir(storage.bucket(url))
     return url
