@@ -1,10 +1,10 @@
 # make demo: set up .venv, then train the shapes demo end to end
-# make test: set up .venv, then run the tests
+# make test: set up .venv, then run the tests (make test-full: with the tests marked full too)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test demo lint clean
+.PHONY: setup test test-full demo lint clean
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,7 +15,10 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 setup: $(VENV)/.installed
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not full" -n 2 --dist loadgroup
+
+test-full: setup
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -11,6 +11,7 @@ Benchmarks. Figures go to BENCHMARKS.md with the command, date and machine.
     python bench.py levers                     # computed memory, predicted speed of the speed levers (7B, H100)
     python bench.py attention                  # computed activation memory a chip, dense vs bounded attention (TPU)
     python bench.py checkpoint --ranks 4 [--gib 1.2] [--out DIR]   # sharded checkpoint: time blocked, rank 0's memory
+    python bench.py checkpoint --ranks 2 --s3 [--latency-ms 50]    # the same to moto's S3 server, beside a local dir
 
 `train` times full training steps (forward, backward, AdamW) on random weights and synthetic
 batches after warm-up, and reports tokens/s, samples/s, MFU (docs/training.md "MFU"), peak memory and
@@ -39,6 +40,7 @@ from PIL import Image
 import checkpoint
 import config
 import parallel
+import storage
 from chat import IMAGE_TAG
 from hf_config import llava_hf_config
 from hf_names import llava_table
@@ -477,10 +479,6 @@ class LatencyProxy:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
 
 def time_loader(loader, n_batches, step_s, warmup=2):
     """(samples/s, share of the time spent waiting for batches) over n_batches after `warmup`, each batch followed
@@ -520,13 +518,7 @@ def bench_loader(args):
     """The bench JPEGs (make_bench_shards) read by the loader, decoded to 336 px, from local files and from moto's S3
     server behind --latency_ms a request: with the ranged reads fetched ahead (shards.ShardReader), and one request
     a sample, as reading without prefetch would."""
-    import logging
-    import os
-
-    from moto.server import ThreadedMotoServer
-
     import shards
-    import storage
     from loader import Loader, ShardStream
     from shapes import train_tokenizer
 
@@ -537,14 +529,7 @@ def bench_loader(args):
         make_bench_shards(work, args.n, shard_size=10)
     if not (work / "tokenizer.model").exists():
         train_tokenizer(["Describe the image.", "Waves."] * 50, work / "tokenizer", 320)
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server logs every request
-    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    moto.start()
-    proxy = LatencyProxy(moto.get_host_and_port()[1], args.latency_ms / 1000)
-    os.environ.update({"AWS_ENDPOINT_URL": proxy.url, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-                       "AWS_DEFAULT_REGION": "us-east-1"})
-    url = "s3://llavax-bench/shards"
-    storage.filesystem(url).mkdir("llavax-bench")
+    url = start_s3(args.latency_ms) + "/shards"
     for f in sorted(p for p in local.rglob("*") if p.is_file()):
         storage.upload(f, f"{url}/{f.relative_to(local)}")
     n = sum(json.loads((local / ".nv-meta" / ".info.json").read_text())["shard_counts"].values())
@@ -564,8 +549,6 @@ def bench_loader(args):
     shards.AHEAD = ahead
     print("| source | samples/s | waiting on data |\n|---|---|---|\n" + "\n".join(
         f"| {name} | {rate:.1f} | {waiting:.0%} |" for name, (rate, waiting) in best.items()))
-    proxy.close()
-    moto.stop()
 
 
 # -----------------------------------------------------------------------------
@@ -753,7 +736,7 @@ CHECKPOINT_RECIPES = [("7B stage 1, 8 GPUs", "llava-1.5-7b", 1, 8, "gpu"),
                       ("7B stage 2, v4-64 (8 hosts)", "llava-1.5-7b", 2, 8, "tpu"),
                       ("7B stage 2, v5p-128 (16 hosts)", "llava-1.5-7b", 2, 16, "tpu")]
 HOST_COPY = {"first": 1.5e9, "again": 16e9}  # B/s a GPU into fresh pageable pages / into the kept buffers (H100 host)
-WRITE = {"gpu": 2e9, "tpu": 0.15e9}  # B/s a node (local NVMe) / a TPU host (gcsfuse, one stream): assumed
+WRITE = {"gpu": 2e9, "tpu": 0.15e9}  # B/s a node (local NVMe) / a TPU host (to a bucket, one stream): assumed
 
 
 def print_checkpoint_recipes():
@@ -780,11 +763,34 @@ def print_checkpoint_recipes():
               f"{fits} |")
 
 
+def start_s3(latency_ms):
+    """moto's S3 server in this process (the tests' emulator: pip install 'moto[server]'), behind a LatencyProxy when
+    latency_ms, with a new bucket; its s3:// URL. The endpoint and test credentials go to os.environ, for the ranks
+    and the loader's workers."""
+    import logging
+    import os
+    import uuid
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line a request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    port = server.get_host_and_port()[1]
+    endpoint = LatencyProxy(port, latency_ms / 1000).url if latency_ms else f"http://127.0.0.1:{port}"
+    os.environ.update({"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+                       "AWS_DEFAULT_REGION": "us-east-1"})
+    url = f"s3://llavax-bench-{uuid.uuid4().hex[:8]}"
+    storage.filesystem(url).mkdir(storage.bucket(url))
+    return url
+
+
 def bench_checkpoint(args):
     """A stage-0 model of about --gib GiB of weights and AdamW moments, FSDP2-sharded over the ranks (gloo, CPU),
-    saved --saves times through checkpoint.Checkpointer: the time the loop is blocked (host copy of this rank's
-    shards), the time until the step is committed (every rank written, hashed, manifest, rename), and rank 0's
-    resident memory above what it held before the save (sampled every 10 ms)."""
+    saved --saves times through checkpoint.Checkpointer to each target (--out, and with --s3 a bucket on moto's S3
+    server, side by side): the time the loop is blocked (host copy of this rank's shards), the time until the step is
+    committed (every rank written and hashed, the manifest written), and rank 0's resident memory above what it held
+    before the save (sampled every 10 ms)."""
     import os
     import threading
 
@@ -793,11 +799,15 @@ def bench_checkpoint(args):
     from model import VLM
 
     world = int(os.environ.get("WORLD_SIZE", 1))
+    if args.s3 and not args.s3_url:  # one server and bucket for every rank, in this (the launching) process
+        args.s3_url = start_s3(args.latency_ms)
+        print(f"S3: moto at {os.environ['AWS_ENDPOINT_URL']}"
+              + (f" behind {args.latency_ms:g} ms a request" if args.latency_ms else "") + f", bucket {args.s3_url}")
     if world == 1 and args.ranks > 1:  # start the ranks: this same command under torchrun
         import subprocess
 
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.ranks}", "--master_addr=127.0.0.1",
-               "--master_port=29533", __file__, *sys.argv[1:]]
+               "--master_port=29533", __file__, *sys.argv[1:]] + (["--s3-url", args.s3_url] if args.s3_url else [])
         return subprocess.call(cmd, env=os.environ | {"OMP_NUM_THREADS": "1"})
     cfg_run = dict(config.DEFAULTS) | {"parallel": "fsdp", "device": "cpu", "keep_last": 1, "tokenizer": ""}
     env = parallel.Env(cfg_run)
@@ -816,31 +826,40 @@ def bench_checkpoint(args):
         p.grad = torch.zeros_like(p)
     optimizer.step()  # the moments exist
     loader = SimpleNamespace(state_dict=lambda: {"position": 0})
-    out = Path(args.out) / f"ranks-{world}"
+    targets = [("local", Path(args.out) / f"ranks-{world}")] + ([("s3", f"{args.s3_url}/ranks-{world}")] if args.s3_url
+                                                                else [])
     ckpt = checkpoint.Checkpointer(env, cfg_run)
     state_bytes = sum(p.numel() * 12 for p in raw.parameters()) / 2**30
+    rows = []
     for i in range(args.saves):
-        base, peak, done = rss_bytes(), [0], threading.Event()
+        for kind, out in targets:  # alternating, so that both see the same load on the machine
+            base, peak, done = rss_bytes(), [0], threading.Event()
 
-        def sample(peak=peak, done=done):
-            while not done.is_set():
-                peak[0] = max(peak[0], rss_bytes())
-                time.sleep(0.01)
+            def sample(peak=peak, done=done):
+                while not done.is_set():
+                    peak[0] = max(peak[0], rss_bytes())
+                    time.sleep(0.01)
 
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        if dist.is_initialized():
-            dist.barrier()
-        t0 = time.perf_counter()
-        ckpt.save(out / f"step-{i + 1:06d}", model, raw, optimizer, loader, i + 1)
-        blocked = time.perf_counter() - t0
-        ckpt.wait()
-        total = time.perf_counter() - t0
-        done.set()
-        sampler.join()
-        if env.master:
-            print(f"ranks {world}: state {state_bytes:.2f} GiB; save {i + 1}: blocked {blocked:.2f} s, committed "
-                  f"{total:.2f} s, rank 0 extra memory {(peak[0] - base) / 2**30:.2f} GiB", flush=True)
+            sampler = threading.Thread(target=sample)
+            sampler.start()
+            if dist.is_initialized():
+                dist.barrier()
+            t0 = time.perf_counter()
+            ckpt.save(storage.join(out, f"step-{i + 1:06d}"), model, raw, optimizer, loader, i + 1)
+            blocked = time.perf_counter() - t0
+            ckpt.wait()
+            total = time.perf_counter() - t0
+            done.set()
+            sampler.join()
+            rows.append((kind, i + 1, blocked, total))
+            if env.master:
+                print(f"ranks {world}, {kind}: state {state_bytes:.2f} GiB; save {i + 1}: blocked {blocked:.2f} s, "
+                      f"committed {total:.2f} s, rank 0 extra memory {(peak[0] - base) / 2**30:.2f} GiB", flush=True)
+    if env.master and len(targets) > 1:
+        print("| target | blocked (s), each save | committed (s), each save |\n|---|---|---|")
+        for kind, _ in targets:
+            mine = [r for r in rows if r[0] == kind]
+            print(f"| {kind} | {', '.join(f'{r[2]:.2f}' for r in mine)} | {', '.join(f'{r[3]:.2f}' for r in mine)} |")
     if env.distributed:
         dist.destroy_process_group()
 
@@ -893,6 +912,9 @@ def main(argv=None):
     c.add_argument("--saves", type=int, default=3)
     c.add_argument("--out", default="out/bench-checkpoint")
     c.add_argument("--recipes", action="store_true", help="print the computed table of docs/recipes.md instead")
+    c.add_argument("--s3", action="store_true", help="also save to a bucket on moto's S3 server, alternating with --out")
+    c.add_argument("--latency-ms", type=float, default=0.0, help="--s3: hold every request this long (a real store)")
+    c.add_argument("--s3-url", default="", help=argparse.SUPPRESS)  # the bucket the launching process made
     args = p.parse_args(argv)
     if args.cmd == "checkpoint":
         return print_checkpoint_recipes() if args.recipes else bench_checkpoint(args)

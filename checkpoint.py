@@ -54,14 +54,19 @@ from weight_files import SHARD_BYTES, UNFINISHED, ConversionError, read_weights,
 
 MANIFEST = "manifest.json"
 CORRUPT = "CORRUPT"  # in a step found damaged: the reason; the step is skipped, not renamed
-WRITER_PID = ".stop-writer.pid"  # in out_dir while rank 0's detached stop-checkpoint writer runs
+WRITER_PID = ".stop-writer.pid"  # rank 0's detached stop-checkpoint writer's pid, while it runs (what scripts wait on)
+
+
+def writer_folder(out):
+    """Where each rank names its detached stop writer while it runs: out_dir, or for a bucket out_dir a local folder
+    named after it (a pid means something only on its host; scripts/slurm.sbatch asks for this folder)."""
+    if storage.is_url(out):
+        return Path(tempfile.gettempdir(), "llavax", re.sub(r"[^\w.-]+", "_", str(storage.join(out))))
+    return Path(out)
 
 
 def writer_pid_file(out, rank):
-    """Each rank's detached writer is named while it runs, in out_dir (a bucket's out_dir: in a local folder named
-    after it, since a pid means something only on its host): rank 0's as WRITER_PID (what scripts wait on)."""
-    folder = Path(tempfile.gettempdir(), "llavax", re.sub(r"[^\w.-]+", "_", str(out))) if storage.is_url(out) else out
-    return Path(folder) / (WRITER_PID if rank == 0 else f".stop-writer.rank{rank}.pid")
+    return writer_folder(out) / (WRITER_PID if rank == 0 else f".stop-writer.rank{rank}.pid")
 
 
 def steps(out):
@@ -238,12 +243,14 @@ def verify_checkpoint(path):
     return None
 
 
-def newest_good_checkpoint(out, env):
-    """The newest checkpoint that verifies. Newer ones that do not get a CORRUPT file that says why (kept for a look
-    until this run writes its own step-N there), with the reason printed. Decided by rank 0 and broadcast."""
+def newest_good_checkpoint(folders, env):
+    """The newest checkpoint that verifies, in whichever of `folders` it lives (out_dir, and local_ckpt_dir's tier:
+    the higher step wins, the earlier folder on a tie). Newer ones that do not get a CORRUPT file that says why (kept
+    for a look until this run writes its own step-N there), with the reason printed. Decided by rank 0, broadcast."""
     choice = [None, []]  # the good one, [(a bad one, why)]
     if env.master:
-        for path in reversed(checkpoints(out)):
+        found = [(step_number(p), -tier, p) for tier, folder in enumerate(folders) for p in checkpoints(folder)]
+        for *_, path in sorted(found, key=lambda f: f[:2], reverse=True):
             reason = verify_checkpoint(path)
             if reason is None:
                 choice[0] = path
@@ -252,7 +259,8 @@ def newest_good_checkpoint(out, env):
     if dist.is_initialized():
         dist.broadcast_object_list(choice, src=0)
     if choice[0] is None and choice[1]:
-        raise SystemExit(f"resume: no checkpoint in {out} verifies:\n" + "".join(f"  {p}: {why}\n" for p, why in choice[1])
+        raise SystemExit(f"resume: no checkpoint in {' or '.join(map(str, folders))} verifies:\n"
+                         + "".join(f"  {p}: {why}\n" for p, why in choice[1])
                          + "move them away to start from scratch, or point init_from at a good one")
     for bad, why in choice[1]:
         print0(env, f"resume: skipping {bad}: {why}")
@@ -695,13 +703,16 @@ def load_weights(path):
 def wait_for_stop_writer(out):
     """A run killed while its detached writers still worked left their pid files: wait for those on this host (a
     writer elsewhere shows as a pid this host does not run) to finish the checkpoint."""
-    folder = writer_pid_file(out, 0).parent
+    folder = writer_folder(out)
     for marker in [folder / WRITER_PID, *folder.glob(".stop-writer.rank*.pid")]:
         pid = int(marker.read_text() or 0) if marker.exists() else 0
         while pid and Path(f"/proc/{pid}").exists() and b"train.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
             print(f"waiting for the stop checkpoint writer of the previous run (pid {pid}) to finish", flush=True)
             time.sleep(2)
         marker.unlink(missing_ok=True)
+    if storage.is_url(out):  # a bucket's local folder, empty now: not left behind in the temp folder
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 # keys whose change on resume would alter the data order, the batches or the model: refused unless listed in

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import chat
 import rl
+import storage
 from lora import LoRAConfig
 from losses import DPO_LOSSES
 from model_config import vlm_preset
@@ -23,6 +24,7 @@ from parallel import ATTENTION, PALLAS, pallas_refusal
 # I/O
 out_dir = "out/shapes"
 init_from = "scratch"  # 'scratch', 'resume' (newest checkpoint in out_dir) or a convert.py checkpoint directory
+resume = False  # True: the newest good checkpoint in out_dir when there is one, else init_from (the launch scripts pass it)
 model = "debug"  # the VLM preset when init_from='scratch'
 model_overrides = {  # merged into the preset; these make the shapes demo's 1.8M-parameter VLM
     "vision": {"image_size": 48, "patch_size": 16, "dim": 128, "n_layers": 4, "n_heads": 4, "ffn_dim": 512},
@@ -63,7 +65,11 @@ eval_interval = 500
 eval_iters = 4
 log_interval = 50
 ckpt_interval = 500
-keep_last = 2
+keep_last = 2  # in out_dir, and in local_ckpt_dir
+# multi-tier (Orbax's): also checkpoint every local_ckpt_interval steps to a folder on this host's disk, which is fast;
+# resume takes the newest step that verifies in either. One host only (another host's disk holds its ranks' shards)
+local_ckpt_dir = ""
+local_ckpt_interval = 0
 allow_config_change = []  # keys that may differ from the checkpoint's config on resume (see FIXED_ON_RESUME)
 final_accuracy_samples = 500  # > 0: exact-match accuracy of generated answers on that many val samples
 wandb_log = False
@@ -94,7 +100,7 @@ dpo_beta = 0.1
 dpo_loss = "sigmoid"  # 'sigmoid' (DPO), 'ipo' (length-normalised, as TRL), 'hinge'
 dpo_sft_weight = 0.0  # + this x the chosen answers' token NLL (LLaVA-NeXT's gamma; TRL's "sft" loss)
 dpo_end_of_turn = True  # False: an answer's log-prob leaves out its end-of-turn token (its last supervised one)
-dpo_reference = ""  # the reference checkpoint; '' is init_from (name it when resuming: init_from is then 'resume')
+dpo_reference = ""  # the reference checkpoint; '' is init_from (with --resume=True too; name it under init_from='resume')
 # objective='reward' (docs/post-training.md): a scalar head on the same preference shards, Bradley-Terry loss
 reward_margin = 0.0  # -log sigmoid(r_chosen - r_rejected - margin)
 reward_center_weight = 0.0  # + this x (r_chosen + r_rejected)^2: rewards stay near 0 (TRL's center_rewards_coefficient)
@@ -200,9 +206,9 @@ def run_config_file(arg):
 
 POSITIVE = ("batch_size", "micro_batch_size", "max_iters", "seq_len", "log_interval", "shuffle_block",
             "max_nonfinite_steps", "checkpoint_every", "attention_block")
-NON_NEGATIVE = ("eval_interval", "eval_iters", "ckpt_interval", "keep_last", "num_workers", "pack", "warmup_iters",
-                "lr_decay_iters", "max_tiles", "final_accuracy_samples", "lr", "min_lr", "weight_decay", "grad_clip",
-                "loss_chunk", "peak_flops")
+NON_NEGATIVE = ("eval_interval", "eval_iters", "ckpt_interval", "local_ckpt_interval", "keep_last", "num_workers", "pack",
+                "warmup_iters", "lr_decay_iters", "max_tiles", "final_accuracy_samples", "lr", "min_lr", "weight_decay",
+                "grad_clip", "loss_chunk", "peak_flops")
 
 
 def check(cfg):
@@ -210,6 +216,12 @@ def check(cfg):
     for key in POSITIVE + NON_NEGATIVE:
         if cfg[key] < 0 or (cfg[key] == 0 and key in POSITIVE):
             raise SystemExit(f"config: {key} must be {'> 0' if key in POSITIVE else '>= 0'}, got {cfg[key]}")
+    if bool(cfg["local_ckpt_interval"]) != bool(cfg["local_ckpt_dir"]):
+        raise SystemExit("config: local_ckpt_dir and local_ckpt_interval go together (a folder on this host's disk, "
+                         "and the steps between its checkpoints)")
+    if storage.is_url(cfg["local_ckpt_dir"]):
+        raise SystemExit(f"config: local_ckpt_dir {cfg['local_ckpt_dir']!r} must be a folder on this host's disk; "
+                         f"out_dir is the bucket")
     if cfg["eval_interval"] and not cfg["eval_iters"]:
         raise SystemExit("config: eval_iters must be > 0 when eval_interval is (eval_interval=0 turns evaluation off)")
     if cfg["template"] not in chat.TEMPLATES:

@@ -135,16 +135,29 @@ def stop_nonfinite(out, it, n, cfg, loader):
     raise SystemExit(f"stopping at step {it}: {n} steps in a row had a non-finite loss or gradient "
                      f"(max_nonfinite_steps={cfg['max_nonfinite_steps']}); no update was applied. The last checkpoint "
                      f"is {last_checkpoint(out)}. Lower lr, check the data near loader position "
-                     f"{loader.position}, or jump past it with --skip_steps=[({it}, {it + n})] and --init_from=resume")
+                     f"{loader.position}, or jump past it with --skip_steps=[({it}, {it + n})] and --resume=True")
 
 
 # -----------------------------------------------------------------------------
 # set-up: each piece checks its own configuration and says what is wrong with it
 
 
-def prepare_out_dir(out, cfg, env):
-    """out_dir made, a killed checkpoint write cleaned, the config stored and logged; refused if it holds another
-    run's checkpoints and this one is not resuming it."""
+def checkpoint_folders(out, cfg, env):
+    """Where this run's checkpoints go and resume looks: [out_dir], or [out_dir, local_ckpt_dir] (the frequent tier,
+    on one host only: on several, each host's disk would hold only its own ranks' shards of a step)."""
+    if not cfg["local_ckpt_dir"]:
+        return [out]
+    ranks_here = 1 if env.kind == "xla" else int(os.environ.get("LOCAL_WORLD_SIZE", env.world))
+    if ranks_here != env.world:
+        raise SystemExit(f"config: local_ckpt_dir holds a step only if every rank runs on this host; this run has "
+                         f"{env.world} {'hosts' if env.kind == 'xla' else 'ranks'}, {ranks_here} here. Leave it out")
+    return [out, Path(cfg["local_ckpt_dir"])]
+
+
+def prepare_out_dir(folders, cfg, env):
+    """out_dir (and the local checkpoint tier) made, a killed checkpoint write cleaned, the config stored and logged;
+    refused if one holds another run's checkpoints and this one is not resuming it."""
+    out = folders[0]
     if storage.is_url(out) and re.search(r"[][*?]", storage.key(out)):  # DCP renames .metadata.tmp with fsspec's mv
         raise SystemExit(f"out_dir {out}: torch's checkpoint writer reads [ ] * ? in a bucket path as a pattern (a "
                          f"step's index would land elsewhere or nowhere); name the run without them")
@@ -153,16 +166,18 @@ def prepare_out_dir(out, cfg, env):
             storage.check_bucket(out)
         except storage.StorageError as e:
             raise SystemExit(f"out_dir {e}") from None
-    found = checkpoints(out)
-    if found and cfg["init_from"] != "resume":  # its pruning would delete them, or they would collide with ours
-        names = ", ".join(p.name for p in found[-3:]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
-        raise SystemExit(f"out_dir {out} already holds checkpoints ({names}): continue that run with "
-                         f"--init_from=resume, or give this one a new out_dir")
+    for folder in folders:
+        found = checkpoints(folder)
+        if found and not resuming(cfg):  # its pruning would delete them, or they would collide with ours
+            names = ", ".join(map(storage.name, found[-3:])) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+            raise SystemExit(f"{'out_dir' if folder == out else 'local_ckpt_dir'} {folder} already holds checkpoints "
+                             f"({names}): continue that run with --resume=True, or give this one a new out_dir")
     if env.master:
         try:
-            storage.makedirs(out)
+            for folder in folders:
+                storage.makedirs(folder)
             wait_for_stop_writer(out)
-            for stale in unfinished_steps(out):  # a checkpoint write that was killed: never committed, never taken
+            for stale in [p for folder in folders for p in unfinished_steps(folder)]:  # a write that was killed
                 print0(env, f"removing {stale}: its write did not finish (no manifest)")
                 remove_step(stale)
             storage.write_text(storage.join(out, "config.json"), json.dumps(cfg, indent=2))
@@ -224,12 +239,19 @@ def batch_layout(cfg, env):
     return grad_accum, rows_per_host
 
 
-def resume_point(out, cfg, env):
-    """The checkpoint to resume from (init_from='resume'), its config checked against this one, or None."""
+def resuming(cfg):
+    return cfg["resume"] or cfg["init_from"] == "resume"
+
+
+def resume_point(folders, cfg, env):
+    """The checkpoint to resume from (resume=True or init_from='resume'), its config checked against this one, or
+    None: the first start of a run launched with --resume=True starts from init_from."""
     resume_from = None
-    if cfg["init_from"] == "resume":
-        resume_from = newest_good_checkpoint(out, env)
-        print0(env, f"resuming from {resume_from}" if resume_from else f"no checkpoint in {out}: starting from scratch")
+    if resuming(cfg):
+        resume_from = newest_good_checkpoint(folders, env)
+        start = "scratch" if cfg["init_from"] == "resume" else cfg["init_from"]
+        print0(env, f"resuming from {resume_from}" if resume_from
+               else f"no checkpoint in {' or '.join(map(str, folders))}: starting from {start}")
         if resume_from:
             check_resume_config(resume_from, cfg, env)
     return resume_from
@@ -237,7 +259,7 @@ def resume_point(out, cfg, env):
 
 def init_model(cfg, env, resume_from):
     """The unsharded model: from scratch, from a converted checkpoint, or the newest checkpoint of this run."""
-    source = cfg["init_from"] if cfg["init_from"] not in ("scratch", "resume") else None
+    source = cfg["init_from"] if cfg["init_from"] not in ("scratch", "resume") and not resume_from else None
     if resume_from or source:
         check_carried_tokenizer(resume_from or source, cfg)
     build_on = "cpu" if env.kind == "xla" else env.device  # XLA: built and initialised on the host, then sharded
@@ -362,13 +384,14 @@ def stop_on_signal(env):
 
 
 def open_log(out, cfg, env):
-    """(log(event), the log file or None): events go to out_dir/log.jsonl and wandb, from the master only. A bucket
-    has no appends: there the log is kept in a local copy, uploaded whole after each event."""
-    remote = storage.join(out, "log.jsonl") if storage.is_url(out) else None
-    local = Path(tempfile.mkdtemp(prefix="llavax-log-"), "log.jsonl") if remote else out / "log.jsonl"
-    if env.master and remote and storage.exists(remote):
-        local.write_bytes(storage.read_bytes(remote))  # a resumed run's log goes on
-    log_file = open(local, "a") if env.master else None  # noqa: SIM115
+    """(log(event), the log file or None): events go to out_dir/log.jsonl and wandb, from the master only. Nothing is
+    appended in out_dir (a bucket cannot append, nor can a Mountpoint for S3 mount): the log is appended to a local
+    copy, which replaces out_dir/log.jsonl whole after each event (an upload, or a file written and renamed)."""
+    log_file, shared = None, storage.join(out, "log.jsonl")
+    if env.master:
+        log_file = tempfile.NamedTemporaryFile("a", prefix="llavax-log-", suffix=".jsonl")  # noqa: SIM115  gone when closed
+        if storage.exists(shared):
+            log_file.write(storage.read_text(shared))  # a resumed run's log goes on
     if cfg["wandb_log"] and env.master:
         import wandb
 
@@ -378,8 +401,7 @@ def open_log(out, cfg, env):
         if env.master:
             log_file.write(json.dumps(event) + "\n")
             log_file.flush()
-            if remote:
-                storage.upload(local, remote)
+            storage.upload(log_file.name, shared)
             if cfg["wandb_log"]:
                 wandb.log(event, step=event["step"])
 
@@ -623,11 +645,12 @@ def main(argv=None):
 def run(cfg):
     env = Env(cfg)
     out = storage.join(cfg["out_dir"])
-    prepare_out_dir(out, cfg, env)
+    folders = checkpoint_folders(out, cfg, env)
+    prepare_out_dir(folders, cfg, env)
     check_inputs(cfg)
     grad_accum, rows_per_host = batch_layout(cfg, env)
     torch.manual_seed(cfg["seed"])
-    resume_from = resume_point(out, cfg, env)
+    resume_from = resume_point(folders, cfg, env)
     raw = add_lora(init_model(cfg, env, resume_from), cfg, env, resuming=resume_from is not None)
     objective = OBJECTIVES[cfg["objective"]]
     value_raw = rl.load_value_model(cfg, env, raw, chat.Tokenizer(cfg["tokenizer"]), resume_from) \
@@ -684,19 +707,21 @@ def run(cfg):
                 meter.t_last = time.perf_counter()
             checkpointer.poll()
             stopping = env.agree(stop["requested"])
-            if stopping or (cfg["ckpt_interval"] and it % cfg["ckpt_interval"] == 0) or it == cfg["max_iters"]:
-                step_dir = storage.join(out, f"step-{it:06d}")
+            persist = stopping or (cfg["ckpt_interval"] and it % cfg["ckpt_interval"] == 0) or it == cfg["max_iters"]
+            local = not persist and cfg["local_ckpt_interval"] and it % cfg["local_ckpt_interval"] == 0  # the tier between
+            if persist or local:
+                step_dir = storage.join(folders[0] if persist else folders[1], f"step-{it:06d}")
                 checkpointer.save(step_dir, model, raw, optimizer, loader, it, stop=stopping,
                                   own=steps.in_flight(it), value=value)  # grpo, ppo: the rollouts the next step uses
                 print0(env, f"step {it}: checkpoint {step_dir}" + ("" if stopping else " (writing)"))
                 meter.t_last = time.perf_counter()
             if stopping:
-                print0(env, f"stopped at step {it} by a signal; resume with --init_from=resume")
+                print0(env, f"stopped at step {it} by a signal; resume with --resume=True")
                 break
     except storage.StorageError as e:  # a bucket (the data's, out_dir) that stayed unreachable through the retries
         checkpointer.finish()
         raise SystemExit(f"stopping at step {it}: {e}; the last checkpoint is {last_checkpoint(out)}: resume with "
-                         f"--init_from=resume once the bucket answers") from None
+                         f"--resume=True once the bucket answers") from None
     except BaseException:  # a run stopped by an error lets the checkpoint in flight commit first
         checkpointer.finish()
         raise

@@ -7,7 +7,7 @@
 #   torchrun --nproc_per_node=8 train.py configs/dpo_onevision.py
 out_dir = "out/ov7b-dpo"
 init_from = "out/ov7b-ov/step-006250"  # the OneVision SFT checkpoint (configs/onevision_qwen2_7b.py)
-dpo_reference = "out/ov7b-ov/step-006250"  # named, so that a resumed run (--init_from=resume) keeps its reference
+dpo_reference = "out/ov7b-ov/step-006250"  # named, so that a resumed run (--resume=True) keeps its reference
 model = "llava-onevision-qwen2-7b"
 model_overrides = {}
 data_dir = "data/rlaif-v"

@@ -17,7 +17,7 @@
 # policy gathered whole in bf16 for generation (grpo_gather_for_generation) adds 15 GiB while sampling.
 out_dir = "out/ov7b-ppo"
 init_from = "out/ov7b-ov/step-006250"  # the OneVision SFT checkpoint (configs/onevision_qwen2_7b.py)
-grpo_reference = "out/ov7b-ov/step-006250"  # named, so that a resumed run (--init_from=resume) keeps its reference
+grpo_reference = "out/ov7b-ov/step-006250"  # named, so that a resumed run (--resume=True) keeps its reference
 model = "llava-onevision-qwen2-7b"
 model_overrides = {}
 data_dir = "data/rlaif-v-prompts"

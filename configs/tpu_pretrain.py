@@ -1,11 +1,12 @@
 # LLaVA-1.5-7B stage 1 on a TPU pod (torch_xla SPMD), e.g. a v4-64 (32 chips, 8 hosts) or a v5p-64.
 # The recipe is configs/pretrain.py's; only the backend differs. On every worker (scripts/tpu_env.sh sets LIBTPU_INIT_ARGS):
 #   source scripts/tpu_env.sh && .venv/bin/python train.py configs/tpu_pretrain.py
-# out_dir must be storage every host sees (a gcsfuse bucket or Filestore): host 0 writes, every host resumes.
-out_dir = "/mnt/ckpt/llava15-7b-pretrain"
-init_from = "/mnt/ckpt/vicuna7b-clip336"  # convert.py from-hf --llm ... --vision ... (see README)
-data_dir = "/mnt/data/llava-pretrain"  # shards from data.py pack; each host reads its part
-tokenizer = "/mnt/ckpt/vicuna7b-clip336/tokenizer.model"
+# Everything lives in a bucket, the one storage every host of a pod sees (no mount): each host reads its part of the
+# shards and writes its own checkpoint shards there; host 0 commits each step; every host resumes from it.
+out_dir = "gs://MY-BUCKET/llava15-7b-pretrain"
+init_from = "gs://MY-BUCKET/ckpt/vicuna7b-clip336"  # convert.py from-hf --llm ... --vision ... --out gs://... (see README)
+data_dir = "gs://MY-BUCKET/data/llava-pretrain"  # shards from data.py pack --out gs://...
+tokenizer = "gs://MY-BUCKET/ckpt/vicuna7b-clip336/tokenizer.model"
 template = "plain"
 image_mode = "crop"
 seq_len = 2048

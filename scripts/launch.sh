@@ -3,10 +3,10 @@
 # NODE_RANK. Settings (environment): NNODES (1), NODE_RANK (0), NPROC_PER_NODE (the GPUs here, else 1),
 # MASTER_ADDR (127.0.0.1; node 0's address), PYTHON (python), MASTER_PORT (29500), MAX_RESTARTS (0; torchrun restarts every
 # worker of a failed group this many times, and train.py continues from its newest checkpoint when given
-# --init_from=resume), RDZV_ID (llavax). The c10d rendezvous (hosted on MASTER_ADDR:MASTER_PORT) assigns ranks.
+# --resume=True), RDZV_ID (llavax). The c10d rendezvous (hosted on MASTER_ADDR:MASTER_PORT) assigns ranks.
 set -euo pipefail
 USAGE="usage: scripts/launch.sh [--dry-run] CONFIG [--key=value ...]
-  e.g. NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 MAX_RESTARTS=3 scripts/launch.sh configs/finetune.py --init_from=resume"
+  e.g. NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 MAX_RESTARTS=3 scripts/launch.sh configs/finetune.py --resume=True"
 dry_run=0
 if [ "${1:-}" = "--dry-run" ]; then dry_run=1; shift; fi
 if [ $# -lt 1 ] || [ "$1" = "-h" ] || [ "$1" = "--help" ]; then

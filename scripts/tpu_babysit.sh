@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Keep a preemptible pod training until the run is done. Each round: describe the queued resource; if it is
 # preempted (SUSPENDED), FAILED or missing, delete it, create it again (scripts/tpu_up.sh: setup included)
-# and relaunch CMD, which must resume (train.py --init_from=resume); stop once train.py has written
-# OUT_DIR/DONE. Needs OUT_DIR (train.py's out_dir, on storage the workers share) to see that marker.
+# and relaunch CMD, which must resume (train.py --resume=True); stop once train.py has written
+# OUT_DIR/DONE. Needs OUT_DIR (train.py's out_dir: a bucket, gs://..., or a path the workers share) to see that marker.
 # A gcloud call that fails is retried with backoff (RETRIES, RETRY_SECONDS) and never taken for a lost pod; CMD is
 # launched only while no worker runs train.py, so a babysitter started again never starts a second copy.
 set -euo pipefail
-USAGE="usage: scripts/tpu_babysit.sh [--spot | --best-effort | --reserved] [--out-dir=DIR] [--dry-run] [settings as tpu_up.sh] -- CMD...
-  e.g. scripts/tpu_babysit.sh --spot --out-dir=/mnt/ckpt/run -- python train.py configs/tpu_pretrain.py --init_from=resume
+USAGE="usage: scripts/tpu_babysit.sh [--spot | --best-effort | --reserved] [--out-dir=gs://BUCKET/RUN | DIR] [--dry-run] [settings as tpu_up.sh] -- CMD...
+  e.g. scripts/tpu_babysit.sh --spot --out-dir=gs://my-bucket/llava15-7b-pretrain -- python train.py configs/tpu_pretrain.py --resume=True
   POLL_SECONDS (default 60) between rounds; MAX_RECREATES (default 20) bounds the recreations."
 # shellcheck source=scripts/tpu_lib.sh
 source "$(dirname "$0")/tpu_lib.sh"
@@ -25,7 +25,11 @@ if [ ${#cmd[@]} -eq 0 ]; then
   exit 2
 fi
 here=$(dirname "$0")
-done_test="test -f $(printf '%q' "$OUT_DIR/DONE")"  # run by the remote shell: the path quoted for it
+done_marker=$(printf '%q' "${OUT_DIR%/}/DONE")  # run by worker 0's shell: quoted for it
+case "$OUT_DIR" in
+  *://*) done_test="cd \$HOME/$REMOTE_DIR && .venv/bin/python -c 'import sys, storage; sys.exit(not storage.exists(sys.argv[1]))' $done_marker" ;;
+  *) done_test="test -f $done_marker" ;;
+esac
 if [ "$DRY_RUN" = 1 ]; then  # one round of each kind of action, printed
   run bash "$here/tpu_up.sh" "${up_flags[@]+"${up_flags[@]}"}"
   run bash "$here/tpu_run.sh" -- "${cmd[@]}"
@@ -39,7 +43,7 @@ while true; do
   case "$state" in
     ACTIVE)
       if WORKER=0 on_workers "$done_test" > /dev/null 2>&1; then
-        log "$OUT_DIR/DONE exists: the run is complete"
+        log "${OUT_DIR%/}/DONE exists: the run is complete"
         exit 0
       fi
       if [ "$launched" = 0 ]; then

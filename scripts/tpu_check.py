@@ -231,7 +231,7 @@ def check_checkpoint(verdict, work, shapes, rows, cpu, recipe):
         resumed.mkdir()
         shutil.copytree(saved / "step-000002", resumed / "step-000002")
         train.main(recipe_args(recipe, RECIPES[recipe], shapes, resumed, rows, cpu) +
-                   ["--max_iters=3", "--ckpt_interval=0", "--init_from=resume"])
+                   ["--max_iters=3", "--ckpt_interval=0", "--resume=True"])
         straight, again = losses(saved)[-1], losses(resumed)[-1]
     except (Exception, SystemExit) as e:  # noqa: BLE001
         verdict.add("checkpoint", recipe, failure(e), "FAIL")

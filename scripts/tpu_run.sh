@@ -5,7 +5,7 @@
 # copied in a private file, never on a command line, in a log or in --dry-run output.
 set -euo pipefail
 USAGE="usage: scripts/tpu_run.sh [--dry-run] [--tpu-name=N --zone=Z --project=P] -- CMD [ARG...]
-  e.g. scripts/tpu_run.sh -- python train.py configs/tpu_pretrain.py --init_from=resume"
+  e.g. scripts/tpu_run.sh -- python train.py configs/tpu_pretrain.py --resume=True"
 # shellcheck source=scripts/tpu_lib.sh
 source "$(dirname "$0")/tpu_lib.sh"
 parse_args "$@"

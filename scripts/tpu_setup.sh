@@ -28,4 +28,6 @@ run .venv/bin/python -m pip install --quiet -r requirements.txt
 # the [tpu] extra brings libtpu for this torch_xla release; the index holds libtpu builds not on PyPI
 run .venv/bin/python -m pip install --quiet "torch_xla[tpu]==${torch_xla_version}" \
   -f https://storage.googleapis.com/libtpu-releases/index.html
+# gs:// paths (out_dir, data_dir, tokenizer, init_from) are read and written through gcsfs
+run .venv/bin/python -m pip install --quiet gcsfs
 run .venv/bin/python -c "import torch, torch_xla; print('llavax: torch', torch.__version__, 'torch_xla', torch_xla.__version__)"

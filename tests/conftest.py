@@ -2,6 +2,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -56,43 +57,90 @@ def hf_llava_dir(tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# long self-contained subprocesses (the XLA gradient matrix and compiled-program audit) start with the session, at
-# low priority, on the core that the mostly one-process-at-a-time rest of the suite leaves idle; their fixtures wait
+# long self-contained subprocesses (the XLA gradient matrix, the compiled-program audit, ...) start with the session,
+# at low priority, beside the rest of the suite; their fixtures wait. Under pytest-xdist (make test: -n 2) the first
+# worker starts them in a folder every worker sees, and a fixture on either worker waits for its job's exit status
 
-BACKGROUND = {}  # module name -> (Popen, folder holding its log.txt)
+BACKGROUND = {}  # module name -> Popen, in the process that started it
+
+
+def worker():
+    return os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+
+
+def shared_folder(tmp_path_factory):
+    """A folder every xdist worker of this session sees (each worker's basetemp is a folder inside it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
+
+
+class SharedFolders:
+    """What start_background(tmp_path_factory) is given: mktemp(name) in the shared folder."""
+
+    def __init__(self, root):
+        self.root = root
+
+    def mktemp(self, name):
+        (path := self.root / "background" / name).mkdir(parents=True, exist_ok=True)
+        return path
 
 
 def start_in_background(name, cmd, env, folder):
-    """Popen cmd at nice 10, its stdout and stderr to folder/log.txt, for the test module `name` to wait for."""
-    log = open(folder / "log.txt", "w")  # noqa: SIM115  the child holds it
-    BACKGROUND[name] = (subprocess.Popen(["nice", "-n", "10", *map(str, cmd)], stdout=log, stderr=subprocess.STDOUT,
-                                         env=env, cwd=ROOT), folder)
-    log.close()
+    """Run cmd at nice 10, its stdout and stderr to folder/log.txt and its exit status to folder/returncode, for the
+    test module `name` to wait for (folder/../name.folder names the folder)."""
+    (folder.parent / f"{name}.folder").write_text(str(folder))
+    script = '"$@" > "$0/log.txt" 2>&1; echo $? > "$0/returncode.tmp"; mv "$0/returncode.tmp" "$0/returncode"'
+    BACKGROUND[name] = subprocess.Popen(["nice", "-n", "10", "sh", "-c", script, str(folder), *map(str, cmd)], env=env,
+                                        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
 def wait_for_background(name, timeout):
-    proc, folder = BACKGROUND[name]
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    assert proc.returncode == 0, (folder / "log.txt").read_text()[-8000:]
+    """The folder of module `name`'s background job once it has exited 0 (on whichever worker started it)."""
+    pointer = SharedFolders(BACKGROUND_ROOT[0]).root / "background" / f"{name}.folder"
+    t0 = time.monotonic()
+    while not pointer.exists() and time.monotonic() - t0 < 120:  # the first worker starts it with its session
+        time.sleep(1)
+    folder = Path(pointer.read_text())
+    while not (folder / "returncode").exists():
+        if time.monotonic() - t0 > timeout:
+            if name in BACKGROUND:
+                BACKGROUND[name].kill()
+            raise AssertionError(f"{name}'s background job still running after {timeout} s: "
+                                 + (folder / "log.txt").read_text()[-8000:])
+        time.sleep(1)
+    assert (folder / "returncode").read_text().strip() == "0", (folder / "log.txt").read_text()[-8000:]
     return folder
+
+
+BACKGROUND_ROOT = []  # the shared folder of this session
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """For pytest-xdist's --dist loadgroup: each module is one group (its module fixtures are built once), and the
+    longest modules are sent first so that none is left running alone at the end."""
+    first = ["test_xla.py", "test_bucket_checkpoint.py", "test_scripts.py", "test_train.py", "test_checkpoint.py"]
+    items.sort(key=lambda item: first.index(item.path.name) if item.path.name in first else len(first))
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(item.path.stem))
 
 
 @pytest.fixture(scope="session", autouse=True)
 def background(request, tmp_path_factory):
-    """Each collected module that has start_background(tmp_path_factory) starts it now, and so does the fork server
-    of the command-line tests (tests/forkserver.py) if they import it; what is still running at the end of the
-    session (an early failure, -x) is killed."""
+    """The first worker starts each collected module's start_background(folders), and every worker the fork server
+    of the command-line tests (tests/forkserver.py) if they import it; at the end of its session the first worker
+    waits for what it started (another worker may still need it), or kills it after a failure with -x."""
+    BACKGROUND_ROOT.append(shared_folder(tmp_path_factory))
     if "forkserver" in sys.modules:
         sys.modules["forkserver"].start()
-    for module in {item.module for item in request.session.items if item.module is not None}:
-        if hasattr(module, "start_background") and module.__name__ not in BACKGROUND:
-            module.start_background(tmp_path_factory)
+    if worker() == "gw0":
+        for module in {item.module for item in request.session.items if item.module is not None}:
+            if hasattr(module, "start_background") and module.__name__ not in BACKGROUND:
+                module.start_background(SharedFolders(BACKGROUND_ROOT[0]))
     yield
-    for proc, _ in BACKGROUND.values():
+    for proc in BACKGROUND.values():
+        if proc.poll() is None and not request.session.shouldfail and not request.session.shouldstop:
+            proc.wait(timeout=1800)
         if proc.poll() is None:
             proc.kill()
             proc.wait()

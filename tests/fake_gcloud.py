@@ -3,8 +3,9 @@
 
 FAKE_GCLOUD_DIR holds calls.jsonl (one argv a line), states (one describe answer a line, consumed in
 order, the last repeated; MISSING means "does not exist", ERROR a transient failure), copies of scp'd files, and
-a count of launches. An ssh that tests for DONE succeeds once the training command has been launched FAKE_DONE_AFTER
-times, or from the FAKE_DONE_AT_CHECK-th such test on. pgrep for train.py finds it when FAKE_LIVE_RUN is set.
+a count of launches. An ssh that tests for DONE (test -f, or storage.exists in a bucket) succeeds once the training
+command has been launched FAKE_DONE_AFTER times, or from the FAKE_DONE_AT_CHECK-th such test on. pgrep for train.py
+finds it when FAKE_LIVE_RUN is set.
 The first FAKE_SSH_FAILS ssh calls and FAKE_DELETE_FAILS deletes fail as a dropped connection or API error does."""
 
 import json
@@ -52,7 +53,7 @@ elif argv[:4] == ["compute", "tpus", "tpu-vm", "ssh"]:
     launches = d / "launches"
     if "nohup" in command:
         launches.write_text(str(int(launches.read_text()) + 1 if launches.exists() else 1))
-    if command.startswith("test -f") and command.endswith("/DONE"):
+    if command.endswith("/DONE"):  # test -f, or storage.exists for a bucket
         done_after = int(os.environ.get("FAKE_DONE_AFTER", "1"))
         checks = d / "done_checks"
         checks.write_text(str(int(checks.read_text()) + 1 if checks.exists() else 1))

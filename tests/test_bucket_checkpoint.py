@@ -1,5 +1,5 @@
-"""Checkpoints committed without any rename, the same protocol on a local folder, on a filesystem that cannot rename
-folders (a default gcsfuse mount, Mountpoint for S3), and in a bucket (moto's S3 server, fake-gcs-server): the
+"""Checkpoints committed without any rename, the same protocol on a local folder, on a filesystem that can neither rename
+folders nor append (a default gcsfuse mount, Mountpoint for S3), and in a bucket (moto's S3 server, fake-gcs-server): the
 manifest, written last, is the commit; a step without one is never taken; a damaged step is marked, not renamed;
 a run resumed from a bucket ends bit for bit where a local run does."""
 
@@ -12,12 +12,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import forkserver
 import pytest
-from conftest import ROOT, checkpoint_bytes
+from conftest import ROOT, checkpoint_bytes, train_on_xla
 from shapes import make_shapes
-from test_train import args, run
+from test_train import args, free_port, run, torchrun_workers
 
 import checkpoint
 import storage
@@ -54,30 +55,78 @@ def log_losses(text):
     return {e["step"]: e["loss"] for e in map(json.loads, text.splitlines()) if "loss" in e}
 
 
-NO_FOLDER_RENAMES = """
-import os, sys
+MOUNT = """
+import builtins, io, os, signal, sys
 sys.path.insert(0, {root!r})
-def files_only(real):
-    def rename(src, dst, *a, **kw):  # a gcsfuse mount without --rename-dir-limit: folders cannot be renamed
+mount = {mount!r}
+
+
+def refused(what, path):
+    return OSError(95, f"Operation not supported ({{what}})", str(path))
+
+
+def no_folder_renames(real):  # gcsfuse without --rename-dir-limit, Mountpoint for S3: a folder cannot be renamed
+    def rename(src, dst, *a, **kw):
         if os.path.isdir(src):
-            raise OSError(95, "Operation not supported (folder rename)", str(src))
+            raise refused("folder rename", src)
         return real(src, dst, *a, **kw)
     return rename
-os.rename, os.replace = files_only(os.rename), files_only(os.replace)
+
+
+def no_appends(real):  # Mountpoint for S3: a file cannot be appended to
+    def open_(file, mode="r", *a, **kw):
+        if "a" in mode and isinstance(file, (str, os.PathLike)) and os.path.abspath(file).startswith(mount):
+            raise refused("append", file)
+        return real(file, mode, *a, **kw)
+    return open_
+
+
+os.rename, os.replace = no_folder_renames(os.rename), no_folder_renames(os.replace)
+builtins.open = io.open = no_appends(io.open)
 import train
+if {stop_at}:  # SIGTERM to the whole process group once step N is logged, as a scheduler delivers it
+    os.setsid()
+    log_progress = train.log_progress
+    def signalling(meter, it, *a):
+        log_progress(meter, it, *a)
+        if it == {stop_at}:
+            os.killpg(0, signal.SIGTERM)
+    train.log_progress = signalling
 train.main({argv!r})
 """
 
 
-def test_checkpoints_commit_and_resume_where_folders_cannot_be_renamed(shapes, local_run, tmp_path):
-    for argv in (args(shapes, tmp_path, "--max_iters=6", "--ckpt_interval=3", "--keep_last=5"),
-                 args(shapes, tmp_path, "--max_iters=9", "--ckpt_interval=3", "--keep_last=5", "--init_from=resume")):
-        r = forkserver.run([sys.executable, "-c", NO_FOLDER_RENAMES.format(root=str(ROOT), argv=argv)],
-                           os.environ | {"OMP_NUM_THREADS": "1"}, cwd=ROOT)
-        assert r.returncode == 0, r.stderr[-3000:]
+def on_mount(argv, mount, stop_at=0):
+    """train.main(argv) where `mount` behaves as a bucket mounted with gcsfuse or Mountpoint for S3 does: no folder
+    renames, no appends under it."""
+    r = forkserver.run([sys.executable, "-c", MOUNT.format(root=str(ROOT), mount=str(mount), argv=argv, stop_at=stop_at)],
+                       os.environ | {"OMP_NUM_THREADS": "1"}, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return r
+
+
+def test_a_run_on_a_mount_without_appends_or_folder_renames(shapes, local_run, tmp_path):
+    # stopped by SIGTERM at step 7: the detached writer (its pid file on the mount) commits step 7, then prunes
+    common = ["--max_iters=9", "--ckpt_interval=3", "--keep_last=2"]
+    r = on_mount(args(shapes, tmp_path, *common), tmp_path, stop_at=7)
+    assert "stopped at step 7 by a signal" in r.stdout, r.stdout[-2000:]
+    stop = tmp_path / "step-000007"
+    assert checkpoint.verify_checkpoint(stop) is None and not list(tmp_path.glob(".stop-writer*"))
+    shard = stop / "__0_0.distcp"  # then it rots on the mount
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    # resumed: step 7 marked CORRUPT (a new file, no rename), step 6 taken, 9 written, 3 pruned, DONE
+    r = on_mount(args(shapes, tmp_path, *common, "--init_from=resume"), tmp_path)
+    assert f"skipping {stop}: __0_0.distcp differs from its sha256" in r.stdout
     assert f"resuming from {tmp_path / 'step-000006'}" in r.stdout
-    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-000003", "step-000006", "step-000009"]
+    assert "sha256" in json.loads((stop / "CORRUPT").read_text())["reason"]
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step-000006", "step-000009"]
+    assert not (tmp_path / "step-000003").exists() and json.loads((tmp_path / "DONE").read_text()) == {"step": 9}
     same_state(tmp_path / "step-000009", local_run / "step-000009", tmp_path)
+    # the log, never appended to here: the whole run's losses, as the uninterrupted local run logged them
+    assert log_losses((tmp_path / "log.jsonl").read_text()) == log_losses((local_run / "log.jsonl").read_text())
+    assert not list(tmp_path.glob(".*.tmp-*"))  # no temporary file left behind by a write
 
 
 def test_resume_falls_back_past_a_bucket_step_missing_a_shard_or_holding_a_truncated_one(shapes, local_run, s3_bucket,
@@ -151,6 +200,94 @@ def test_a_writer_killed_mid_upload_leaves_no_step_that_resume_takes(shapes, loc
     r = run(args(shapes, out, "--max_iters=6", "--ckpt_interval=3", "--keep_last=5", "--init_from=resume"))
     assert f"resuming from {out}/step-000003" in r.stdout
     same_state(f"{out}/step-000006", local_run / "step-000006", tmp_path)
+
+
+@pytest.mark.slow
+def test_xla_and_fsdp2_share_a_bucket_and_resume_on_other_world_sizes(shapes, s3_bucket, s3_proxy, tmp_path):
+    out, bucket, common = f"{s3_bucket}/run", storage.bucket(s3_bucket), ["--ckpt_interval=3", "--keep_last=5"]
+    # XLA SPMD on 4 CPU devices (one host) writes step 3 to the bucket
+    train_on_xla(args(shapes, out, "--max_iters=3", *common))
+    # FSDP2 on 2 ranks resumes it there; a rank is SIGKILLed while step 6's shards upload (as the OOM killer does)
+    shard_put = rf"^PUT /{bucket}/run/step-000006/__\d_0\.distcp"
+    s3_proxy.inject(shard_put, "hold", 2)
+    s3_proxy.hold = 2.0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", str(ROOT / "train.py"),
+           *args(shapes, out, "--max_iters=6", "--init_from=resume", "--parallel=fsdp", "--micro_batch_size=4", *common)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env=os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    t0 = time.time()
+    while not any(re.search(shard_put, r) for r in s3_proxy.requests) and proc.poll() is None and time.time() < t0 + 180:
+        time.sleep(0.05)
+    os.kill(max(torchrun_workers(proc.pid)), signal.SIGKILL)
+    output = proc.stdout.read()
+    proc.wait(timeout=120)
+    time.sleep(s3_proxy.hold + 0.5)  # the held uploads end: a killed client's stores nothing
+    assert "world changed from 1 to 2" in output, output[-3000:]
+    assert [storage.name(p) for p in checkpoint.checkpoints(out)] == ["step-000003"], output[-3000:]
+    assert not storage.exists(f"{out}/step-000006/.metadata") and not storage.exists(f"{out}/step-000006/manifest.json")
+    fsdp2 = log_losses(storage.read_text(f"{out}/log.jsonl"))  # 1-3 by XLA, 4-6 by FSDP2 before the kill
+    # one process resumes XLA's step 3 from the bucket, and the same step copied to a local folder: bit for bit
+    local = tmp_path / "local"
+    for name in storage.ls(f"{out}/step-000003"):
+        storage.write_bytes(local / "step-000003" / name, storage.read_bytes(f"{out}/step-000003/{name}"))
+    r = run(args(shapes, out, "--max_iters=6", "--init_from=resume", *common))
+    assert f"removing {out}/step-000006: its write did not finish" in r.stdout
+    assert f"resuming from {out}/step-000003" in r.stdout
+    run(args(shapes, local, "--max_iters=6", "--init_from=resume", *common))
+    resumed, reference = log_losses(storage.read_text(f"{out}/log.jsonl")), log_losses((local / "log.jsonl").read_text())
+    assert sorted(reference) == [4, 5, 6] and all(resumed[s] == reference[s] for s in reference), (resumed, reference)
+    same_state(f"{out}/step-000006", local / "step-000006", tmp_path)
+    # and FSDP2 had loaded what XLA wrote: its steps 4-6 agree with one process's up to the order of summation
+    assert all(abs(fsdp2[s] - reference[s]) <= 1e-4 * abs(reference[s]) for s in reference), (fsdp2, reference)
+
+
+def flip_a_bit(path):
+    data = bytearray(storage.read_bytes(path))
+    data[len(data) // 2] ^= 1
+    storage.write_bytes(path, bytes(data))
+
+
+KILLED_AT_COMMIT = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+import checkpoint, train
+real = checkpoint.write_manifest
+def dying(path, files=None):  # every shard of step {step} is in the bucket; the manifest, the commit, is next
+    if str(path).endswith("step-{step:06d}"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(path, files)
+checkpoint.write_manifest = dying
+train.main({argv!r})
+"""
+
+
+def test_resume_takes_the_newest_verified_step_of_either_tier(shapes, local_run, s3_bucket, tmp_path):
+    # every 3rd step to the bucket, every 2nd between them to this host's disk; killed while step 9 commits
+    out, local = f"{s3_bucket}/run", tmp_path / "local"
+    common = ["--max_iters=9", "--ckpt_interval=3", f"--local_ckpt_dir={local}", "--local_ckpt_interval=2",
+              "--keep_last=5"]
+    script = KILLED_AT_COMMIT.format(root=str(ROOT), step=9, argv=args(shapes, out, *common))
+    r = forkserver.run([sys.executable, "-c", script], os.environ | {"OMP_NUM_THREADS": "1"})
+    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+    assert [storage.name(p) for p in checkpoint.checkpoints(out)] == ["step-000003", "step-000006"]
+    assert [p.name for p in checkpoint.checkpoints(local)] == ["step-000002", "step-000004", "step-000008"]
+    # resumed: the local step 8 is the newest that verifies; step 9 lands in the bucket as an uninterrupted run has it
+    r = run(args(shapes, out, *common, "--init_from=resume"))
+    assert f"resuming from {local / 'step-000008'}" in r.stdout, r.stdout[-3000:]
+    same_state(f"{out}/step-000009", local_run / "step-000009", tmp_path)
+    assert log_losses(storage.read_text(f"{out}/log.jsonl")) == log_losses((local_run / "log.jsonl").read_text())
+    # the bucket's step 9 rots: the newest that verifies is then the local step 8, not the bucket's step 6
+    flip_a_bit(f"{out}/step-000009/__0_0.distcp")
+    master = SimpleNamespace(master=True)
+    assert checkpoint.newest_good_checkpoint([out, local], master) == local / "step-000008"
+    assert storage.exists(f"{out}/step-000009/CORRUPT")
+    # a new run into the bucket prefix that holds this one's checkpoints: one sentence, nothing touched
+    before = {p: storage.read_bytes(f"{p}/manifest.json") for p in checkpoint.checkpoints(out)}
+    r = run(args(shapes, out, "--max_iters=2"), check=False)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert f"out_dir {out} already holds checkpoints (step-000003, step-000006): continue that run" in r.stderr
+    assert before == {p: storage.read_bytes(f"{p}/manifest.json") for p in checkpoint.checkpoints(out)}
 
 
 @pytest.mark.slow

@@ -222,7 +222,7 @@ def test_a_bucket_that_goes_down_mid_run_stops_training_in_one_sentence(workers,
     said = str(e.value)
     assert re.fullmatch(rf"stopping at step \d+: {url}/shard-\d+\.tar: still failing after 2 attempts in \d+ s "
                         r"\(.*reduce your request rate.*\) at http://\S+ \(AWS_ENDPOINT_URL\); the last checkpoint is "
-                        r".*: resume with --init_from=resume once the bucket answers", said) and "\n" not in said, said
+                        r".*: resume with --resume=True once the bucket answers", said) and "\n" not in said, said
     steps = checkpoint.checkpoints(tmp_path)
     assert steps and all(checkpoint.verify_checkpoint(p) is None for p in steps), steps
     assert f"the last checkpoint is {steps[-1]}:" in said

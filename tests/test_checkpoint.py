@@ -74,6 +74,7 @@ def test_resharded_resume_loads_every_weight_and_moment_bit_for_bit(shapes, fsdp
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_ddp_4_to_2_ranks_continues_the_run(shapes, tmp_path):
     common = ["--parallel=ddp", "--batch_size=8", "--keep_last=5"]
     a, b = tmp_path / "a", tmp_path / "b"

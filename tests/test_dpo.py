@@ -266,6 +266,7 @@ def test_dpo_config_errors_are_one_sentence(tmp_path, extra, message):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_dpo_under_torchrun_ddp_and_fsdp_matches_one_process(shapes_pairs, tmp_path):
     from test_train import run
 
@@ -355,6 +356,7 @@ def test_shapes_pairs_reject_a_wrong_answer_of_the_same_kind(shapes_pairs):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_dpo_on_xla_spmd_compiles_once_and_matches_cpu_eager(shapes_pairs, tmp_path):
     """torch_xla SPMD on 4 CPU devices (fsdp 4): the pair rows and the reference shard like any batch and model;
     after the first two steps (the second sees AdamW's step count) every step reuses the compiled graphs."""
@@ -447,6 +449,7 @@ def logged(out):
     return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if "loss" in line]
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])  # autocast's cache
 def test_lora_dpo_with_adapters_off_equals_the_frozen_copy_reference(shapes_pairs, tmp_path, capsys, dtype, s3_bucket):
     """The frozen copy is read from a bucket (moto's S3 server): dpo_reference loads as init_from does."""
@@ -528,6 +531,7 @@ def test_adapter_free_reference_under_bf16_autocast_is_the_frozen_copy(tmp_path,
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_lora_dpo_adapters_off_under_torchrun_fsdp_matches_one_process(shapes_pairs, tmp_path):
     """FSDP2 keeps the root's gathered weights (the projector's among them) after a forward: the reference's swap must
     reach them, and the policy's next forward must see its trained values again. The evaluation just before the last

@@ -96,7 +96,7 @@ def test_rejected_is_the_models_own_wrong_answer_and_right_ones_are_dropped_or_k
 
 @pytest.mark.parametrize("flag,value,message", [
     ("--ckpt", "nope", r"pairs: --ckpt \S*nope: cannot load the model and its tokenizer \(.*no config.json"),
-    ("--data", "nope", r"\S*nope: no \.nv-meta/\S+, so not a finished dataset"),
+    ("--data", "nope", r"\S*nope: no dataset there \(nothing under it\)"),
     ("--samples", "0", None),
     ("--out", "held", r"pairs: --out \S*held already holds a dataset \(shard-000000.tar, ...\); pass --overwrite"),
     ("--out", "raw", r"pairs: --out \S*raw already holds a dataset \(source/, ...\); pass --overwrite"),  # was deleted

@@ -792,7 +792,7 @@ def test_a_reward_rule_that_does_not_return_one_float_a_completion_is_one_senten
                             "--eval_interval=0", "--ckpt_interval=0", "--final_accuracy_samples=0"))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.full)])
 def test_lora_grpo_kl_reference_is_the_policy_with_adapters_off(shapes_pairs, tmp_path, capsys, dtype):  # noqa: F811
     """grpo_beta > 0 with LoRA and no grpo_reference: the policy with its adapters off (and its projector at its
     start values) gives the frozen copy's rollouts, KL and loss. bf16: autocast's cast cache handed the reference

@@ -465,6 +465,7 @@ def test_lora_packed_with_activation_checkpointing_or_tiled_gives_the_same_losse
         assert sorted(a) == sorted(b) == [1, 2, 3, 4] and all(abs(a[s] - b[s]) <= 1e-5 * a[s] for s in a), (a, b)
 
 
+@pytest.mark.full
 def test_lora_under_torchrun_fsdp_matches_the_single_process_run_and_resumes_exactly(shapes, base, lora_run, tmp_path):
     fsdp = ["--parallel=fsdp", "--micro_batch_size=4", "--ckpt_interval=2", "--keep_last=5"]
     run(lora_args(shapes, tmp_path / "a", base, 0.0, "--max_iters=4", *fsdp), nproc=2)

@@ -39,6 +39,7 @@ def ppo_args(shapes, out, init, judge, *extra):
                     "--final_accuracy_samples=0", *extra)
 
 
+@pytest.mark.full
 def test_ppo_epochs_lower_the_surrogate_and_the_value_loss_and_train_both_models(shapes_pairs, tmp_path):  # noqa: F811
     """One rollout batch of 4 prompts (2 micro-batches of 2: prompts and completions of different lengths, padded to
     one shape), 4 epochs of one mini-batch: the first step's ratio is 1 (approx KL 0, nothing clipped) and its policy is
@@ -87,6 +88,7 @@ def test_ppo_epochs_lower_the_surrogate_and_the_value_loss_and_train_both_models
     assert torch.allclose(batch["ref_logps"] * m, batch["old_logps"] * m)  # the reference is the init
 
 
+@pytest.mark.full
 def test_ppo_resumes_exactly_inside_a_rollout_batch(shapes_pairs, tmp_path):  # noqa: F811
     """2 epochs of 2 mini-batches a rollout batch (4 steps), 6 steps straight, or stopped at step 3 (inside the first
     batch: its rollouts, the value model and its moments in the checkpoint) and resumed: the same mini-batches in the
@@ -155,6 +157,7 @@ def test_ppo_config_errors_are_one_sentence_from_train(shapes_pairs, tmp_path, e
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_ppo_under_torchrun_fsdp_matches_ddp_and_resumes_exactly(shapes_pairs, tmp_path):  # noqa: F811
     """2 ranks, a rollout batch of 4 prompts (2 a rank), 2 epochs of 2 mini-batches: FSDP2 (the policy, value model,
     reward model and reference sharded) logs what DDP logs, and FSDP2 stopped at step 3 (inside the rollout batch)
@@ -187,6 +190,7 @@ def test_ppo_under_torchrun_fsdp_matches_ddp_and_resumes_exactly(shapes_pairs, t
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_ppo_on_xla_spmd_compiles_once_and_matches_cpu_eager(shapes_pairs, tmp_path):  # noqa: F811
     """4 PPO steps under torch_xla SPMD on 4 CPU devices (fsdp 4; a rollout batch of 8 prompts in 2 micro-batches,
     one epoch of 2 mini-batches, the seed's ppo_epochs) against the same run on CPU eager with grpo_static=True: static

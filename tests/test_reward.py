@@ -72,6 +72,7 @@ def test_reward_head_reads_each_rows_last_real_token_as_transformers_does(tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_reward_model_ranks_right_above_wrong_on_held_out_shapes_pairs(tmp_path):
     """A short run from a random init on the shapes pairs: accuracy above chance on 120 held-out pairs; the
     checkpoint reloads with its head (convert.load_model)."""
@@ -108,6 +109,7 @@ def test_reward_config_errors_are_one_sentence(tmp_path, extra, message):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_reward_model_under_torchrun_ddp_and_fsdp_matches_one_process(tmp_path):
     from test_dpo import dpo_args
     from test_train import run
@@ -131,6 +133,7 @@ def test_reward_model_under_torchrun_ddp_and_fsdp_matches_one_process(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_reward_model_on_xla_spmd_compiles_once_and_matches_cpu_eager(tmp_path):
     """torch_xla SPMD on 4 CPU devices (fsdp 4): the reward head's gather at each row's last real token and the
     Bradley-Terry loss shard like any batch and model; losses and accuracy equal CPU eager's, and after the second step

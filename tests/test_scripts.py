@@ -12,6 +12,9 @@ import pytest
 from conftest import ROOT
 from test_train import args, free_port, losses, run, shapes, weights  # noqa: F401  (shapes is a fixture)
 
+import checkpoint
+import storage
+
 SCRIPTS = ROOT / "scripts"
 SETTINGS = {"TPU_NAME": "llavax-test", "ZONE": "us-central2-b", "PROJECT": "my-project", "TPU_TYPE": "v4-16",
             "RUNTIME_VERSION": "tpu-ubuntu2204-base"}
@@ -130,14 +133,14 @@ def test_babysit_recreates_after_preemption_and_stops_when_done(gcloud):
     script, calls, _ = gcloud
     # babysit: ACTIVE -> launch; SUSPENDED -> down + up (PROVISIONING, ACTIVE); ACTIVE -> relaunch; ACTIVE + DONE
     r = script("tpu_babysit.sh", "--spot", "--out-dir=/mnt/ckpt/run", "--", "python", "train.py", "configs/x.py",
-               "--init_from=resume", states=("ACTIVE", "SUSPENDED", "PROVISIONING", "ACTIVE"),
+               "--resume=True", states=("ACTIVE", "SUSPENDED", "PROVISIONING", "ACTIVE"),
                extra={"FAKE_DONE_AFTER": "2"})
     c = calls()
     kinds = [a[3] for a in c]  # describe, create, delete, ssh, scp
     assert sum(a[2:4] == ["queued-resources", "delete"] for a in c) == 1
     assert sum(a[2:4] == ["queued-resources", "create"] for a in c) == 1
     launches = [i for i, a in enumerate(c) if any("nohup" in x for x in a)]
-    assert len(launches) == 2 and all("--init_from=resume" in json.dumps(c[i]) for i in launches)
+    assert len(launches) == 2 and all("--resume=True" in json.dumps(c[i]) for i in launches)
     # the relaunch comes after the recreation, and the run ends at the DONE marker
     assert launches[0] < kinds.index("delete") < kinds.index("create") < launches[1]
     assert "DONE exists: the run is complete" in r.stderr
@@ -175,13 +178,32 @@ def test_babysit_survives_a_failed_delete_and_an_out_dir_with_a_space(gcloud):
     assert any("--command=test -f /mnt/ckpt/my\\ run/DONE" in a for a in c)
 
 
+def test_scripts_pass_bucket_paths_through(gcloud):
+    script, calls, _ = gcloud
+    bucket = ["--out_dir=gs://llavax-ckpt/run", "--data_dir=gs://llavax-data/shards", "--resume=True"]
+    r = script("tpu_babysit.sh", "--spot", "--out-dir=gs://llavax-ckpt/run/", "--", "python", "train.py",
+               "configs/tpu_pretrain.py", *bucket)
+    c = calls()
+    (launch,) = [next(x for x in a if x.startswith("--command=")) for a in c if any("nohup" in x for x in a)]
+    assert all(arg in launch for arg in bucket), launch  # unquoted, unchanged
+    # the DONE marker is looked up in the bucket, by worker 0 with the checkout's storage.py and its credentials
+    (check,) = {x for a in c for x in a if x.startswith("--command=") and x.endswith("/DONE")}
+    assert "storage.exists(sys.argv[1])" in check and check.endswith(" gs://llavax-ckpt/run/DONE"), check
+    assert "gs://llavax-ckpt/run/DONE exists: the run is complete" in r.stderr
+    r = subprocess.run(["bash", str(SCRIPTS / "launch.sh"), "--dry-run", "configs/debug.py", "--out_dir=s3://b/run"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.rstrip().endswith("configs/debug.py --out_dir=s3://b/run"), r.stdout + r.stderr
+
+
 # -----------------------------------------------------------------------------
 # SLURM: scripts/slurm.sbatch run as sbatch runs it, with a fake srun that signals the step as slurmstepd does
 
 
 @pytest.mark.slow
-def test_slurm_signal_reaches_train_py_and_the_job_requeues_and_resumes(shapes, tmp_path):  # noqa: F811
-    bin_dir, state, out = tmp_path / "bin", tmp_path / "slurm", tmp_path / "run"
+def test_slurm_signal_reaches_train_py_and_the_job_requeues_and_resumes(shapes, s3_bucket, tmp_path):  # noqa: F811
+    # out_dir in a bucket: the stop checkpoint goes there through the detached writer, which the task waits for in the
+    # local folder checkpoint.writer_folder names (the workers are SIGKILLed while it writes, as torchrun does 30 s on)
+    bin_dir, state, out = tmp_path / "bin", tmp_path / "slurm", f"{s3_bucket}/run"
     bin_dir.mkdir()
     state.mkdir()
     for name in ("srun", "scontrol"):
@@ -191,22 +213,26 @@ def test_slurm_signal_reaches_train_py_and_the_job_requeues_and_resumes(shapes, 
                         "SLURM_GPUS_ON_NODE": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     argv = ["bash", str(SCRIPTS / "slurm.sbatch"), *args(shapes, out, "--max_iters=10", "--ckpt_interval=0",
                                                          "--num_workers=2", "--keep_last=5")]
-    # the first allocation: SIGTERM to every process of the step at step 2 (as --signal=TERM@LEAD does)
+    # the first allocation: SIGTERM to every process of the step at step 2 (as --signal=TERM@LEAD does), then the
+    # workers die while their writer is still at it (a slow store: 3 s)
     r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env=env | {"MASTER_PORT": str(free_port()), "FAKE_SLURM_SIGNAL_AT_STEP": "2"})
-    assert r.returncode == 0 and (state / "signalled").exists(), r.stdout[-3000:] + r.stderr[-3000:]
+                       env=env | {"MASTER_PORT": str(free_port()), "FAKE_SLURM_SIGNAL_AT_STEP": "2",
+                                  "FAKE_SLURM_KILL_WORKERS": "1", "LLAVAX_TEST_SLOW_CHECKPOINT": "3"})
+    assert r.returncode == 0 and (state / "workers_killed").exists(), r.stdout[-3000:] + r.stderr[-3000:]
     assert "got signal 15" in r.stdout and "requeueing job 4242" in r.stdout, r.stdout[-3000:]
-    assert (state / "requeues").read_text() == "4242\n" and not (out / "DONE").exists()
-    (ckpt,) = [p.name for p in (out).glob("step-*")]
+    assert (state / "requeues").read_text() == "4242\n" and not storage.exists(f"{out}/DONE")
+    (ckpt,) = checkpoint.checkpoints(out)  # committed by the writer that outlived its worker
+    assert checkpoint.writer_pid_file(out, 0).exists()  # its worker died before it could remove it
     # the requeued job: same script, same job id; it resumes and finishes without requeueing again
     r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env=env | {"MASTER_PORT": str(free_port()), "SLURM_RESTART_COUNT": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert f"resuming from {out / ckpt}" in r.stdout and "the run is complete" in r.stdout
-    assert (state / "requeues").read_text() == "4242\n" and (out / "DONE").exists()
+    assert f"resuming from {ckpt}" in r.stdout and "the run is complete" in r.stdout
+    assert (state / "requeues").read_text() == "4242\n" and storage.exists(f"{out}/DONE")
+    assert not checkpoint.writer_folder(out).exists()  # the stale pid file cleared at the start, its folder with it
     straight = tmp_path / "straight"  # one process: bit-identical to torchrun with one (checked)
     run(args(shapes, straight, "--max_iters=10", "--ckpt_interval=0"))
-    assert weights(out / "step-000010") == weights(straight / "step-000010")
+    assert weights(f"{out}/step-000010") == weights(straight / "step-000010")
 
 
 # -----------------------------------------------------------------------------
@@ -220,6 +246,7 @@ def launch(env_extra, argv, log_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_two_nodes_on_loopback_match_one_node_with_two_processes(shapes, tmp_path):  # noqa: F811
     run(args(shapes, tmp_path / "one", "--max_iters=6", "--micro_batch_size=4"), nproc=2)
     port = str(free_port())
@@ -249,8 +276,9 @@ def rank_pid(out_dir, rank):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_killed_worker_is_restarted_and_resumes_to_the_same_weights(shapes, tmp_path):  # noqa: F811
-    common = ["--max_iters=40", "--micro_batch_size=4", "--ckpt_interval=5", "--keep_last=3", "--init_from=resume"]
+    common = ["--max_iters=40", "--micro_batch_size=4", "--ckpt_interval=5", "--keep_last=3", "--resume=True"]
     run(args(shapes, tmp_path / "straight", *common), nproc=2)
     out = tmp_path / "faulty"
     p = launch({"NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port()), "MAX_RESTARTS": "1"}, args(shapes, out, *common),

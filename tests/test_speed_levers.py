@@ -194,6 +194,7 @@ def test_bf16_frozen_run_trains_saves_resumes_and_exports(shapes, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_bf16_frozen_under_torchrun_fsdp_matches_fp32_frozen_and_resumes_exactly(shapes, tmp_path):
     """FSDP2 over 2 ranks (gloo): the frozen bf16 weights sit in the same fully_shard groups as fp32 trained ones
     (FSDP2 asks one dtype of the trained parameters only); the losses are the fp32-frozen run's and a resume from
@@ -291,6 +292,7 @@ def test_checkpointing_policies_give_the_uncheckpointed_gradients_and_recompute_
     assert bwd - ref_bwd == rerun and fwd > rerun
 
 
+@pytest.mark.full
 def test_selective_checkpointing_compiles_with_the_blocks():
     """With compile, the selective checkpoint is compiled whole, the compiled block inside it: dynamo traces it
     (frames compiled, not skipped as it does a compiled block called under the policy's dispatch mode) and the
@@ -312,6 +314,7 @@ def test_selective_checkpointing_compiles_with_the_blocks():
     assert_grads_close(grads, ref_grads, 1e-5)
 
 
+@pytest.mark.full
 def test_compiled_selective_backward_graph_reruns_no_matmul():
     """Compiled with inductor's partitioner (min-cut, as torch.compile's default backend partitions), an LLM block's
     backward graph under 'selective' holds the matmuls of no checkpointing (its own, for the gradients) and none of
@@ -345,7 +348,8 @@ def test_compiled_selective_backward_graph_reruns_no_matmul():
     assert counted["selective"] == counted["none"] and counted["full"]["backward"] == 14 + 6, counted
 
 
-@pytest.mark.parametrize("stage,frozen_dtype", [(1, "bfloat16"), (1, "float32"), (2, "float32")])
+@pytest.mark.parametrize("stage,frozen_dtype", [(1, "bfloat16"), pytest.param(1, "float32", marks=pytest.mark.full),
+                                                      pytest.param(2, "float32", marks=pytest.mark.full)])
 def test_computed_activation_bytes_are_what_the_compiler_saves(stage, frozen_dtype):
     """bench.kept_bytes (the activations BENCHMARKS.md's memory table counts) against the tensors inductor's min-cut
     partitioner keeps between forward and backward for an LLM block under bf16 autocast, per policy; and the bf16
@@ -406,6 +410,7 @@ def test_bench_liger_peer_without_cuda_is_one_sentence():
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_gpu_speed_script_runs_its_matrix_at_the_debug_size_on_cpu(tmp_path):
     """scripts/gpu_speed.sh --debug: every row of the GPU matrix at the debug size on the CPU (the Liger row is
     reported as skipped without CUDA), one JSON and one markdown table."""

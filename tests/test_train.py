@@ -102,7 +102,7 @@ def ddp_run(shapes, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("parallel", [pytest.param("ddp", marks=pytest.mark.full), "fsdp"])
 def test_two_process_run_matches_single_and_resumes_exactly(shapes, single_run, ddp_run, tmp_path, parallel):
     a, b = ddp_run if parallel == "ddp" else tmp_path / "a", tmp_path / "b"
     common = [f"--parallel={parallel}", "--micro_batch_size=4"]  # 2 ranks x 4 = the single run's global batch
@@ -271,6 +271,26 @@ def test_stages_change_exactly_the_intended_parameters(shapes, tmp_path, stage, 
             assert not torch.equal(before[k], after[k]), k
 
 
+def test_resume_true_starts_from_init_from_then_continues_its_own_steps(shapes, tmp_path, capsys):
+    """The launch scripts pass --resume=True on every start: the first must load init_from (a stage 2 fine-tune's
+    stage 1 weights), not random weights, and a restart its own newest step."""
+    cfg = vlm_preset("debug")
+    cfg.vision.image_size, cfg.llm.vocab_size, cfg.image_token_id = 28, 576, 512
+    checkpoint.save_model(build_model(cfg, seed=7), tmp_path / "init")
+    common = [f"--init_from={tmp_path / 'init'}", "--ckpt_interval=2", "--keep_last=5"]
+    train.main(args(shapes, tmp_path / "straight", *common, "--max_iters=4"))
+    train.main(args(shapes, tmp_path / "scratch", "--max_iters=1", "--ckpt_interval=0"))
+    capsys.readouterr()
+    train.main(args(shapes, tmp_path / "restarted", *common, "--resume=True", "--max_iters=2"))
+    assert "starting from " + str(tmp_path / "init") in capsys.readouterr().out
+    train.main(args(shapes, tmp_path / "restarted", *common, "--resume=True", "--max_iters=4"))
+    assert "resuming from " + str(tmp_path / "restarted/step-000002") in capsys.readouterr().out
+    straight, restarted = losses(tmp_path / "straight"), losses(tmp_path / "restarted")
+    assert restarted == straight and sorted(straight) == [1, 2, 3, 4]
+    assert straight[1] != losses(tmp_path / "scratch")[1]  # init_from's weights, not the seed's
+    assert weights(tmp_path / "restarted/step-000004") == weights(tmp_path / "straight/step-000004")
+
+
 def test_trained_checkpoint_converts_to_hf_and_transformers_agrees(shapes, single_run, tmp_path):
     from transformers import LlavaForConditionalGeneration
 
@@ -316,6 +336,7 @@ def bench(*extra, size=("--size", "debug")):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.full
 def test_bench_runs_ours_against_transformers_on_cpu():
     report = bench()
     assert report["ours"]["tokens_per_s"] > 0 and report["ratio"]["tokens_per_s"] > 0
