@@ -1,6 +1,8 @@
 """Inputs a reviewer tried on the tiled (LLaVA-NeXT / OneVision) path that the other tests did not: each a
 clear promise (a one-line error naming the input, never a traceback) or a reference."""
 
+import tarfile
+
 import pytest
 import torch
 from test_multi_image_data import chat_tokenizer, tiny_onevision_config
@@ -125,8 +127,9 @@ def test_train_refuses_max_tiles_before_building_a_7b_preset(tmp_path, monkeypat
     import train
 
     tokenizer(tmp_path / "tok")
+    tarfile.open(tmp_path / "data.tar", "w").close()  # a tar (empty): the data passes train's early look at it
     monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("built the model before checking max_tiles"))
     with pytest.raises(SystemExit, match=f"max_tiles={max_tiles}"):
         train.main(["--model=llava-next-vicuna-7b", "--model_overrides={}", f"--max_tiles={max_tiles}",
-                    f"--data_dir={tmp_path}", f"--tokenizer={tmp_path / 'tok/tokenizer.json'}",
+                    f"--data_dir={tmp_path / 'data.tar'}", f"--tokenizer={tmp_path / 'tok/tokenizer.json'}",
                     f"--out_dir={tmp_path / 'out'}", "--device=cpu"])
