@@ -23,6 +23,7 @@ from shards import ShardReader, Skips, all_sample_offsets, log, shard_files
 
 NUMBERED_IMAGE_RE = re.compile(r"(f?)(\d+)\.(?:jpg|jpeg|png|webp)")  # KEY.0.jpg: image 0 of several; KEY.f0.jpg: frame 0
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+STORAGE_ERROR = "storage_error"  # the key of the one-entry "batch" a DataLoader worker hands back for a StorageError
 
 
 # -----------------------------------------------------------------------------
@@ -389,6 +390,12 @@ class ShardStream(torch.utils.data.IterableDataset):
         try:
             for k in itertools.count(first, n_workers):
                 yield self.batch(k)
+        except storage.StorageError as e:
+            if info is None:
+                raise
+            # a worker's exception reaches the main process with its whole traceback as the message: its sentence
+            # travels as the batch instead, and Loader raises it there
+            yield {STORAGE_ERROR: str(e)}
         finally:  # the consumer stopped (an evaluation's few batches): its requests ahead are not waited for
             self.reader.forget()
 
@@ -469,6 +476,8 @@ class Loader:
         # shifted the dropout masks (LoRA's) of a resumed run, whose loader starts after the RNG state is restored
         for batch in torch.utils.data.DataLoader(self.stream, batch_size=None, num_workers=self.num_workers,
                                                  generator=torch.Generator(), **kw):
+            if STORAGE_ERROR in batch:  # a bucket that stayed unreachable in a worker (ShardStream.__iter__)
+                raise storage.StorageError(batch[STORAGE_ERROR])
             self.position += self.stream.samples_per_batch
             yield batch
 

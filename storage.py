@@ -7,13 +7,17 @@ What a bucket has and a disk has not, and what follows for callers:
 - an object appears whole when its upload completes, or not at all: write_bytes is atomic on both (locally: a
   temporary file, then os.replace of that one file; a directory is never renamed);
 - requests are throttled (429, 503 SlowDown) and connections reset: each call here is retried with exponential
-  backoff (and s3fs, gcsfs and botocore retry their own requests too).
+  backoff (and s3fs, gcsfs and botocore retry their own requests too); a call whose answer is small is bounded in
+  time (FIRST_CONTACT, PATIENCE), so an endpoint that is down or never answers is said, not waited on for an hour;
+- a URL names one prefix however it is typed (normal: doubled and trailing slashes, the scheme's case), and
+  [ ] * ? in it are names, never patterns (fsspec's glob and rm would expand them).
 Endpoints and credentials come only from the standard places: AWS_ENDPOINT_URL, the other AWS_* variables or
 ~/.aws for S3; STORAGE_EMULATOR_HOST or application default credentials (gcloud, GOOGLE_APPLICATION_CREDENTIALS,
 a VM's service account) for GCS.
 """
 
 import builtins
+import functools
 import importlib.util
 import os
 import random
@@ -27,6 +31,11 @@ from pathlib import Path
 PACKAGES = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}  # the schemes we read and write, and who serves each
 RETRIES = 6  # attempts of one call on a transient error
 BACKOFF = 0.25  # seconds before the first retry, doubled before each next one (with jitter)
+# The most a call whose answer is small (a listing, a probe, a ranged read) may take, its attempts together: an
+# endpoint that is down, or that takes connections and never answers, would otherwise hold each attempt for the
+# clients' own timeouts times their own retries (s3fs x botocore: ~7 minutes; gcsfs: longer).
+FIRST_CONTACT = 30  # seconds: a run's first look at a bucket (check_bucket): a mistyped endpoint said at once
+PATIENCE = 300  # seconds: any later one (an outage mid-run is waited out this long, then said)
 
 
 class StorageError(OSError):
@@ -41,10 +50,18 @@ def scheme(url):
     return str(url).split("://", 1)[0].lower()
 
 
+def normal(url):
+    """url as every call here names it: the scheme in lower case, no empty key segment (a doubled or trailing slash),
+    so that s3://b//runs/a/ and s3://b/runs/a are one prefix (s3fs and gcsfs each keep some of those slashes and drop
+    others, so a URL typed with them was listed in one place and read from another)."""
+    kind, rest = str(url).split("://", 1)
+    return f"{kind.lower()}://{'/'.join(part for part in rest.split('/') if part)}"
+
+
 def join(base, *names):
-    """base/names: a Path for a local base, a URL (str) for a bucket."""
+    """base/names: a Path for a local base, a URL (str, normal) for a bucket."""
     if is_url(base):
-        return "/".join([str(base).rstrip("/"), *(str(n).strip("/") for n in names)])
+        return normal("/".join([str(base), *map(str, names)]))
     return Path(base, *names)
 
 
@@ -117,7 +134,7 @@ def bucket(url):
 
 def key(url):
     """The path within the filesystem, as fsspec names it: bucket/key."""
-    return str(url).split("://", 1)[1].rstrip("/")
+    return normal(url).split("://", 1)[1]
 
 
 # -----------------------------------------------------------------------------
@@ -155,9 +172,18 @@ def plain_error(e, path):
     if re.search(r"NoCredentialsError|Unable to locate credentials|PartialCredentialsError", text):
         return StorageError(f"{path}: no AWS credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
                             f"AWS_PROFILE with ~/.aws/credentials")
-    if re.search(r"DefaultCredentialsError|RefreshError", text):
+    google = {type(err).__name__: " ".join(str(err).split())[:200] for err in causes(e)}
+    if "DefaultCredentialsError" in google and os.environ.get("GOOGLE_APPLICATION_CREDENTIALS"):
+        return StorageError(f"{path}: GOOGLE_APPLICATION_CREDENTIALS={os.environ['GOOGLE_APPLICATION_CREDENTIALS']} "
+                            f"cannot be used ({google['DefaultCredentialsError']}): point it at a service account key, "
+                            f"or unset it and run `gcloud auth application-default login`")
+    if "DefaultCredentialsError" in google:
         return StorageError(f"{path}: no Google credentials: run `gcloud auth application-default login`, or set "
                             f"GOOGLE_APPLICATION_CREDENTIALS to a service account key")
+    if "RefreshError" in google:
+        return StorageError(f"{path}: the Google credentials were refused ({google['RefreshError']}): a key revoked "
+                            f"or of another project? Check GOOGLE_APPLICATION_CREDENTIALS, or run `gcloud auth "
+                            f"application-default login` again")
     if re.search(r"NoSuchBucket|specified bucket does not exist", text):
         return StorageError(f"{path}: bucket '{bucket(path)}' does not exist (create it first, or check its name)")
     if re.search(r"InvalidAccessKeyId|SignatureDoesNotMatch|AccessDenied|\b403\b|Forbidden", text):
@@ -166,41 +192,77 @@ def plain_error(e, path):
     return None
 
 
-def call(path, fn, *args, **kwargs):
+def call(path, fn, *args, seconds=None, **kwargs):
     """fn(*args, **kwargs), retried with exponential backoff while it fails transiently; an error the user can fix
-    becomes a StorageError that says how."""
-    t0 = time.monotonic()
+    becomes a StorageError that says how. seconds: the most its attempts may take together (fn: a method of an
+    fsspec async filesystem, whose sync wrapper takes a timeout and cancels the request when it is up)."""
+    t0, said = time.monotonic(), None
     for attempt in range(RETRIES):
+        left = None if seconds is None else seconds - (time.monotonic() - t0)
         try:
-            return fn(*args, **kwargs)
+            return fn(*args, **kwargs) if left is None else fn(*args, **kwargs, timeout=max(left, 0.1))
         except Exception as e:  # noqa: BLE001  whatever the filesystem raises: sorted below
-            if attempt + 1 < RETRIES and transient(e):
-                time.sleep(BACKOFF * 2**attempt * random.uniform(0.5, 1.0))
+            said = e if str(e) or said is None else said  # fsspec's timeout says nothing: the error before it does
+            pause = BACKOFF * 2**attempt * random.uniform(0.5, 1.0)
+            in_time = seconds is None or time.monotonic() + pause - t0 < seconds - 1
+            if attempt + 1 < RETRIES and transient(e) and in_time:
+                time.sleep(pause)
                 continue
             if not is_url(path):
                 raise
             if (plain := plain_error(e, path)) is not None:
                 raise plain from None
             if transient(e):
-                raise StorageError(f"{path}: still failing after {RETRIES} attempts in {time.monotonic() - t0:.0f} s "
-                                   f"({type(e).__name__}: {str(e)[:200]})") from e
+                reason = " ".join(str(said).split())[:200] or "no answer in time"
+                raise StorageError(f"{path}: still failing after {attempt + 1} attempt{'s' if attempt else ''} in "
+                                   f"{time.monotonic() - t0:.0f} s ({type(said).__name__}: {reason}) at "
+                                   f"{endpoint(path)}") from e
             if isinstance(e, FileNotFoundError) and not bucket_exists(path):  # gcsfs names only the URL it used
                 raise StorageError(f"{path}: bucket '{bucket(path)}' does not exist (create it first, or check its "
                                    f"name)") from None
+            if isinstance(e, FileNotFoundError):  # s3fs says bucket/key, gcsfs its request's URL
+                raise FileNotFoundError(f"{normal(path)}: no such object") from None
             raise
+
+
+def endpoint(url):
+    """Where url's requests go, and who said so: for a sentence."""
+    names = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL") if scheme(url) == "s3" else ("STORAGE_EMULATOR_HOST",)
+    named = next((name for name in names if os.environ.get(name)), None)
+    if named:
+        return f"{os.environ[named]} ({named})"
+    return "the S3 endpoint" if scheme(url) == "s3" else "storage.googleapis.com"
 
 
 def bucket_exists(url):
     try:
-        return filesystem(url).exists(bucket(url))
+        return filesystem(url).exists(bucket(url), timeout=FIRST_CONTACT)
     except Exception:  # noqa: BLE001  unknown: let the caller's own error stand
         return True
 
 
+def check_google_credentials(url):
+    """gcsfs takes a refused token for a server error and retries it for a minute: one token asked for says why."""
+    import google.auth
+    from google.auth.transport.requests import Request
+
+    try:
+        credentials, _ = google.auth.default(scopes=["https://www.googleapis.com/auth/devstorage.read_write"])
+        credentials.refresh(functools.partial(Request(), timeout=FIRST_CONTACT))
+    except Exception as e:  # noqa: BLE001  google-auth's kinds, and the transport's
+        if (plain := plain_error(e, url)) is not None:
+            raise plain from None
+        raise StorageError(f"{url}: no Google access token ({type(e).__name__}: {' '.join(str(e).split())[:200]})") \
+            from None
+
+
 def check_bucket(url):
     """Stop early, in one sentence, when url's bucket is not there or these credentials cannot reach it."""
+    if PACKAGES.get(scheme(url)) == "gcsfs" and not os.environ.get("STORAGE_EMULATOR_HOST"):
+        filesystem(url)  # the package there, first
+        check_google_credentials(url)
     try:  # s3fs's exists(bucket) says False for any failure, missing credentials included: a listing tells them apart
-        call(url, filesystem(url).ls, key(url), detail=False)
+        call(url, filesystem(url).ls, key(url), detail=False, seconds=FIRST_CONTACT)
     except FileNotFoundError:  # a new prefix in a bucket that is there (call() names a missing bucket)
         pass
 
@@ -214,11 +276,12 @@ def exists(path):
         return Path(path).exists()
     fs = filesystem(path)
     fs.invalidate_cache(key(path))  # another process (a rank, a host) may have written it since we looked
-    return call(path, fs.exists, key(path))
+    return call(path, fs.exists, key(path), seconds=PATIENCE)
 
 
 def size(path):
-    return Path(path).stat().st_size if not is_url(path) else call(path, filesystem(path).size, key(path))
+    return Path(path).stat().st_size if not is_url(path) else call(path, filesystem(path).size, key(path),
+                                                                   seconds=PATIENCE)
 
 
 def ls(path):
@@ -228,10 +291,10 @@ def ls(path):
     fs = filesystem(path)
     fs.invalidate_cache(key(path))
     try:
-        found = call(path, fs.ls, key(path), detail=False)
+        found = call(path, fs.ls, key(path), detail=False, seconds=PATIENCE)
     except FileNotFoundError:
         return []
-    return sorted(name(p) for p in found if p.rstrip("/") != key(path))
+    return sorted({name(p) for p in found if p.rstrip("/") != key(path)})  # S3: an object and a prefix may share one
 
 
 def file_sizes(path):
@@ -242,7 +305,7 @@ def file_sizes(path):
     fs = filesystem(path)
     fs.invalidate_cache(key(path))
     try:
-        found = call(path, fs.ls, key(path), detail=True)
+        found = call(path, fs.ls, key(path), detail=True, seconds=PATIENCE)
     except FileNotFoundError:
         return {}
     return {name(e["name"]): e["size"] for e in found if e["type"] == "file" and e["name"].rstrip("/") != key(path)}
@@ -255,8 +318,13 @@ def glob(path, pattern):
     fs = filesystem(path)
     fs.invalidate_cache(key(path))
     prefix = key(path) + "/"
-    found = call(path, fs.glob, prefix + pattern)
+    found = call(path, fs.glob, escape_glob(prefix) + pattern, seconds=PATIENCE)  # a prefix is a name, even with [ * ? in it
     return [join(path, p[len(prefix):]) for p in sorted(found)]
+
+
+def escape_glob(name):
+    """name as a glob pattern that matches name alone."""
+    return re.sub(r"([*?[])", r"[\1]", name)
 
 
 def makedirs(path):
@@ -277,8 +345,8 @@ def rm(path, recursive=False):
             p.unlink(missing_ok=True)
         return
     fs = filesystem(path)
-    try:
-        call(path, fs.rm, key(path), recursive=recursive)
+    try:  # fsspec's rm expands [ * ? as a pattern: removing data[1] would remove data1
+        call(path, fs.rm, escape_glob(key(path)), recursive=recursive)
     except FileNotFoundError:
         pass
     fs.invalidate_cache(key(path))
@@ -300,7 +368,8 @@ def read_bytes(path, start=None, end=None):
         with builtins.open(path, "rb") as f:
             f.seek(start or 0)
             return f.read() if end is None else f.read(end - (start or 0))
-    return call(path, filesystem(path).cat_file, key(path), start=start, end=end)
+    small = end is not None  # a range (the loader's requests), not a whole file of any size
+    return call(path, filesystem(path).cat_file, key(path), start=start, end=end, seconds=PATIENCE if small else None)
 
 
 def read_text(path):

@@ -12,6 +12,7 @@ stage 0 trains everything, stage 1 the projector only, stage 2 the projector and
 import json
 import math
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -41,6 +42,7 @@ from model_config import VLMConfig
 from parallel import (Env, attention_kernel, autocast, checkpoint_fn, compile_blocks, flops_per_sample, freeze,
                       frozen_matmul_weights, grad_sync, init_optimizer_state, make_optimizer, param_groups, print0,
                       set_checkpointing, shard, store_frozen, use_flex_attention)
+from shards import DatasetError, shard_files
 
 # -----------------------------------------------------------------------------
 # configuration
@@ -121,11 +123,18 @@ def step_if_finite(optimizer, finite):
                 optimizer.state[p][k].copy_(torch.where(finite, optimizer.state[p][k], v))
 
 
+def last_checkpoint(out):
+    try:
+        found = checkpoints(out)
+    except storage.StorageError:  # an out_dir in a bucket that stopped answering too
+        return "unknown (out_dir cannot be listed now)"
+    return found[-1] if found else "none"
+
+
 def stop_nonfinite(out, it, n, cfg, loader):
-    found = checkpoints(out)
     raise SystemExit(f"stopping at step {it}: {n} steps in a row had a non-finite loss or gradient "
                      f"(max_nonfinite_steps={cfg['max_nonfinite_steps']}); no update was applied. The last checkpoint "
-                     f"is {found[-1] if found else 'none'}. Lower lr, check the data near loader position "
+                     f"is {last_checkpoint(out)}. Lower lr, check the data near loader position "
                      f"{loader.position}, or jump past it with --skip_steps=[({it}, {it + n})] and --resume=True")
 
 
@@ -149,6 +158,9 @@ def prepare_out_dir(folders, cfg, env):
     """out_dir (and the local checkpoint tier) made, a killed checkpoint write cleaned, the config stored and logged;
     refused if one holds another run's checkpoints and this one is not resuming it."""
     out = folders[0]
+    if storage.is_url(out) and re.search(r"[][*?]", storage.key(out)):  # DCP renames .metadata.tmp with fsspec's mv
+        raise SystemExit(f"out_dir {out}: torch's checkpoint writer reads [ ] * ? in a bucket path as a pattern (a "
+                         f"step's index would land elsewhere or nowhere); name the run without them")
     if storage.is_url(out):
         try:
             storage.check_bucket(out)
@@ -180,15 +192,24 @@ MODEL_INPUTS = ("tokenizer", "init_from", "dpo_reference", "grpo_reference", "gr
 
 
 def check_inputs(cfg):
-    for key in ("data_dir", *MODEL_INPUTS):  # read where they load (shards by byte range: shards.ShardReader); a
-        if storage.is_url(cfg.get(key) or ""):  # bucket that is not there is named now, in one sentence
+    """Each input's bucket, the dataset's metadata and the tokenizer, before anything is built (a 7B model takes
+    minutes): a missing one is one sentence now, not after the model."""
+    for key in MODEL_INPUTS:  # read where they load; a bucket that is not there is named now
+        if storage.is_url(cfg.get(key) or ""):
             try:
                 storage.check_bucket(cfg[key])
             except storage.StorageError as e:
                 raise SystemExit(f"{key} {e}") from None
-    if not storage.is_url(cfg["data_dir"]) and not Path(cfg["data_dir"]).exists():
-        raise SystemExit(f"data_dir {cfg['data_dir']!r} does not exist. For the shapes demo run "
+    data_dir = cfg["data_dir"]
+    if not storage.is_url(data_dir) and not Path(data_dir).exists():
+        raise SystemExit(f"data_dir {data_dir!r} does not exist. For the shapes demo run "
                          "`python data.py shapes --out data/shapes` first (make demo does it).")
+    try:  # its bucket, .nv-meta and shard listing (two listings and three small reads), or a lone tar's size
+        for tar, count in shard_files(data_dir, "train").items():
+            if count is None:
+                storage.size(tar)
+    except (DatasetError, OSError) as e:
+        raise SystemExit(f"data_dir {e}" if str(e).startswith(str(data_dir)) else f"data_dir {data_dir}: {e}") from None
     try:
         chat.Tokenizer(cfg["tokenizer"])
     except Exception as e:  # noqa: BLE001  sentencepiece and tokenizers raise many kinds for a bogus file
@@ -615,6 +636,13 @@ def evaluate_and_log(model, ref_model, val_loader, env, cfg, vision, objective, 
 
 def main(argv=None):
     cfg = load_config(sys.argv[1:] if argv is None else argv)
+    try:
+        run(cfg)
+    except storage.StorageError as e:  # a bucket unreachable through the retries (the loop names its step itself)
+        raise SystemExit(str(e)) from None
+
+
+def run(cfg):
     env = Env(cfg)
     out = storage.join(cfg["out_dir"])
     folders = checkpoint_folders(out, cfg, env)
@@ -690,6 +718,10 @@ def main(argv=None):
             if stopping:
                 print0(env, f"stopped at step {it} by a signal; resume with --resume=True")
                 break
+    except storage.StorageError as e:  # a bucket (the data's, out_dir) that stayed unreachable through the retries
+        checkpointer.finish()
+        raise SystemExit(f"stopping at step {it}: {e}; the last checkpoint is {last_checkpoint(out)}: resume with "
+                         f"--resume=True once the bucket answers") from None
     except BaseException:  # a run stopped by an error lets the checkpoint in flight commit first
         checkpointer.finish()
         raise

@@ -109,7 +109,8 @@ class FaultProxy:
     """Forwards HTTP/1.1 to 127.0.0.1:upstream. inject(pattern, fault, count): the next `count` requests whose
     'METHOD /path?query' matches the regex get `fault` instead: 503 or 429 (with the service's error body), 'reset'
     (the connection is closed with a TCP RST before an answer) or 'hold' (the body is read only after `hold` seconds,
-    and forwarded only if whole: a client killed meanwhile uploads nothing). `faults` counts those served."""
+    and forwarded only if whole: a client killed meanwhile uploads nothing); with after=k the first k matching
+    requests are forwarded first (a server that goes down later). `faults` counts those served."""
 
     def __init__(self, upstream, service):
         self.upstream, self.service, self.rules, self.faults, self.requests = upstream, service, [], 0, []
@@ -194,15 +195,17 @@ class FaultProxy:
     def url(self):
         return f"http://127.0.0.1:{self.port}"
 
-    def inject(self, pattern, fault, count):
+    def inject(self, pattern, fault, count, after=0):
         with self.lock:
-            self.rules.append([re.compile(pattern), str(fault), count])
+            self.rules.append([re.compile(pattern), str(fault), count, after])
 
     def take(self, request):
         with self.lock:
             self.requests.append(request)
             for rule in self.rules:
-                if rule[2] > 0 and rule[0].search(request):
+                if rule[2] > 0 and rule[3] > 0 and rule[0].search(request):
+                    rule[3] -= 1
+                elif rule[2] > 0 and rule[0].search(request):
                     rule[2] -= 1
                     self.faults += 1
                     return rule[1]

@@ -22,6 +22,7 @@ from test_train import args, free_port, run, torchrun_workers
 
 import checkpoint
 import storage
+import train
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +127,23 @@ def test_a_run_on_a_mount_without_appends_or_folder_renames(shapes, local_run, t
     # the log, never appended to here: the whole run's losses, as the uninterrupted local run logged them
     assert log_losses((tmp_path / "log.jsonl").read_text()) == log_losses((local_run / "log.jsonl").read_text())
     assert not list(tmp_path.glob(".*.tmp-*"))  # no temporary file left behind by a write
+
+
+def test_resume_falls_back_past_a_bucket_step_missing_a_shard_or_holding_a_truncated_one(shapes, local_run, s3_bucket,
+                                                                                         tmp_path, capsys):
+    """A run's steps in a bucket, the newest missing its .distcp shard (deleted, or a lifecycle rule took it), the one
+    before holding it cut short (a partial upload some tool committed): resume names both and takes the step before."""
+    out = f"{s3_bucket}/run"
+    for f in sorted(p for p in local_run.rglob("*") if p.is_file()):
+        storage.upload(f, f"{out}/{f.relative_to(local_run).as_posix()}")
+    storage.rm(f"{out}/step-000009/__0_0.distcp")
+    shard = f"{out}/step-000006/__0_0.distcp"
+    storage.write_bytes(shard, storage.read_bytes(shard)[:-1000])
+    train.main(args(shapes, out, "--max_iters=4", "--ckpt_interval=3", "--keep_last=5", "--init_from=resume"))
+    said = capsys.readouterr().out
+    assert f"resume: skipping {out}/step-000009: __0_0.distcp is missing" in said
+    assert re.search(rf"resume: skipping {out}/step-000006: __0_0.distcp is \d+ bytes, \d+ when written", said)
+    assert f"resuming from {out}/step-000003" in said and checkpoint.verify_checkpoint(f"{out}/step-000004") is None
 
 
 @pytest.mark.slow

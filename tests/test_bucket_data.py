@@ -10,15 +10,18 @@ import sys
 
 import forkserver
 import pytest
+import s3fs
 import torch
 from buckets import forget_filesystems
 from conftest import ROOT
 from test_train import args
 
+import checkpoint
 import data
 import pack
 import shards
 import storage
+import train
 from loader import Loader, ShardStream
 
 
@@ -158,7 +161,7 @@ def test_a_pack_that_dies_midway_leaves_no_dataset_and_audit_reads_the_finished_
     assert bucket_files(url) == local_files(local)
 
 
-def test_bad_data_paths_are_one_sentence(shapes, s3_bucket, gcs_bucket):
+def test_bad_data_paths_are_one_sentence(shapes, s3_bucket, gcs_bucket, tmp_path, capsys):
     storage.write_text(f"{s3_bucket}/other/notes.txt", "not a dataset")
     cases = [("s3://llavax-no-such-bucket/shards", "bucket 'llavax-no-such-bucket' does not exist"),
              ("gs://llavax-no-such-bucket/shards", "bucket 'llavax-no-such-bucket' does not exist"),
@@ -171,6 +174,13 @@ def test_bad_data_paths_are_one_sentence(shapes, s3_bucket, gcs_bucket):
             stream(shapes, url)
     with pytest.raises(SystemExit, match="audit: s3://llavax-no-such-bucket/shards: bucket 'llavax-no-such-bucket'"):
         data.main(["audit", "s3://llavax-no-such-bucket/shards", "--tokenizer", str(shapes / "tokenizer.model")])
+    # train.py says so before it builds anything
+    (tmp_path / "empty").mkdir()
+    for url, said in [*cases[3:], (tmp_path / "empty", "no dataset there"), (f"{s3_bucket}/x.tar", "no such object")]:
+        with pytest.raises(SystemExit) as e:
+            train.main(args(shapes, tmp_path / "out", f"--data_dir={url}", "--max_iters=1"))
+        assert re.match(rf"data_dir {url}: {said}", str(e.value)) and "\n" not in str(e.value), str(e.value)
+        assert "model:" not in capsys.readouterr().out
 
 
 def test_train_from_a_bucket_logs_the_local_runs_losses_bit_for_bit(shapes, s3_bucket, tmp_path):
@@ -190,6 +200,32 @@ def test_train_from_a_bucket_logs_the_local_runs_losses_bit_for_bit(shapes, s3_b
     r = results["no_bucket"]
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr  # one sentence, no traceback
     assert "data_dir s3://llavax-no-such-bucket/shards: bucket 'llavax-no-such-bucket' does not exist" in r.stderr
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_bucket_that_goes_down_mid_run_stops_training_in_one_sentence(workers, shapes, s3_bucket, s3_proxy, tmp_path,
+                                                                        monkeypatch):
+    """The shards' bucket answers for a few steps, then only 503s: the run stops in one sentence naming the shard and
+    the reason, in the main process or a DataLoader worker, and the checkpoints it wrote verify (resume takes them)."""
+    url, bucket = s3_bucket + "/shards", storage.bucket(s3_bucket)
+    pack_shapes(shapes, url)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    monkeypatch.setattr(storage, "BACKOFF", 0.01)
+    monkeypatch.setattr(storage, "RETRIES", 2)
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)  # s3fs gives up at once too
+    monkeypatch.setattr(shards, "AHEAD", 16)  # two batches fetched ahead: the outage meets the run, not its prefetch
+    forget_filesystems()
+    s3_proxy.inject(rf"^GET /{bucket}/shards/shard-\d+\.tar$", 503, 10**6, after=20)
+    with pytest.raises(SystemExit) as e:
+        train.main(args(shapes, tmp_path, f"--data_dir={url}", "--max_iters=50", "--ckpt_interval=2",
+                        f"--num_workers={workers}"))
+    said = str(e.value)
+    assert re.fullmatch(rf"stopping at step \d+: {url}/shard-\d+\.tar: still failing after 2 attempts in \d+ s "
+                        r"\(.*reduce your request rate.*\) at http://\S+ \(AWS_ENDPOINT_URL\); the last checkpoint is "
+                        r".*: resume with --resume=True once the bucket answers", said) and "\n" not in said, said
+    steps = checkpoint.checkpoints(tmp_path)
+    assert steps and all(checkpoint.verify_checkpoint(p) is None for p in steps), steps
+    assert f"the last checkpoint is {steps[-1]}:" in said
 
 
 def test_merged_requests_cover_each_range_within_the_request_cap():

@@ -210,12 +210,15 @@ def test_bad_bucket_inputs_get_one_sentence_and_overwrite_nothing(shapes, step, 
                                                           "scheme 'hdfs://'",
         ("init_from", empty): f"init_from '{empty}': cannot load the model ({empty}: no config.json; not a llavax or HF "
                               f"LLaVA checkpoint directory)",
+        ("out_dir", f"{s3_bucket}/runs/lr[1e-4]"): f"out_dir {s3_bucket}/runs/lr[1e-4]: torch's checkpoint writer "
+                                                   f"reads [ ] * ? in a bucket path as a pattern",
     }
     for (key, url), said in train_cases.items():
         with pytest.raises(SystemExit) as e:
             train.main(args(shapes, tmp_path / key, "--max_iters=1", f"--{key}={url}"))
         assert str(e.value).startswith(said) and "\n" not in str(e.value), str(e.value)
         assert checkpoint.checkpoints(tmp_path / key) == []
+    assert storage.ls(f"{s3_bucket}/runs") == []
 
     convert_cases = {
         ("--ckpt", missing, "--out", str(tmp_path / "hf")): "bucket 'llavax-no-such-bucket' does not exist",
@@ -232,9 +235,9 @@ def test_bad_bucket_inputs_get_one_sentence_and_overwrite_nothing(shapes, step, 
     with pytest.raises(SystemExit, match=r"^sample: --ckpt s3://llavax-no-such-bucket/run/step-3: bucket "):
         sample.main(["--ckpt", missing, "--prompt", "Hi"])
 
-    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "STORAGE_EMULATOR_HOST"):  # no credentials anywhere
-        monkeypatch.delenv(k, raising=False)
-    for k in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE", "GOOGLE_APPLICATION_CREDENTIALS"):
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS"):
+        monkeypatch.delenv(k, raising=False)  # no credentials anywhere
+    for k in ("AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE", "CLOUDSDK_CONFIG"):
         monkeypatch.setenv(k, str(tmp_path / "none"))
     forget_filesystems()
     try:

@@ -451,17 +451,23 @@ def logged(out):
 
 @pytest.mark.full
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])  # autocast's cache
-def test_lora_dpo_with_adapters_off_equals_the_frozen_copy_reference(shapes_pairs, tmp_path, capsys, dtype):
+def test_lora_dpo_with_adapters_off_equals_the_frozen_copy_reference(shapes_pairs, tmp_path, capsys, dtype, s3_bucket):
+    """The frozen copy is read from a bucket (moto's S3 server): dpo_reference loads as init_from does."""
     from conftest import checkpoint_tensors
     from safetensors.torch import load_file
 
+    import storage
+
     init = debug_init(tmp_path / "init")
+    for f in init.iterdir():
+        storage.upload(f, f"{s3_bucket}/init/{f.name}")
     lora_dpo = [*LORA_DPO, f"--dtype={dtype}"]
     train.main(dpo_args(shapes_pairs, tmp_path / "off", f"--init_from={init}", *lora_dpo))
     assert "dpo: reference model = the policy with its LoRA adapters off and its 4 tensors trained in full" in \
         capsys.readouterr().out  # the projector's two weights and biases (LLaVA's recipe trains it in full)
-    train.main(dpo_args(shapes_pairs, tmp_path / "copy", f"--init_from={init}", f"--dpo_reference={init}", *lora_dpo))
-    assert f"dpo: reference model {init} (frozen)" in capsys.readouterr().out
+    train.main(dpo_args(shapes_pairs, tmp_path / "copy", f"--init_from={init}", f"--dpo_reference={s3_bucket}/init",
+                        *lora_dpo))
+    assert f"dpo: reference model {s3_bucket}/init (frozen)" in capsys.readouterr().out
     off, copy = logged(tmp_path / "off"), logged(tmp_path / "copy")
     assert [e["step"] for e in off] == [1, 2, 3, 4, 5, 5] and len(off) == len(copy)
     for want, got in zip(copy, off, strict=True):

@@ -246,16 +246,25 @@ def test_ppo_configs_parse_and_the_onevision_recipe_is_the_seeds_easylm_run(tmp_
     assert cfg["seq_len"] + cfg["grpo_max_new_tokens"] <= vlm_preset(cfg["model"]).llm.max_seq_len
 
 
-def test_lora_ppo_reference_is_the_policy_with_adapters_off(shapes_pairs, tmp_path, capsys):  # noqa: F811
+def test_lora_ppo_reference_is_the_policy_with_adapters_off(shapes_pairs, tmp_path, capsys, s3_bucket):  # noqa: F811
     """LoRA on the policy and no grpo_reference: the KL reference is the policy with its adapters off (no second copy
     of the model), and gives what a frozen copy of the start gives: the same rollouts, KL, losses and values. The value
-    model trains in full (stage 2: the projector and the LLM)."""
+    model trains in full (stage 2: the projector and the LLM). The copy run reads its reference, reward model and value
+    model's start from a bucket (moto's S3 server): they load as init_from does."""
+    import storage
+
     init, judge = policy_and_judge(shapes_pairs, tmp_path, stop_weight=8.0)
+    for f in [*init.iterdir(), *judge.iterdir()]:
+        storage.upload(f, f"{s3_bucket}/{f.parent.name}/{f.name}")
     common = ["--batch_size=2", "--micro_batch_size=2", "--ppo_epochs=2", "--lr=3e-3", "--max_iters=3", "--stage=2",
               "--lora={'r': 4, 'alpha': 8, 'targets': ['llm']}"]
     train.main(ppo_args(shapes_pairs, tmp_path / "off", init, judge, *common))
     assert "ppo: reference model = the policy with its LoRA adapters off" in capsys.readouterr().out
-    train.main(ppo_args(shapes_pairs, tmp_path / "copy", init, judge, *common, f"--grpo_reference={init}"))
+    train.main(ppo_args(shapes_pairs, tmp_path / "copy", init, f"{s3_bucket}/judge", *common,
+                        f"--grpo_reference={s3_bucket}/init", f"--ppo_value_init={s3_bucket}/judge"))
+    said = capsys.readouterr().out
+    assert f"ppo: reference model {s3_bucket}/init (frozen)" in said
+    assert f"ppo: rewards from the reward model {s3_bucket}/judge" in said
     off, copy = run_log(tmp_path / "off", "rl/reward"), run_log(tmp_path / "copy", "rl/reward")
     assert len(off) == 3 and off[2]["rl/kl"] != 0  # step 3 samples from the updated adapters
     for want, got in zip(copy, off, strict=True):

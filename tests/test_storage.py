@@ -2,11 +2,20 @@
 local folder: the same calls, the same bytes; throttling and reset connections retried; a bad path said in one
 sentence."""
 
+import http.server
+import json
 import os
+import re
+import socket
+import threading
+import time
+import urllib.request
 
+import boto3
 import pytest
-from buckets import forget_filesystems
+from buckets import S3_ENV, forget_filesystems
 
+import checkpoint
 import storage
 
 
@@ -42,6 +51,44 @@ def test_the_same_calls_give_the_same_bytes_on_disk_and_in_buckets(root, tmp_pat
     assert storage.ls(root) == ["log.jsonl", "step-12"]
     assert not storage.exists(storage.join(root, "step-1/x.bin"))
     assert not [p for p in (tmp_path / "root").rglob("*tmp*")]  # no temporary file left behind locally
+
+
+@pytest.mark.parametrize("kind", ["s3", "gs"])
+def test_a_url_names_the_same_objects_however_it_is_typed(kind, request):
+    """A prefix with spaces, unicode and glob characters, typed with double or trailing slashes, an upper-case scheme,
+    or gcs:// for gs://: every call, and the checkpoint listing resume goes by, sees the objects the plain URL names."""
+    plain = request.getfixturevalue(f"{'gcs' if kind == 'gs' else 's3'}_bucket") + "/runs/exp [1] *?#/ü 漢字"
+    storage.write_text(storage.join(plain, "step-000003/manifest.json"), "{}")
+    storage.write_bytes(storage.join(plain, "step-000004/x.bin"), b"half-written step")
+    if kind == "s3":  # S3 holds an object and a prefix of one name side by side (fake-gcs-server cannot)
+        storage.write_text(storage.join(plain, "step-000004"), "an object named as the step")
+    typed = [plain + "/", plain.replace("/runs/", "//runs//") + "//", kind.upper() + plain[len(kind):],
+             *(["gcs" + plain[2:]] if kind == "gs" else [])]
+    for url in (plain, *typed):
+        assert storage.ls(url) == ["step-000003", "step-000004"], url
+        assert storage.exists(f"{url}/step-000003/manifest.json") and storage.exists(storage.join(url, "step-000004")), url
+        assert storage.read_bytes(f"{url}/step-000004/x.bin", 5, 12) == b"written", url
+        assert storage.file_sizes(storage.join(url, "step-000004")) == {"x.bin": 17}, url
+        assert [storage.name(storage.parent(p)) for p in storage.glob(url, "step-*/manifest.json")] == ["step-000003"]
+        assert [storage.name(p) for p in checkpoint.checkpoints(url)] == ["step-000003"], url  # what resume takes
+    with pytest.raises(FileNotFoundError, match=rf"^{re.escape(plain)}/step-000005/x.bin: no such object"):
+        storage.read_bytes(storage.join(typed[1], "step-000005/x.bin"))
+
+
+@pytest.mark.parametrize("kind", ["s3", "gs"])
+def test_removing_a_path_with_glob_characters_removes_it_alone(kind, request):
+    """fsspec's rm reads [ ] * ? as a pattern: removing data[1]'s .info.json removed data1's (another dataset's) and
+    kept its own; removing run*b's step removed runXb's too. Every name here is a name."""
+    b = request.getfixturevalue(f"{'gcs' if kind == 'gs' else 's3'}_bucket")
+    kept = {f"{b}/data1/.nv-meta/.info.json": "another dataset", f"{b}/runXb/step-1/manifest.json": "another run"}
+    ours = {f"{b}/data[1]/.nv-meta/.info.json": "ours", f"{b}/run*b/step-1/manifest.json": "ours",
+            f"{b}/run*b/step-1/__0_0.distcp": "ours"}
+    for path, text in (kept | ours).items():
+        storage.write_text(path, text)
+    storage.rm(f"{b}/data[1]/.nv-meta/.info.json")
+    storage.rm(f"{b}/run*b/step-1", recursive=True)
+    assert not any(storage.exists(path) for path in ours)
+    assert {path: storage.read_text(path) for path in kept} == kept
 
 
 def test_a_local_write_renames_only_a_file(tmp_path, monkeypatch):
@@ -95,6 +142,118 @@ def test_missing_credentials_are_named(s3_server, tmp_path, monkeypatch):
             storage.exists("gs://some-bucket/run/x")
     finally:
         monkeypatch.undo()
+        forget_filesystems()
+
+
+def moto_auth(endpoint, count):
+    """moto's server checks IAM credentials after `count` more requests ('inf': never), as its /moto-api says."""
+    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset-auth", data=count.encode(), method="POST",
+                                                  headers={"Content-Type": "text/plain"}))
+
+
+def token_endpoint_refusing():
+    """An OAuth token endpoint that answers every request as Google's does a revoked or forged service-account key."""
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = b'{"error": "invalid_grant", "error_description": "Invalid JWT Signature."}'
+            self.send_response(400)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_wrong_credentials_are_named(s3_bucket, tmp_path, monkeypatch):
+    """Credentials that are there but wrong: moto enforcing IAM (an unknown key id; a known key with a wrong secret),
+    a GOOGLE_APPLICATION_CREDENTIALS file that is no key, and a service-account key its token endpoint refuses
+    (gcsfs alone retried that for a minute as if the server were down): one sentence each, nothing written."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+
+    endpoint, run = os.environ["AWS_ENDPOINT_URL"], f"{s3_bucket}/run"
+    iam = boto3.client("iam", endpoint_url=endpoint, region_name="us-east-1")
+    iam.create_user(UserName="llavax")
+    known = iam.create_access_key(UserName="llavax")["AccessKey"]["AccessKeyId"]
+    moto_auth(endpoint, "0")
+    try:
+        for key_id, secret, said in (("AKIAIOSFODNN7EXAMPLE", "wrong", "InvalidAccessKeyId"),
+                                     (known, "wrong", "SignatureDoesNotMatch")):
+            monkeypatch.setenv("AWS_ACCESS_KEY_ID", key_id)
+            monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+            forget_filesystems()
+            for fn in (storage.check_bucket, lambda url: storage.write_text(f"{url}/x", "1")):
+                with pytest.raises(storage.StorageError, match=rf"^{run}.*: access denied \(.*{said}.*\); check the "):
+                    fn(run)
+    finally:
+        moto_auth(endpoint, "inf")
+        monkeypatch.undo()
+    assert storage.ls(s3_bucket) == []
+
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")  # its probe would go to Google's servers
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "key.json"))
+    (tmp_path / "key.json").write_text("not a key")
+    token = token_endpoint_refusing()
+    pem = rsa.generate_private_key(public_exponent=65537, key_size=2048).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()).decode()
+    refused = {"type": "service_account", "project_id": "p", "private_key_id": "1", "private_key": pem,
+               "client_email": "llavax@p.iam.gserviceaccount.com", "client_id": "1",
+               "token_uri": f"http://127.0.0.1:{token.server_address[1]}/token"}
+    try:
+        forget_filesystems()
+        with pytest.raises(storage.StorageError, match=rf"^gs://llavax-b/run: GOOGLE_APPLICATION_CREDENTIALS="
+                                                       rf"{tmp_path}/key.json cannot be used \(.*not a valid json"):
+            storage.check_bucket("gs://llavax-b/run")
+        (tmp_path / "key.json").write_text(json.dumps(refused))
+        forget_filesystems()
+        t0 = time.monotonic()
+        with pytest.raises(storage.StorageError, match=r"^gs://llavax-b/run: the Google credentials were refused "
+                                                       r"\(.*invalid_grant: Invalid JWT Signature"):
+            storage.check_bucket("gs://llavax-b/run")
+        assert time.monotonic() - t0 < 10
+    finally:
+        token.shutdown()
+        monkeypatch.undo()
+        forget_filesystems()
+
+
+def test_an_endpoint_that_refuses_or_never_answers_fails_in_bounded_time(monkeypatch):
+    """AWS_ENDPOINT_URL or STORAGE_EMULATOR_HOST naming a port nothing listens on, or a server that takes connections
+    and never answers (a wedged proxy; each attempt would wait out the clients' read timeouts times their own retries,
+    ~7 minutes on S3): the first call gives up within FIRST_CONTACT seconds, a ranged read within PATIENCE, each in
+    one sentence that names the endpoint."""
+    for k, v in S3_ENV.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(storage, "FIRST_CONTACT", 0.5)
+    monkeypatch.setattr(storage, "PATIENCE", 0.5)
+    wedged = socket.create_server(("127.0.0.1", 0), backlog=64)  # the kernel accepts; nobody answers
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        dead = s.getsockname()[1]
+    cases = [("s3", "AWS_ENDPOINT_URL", dead), ("s3", "AWS_ENDPOINT_URL", wedged.getsockname()[1]),
+             ("gs", "STORAGE_EMULATOR_HOST", dead), ("gs", "STORAGE_EMULATOR_HOST", wedged.getsockname()[1])]
+    try:
+        for kind, var, port in cases:
+            monkeypatch.setenv(var, f"http://127.0.0.1:{port}")
+            forget_filesystems()
+            for url, fn in ((f"{kind}://llavax-b/run", storage.check_bucket),
+                            (f"{kind}://llavax-b/run/shard.tar", lambda url: storage.read_bytes(url, 0, 512))):
+                t0 = time.monotonic()
+                with pytest.raises(storage.StorageError) as e:
+                    fn(url)
+                said = str(e.value)
+                assert re.fullmatch(rf"{url}: still failing after \d+ attempts? in \d+ s \(.+\) at "
+                                    rf"http://127.0.0.1:{port} \({var}\)", said), said
+                assert time.monotonic() - t0 < 5, (said, time.monotonic() - t0)
+    finally:
+        wedged.close()
         forget_filesystems()
 
 
