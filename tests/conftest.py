@@ -115,14 +115,11 @@ def wait_for_background(name, timeout):
 BACKGROUND_ROOT = []  # the shared folder of this session
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """For pytest-xdist's --dist loadgroup: each module is one group (its module fixtures are built once), and the
-    longest modules are sent first so that none is left running alone at the end."""
+    """The longest modules first: pytest-xdist's --dist loadfile (make test) sends whole modules to its workers in
+    this order, so that none is left running alone at the end."""
     first = ["test_xla.py", "test_bucket_checkpoint.py", "test_scripts.py", "test_train.py", "test_checkpoint.py"]
     items.sort(key=lambda item: first.index(item.path.name) if item.path.name in first else len(first))
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(item.path.stem))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -449,8 +449,8 @@ def logged(out):
     return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines() if "loss" in line]
 
 
-@pytest.mark.full
-@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])  # autocast's cache
+# bfloat16: autocast's cache
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=[pytest.mark.slow, pytest.mark.full])])
 def test_lora_dpo_with_adapters_off_equals_the_frozen_copy_reference(shapes_pairs, tmp_path, capsys, dtype, s3_bucket):
     """The frozen copy is read from a bucket (moto's S3 server): dpo_reference loads as init_from does."""
     from conftest import checkpoint_tensors
