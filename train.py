@@ -703,18 +703,19 @@ def run(cfg):
                 log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader)
             evaluate_now = cfg["eval_interval"] and (it % cfg["eval_interval"] == 0 or it == cfg["max_iters"])
             if not skipped and val_loader and evaluate_now:
+                t0 = time.perf_counter()
                 evaluate_and_log(model, ref_model, val_loader, env, cfg, raw.cfg.vision, objective, it, log)
-                meter.t_last = time.perf_counter()
+                meter.t_last += time.perf_counter() - t0  # the interval's speed and data wait leave evaluation out
             checkpointer.poll()
             stopping = env.agree(stop["requested"])
             persist = stopping or (cfg["ckpt_interval"] and it % cfg["ckpt_interval"] == 0) or it == cfg["max_iters"]
             local = not persist and cfg["local_ckpt_interval"] and it % cfg["local_ckpt_interval"] == 0  # the tier between
             if persist or local:
-                step_dir = storage.join(folders[0] if persist else folders[1], f"step-{it:06d}")
+                step_dir, t0 = storage.join(folders[0] if persist else folders[1], f"step-{it:06d}"), time.perf_counter()
                 checkpointer.save(step_dir, model, raw, optimizer, loader, it, stop=stopping,
                                   own=steps.in_flight(it), value=value)  # grpo, ppo: the rollouts the next step uses
                 print0(env, f"step {it}: checkpoint {step_dir}" + ("" if stopping else " (writing)"))
-                meter.t_last = time.perf_counter()
+                meter.t_last += time.perf_counter() - t0
             if stopping:
                 print0(env, f"stopped at step {it} by a signal; resume with --resume=True")
                 break
