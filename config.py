@@ -12,12 +12,14 @@ import traceback
 from pathlib import Path
 
 import chat
+import checkpoint
 import rl
 import storage
 from lora import LoRAConfig
 from losses import DPO_LOSSES
 from model_config import vlm_preset
 from parallel import ATTENTION, PALLAS, pallas_refusal
+from shards import DatasetError, shard_files
 
 # -----------------------------------------------------------------------------
 # a run's typed defaults; configs/*.py and --key=value may change only these keys
@@ -323,3 +325,46 @@ def check_tiles(vlm, max_tiles):
             raise SystemExit(f"config: max_tiles={max_tiles} is fewer than the {least} tiles the smallest anyres image "
                              f"needs (a base view and the smallest grid of grid_pinpoints {vlm.grid_pinpoints}): every "
                              f"image would be dropped")
+
+
+MODEL_INPUTS = ("tokenizer", "init_from", "dpo_reference", "grpo_reference", "grpo_reward", "ppo_value_init")
+
+
+def check_inputs(cfg):
+    """Each input's bucket, the dataset's metadata and the tokenizer, before anything is built (a 7B model takes
+    minutes): a missing one is one sentence now, not after the model."""
+    for key in MODEL_INPUTS:  # read where they load; a bucket that is not there is named now
+        if storage.is_url(cfg.get(key) or ""):
+            try:
+                storage.check_bucket(cfg[key])
+            except storage.StorageError as e:
+                raise SystemExit(f"{key} {e}") from None
+    data_dir = cfg["data_dir"]
+    if not storage.is_url(data_dir) and not Path(data_dir).exists():
+        raise SystemExit(f"data_dir {data_dir!r} does not exist. For the shapes demo run "
+                         "`python data.py shapes --out data/shapes` first (make demo does it).")
+    try:  # its bucket, .nv-meta and shard listing (two listings and three small reads), or a lone tar's size
+        for tar, count in shard_files(data_dir, "train").items():
+            if count is None:
+                storage.size(tar)
+    except (DatasetError, OSError) as e:
+        raise SystemExit(f"data_dir {e}" if str(e).startswith(str(data_dir)) else f"data_dir {data_dir}: {e}") from None
+    try:
+        chat.Tokenizer(cfg["tokenizer"])
+    except Exception as e:  # noqa: BLE001  sentencepiece and tokenizers raise many kinds for a bogus file
+        raise SystemExit(f"tokenizer {cfg['tokenizer']!r}: cannot load ({type(e).__name__}: {e})") from None
+
+
+def check_carried_tokenizer(step, cfg):
+    """A training step carries its run's tokenizer (checkpoint.tokenizer_files): this run's must encode text as that
+    one does. Another tokenizer named, or its file replaced in the bucket since, would shift the ids the model learned."""
+    try:
+        carried = checkpoint.tokenizer_files(step) if checkpoint.is_sharded_checkpoint(step) else {}
+    except OSError:  # not there, or not a step: init_model says so
+        return
+    if carried:
+        ours = chat.Tokenizer(cfg["tokenizer"])
+        theirs = chat.Tokenizer(step, legacy=None if "tokenizer_config.json" in carried else ours.legacy)
+        if (theirs.vocab_size, theirs.encode(rl.PROBE)) != (ours.vocab_size, ours.encode(rl.PROBE)):
+            raise SystemExit(f"tokenizer {cfg['tokenizer']!r} encodes text unlike {theirs.path}, the tokenizer "
+                             f"{step} was trained with; train with that one")

@@ -42,7 +42,6 @@ from model_config import VLMConfig
 from parallel import (Env, attention_kernel, autocast, checkpoint_fn, compile_blocks, flops_per_sample, freeze,
                       frozen_matmul_weights, grad_sync, init_optimizer_state, make_optimizer, param_groups, print0,
                       set_checkpointing, shard, store_frozen, use_flex_attention)
-from shards import DatasetError, shard_files
 
 # -----------------------------------------------------------------------------
 # configuration
@@ -188,34 +187,6 @@ def prepare_out_dir(folders, cfg, env):
         dist.barrier()
 
 
-MODEL_INPUTS = ("tokenizer", "init_from", "dpo_reference", "grpo_reference", "grpo_reward", "ppo_value_init")
-
-
-def check_inputs(cfg):
-    """Each input's bucket, the dataset's metadata and the tokenizer, before anything is built (a 7B model takes
-    minutes): a missing one is one sentence now, not after the model."""
-    for key in MODEL_INPUTS:  # read where they load; a bucket that is not there is named now
-        if storage.is_url(cfg.get(key) or ""):
-            try:
-                storage.check_bucket(cfg[key])
-            except storage.StorageError as e:
-                raise SystemExit(f"{key} {e}") from None
-    data_dir = cfg["data_dir"]
-    if not storage.is_url(data_dir) and not Path(data_dir).exists():
-        raise SystemExit(f"data_dir {data_dir!r} does not exist. For the shapes demo run "
-                         "`python data.py shapes --out data/shapes` first (make demo does it).")
-    try:  # its bucket, .nv-meta and shard listing (two listings and three small reads), or a lone tar's size
-        for tar, count in shard_files(data_dir, "train").items():
-            if count is None:
-                storage.size(tar)
-    except (DatasetError, OSError) as e:
-        raise SystemExit(f"data_dir {e}" if str(e).startswith(str(data_dir)) else f"data_dir {data_dir}: {e}") from None
-    try:
-        chat.Tokenizer(cfg["tokenizer"])
-    except Exception as e:  # noqa: BLE001  sentencepiece and tokenizers raise many kinds for a bogus file
-        raise SystemExit(f"tokenizer {cfg['tokenizer']!r}: cannot load ({type(e).__name__}: {e})") from None
-
-
 def batch_layout(cfg, env):
     """(micro-steps a step, rows each host reads a micro-step). batch_size is global. Under torchrun
     micro_batch_size is per rank; under SPMD it is global (one program), split over the hosts for reading and over
@@ -261,7 +232,7 @@ def init_model(cfg, env, resume_from):
     """The unsharded model: from scratch, from a converted checkpoint, or the newest checkpoint of this run."""
     source = cfg["init_from"] if cfg["init_from"] not in ("scratch", "resume") and not resume_from else None
     if resume_from or source:
-        check_carried_tokenizer(resume_from or source, cfg)
+        config.check_carried_tokenizer(resume_from or source, cfg)
     build_on = "cpu" if env.kind == "xla" else env.device  # XLA: built and initialised on the host, then sharded
     if resume_from:  # built empty: each rank loads its own shards of the weights once the model is sharded
         return build_model(VLMConfig.from_dict(json.loads(storage.read_text(storage.join(resume_from, "config.json")))),
@@ -274,21 +245,6 @@ def init_model(cfg, env, resume_from):
                              f"({e})") from None
     check_tiles(config.model_config(cfg), cfg["max_tiles"])  # before building: a 7B preset takes minutes to refuse
     return build_model(config.model_config(cfg), device=build_on, seed=cfg["seed"])
-
-
-def check_carried_tokenizer(step, cfg):
-    """A training step carries its run's tokenizer (checkpoint.tokenizer_files): this run's must encode text as that
-    one does. Another tokenizer named, or its file replaced in the bucket since, would shift the ids the model learned."""
-    try:
-        carried = checkpoint.tokenizer_files(step) if checkpoint.is_sharded_checkpoint(step) else {}
-    except OSError:  # not there, or not a step: init_model says so
-        return
-    if carried:
-        ours = chat.Tokenizer(cfg["tokenizer"])
-        theirs = chat.Tokenizer(step, legacy=None if "tokenizer_config.json" in carried else ours.legacy)
-        if (theirs.vocab_size, theirs.encode(rl.PROBE)) != (ours.vocab_size, ours.encode(rl.PROBE)):
-            raise SystemExit(f"tokenizer {cfg['tokenizer']!r} encodes text unlike {theirs.path}, the tokenizer "
-                             f"{step} was trained with; train with that one")
 
 
 def apply_backends(raw, cfg, env, objective, value_raw=None):
@@ -647,7 +603,7 @@ def run(cfg):
     out = storage.join(cfg["out_dir"])
     folders = checkpoint_folders(out, cfg, env)
     prepare_out_dir(folders, cfg, env)
-    check_inputs(cfg)
+    config.check_inputs(cfg)
     grad_accum, rows_per_host = batch_layout(cfg, env)
     torch.manual_seed(cfg["seed"])
     resume_from = resume_point(folders, cfg, env)

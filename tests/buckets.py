@@ -216,22 +216,21 @@ class FaultProxy:
         self.server.server_close()
 
 
-@pytest.fixture
-def s3_proxy(s3_server, monkeypatch):
-    """A FaultProxy in front of the S3 server, with AWS_ENDPOINT_URL pointing at it for this test."""
-    proxy = FaultProxy(s3_server, "s3")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+def proxied(server, service, variable, monkeypatch):
+    """A FaultProxy in front of a server, with the client's endpoint variable pointing at it for this test."""
+    proxy = FaultProxy(server, service)
+    monkeypatch.setenv(variable, proxy.url)
     forget_filesystems()
     yield proxy
     proxy.close()
     forget_filesystems()
+
+
+@pytest.fixture
+def s3_proxy(s3_server, monkeypatch):
+    yield from proxied(s3_server, "s3", "AWS_ENDPOINT_URL", monkeypatch)
 
 
 @pytest.fixture
 def gcs_proxy(gcs_server, monkeypatch):
-    proxy = FaultProxy(gcs_server, "gcs")
-    monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
-    forget_filesystems()
-    yield proxy
-    proxy.close()
-    forget_filesystems()
+    yield from proxied(gcs_server, "gcs", "STORAGE_EMULATOR_HOST", monkeypatch)
