@@ -643,7 +643,7 @@ class Checkpointer:
             print0(env, f"resume: {path} was written by {state['world']} rank(s), this run has {env.world}: the "
                    f"weights and moments are resharded; the loader continues the same global sample order")
         try:
-            loader.load_state_dict(state["loader"])
+            loader.load_state_dict(state["loader"], "data_dir" in self.cfg["allow_config_change"])
         except ValueError as e:
             raise SystemExit(f"{path}: {e}") from None
         return state["iter"]

@@ -13,13 +13,16 @@ from pathlib import Path
 
 import chat
 import checkpoint
+import mixture
 import rl
 import storage
+from loader import sample_conversation
 from lora import LoRAConfig
 from losses import DPO_LOSSES
 from model_config import vlm_preset
 from parallel import ATTENTION, PALLAS, pallas_refusal
-from shards import DatasetError, shard_files
+from mixture import MixtureError
+from shards import DatasetError, parse_members, sample_offsets, shard_files
 
 # -----------------------------------------------------------------------------
 # a run's typed defaults; configs/*.py and --key=value may change only these keys
@@ -170,6 +173,8 @@ def parse(argv, defaults):
 
 
 def _typed(key, value, default):
+    if key == "data_dir" and isinstance(value, (list, tuple)):  # a mixture, a dict a source (mixture.py)
+        return list(value)
     ok = isinstance(value, type(default)) or (isinstance(default, float) and isinstance(value, int)) or \
         (isinstance(default, list) and isinstance(value, (list, tuple)))
     if not ok or (isinstance(default, int) and isinstance(value, bool) != isinstance(default, bool)):
@@ -339,20 +344,58 @@ def check_inputs(cfg):
                 storage.check_bucket(cfg[key])
             except storage.StorageError as e:
                 raise SystemExit(f"{key} {e}") from None
-    data_dir = cfg["data_dir"]
-    if not storage.is_url(data_dir) and not Path(data_dir).exists():
-        raise SystemExit(f"data_dir {data_dir!r} does not exist. For the shapes demo run "
-                         "`python data.py shapes --out data/shapes` first (make demo does it).")
-    try:  # its bucket, .nv-meta and shard listing (two listings and three small reads), or a lone tar's size
-        for tar, count in shard_files(data_dir, "train").items():
-            if count is None:
-                storage.size(tar)
-    except (DatasetError, OSError) as e:
-        raise SystemExit(f"data_dir {e}" if str(e).startswith(str(data_dir)) else f"data_dir {data_dir}: {e}") from None
+    check_data(cfg["data_dir"], cfg["objective"], cfg["seed"])
     try:
         chat.Tokenizer(cfg["tokenizer"])
     except Exception as e:  # noqa: BLE001  sentencepiece and tokenizers raise many kinds for a bogus file
         raise SystemExit(f"tokenizer {cfg['tokenizer']!r}: cannot load ({type(e).__name__}: {e})") from None
+
+
+def check_data(data_dir, objective, seed):
+    """data_dir's sources (one dataset, or a mixture: mixture.py) each there, with a train split, something left by
+    its take rule, and of one kind (preference pairs or single answers): one sentence naming the source."""
+    try:
+        found = mixture.sources(data_dir, "train")
+    except MixtureError as e:
+        raise SystemExit(f"data_dir: {e}") from None
+    kinds = {}
+    for source in found:
+        where = f"data_dir {source.path!r}" if len(found) == 1 else f"data_dir source {source.name} ({source.path})"
+        if not storage.is_url(source.path) and not Path(source.path).exists():
+            hint = " For the shapes demo run `python data.py shapes --out data/shapes` first (make demo does it)." \
+                if len(found) == 1 else ""
+            raise SystemExit(f"{where} does not exist.{hint}")
+        try:  # its bucket, .nv-meta and shard listing (two listings and three small reads), or a lone tar's size
+            counts = shard_files(source.path, source.part)
+            for tar, count in counts.items():
+                if count is None:
+                    storage.size(tar)
+        except (DatasetError, OSError) as e:
+            said = str(e).replace("no train shards found", "no train split (no train shards)")
+            raise SystemExit(said if said.startswith(str(source.path)) and len(found) == 1 else f"{where}: {said}") \
+                from None
+        if None not in counts.values() and not len(mixture.take_indices(source.take, sum(counts.values()),
+                                                                         source.name, seed)):
+            raise SystemExit(f"{where}: take {source.take!r} keeps none of its {sum(counts.values())} samples")
+        kinds[source.name] = first_sample_kind(counts)
+    pairs = sorted(name for name, kind in kinds.items() if kind == "pair")
+    single = sorted(name for name, kind in kinds.items() if kind == "single")
+    if pairs and single:
+        raise SystemExit(f"data_dir: a mixture of preference pairs ({', '.join(pairs[:3])}) and single answers "
+                         f"({', '.join(single[:3])}) under objective={objective!r}: every source of a run must hold "
+                         f"the same kind of sample")
+
+
+def first_sample_kind(counts):
+    """'pair' (a rejected answer in its last turn), 'single', or None (unreadable: the loader counts it) of the
+    first sample of a dataset's shards."""
+    try:
+        tar = next(iter(counts))
+        start, end = sample_offsets(tar, counts[tar])[0]
+        conv, _ = sample_conversation(parse_members(storage.read_bytes(tar, start, end))[1])
+        return "pair" if isinstance(conv[-1], dict) and "rejected" in conv[-1] else "single"
+    except (DatasetError, OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
 
 
 def check_carried_tokenizer(step, cfg):

@@ -128,9 +128,17 @@ def preference_loss(model, ref_model, b, cfg):
 
 
 @torch.no_grad()
-def evaluate_preference(model, ref_model, val_loader, env, cfg, n_batches, vision, pair_loss):
+def evaluate_preference(model, ref_model, val_loaders, env, cfg, n_batches, vision, pair_loss):
     """Validation loss and metrics (pair_loss(model, b, cfg, ref_model): dpo or reward) on the same held-out pairs
-    every time."""
+    every time, n_batches of each source's val split; a mixture's also by source ("val_loss/NAME"), the pooled
+    figures their mean."""
+    per = {name: held_out_pairs(model, ref_model, val_loader, env, cfg, n_batches, vision, pair_loss)
+           for name, val_loader in val_loaders.items()}
+    pooled = {k: sum(m[k] for m in per.values()) / len(per) for k in next(iter(per.values()))}
+    return pooled | ({f"{k}/{name}": v for name, m in per.items() for k, v in m.items()} if len(per) > 1 else {})
+
+
+def held_out_pairs(model, ref_model, val_loader, env, cfg, n_batches, vision, pair_loss):
     model.eval()
     sums, n = {}, 0
     val_loader.position = 0

@@ -23,7 +23,21 @@ def device_batch(batch, env, vision):
 
 
 @torch.no_grad()
-def evaluate(model, val_loader, env, cfg, n_batches, vision):
+def evaluate(model, val_loaders, env, cfg, n_batches, vision):
+    """{"val_loss": the held-out loss over n_batches of every source}; for a mixture also each source's own
+    ("val_loss/NAME", over its val split) and its supervised tokens ("val_tokens/NAME"): the pooled loss is the
+    token-weighted mean of the sources'."""
+    sums = {name: held_out_sums(model, val_loader, env, n_batches, vision) for name, val_loader in val_loaders.items()}
+    total, count = (sum(x[i] for x in sums.values()) for i in (0, 1))
+    out = {"val_loss": (total / count.clamp(min=1)).item()}
+    if len(sums) > 1:
+        out |= {f"val_loss/{name}": (t / c.clamp(min=1)).item() for name, (t, c) in sums.items()}
+        out |= {f"val_tokens/{name}": int(c.item()) for name, (_, c) in sums.items()}
+    return out
+
+
+def held_out_sums(model, val_loader, env, n_batches, vision):
+    """(summed token loss, supervised tokens) of the first n_batches of a val loader, over all ranks."""
     model.eval()
     total, count = torch.zeros((), device=env.device), torch.zeros((), device=env.device)
     val_loader.position = 0  # the same held-out batches every time
@@ -38,7 +52,7 @@ def evaluate(model, val_loader, env, cfg, n_batches, vision):
         count += (b["labels"][:, 1:] != -100).sum()
         env.step_end()
     model.train()
-    return (env.all_sum(total) / env.all_sum(count).clamp(min=1)).item()
+    return env.all_sum(total), env.all_sum(count)
 
 
 @torch.no_grad()
@@ -128,24 +142,33 @@ def tiled_answer_accuracy(raw, stream, env, cfg, n, show=5):
     return right / max(1, total), shown, total, too_long
 
 
-def final_accuracy(raw, val_stream, stream_args, env, cfg):
-    """The end of a run: held-out exact-match accuracy on final_accuracy_samples, printed with a few answers."""
+def final_accuracy(raw, val_streams, stream_args, env, cfg):
+    """The end of a run: held-out exact-match accuracy on final_accuracy_samples of each source's val split, printed
+    with a few answers: {"accuracy": over all the questions} and, for a mixture, "accuracy/NAME" of each source."""
     asker, asker_env = raw, env
     if env.kind == "xla":  # token-by-token generation would recompile at every length: answer on the host
         asker = build_model(raw.cfg, device="cpu", init=False)
         asker.load_state_dict({k: v.cpu() for k, v in raw.state_dict().items()})
         asker_env = SimpleNamespace(kind="cpu", device=torch.device("cpu"), distributed=False, bf16=env.bf16,
                                     parallel=env.parallel)
+    results = {}
     # FSDP2: the whole model gathered on every rank, which then answers its own questions with no collective
     with gathered_for_generation(asker, whole=True):
-        if cfg["max_tiles"]:  # the questions as the loader tiles and places their images, one sample a row
-            unpacked = loader.ShardStream(cfg["data_dir"], split="val", **(stream_args | {"pack": 0}))
-            result = tiled_answer_accuracy(asker, unpacked, asker_env, cfg, cfg["final_accuracy_samples"])
-        else:
-            result = answer_accuracy(asker, val_stream, asker_env, cfg, cfg["final_accuracy_samples"])
-    acc, shown, n_asked, too_long = result
-    print0(env, f"held-out exact-match accuracy: {100 * acc:.1f}% on {n_asked} questions"
-           + (f" ({too_long} longer than the model's max_seq_len skipped)" if too_long else ""))
-    for q, said, answer in shown:
-        print0(env, f"  Q: {q:<36} model: {said:<8} truth: {answer}")
-    return acc
+        for name, val_stream in val_streams.items():
+            if cfg["max_tiles"]:  # the questions as the loader tiles and places their images, one sample a row
+                unpacked = loader.ShardStream(val_stream.mixture.sources[0], split="val", **(stream_args | {"pack": 0}))
+                results[name] = tiled_answer_accuracy(asker, unpacked, asker_env, cfg, cfg["final_accuracy_samples"])
+            else:
+                results[name] = answer_accuracy(asker, val_stream, asker_env, cfg, cfg["final_accuracy_samples"])
+    for name, (acc, shown, n_asked, too_long) in results.items():
+        print0(env, f"held-out exact-match accuracy{f' of {name}' if len(results) > 1 else ''}: {100 * acc:.1f}% on "
+               f"{n_asked} questions" + (f" ({too_long} longer than the model's max_seq_len skipped)" if too_long else ""))
+        for q, said, answer in shown:
+            print0(env, f"  Q: {q:<36} model: {said:<8} truth: {answer}")
+    n_asked = sum(r[2] for r in results.values())
+    pooled = sum(r[0] * r[2] for r in results.values()) / max(1, n_asked)
+    if len(results) > 1:
+        print0(env, f"held-out exact-match accuracy over the {len(results)} sources: {100 * pooled:.1f}% on "
+               f"{n_asked} questions")
+        return {"accuracy": pooled} | {f"accuracy/{name}": r[0] for name, r in results.items()}
+    return {"accuracy": pooled}

@@ -19,7 +19,8 @@ from chat import (IMAGE_TAG, IMAGE_TAG_RE, TAGS_RE, VIDEO_TAG, DropSample, Token
                   conversation_problem, encode_conversation, encode_preference, generation_prompt, place_image_tags,
                   tokenize)
 from images import CLIP_MEAN, image_hw, image_tiles, load_image
-from shards import ShardReader, Skips, all_sample_offsets, log, shard_files
+from mixture import Mixture
+from shards import ShardReader, Skips, log
 
 NUMBERED_IMAGE_RE = re.compile(r"(f?)(\d+)\.(?:jpg|jpeg|png|webp)")  # KEY.0.jpg: image 0 of several; KEY.f0.jpg: frame 0
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
@@ -130,13 +131,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         if preference and pack:
             raise ValueError("ShardStream: preference pairs (DPO) are read one pair a row pair: pack must be 0")
         self.preference = preference  # batches of 2B rows [chosen..., rejected...], one image a pair (pair_batch)
-        expected = shard_files(paths, split)
-        self.files, offsets = list(expected), all_sample_offsets(expected)
-        self.index = [(i, s, e) for i, f in enumerate(self.files) for s, e in offsets[f]]
-        if not self.index:
-            raise ValueError(f"the {split} shards in {paths} hold no samples")
-        ends = np.cumsum(np.bincount([i for i, _, _ in self.index], minlength=len(self.files)))
-        self.shard_ranges = list(zip([0, *ends[:-1]], ends))  # each shard's samples, as a range of the index
+        self.mixture = Mixture(paths, split, seed, shuffle_block)  # one dataset is a mixture of one source
+        self.files, self.index = self.mixture.files, self.mixture.index
         self.tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer(tokenizer)
         check_template(template, self.tok)
         self.batch_size, self.seq_len, self.image_size = batch_size, seq_len, image_size
@@ -147,7 +143,6 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.image_mean = image_mean  # the pad colour: the tower's mean
         self.seed, self.rank, self.world_size, self.shuffle_block = seed, rank, world_size, shuffle_block
         self.start = 0  # sample position in this rank's stream; set by Loader
-        self._order_cache = (None, None)
         self.skips = Skips()
         self.reader = ShardReader(self.files, self.index)  # plain reads from a disk, ranged requests from a bucket
 
@@ -155,19 +150,12 @@ class ShardStream(torch.utils.data.IterableDataset):
         return len(self.index)
 
     def order(self, epoch):
-        if self._order_cache[0] != epoch:
-            rng = np.random.default_rng([self.seed, epoch])
-            blocks = [np.arange(*self.shard_ranges[s]) for s in rng.permutation(len(self.files))]
-            order = np.concatenate(blocks)
-            for b in range(0, len(order), self.shuffle_block):
-                order[b : b + self.shuffle_block] = rng.permutation(order[b : b + self.shuffle_block])
-            self._order_cache = (epoch, order)
-        return self._order_cache[1]
+        """The first source's samples in the order of its pass `epoch` (a lone dataset's epoch)."""
+        return self.mixture.orders[0].order(epoch)
 
     def sample_at(self, position):
         """The sample index at `position` of this rank's stream: global position position * W + rank."""
-        epoch, i = divmod(position * self.world_size + self.rank, len(self.index))
-        return int(self.order(epoch)[i])
+        return self.mixture.sample_at(position * self.world_size + self.rank)
 
     def read(self, sample):
         """(key, {ext: bytes}) of one sample."""
@@ -266,17 +254,28 @@ class ShardStream(torch.utils.data.IterableDataset):
             log(f"data: dropped sample {sample} of {storage.name(self.files[shard])}: {why}")
 
     def batch(self, k):
-        B, T, S, N = self.batch_size, self.seq_len, self.image_size, self.samples_per_batch
+        N = self.samples_per_batch
         sample_ids = torch.tensor([self.sample_at(k * N + i) for i in range(N)])
         if not self.reader.planned():  # a batch asked for by itself (evaluation): its samples fetched together
             self.reader.ahead(sample_ids.tolist())
         encoded = [self.encode_or_drop(sample) for sample in sample_ids.tolist()]
         # a dropped sample keeps its place as padding with no labels: shapes are static, the position arithmetic holds
         dropped = torch.tensor([e is None for e in encoded])
-        if self.preference:
-            return self.pair_batch(sample_ids, encoded, dropped)
-        if self.max_tiles:
-            return self.tiled_batch(sample_ids, encoded, dropped)
+        rows = self.pair_batch if self.preference else self.tiled_batch if self.max_tiles else self.single_batch
+        batch = rows(sample_ids, encoded, dropped)  # marks in `dropped` the samples its rows had no room for
+        return batch | self.by_source(sample_ids, encoded, dropped)
+
+    def by_source(self, sample_ids, encoded, dropped):
+        """Each sample's source (its index in the mixture) and supervised tokens, 0 for a dropped one: the figures
+        per source that train.py logs."""
+        labels = [[] if gone else [x for _, lab in e[:2] for x in lab] if self.preference else e[1]
+                  for e, gone in zip(encoded, dropped.tolist())]
+        return {"source": torch.from_numpy(np.searchsorted(self.mixture.ends, sample_ids.numpy(), side="right")),
+                "tokens": torch.tensor([sum(x != -100 for x in lab) for lab in labels])}
+
+    def single_batch(self, sample_ids, encoded, dropped):
+        """One image a row: pixel_values (N, 3, S, S) uint8; with pack, several samples a row (packed_batch)."""
+        B, T, S, N = self.batch_size, self.seq_len, self.image_size, self.samples_per_batch
         images = torch.zeros((N, 3, S, S), dtype=torch.uint8)
         has_image = torch.zeros(N, dtype=torch.bool)
         if self.pack:
@@ -467,6 +466,8 @@ class Loader:
     def __init__(self, stream, num_workers=0, prefetch_factor=4):
         self.stream, self.num_workers, self.prefetch_factor = stream, num_workers, prefetch_factor
         self.position = 0
+        # supervised tokens per source: this rank's since the last fold, and every rank's before it
+        self.tokens, self.tokens_total = (torch.zeros(len(stream.mixture.sources), dtype=torch.long) for _ in range(2))
 
     def __iter__(self):
         self.stream.start = self.position
@@ -479,19 +480,51 @@ class Loader:
             if STORAGE_ERROR in batch:  # a bucket that stayed unreachable in a worker (ShardStream.__iter__)
                 raise storage.StorageError(batch[STORAGE_ERROR])
             self.position += self.stream.samples_per_batch
+            self.tokens += torch.bincount(batch["source"], batch["tokens"], minlength=len(self.tokens)).long()
             yield batch
+
+    def fold_tokens(self, env):
+        """Every rank's supervised tokens per source since the last fold into the run's totals (a collective over
+        the ranks of a mixture: every rank calls it at the same step)."""
+        if len(self.tokens) > 1:
+            self.tokens_total += env.host_sum(self.tokens.clone())
+        self.tokens.zero_()
+
+    def figures(self):
+        """{samples/NAME, tokens/NAME} of a mixture: each source's samples drawn by all ranks so far, its supervised
+        tokens as of the last fold_tokens. {} for one dataset."""
+        names = self.stream.mixture.names()
+        if len(names) == 1:
+            return {}
+        drawn = self.stream.mixture.blend.counts_before(self.position * self.stream.world_size)
+        return {f"samples/{n}": int(c) for n, c in zip(names, drawn)} | \
+            {f"tokens/{n}": int(t) for n, t in zip(names, self.tokens_total)}
 
     def state_dict(self):
         s = self.stream
         # every rank is at the same position of its own stream, so one state serves all ranks; global_position
         # (samples consumed by all ranks together) is what a resume on another world size continues from
         return {"position": self.position, "global_position": self.position * s.world_size, "seed": s.seed,
-                "n_samples": len(s), "world_size": s.world_size, "batch_size": s.batch_size, "pack": s.pack}
+                "n_samples": len(s), "world_size": s.world_size, "batch_size": s.batch_size, "pack": s.pack,
+                "sources": s.mixture.describe(), "source_tokens": self.tokens_total.tolist()}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state, allow_new_data=False):
+        """The saved position. A saved mixture (data_dir) unlike this run's is refused, unless allow_new_data
+        (allow_config_change=['data_dir']): then this mixture's order goes on from the saved global position."""
         s, state = self.stream, {"pack": 0} | state  # states from before packing existed
         mine = {"seed": s.seed, "n_samples": len(s), "pack": s.pack}
+        if "sources" in state:  # states from before mixtures: one dataset, its sample count
+            mine["sources"] = s.mixture.describe()
         differ = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
+        if not differ and len(state.get("source_tokens", [])) == len(self.tokens_total):
+            self.tokens_total = torch.tensor(state["source_tokens"], dtype=torch.long)
+        if allow_new_data and set(differ) <= {"n_samples", "sources"}:
+            if differ:
+                was = ", ".join(x["name"] for x in state.get("sources", [])) or f"{state['n_samples']} samples"
+                log(f"resume: the data changed (allowed by allow_config_change): from {was} to "
+                    f"{', '.join(s.mixture.names())}; the new mixture is read from global position "
+                    f"{state['position'] * state.get('world_size', 1)}")
+            differ = {}
         if differ:
             raise ValueError(f"data loader state does not match this run (saved, now): {differ}")
         consumed = state["position"] * state.get("world_size", 1)  # global: every rank is at the same position
@@ -500,4 +533,3 @@ class Loader:
                              f"of this run's global batches ({s.world_size} ranks x {s.samples_per_batch} samples): "
                              f"keep the global batch (batch_size) the same across the change")
         self.position = consumed // s.world_size
-

@@ -121,6 +121,12 @@ class Env:
             dist.all_reduce(t)
         return t  # under SPMD tensors are already global
 
+    def host_sum(self, t):
+        """A CPU tensor summed over every rank (or host): what each counted of the data it read."""
+        if dist.is_initialized():
+            dist.all_reduce(t, group=self.cpu_group)
+        return t
+
     def agree(self, flag):
         """True on every rank (or host) if any says True."""
         if not dist.is_initialized():

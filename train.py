@@ -27,6 +27,7 @@ import torch.distributed as dist
 import chat
 import checkpoint
 import config
+import mixture
 import rl
 import storage
 import weight_files
@@ -292,8 +293,8 @@ def backends(raw, cfg, env, reward_head):
 
 
 def make_loaders(raw, cfg, env, rows_per_host, pairs):
-    """(train loader, val loader or None, val stream or None, the streams' arguments), the sequence length and the
-    image token checked against the model and the tokenizer."""
+    """(train loader, {source: val loader}, the streams' arguments), the sequence length and the image token checked
+    against the model and the tokenizer."""
     check_tiles(raw.cfg, cfg["max_tiles"])
     stream_args = {"tokenizer": cfg["tokenizer"], "batch_size": rows_per_host, "seq_len": cfg["seq_len"],
                    "image_size": raw.cfg.vision.image_size, "image_token_id": raw.cfg.image_token_id,
@@ -318,12 +319,13 @@ def make_loaders(raw, cfg, env, rows_per_host, pairs):
     if collides or image_id >= llm.vocab_size or vocab > llm.vocab_size:
         raise SystemExit(f"config: image_token_id={image_id} must lie in [tokenizer vocab {vocab}, model vocab "
                          f"{llm.vocab_size}) so it never collides with a text token ({cfg['tokenizer']})")
-    try:
-        val_stream = ShardStream(cfg["data_dir"], split="val", **stream_args)
-        val_loader = Loader(val_stream, 0)
-    except FileNotFoundError:
-        val_stream = val_loader = None
-    return loader, val_loader, val_stream, stream_args
+    val_loaders = {}  # each source's own val split: its held-out figures apart (one dataset: its val split)
+    for source in mixture.sources(cfg["data_dir"], "val"):
+        try:
+            val_loaders[source.name] = Loader(ShardStream(source, split="val", **stream_args), 0)
+        except FileNotFoundError:
+            continue
+    return loader, val_loaders, stream_args
 
 
 def stop_on_signal(env):
@@ -406,12 +408,12 @@ def token_loss(model, b, cfg, ref_model, value_model=None):
     return loss, {}
 
 
-def held_out_loss(model, ref_model, val_loader, env, cfg, vision, loss):
-    return {"val_loss": evaluate(model, val_loader, env, cfg, cfg["eval_iters"], vision)}
+def held_out_loss(model, ref_model, val_loaders, env, cfg, vision, loss):
+    return evaluate(model, val_loaders, env, cfg, cfg["eval_iters"], vision)
 
 
-def held_out_pairs(model, ref_model, val_loader, env, cfg, vision, loss):
-    return evaluate_preference(model, ref_model, val_loader, env, cfg, cfg["eval_iters"], vision, loss)
+def held_out_pairs(model, ref_model, val_loaders, env, cfg, vision, loss):
+    return evaluate_preference(model, ref_model, val_loaders, env, cfg, cfg["eval_iters"], vision, loss)
 
 
 class ReadBatches:
@@ -557,6 +559,8 @@ def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader):
              "tokens_per_s": tok_s,
              "samples_per_s": rows_done * meter.per_row / dt, "mfu": flops / (peak * env.n_devices) if peak else None,
              "data_wait": meter.data_wait / dt, "peak_mem_gib": mem, "dropped_samples": dropped}
+    loader.fold_tokens(env)
+    event |= loader.figures()  # a mixture's samples and supervised tokens so far, by source
     if env.compiles() is not None:  # a count that grows after warm-up means the step recompiles: see README
         event["xla_compiles"] = env.compiles()
     if meter.gen_rows:  # grpo, ppo: generation and training throughput apart
@@ -584,9 +588,10 @@ def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader):
     meter.t_last, meter.data_wait, meter.rows_done, meter.dropped = time.perf_counter(), 0.0, 0, 0
 
 
-def evaluate_and_log(model, ref_model, val_loader, env, cfg, vision, objective, it, log):
-    val = objective.evaluate(model, ref_model, val_loader, env, cfg, vision, objective.loss)
-    print0(env, f"step {it}: " + ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in val.items()))
+def evaluate_and_log(model, ref_model, val_loaders, env, cfg, vision, objective, it, log):
+    val = objective.evaluate(model, ref_model, val_loaders, env, cfg, vision, objective.loss)
+    print0(env, f"step {it}: " + ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in val.items()
+                                           if not k.startswith("val_tokens/")))
     log({"step": it} | val)
 
 
@@ -614,7 +619,7 @@ def run(cfg):
     model, optimizer, value_model = apply_backends(raw, cfg, env, objective, value_raw)
     value = (value_model, value_raw) if value_raw is not None else None
     ref_model = reference_model(cfg, env, raw) if objective.reference(cfg) else None
-    loader, val_loader, val_stream, stream_args = make_loaders(raw, cfg, env, rows_per_host, objective.pairs)
+    loader, val_loaders, stream_args = make_loaders(raw, cfg, env, rows_per_host, objective.pairs)
     checkpointer = Checkpointer(env, cfg)
     start = checkpointer.load(resume_from, model, raw, optimizer, loader, value) if resume_from else 0
     stop = stop_on_signal(env)
@@ -658,9 +663,9 @@ def run(cfg):
             if not skipped and (it % cfg["log_interval"] == 0 or it == cfg["max_iters"]):
                 log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader)
             evaluate_now = cfg["eval_interval"] and (it % cfg["eval_interval"] == 0 or it == cfg["max_iters"])
-            if not skipped and val_loader and evaluate_now:
+            if not skipped and val_loaders and evaluate_now:
                 t0 = time.perf_counter()
-                evaluate_and_log(model, ref_model, val_loader, env, cfg, raw.cfg.vision, objective, it, log)
+                evaluate_and_log(model, ref_model, val_loaders, env, cfg, raw.cfg.vision, objective, it, log)
                 meter.t_last += time.perf_counter() - t0  # the interval's speed and data wait leave evaluation out
             checkpointer.poll()
             stopping = env.agree(stop["requested"])
@@ -668,6 +673,7 @@ def run(cfg):
             local = not persist and cfg["local_ckpt_interval"] and it % cfg["local_ckpt_interval"] == 0  # the tier between
             if persist or local:
                 step_dir, t0 = storage.join(folders[0] if persist else folders[1], f"step-{it:06d}"), time.perf_counter()
+                loader.fold_tokens(env)  # the state saved holds every rank's counts
                 checkpointer.save(step_dir, model, raw, optimizer, loader, it, stop=stopping,
                                   own=steps.in_flight(it), value=value)  # grpo, ppo: the rollouts the next step uses
                 print0(env, f"step {it}: checkpoint {step_dir}" + ("" if stopping else " (writing)"))
@@ -685,8 +691,9 @@ def run(cfg):
     checkpointer.wait()  # the last checkpoint committed before anything reads it
 
     if it >= cfg["max_iters"]:
-        if cfg["final_accuracy_samples"] and val_stream is not None and objective.answers:
-            log({"step": it, "accuracy": final_accuracy(raw, val_stream, stream_args, env, cfg)})
+        if cfg["final_accuracy_samples"] and val_loaders and objective.answers:
+            streams = {name: val_loader.stream for name, val_loader in val_loaders.items()}
+            log({"step": it} | final_accuracy(raw, streams, stream_args, env, cfg))
         if env.master:
             storage.write_text(storage.join(out, "DONE"), json.dumps({"step": it}))  # the babysitter's completion marker
     if log_file:
