@@ -51,8 +51,9 @@ class Source:
 
 def sources(data_dir, split="train"):
     """[Source] that data_dir names for `split` ('train' or 'val'). A val source reads its dataset's val part whole."""
-    if isinstance(data_dir, Source):
-        return [data_dir]
+    if isinstance(data_dir, Source) or (isinstance(data_dir, (list, tuple)) and data_dir and
+                                        all(isinstance(x, Source) for x in data_dir)):
+        return [data_dir] if isinstance(data_dir, Source) else list(data_dir)  # resolved already
     if isinstance(data_dir, (list, tuple)) and all(isinstance(x, (str, Path)) for x in data_dir):
         data_dir = [{"path": str(x)} for x in data_dir] if len(data_dir) > 1 else str(data_dir[0])
     if isinstance(data_dir, (list, tuple)):
@@ -92,6 +93,7 @@ def config_sources(entries, split, where="data_dir"):
     out = []
     for i, e in enumerate(entries):
         at = f"{where}[{i}]"
+        e = {"path": str(e)} if isinstance(e, (str, Path)) else e
         if not isinstance(e, dict):
             raise MixtureError(f"{at}: a source is a dict like {{'path': 'data/x', 'weight': 1.0}}, got {e!r}")
         unknown = sorted(set(e) - SOURCE_KEYS)
@@ -207,13 +209,15 @@ def next_sources(path, doc, split):
 ENERGON_TOP = {"__module__", "__class__", "splits"}
 ENERGON_SPLIT = {"path", "blend", "blend_epochized", "split_part", "subflavors", "subset", "dataset_config",
                  "shuffle_over_epochs_multiplier"}
-ENERGON_ENTRY = {"path", "weight", "repetitions", "split_part", "subflavors", "subset", "dataset_config",
-                 "shuffle_over_epochs_multiplier"}
+# what an entry may hold besides its weight or repetitions; subflavors, dataset_config (field maps) and
+# shuffle_over_epochs_multiplier change how Energon decodes or shuffles, not which samples a run reads
+ENERGON_ENTRY = {"path", "split_part", "subflavors", "subset", "dataset_config", "shuffle_over_epochs_multiplier"}
 
 
-def energon_sources(path, doc, split, scale, part=None):
-    """Megatron-Energon's MetadatasetV2 for `split`, read as Energon reads it: `path`, `blend` (weights) or
-    `blend_epochized` (repetitions); a path may be another metadataset, whose weights are scaled by its own."""
+def energon_sources(path, doc, split, amount=1.0, mode=None, part=None):
+    """Megatron-Energon's MetadatasetV2 for `split`, read as Energon 7.4 reads it: `path`, `blend` (weights, default
+    1, normalised at each level and multiplied down nested metadatasets) or `blend_epochized` (repetitions, default 1,
+    multiplied down); paths relative to the file; an entry's split_part defaults to the split's."""
     unknown = sorted(set(doc) - ENERGON_TOP)
     if unknown:
         raise MixtureError(f"{path}: unknown key {unknown[0]!r} in an Energon metadataset (expected {sorted(ENERGON_TOP)})")
@@ -225,10 +229,12 @@ def energon_sources(path, doc, split, scale, part=None):
         raise MixtureError(f"{path}: no splits: train: in the metadataset")
     if split not in splits:
         return []
-    spec = splits[split]
-    at = f"{path}: splits.{split}"
+    spec, at = splits[split], f"{path}: splits.{split}"
     if not isinstance(spec, dict):
         raise MixtureError(f"{at}: expected a mapping (path, blend or blend_epochized)")
+    if "join" in spec:
+        raise MixtureError(f"{at}: join (samples of several datasets zipped into one) is not something llavax reads; "
+                           "give each dataset as a source of a blend")
     unknown = sorted(set(spec) - ENERGON_SPLIT)
     if unknown:
         raise MixtureError(f"{at}: unknown key {unknown[0]!r} (expected one of {sorted(ENERGON_SPLIT)})")
@@ -236,51 +242,64 @@ def energon_sources(path, doc, split, scale, part=None):
     if len(kinds) != 1:
         raise MixtureError(f"{at}: needs exactly one of path, blend, blend_epochized; has {kinds or 'none'}")
     if kinds[0] == "path":
-        return energon_entry(path, at, spec, split, weight=scale, repeat=None, part=part)
-    entries = spec[kinds[0]]
+        return energon_entry(path, at, spec, split, amount, mode or "weight", part)
+    if "subset" in spec:
+        raise MixtureError(f"{at}: a subset of a whole blend is not read here; give each entry its own subset")
+    new_mode = "weight" if kinds[0] == "blend" else "repeat"
+    if mode not in (None, new_mode):
+        raise MixtureError(f"{at}: a {kinds[0]} inside a {'blend' if mode == 'weight' else 'blend_epochized'}: Energon "
+                           "can only blend datasets of the same blend mode")
+    entries, key = spec[kinds[0]], "weight" if new_mode == "weight" else "repetitions"
     if not isinstance(entries, list) or not entries:
         raise MixtureError(f"{at}.{kinds[0]}: expected a non-empty list of datasets")
-    out = []
+    values = []
     for i, e in enumerate(entries):
         e_at = f"{at}.{kinds[0]}[{i}]"
         if not isinstance(e, dict):
             raise MixtureError(f"{e_at}: expected a mapping, got {e!r}")
-        unknown = sorted(set(e) - ENERGON_ENTRY)
+        unknown = sorted(set(e) - ENERGON_ENTRY - {key})
         if unknown:
-            raise MixtureError(f"{e_at}: unknown key {unknown[0]!r} (expected {sorted(ENERGON_ENTRY)})")
-        key = "weight" if kinds[0] == "blend" else "repetitions"
-        if key not in e:
-            raise MixtureError(f"{e_at}: no {key}")
-        value = e[key]
+            raise MixtureError(f"{e_at}: unknown key {unknown[0]!r} (expected {sorted(ENERGON_ENTRY | {key})})")
+        value = e.get(key, 1.0)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
             raise MixtureError(f"{e_at}: {key} must be a number > 0, got {value!r}")
-        weight, repeat = (scale * value, None) if key == "weight" else (None, value)
-        out += energon_entry(path, e_at, e, split, weight, repeat, part)
+        values.append(value)
+    total = sum(values) if new_mode == "weight" else 1.0
+    out = [s for i, (e, v) in enumerate(zip(entries, values))
+           for s in energon_entry(path, f"{at}.{kinds[0]}[{i}]", e, split, amount * v / total, new_mode, part)]
     return check_modes(out, path) if split == "train" else out
 
 
-def energon_entry(path, at, e, split, weight, repeat, part):
+def energon_entry(path, at, e, split, amount, mode, part):
     if "path" not in e:
         raise MixtureError(f"{at}: no path")
-    target, part = relative(path, e["path"]), e.get("split_part", part) or split
+    target, part = relative(path, e["path"]), e.get("split_part") or part or split
+    if str(target).endswith(".yaml"):  # a nested metadataset: its own blend, inside this entry's share
+        if "subset" in e:
+            raise MixtureError(f"{at}: a subset of a nested metadataset is not read here; give its entries subsets")
+        return energon_sources(target, load_yaml(target), split, amount, mode, e.get("split_part") or part)
     take = energon_subset(at, e.get("subset"))
-    if str(target).endswith((".yaml", ".yml")):  # a nested metadataset: its own blend, inside this one's share
-        inner = energon_sources(target, load_yaml(target), split, weight if weight is not None else 1.0, part)
-        if repeat is not None:
-            return [Source(**(asdict(s) | {"weight": None, "repeat": (s.repeat or 1.0) * repeat})) for s in inner]
-        return inner
     if split != "train":
         return [Source(dataset_name(target), target, part)]
-    return [Source(dataset_name(target), target, part, weight, None if repeat is None else float(repeat), take)]
+    return [Source(dataset_name(target), target, part, amount if mode == "weight" else None,
+                   amount if mode == "repeat" else None, take)]
 
 
 def energon_subset(at, subset):
-    """Energon's `subset: {range: [start, end]}` (counts, or percentages '10%') as a take rule."""
+    """Energon's `subset: {range: [start, end]}`: sample indices (end may be 'end'), or both percentages ('10%'), as
+    a take rule."""
     if subset is None:
         return "all"
-    if not isinstance(subset, dict) or set(subset) != {"range"} or len(subset["range"]) != 2:
+    bounds = subset.get("range") if isinstance(subset, dict) and set(subset) == {"range"} else None
+    if not isinstance(bounds, list) or len(bounds) != 2:
         raise MixtureError(f"{at}: subset must be {{range: [start, end]}}, got {subset!r}")
-    return "range:" + ",".join(str(x).strip() for x in subset["range"])
+    pct = [isinstance(b, str) and b.strip().endswith("%") for b in bounds]
+    ok = all(pct) and all(0 <= float(b.strip()[:-1]) <= 100 for b in bounds) if any(pct) else \
+        isinstance(bounds[0], int) and (isinstance(bounds[1], int) or bounds[1] == "end")
+    if not ok:
+        raise MixtureError(f"{at}: subset range {bounds!r}: give two sample indices ([0, 1000], the end may be "
+                           f"'end') or two percentages (['0%', '25%'])")
+    return "range:" + ",".join(str(b).strip() for b in bounds)
 
 
 # -----------------------------------------------------------------------------
@@ -292,8 +311,9 @@ def take_indices(rule, n, name, seed):
     packed order (first:N, end:N, random:N; N% is ceil(N% of n), as LLaVA-NeXT rounds), or Energon's range."""
     if rule == "all":
         return np.arange(n)
-    if rule.startswith("range:"):
-        bounds = [round(float(x[:-1]) * n / 100) if x.endswith("%") else int(x) for x in rule[6:].split(",")]
+    if rule.startswith("range:"):  # Energon's subset: indices, or percentages truncated to indices
+        bounds = [n if x == "end" else int(float(x[:-1]) * n / 100) if x.endswith("%") else int(x)
+                  for x in rule[6:].split(",")]
         start, end = (min(max(b, 0), n) for b in bounds)
         return np.arange(start, end)
     how, number, pct = TAKE_RE.match(rule.strip()).groups()
@@ -347,7 +367,8 @@ class Blend:
             w = np.asarray(weights, dtype=float)
             self.p, self.per_epoch, self.epoch_len = w / w.sum(), None, None
         else:
-            self.per_epoch = np.array([round(r * k) for r, k in zip(repeats, kept_sizes)], dtype=np.int64)
+            # Energon's RepeatDataset: int(n x repetitions) samples an epoch (2.5 x 10: two passes and half a third)
+            self.per_epoch = np.array([int(k * r) for r, k in zip(repeats, kept_sizes)], dtype=np.int64)
             self.epoch_len = int(self.per_epoch.sum())
         self.cum, self.blocks = {}, OrderedDict()
 
@@ -439,7 +460,7 @@ class Mixture:
         empty = [s.name for s, c in zip(self.sources, self.blend.per_epoch if self.blend.per_epoch is not None else [])
                  if c == 0]
         if empty:
-            raise MixtureError(f"source {empty[0]}: its repeat count rounds to no sample an epoch")
+            raise MixtureError(f"source {empty[0]}: its repeat count leaves it no sample an epoch")
         self.ends = np.array(self.bases[1:] + [len(self.index)])
 
     def sample_at(self, position):

@@ -1,0 +1,277 @@
+"""Mixtures of datasets (mixture.py): the shares Energon's blend and blend_epochized promise, LLaVA-NeXT's sampling
+rules on packed indices, the order as a function of (seed, position) across world sizes, and the sentences bad
+mixtures get."""
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import ROOT
+
+import mixture
+import pack
+from loader import Loader, ShardStream
+from mixture import Mixture, MixtureError
+
+
+def text_dataset(folder, n, val=0, shard_size=16, tag="x"):
+    """A packed dataset of n text-only samples (ids tag-0 ...) and val more, in shards of shard_size."""
+    records = [{"id": f"{'val' if i >= n else 'tr'}-{tag}-{i}",
+                "conversations": [{"from": "human", "value": f"question {i} of {tag}"},
+                                  {"from": "gpt", "value": f"answer {i}"}]} for i in range(n + val)]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder.parent / f"{folder.name}.json").write_text(json.dumps(records))
+    pack.pack(folder.parent / f"{folder.name}.json", folder.parent, folder, shard_size=shard_size,
+              val_ids=lambda i: str(i).startswith("val"), overwrite=True)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory):
+    """Three datasets of sizes that divide nothing evenly: 37, 101 and 250 samples (val: 5, 0, 9)."""
+    root = tmp_path_factory.mktemp("mix")
+    return [text_dataset(root / name, n, val, tag=name) for name, n, val in (("a", 37, 5), ("b", 101, 0), ("c", 250, 9))]
+
+
+def drawn_sources(mix, positions):
+    ends = np.array(mix.bases[1:] + [len(mix.index)])
+    return np.searchsorted(ends, [mix.sample_at(p) for p in positions], side="right")
+
+
+def test_weighted_shares_lie_within_three_standard_errors(three):
+    mix = Mixture([{"path": str(p), "weight": w} for p, w in zip(three, (5, 2, 1))], seed=3)
+    n = 20_000
+    counts = np.bincount(drawn_sources(mix, range(n)), minlength=3)
+    for count, p in zip(counts, (5 / 8, 2 / 8, 1 / 8)):
+        assert abs(count - n * p) <= 3 * math.sqrt(n * p * (1 - p)), (counts, p)
+    # each source runs through its own passes: its first 37 draws of a are 37 different samples
+    a = [mix.sample_at(q) for q in range(n) if mix.sample_at(q) < 37][:37]
+    assert sorted(a) == list(range(37))
+    # and another seed draws another order
+    assert [mix.sample_at(q) for q in range(50)] != [Mixture(mix.sources, seed=4).sample_at(q) for q in range(50)]
+
+
+def test_repetitions_are_exact_and_interleaved(three):
+    mix = Mixture([{"path": str(p), "repeat": r} for p, r in zip(three, (2, 1, 0.5))], seed=0)
+    epoch = 2 * 37 + 101 + 125
+    assert mix.blend.epoch_len == epoch
+    for e in range(2):
+        drawn = [mix.sample_at(q) for q in range(e * epoch, (e + 1) * epoch)]
+        seen = np.bincount(drawn, minlength=len(mix.index))
+        assert (seen[:37] == 2).all() and (seen[37:138] == 1).all(), e
+        assert seen[138:].sum() == 125 and seen[138:].max() == 1  # half of c an epoch, the other half the next
+        first_half = drawn_sources(mix, range(e * epoch, e * epoch + epoch // 2))
+        assert set(first_half) == {0, 1, 2}  # interleaved, not one source after another
+    both = np.bincount([mix.sample_at(q) for q in range(2 * epoch)], minlength=len(mix.index))
+    assert (both[138:] == 1).all()  # two mixture epochs: every sample of c once
+
+
+@pytest.mark.parametrize("rule,expected", [
+    ("first:10%", range(0, 11)),  # ceil(10.1): as LLaVA-NeXT rounds a percentage
+    ("end:20%", range(101 - 21, 101)),  # ceil(20.2)
+    ("first:5", range(0, 5)),
+    ("end:7", range(94, 101)),
+    ("first:100%", range(0, 101)),
+    ("first:500", range(0, 101)),
+    ("all", range(0, 101)),
+])
+def test_take_rules_pick_exactly_the_expected_indices(three, rule, expected):
+    mix = Mixture([{"path": str(three[1]), "take": rule}])
+    kept = mix.orders[0].kept
+    assert kept.tolist() == list(expected)
+    drawn = {mix.sample_at(q) for q in range(2 * len(kept))}
+    assert drawn == set(expected)
+
+
+def test_random_take_is_seeded_and_the_same_whatever_the_sources_order(three):
+    a = Mixture([{"path": str(three[1]), "take": "random:50%", "name": "b"}, {"path": str(three[0]), "name": "a"}])
+    b = Mixture([{"path": str(three[0]), "name": "a"}, {"path": str(three[1]), "take": "random:50%", "name": "b"}])
+    kept_a, kept_b = a.orders[0].kept, b.orders[1].kept
+    assert len(kept_a) == 51 and len(set(kept_a.tolist())) == 51 and kept_a.tolist() == kept_b.tolist()
+    assert kept_a.tolist() != list(range(51)) and max(kept_a) > 60
+    assert Mixture([{"path": str(three[1]), "take": "random:50%", "name": "b"}], seed=1).orders[0].kept.tolist() \
+        != kept_a.tolist()
+
+
+def test_a_lone_dataset_is_read_in_the_order_it_always_was(three):
+    """One dataset draws as before mixtures existed: the shards shuffled by (seed, epoch), then blocks."""
+    mix = Mixture(str(three[2]), seed=5, shuffle_block=20)
+    rng = np.random.default_rng([5, 1])  # epoch 1
+    starts = [0] + [16 * (i + 1) for i in range(250 // 16)] + [250]
+    order = np.concatenate([np.arange(starts[s], starts[s + 1]) for s in rng.permutation(len(starts) - 1)])
+    for b in range(0, 250, 20):
+        order[b : b + 20] = rng.permutation(order[b : b + 20])
+    assert [mix.sample_at(250 + i) for i in range(250)] == order.tolist()
+
+
+def test_a_mixture_resumes_at_any_position_and_world_size(three, tmp_path):
+    """The global order is a function of (seed, position): ranks 1 -> 2 -> 3 with the same global batch read
+    exactly the positions a single process reads, with two loader workers and packing."""
+    spec = [{"path": str(p), "weight": w} for p, w in zip(three, (3, 1, 1))]
+    tokenizer = byte_tokenizer(tmp_path / "tok")
+
+    def stream(rank, world):
+        return ShardStream(spec, tokenizer, batch_size=12 // world, seq_len=40, image_size=28, image_token_id=300,
+                           n_image_tokens=1, rank=rank, world_size=world, shuffle_block=7, template="plain", pack=2)
+
+    reference = Loader(stream(0, 1), num_workers=0)
+    it = iter(reference)
+    want = [next(it)["sample_id"].tolist() for _ in range(20)]  # 20 global batches of 24 samples
+    seen, state, done = [[] for _ in range(20)], None, 0
+    for world, steps in ((2, 7), (3, 9), (1, 4)):
+        loaders = [Loader(stream(r, world), num_workers=2 if world == 2 else 0) for r in range(world)]
+        for r, ld in enumerate(loaders):
+            if state:
+                ld.load_state_dict(state)
+            it = iter(ld)
+            for k in range(steps):
+                seen[done + k] += next(it)["sample_id"].tolist()
+        state, done = loaders[0].state_dict(), done + steps
+    assert [sorted(s) for s in seen] == [sorted(w) for w in want]
+
+
+def byte_tokenizer(folder):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    import chat
+
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    t.train_from_iterator(["question answer of"] * 10, trainers.BpeTrainer(
+        vocab_size=290, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder.mkdir(exist_ok=True)
+    t.save(str(folder / "tokenizer.json"))
+    return chat.Tokenizer(folder / "tokenizer.json")
+
+
+# -----------------------------------------------------------------------------
+# reading mixture files
+
+
+def test_an_energon_metadataset_reads_as_energon_reads_it(three, tmp_path):
+    """Weights normalised at each level and multiplied down a nested metadataset, paths relative to the file,
+    a percentage subset truncated to indices, the val split its own."""
+    meta = three[0].parent / "meta"
+    meta.mkdir(exist_ok=True)
+    (meta / "nested.yaml").write_text(
+        "__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n"
+        "      - weight: 1\n        path: ../b\n      - weight: 3\n        path: ../c\n")
+    (meta / "mix.yaml").write_text(
+        "__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n"
+        f"      - weight: 2\n        path: {three[0]}\n        subset:\n          range: ['0%', '50%']\n"
+        "      - path: nested.yaml\n        weight: 2\n"
+        "  val:\n    path: ../c\n")
+    train = mixture.sources(str(meta / "mix.yaml"), "train")
+    assert [(s.name, s.weight, s.take, s.part) for s in train] == [
+        ("a", 0.5, "range:0%,50%", "train"), ("b", 0.125, "all", "train"), ("c", 0.375, "all", "train")]
+    assert [(s.path, s.part) for s in mixture.sources(str(meta / "mix.yaml"), "val")] == [(str(meta / "../c"), "val")]
+    assert Mixture(str(meta / "mix.yaml")).orders[0].kept.tolist() == list(range(18))  # int(18.5), as Energon cuts
+
+
+BAD = [
+    ([{"path": "A", "weight": 0}], "data_dir[0]: weight must be a number > 0, got 0"),
+    ([{"path": "A", "weight": -1.5}], "weight must be a number > 0, got -1.5"),
+    ([{"path": "A", "weight": 1}, {"path": "B"}], "a has a weight but b has none"),
+    ([{"path": "A", "wieght": 1}], "data_dir[0]: unknown key 'wieght'"),
+    ([{"path": "A", "take": "frist:10%"}], "take (sampling_strategy) must be 'all', 'first:N'"),
+    ([{"path": "A", "weight": 1, "repeat": 2}], "both a weight and a repeat count"),
+    (["A", 3], "data_dir[1]: a source is a dict"),
+]
+
+
+@pytest.mark.parametrize("spec,said", BAD)
+def test_a_bad_mixture_is_one_sentence(three, spec, said):
+    root = three[0].parent
+    spec = [x if not isinstance(x, dict) else x | {"path": str(root / x["path"].lower())} for x in spec]
+    with pytest.raises(MixtureError, match=re_escape(said)):
+        mixture.sources(spec, "train")
+
+
+def re_escape(text):
+    import re
+
+    return re.escape(text)
+
+
+BAD_YAML = [
+    ("__module__: megatron.energon\n__class__: Metadataset\nsplits:\n  train:\n    path: a\n",
+     "__class__: MetadatasetV2 expected, got 'megatron.energon' / 'Metadataset'"),
+    ("__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n      - weight: 1\n"
+     "        path: a\n        wieght: 2\n", "splits.train.blend[0]: unknown key 'wieght'"),
+    ("__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n      - weight: 0\n"
+     "        path: a\n", "splits.train.blend[0]: weight must be a number > 0, got 0"),
+    ("__module__: megatron.energon\n__class__: MetadatasetV2\nsplitz:\n  train:\n    path: a\n",
+     "unknown key 'splitz' in an Energon metadataset"),
+    ("__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  val:\n    path: a\n",
+     "no splits: train: in the metadataset"),
+    ("datasets:\n  - json_path: llava_v1_5_mix665k.json\n    sampling_strategy: all\n",
+     "is a LLaVA JSON, not a packed dataset: pack it with `python data.py pack --json"),
+    ("datasets:\n  - path: a\n    sampling_strategy: half\n", "take (sampling_strategy) must be"),
+    ("datasets: [a, b\n", "not valid YAML"),
+    ("- a\n- b\n", "a mixture file is a mapping"),
+]
+
+
+@pytest.mark.parametrize("text,said", BAD_YAML)
+def test_a_bad_mixture_file_is_one_sentence(tmp_path, text, said):
+    (tmp_path / "mix.yaml").write_text(text)
+    with pytest.raises(MixtureError, match=re_escape(said)):
+        mixture.sources(str(tmp_path / "mix.yaml"), "train")
+
+
+def test_a_llava_next_data_yaml_keeps_its_rules(three, tmp_path):
+    (tmp_path / "next.yaml").write_text(
+        "datasets:\n"
+        f"  - json_path: {three[0]}\n    sampling_strategy: all\n"
+        f"  - path: {three[1]}\n    sampling_strategy: \"end:20%\"\n"
+        f"  - path: {three[2]}\n    sampling_strategy: \"random:10\"\n")
+    mix = Mixture(str(tmp_path / "next.yaml"))
+    assert [s.repeat for s in mix.sources] == [1.0, 1.0, 1.0]  # LLaVA-NeXT concatenates the kept records
+    assert mix.kept_sizes == [37, 21, 10] and mix.blend.epoch_len == 68
+    epoch = np.bincount([mix.sample_at(q) for q in range(68)], minlength=len(mix.index))
+    assert epoch.sum() == 68 and epoch.max() == 1  # each kept record once an epoch, as its sampler does
+
+
+# -----------------------------------------------------------------------------
+# the same metadataset through megatron-energon's own loader
+
+
+def energon_draws(yaml_path, n, repeat=True):
+    """Which dataset folder each of the first n samples of Energon's train loader came from."""
+    from megatron.energon import WorkerConfig, get_loader, get_train_dataset
+
+    ds = get_train_dataset(str(yaml_path), split_part="train", batch_size=None, shuffle_buffer_size=None,
+                           max_samples_per_sequence=None, repeat=repeat,
+                           worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0))
+    drawn = []
+    for sample in get_loader(ds):
+        drawn.append(str(sample.__sources__[0].dataset_path))
+        if len(drawn) == n:
+            break
+    return drawn
+
+
+def test_energon_draws_the_same_shares_from_the_same_metadataset(three, tmp_path):
+    blend = tmp_path / "blend.yaml"
+    blend.write_text("__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n"
+                     + "".join(f"      - weight: {w}\n        path: {p}\n" for p, w in zip(three, (5, 2, 1))))
+    n = 1500
+    theirs = np.array([[d == str(p) for p in three] for d in energon_draws(blend, n)]).sum(0)
+    ours = np.bincount(drawn_sources(Mixture(str(blend), seed=1), range(20_000)), minlength=3)
+    for k, p in enumerate((5 / 8, 2 / 8, 1 / 8)):
+        assert abs(theirs[k] - n * p) <= 3 * math.sqrt(n * p * (1 - p)), (theirs, p)
+        assert abs(ours[k] - 20_000 * p) <= 3 * math.sqrt(20_000 * p * (1 - p)), (ours, p)
+    # blend_epochized: an epoch holds int(n x repetitions) samples of each, in Energon as here
+    epochized = tmp_path / "epochized.yaml"
+    epochized.write_text("__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n"
+                         "    blend_epochized:\n" + "".join(f"      - repetitions: {r}\n        path: {p}\n"
+                                                            for p, r in zip(three, (2, 1, 0.5))))
+    theirs = energon_draws(epochized, 10_000, repeat=False)  # one epoch, then the loader stops
+    mix = Mixture(str(epochized))
+    ours = np.bincount(drawn_sources(mix, range(mix.blend.epoch_len)), minlength=3)
+    assert len(theirs) == mix.blend.epoch_len == 74 + 101 + 125
+    assert [sum(d == str(p) for d in theirs) for p in three] == ours.tolist() == [74, 101, 125]
