@@ -525,6 +525,13 @@ class Loader:
                     f"{', '.join(s.mixture.names())}; the new mixture is read from global position "
                     f"{state['position'] * state.get('world_size', 1)}")
             differ = {}
+        if "sources" in differ or ("n_samples" in differ and len(s.mixture.sources) > 1):
+            saved, now = (", ".join(f"{x['name']} ({x['samples']} samples)" for x in sources)
+                          for sources in (state.get("sources", []), mine.get("sources", s.mixture.describe())))
+            raise ValueError(f"the checkpoint's run read other data ({saved or state['n_samples']}) than this data_dir "
+                             f"names ({now}; or their weights, repeats or take rules differ): resume with the same "
+                             f"mixture, or add data_dir to allow_config_change to go on with this one from the saved "
+                             f"position")
         if differ:
             raise ValueError(f"data loader state does not match this run (saved, now): {differ}")
         consumed = state["position"] * state.get("world_size", 1)  # global: every rank is at the same position

@@ -275,3 +275,103 @@ def test_energon_draws_the_same_shares_from_the_same_metadataset(three, tmp_path
     ours = np.bincount(drawn_sources(mix, range(mix.blend.epoch_len)), minlength=3)
     assert len(theirs) == mix.blend.epoch_len == 74 + 101 + 125
     assert [sum(d == str(p) for d in theirs) for p in three] == ours.tolist() == [74, 101, 125]
+
+
+# -----------------------------------------------------------------------------
+# train.py on a mixture: the figures by source, a resume, a changed mixture, bad mixtures
+
+
+@pytest.fixture(scope="module")
+def two_shapes(shapes_data):
+    return shapes_data(n=400, seed=0), shapes_data(n=300, seed=1, val_fraction=0.2)
+
+
+def mixture_spec(a, b, weights=(3, 1)):
+    return [{"path": str(a / "shards"), "weight": weights[0], "name": "one"},
+            {"path": str(b / "shards"), "weight": weights[1], "name": "two", "take": "random:60%"}]
+
+
+def mixture_run(two_shapes, out, *extra, spec=None):
+    from test_train import args
+
+    a, b = two_shapes
+    return args(a, out, f"--data_dir={spec or mixture_spec(a, b)!r}", "--pack=2", "--num_workers=2", "--seq_len=64",
+                "--log_interval=2", "--eval_interval=4", "--eval_iters=2", "--ckpt_interval=4", "--keep_last=5", *extra)
+
+
+def test_per_source_figures_are_what_was_drawn_and_survive_a_resume(two_shapes, tmp_path):
+    from conftest import run_log
+    from test_train import args, losses, run
+
+    a, b = two_shapes
+    whole, halves = tmp_path / "whole", tmp_path / "halves"
+    run(mixture_run(two_shapes, whole, "--max_iters=8"))
+    run(mixture_run(two_shapes, halves, "--max_iters=4"))
+    r = run(mixture_run(two_shapes, halves, "--max_iters=8", "--resume=True"))
+    assert "resuming from" in r.stdout
+    assert all(losses(halves)[s] == losses(whole)[s] for s in (6, 8)), (losses(halves), losses(whole))
+    # the counts logged at step 8 are the samples of the first 8 batches of 16 (8 rows x pack 2), drawn again here
+    stream = ShardStream(mixture_spec(a, b), a / "tokenizer.model", batch_size=8, seq_len=64, image_size=28,
+                         image_token_id=512, n_image_tokens=4, template="llama_3", pack=2)
+    drawn = [stream.batch(k) for k in range(8)]
+    names = ["one", "two"]
+    want = {f"samples/{n}": sum(int((d["source"] == i).sum()) for d in drawn) for i, n in enumerate(names)}
+    ends = stream.mixture.ends
+    assert all(int(np.searchsorted(ends, s, side="right")) == int(src) for d in drawn
+               for s, src in zip(d["sample_id"], d["source"]))
+    want |= {f"tokens/{n}": sum(int(d["tokens"][d["source"] == i].sum()) for d in drawn) for i, n in enumerate(names)}
+    # supervised tokens by source add up to the loss's units (labels[:, 1:] != -100), dropped samples counting none
+    assert sum(want[f"tokens/{n}"] for n in names) == sum(int((d["labels"][:, 1:] != -100).sum()) for d in drawn)
+    for out in (whole, halves):
+        logged = [e for e in run_log(out, "samples/one") if e["step"] == 8][-1]
+        assert {k: logged[k] for k in want} == want, (out, logged, want)
+        assert 0.6 < want["samples/one"] / 128 < 0.9
+        # each source's held-out loss, weighted by its supervised tokens, is the pooled loss
+        val = [e for e in run_log(out, "val_loss") if e["step"] == 8][-1]
+        pooled = sum(val[f"val_loss/{n}"] * val[f"val_tokens/{n}"] for n in names) / \
+            sum(val[f"val_tokens/{n}"] for n in names)
+        assert abs(pooled - val["val_loss"]) <= 1e-5 * val["val_loss"], val
+    # and source two's held-out loss is what a run on source two alone measures with the same weights (lr 0)
+    alone = tmp_path / "alone"
+    run(args(a, alone, f"--data_dir={b / 'shards'}", f"--init_from={whole / 'step-000008'}", "--lr=0", "--min_lr=0",
+             "--max_iters=1", "--eval_interval=1", "--eval_iters=2", "--pack=2", "--seq_len=64"))
+    assert abs(run_log(alone, "val_loss")[-1]["val_loss"] - val["val_loss/two"]) <= 1e-6 * val["val_loss/two"]
+    # a changed mixture is refused on resume, unless allow_config_change names data_dir; then it is read from
+    # the resumed position on, and the log says so
+    other = mixture_spec(a, b, weights=(1, 1))
+    r = run(mixture_run(two_shapes, halves, "--max_iters=10", "--resume=True", spec=other), check=False)
+    assert r.returncode == 1 and "data_dir changed" in r.stdout and "refused" in r.stdout, r.stdout[-2000:]
+    r = run(mixture_run(two_shapes, halves, "--max_iters=10", "--resume=True", "--allow_config_change=['data_dir']",
+                        spec=other))
+    assert "the new mixture is read from global position 128" in r.stdout + r.stderr, r.stderr[-2000:]
+
+
+def test_bad_mixtures_are_one_sentence_before_the_model_is_built(two_shapes, shapes_data, tmp_path):
+    from test_train import run
+
+    a, b = two_shapes
+    pairs = shapes_data(n=300, seed=1, val_fraction=0.2, preference=True)
+    only_val = text_dataset(tmp_path / "only_val", 0, val=6)
+    (tmp_path / "class.yaml").write_text("__module__: megatron.energon\n__class__: CrudeWebdataset\nsplits: {}\n")
+    (tmp_path / "key.yaml").write_text(
+        f"__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n"
+        f"      - weight: 1\n        path: {a / 'shards'}\n        sample_weight: 2\n")
+    cases = [
+        ([{"path": str(a / "shards"), "weight": 2}, {"path": str(b / "shards"), "weight": 0}],
+         "data_dir: data_dir[1]: weight must be a number > 0, got 0"),
+        ([str(a / "shards"), str(tmp_path / "missing")], f"data_dir source missing ({tmp_path / 'missing'}) does not "
+                                                         "exist"),
+        ([str(a / "shards"), str(only_val)], "data_dir source only_val"),
+        ([str(a / "shards"), {"path": str(b / "shards"), "take": "first:0"}],
+         "take 'first:0' keeps none of its 240 samples"),
+        ([str(a / "shards"), str(pairs / "preference")], "a mixture of preference pairs (preference) and single "
+                                                          f"answers ({a.name}) under objective='sft'"),
+        (str(tmp_path / "class.yaml"), "__class__: MetadatasetV2 expected, got 'megatron.energon' / 'CrudeWebdataset'"),
+        (str(tmp_path / "key.yaml"), "splits.train.blend[0]: unknown key 'sample_weight'"),
+    ]
+    for spec, said in cases:
+        r = run(mixture_run(two_shapes, tmp_path / "out", spec=spec), check=False)
+        assert r.returncode == 1 and said in r.stderr and "Traceback" not in r.stderr, (said, r.stderr[-2000:])
+        assert len(r.stderr.strip().splitlines()) == 1 and "model:" not in r.stdout, r.stdout[-2000:]
+    r = run(mixture_run(two_shapes, tmp_path / "out", spec=[str(a / "shards"), str(only_val)]), check=False)
+    assert "no train split" in r.stderr, r.stderr
