@@ -27,6 +27,7 @@ for a matrix of speed levers. Without a peer the model is built and initialised 
 import argparse
 import gc
 import json
+import os
 import sys
 import tempfile
 import time
@@ -514,6 +515,50 @@ def print_bucket_reads():
             print(f"| {what} | {streams} | " + " | ".join(f"{r / 1e6:.0f} ({r / SAMPLE_BYTES:,.0f})" for r in rates) + " |")
 
 
+def split_bench_shards(work, n_sources):
+    """The bench samples (work/bench.json) as n_sources datasets of equal size, in work/sources/NNN."""
+    records = json.loads((work / "bench.json").read_text())
+    folders = [work / "sources" / f"{k:04d}" for k in range(n_sources)]
+    for k, folder in enumerate(folders):
+        if not (folder / ".nv-meta" / ".info.json").exists():
+            part = work / "sources" / f"{k:04d}.json"
+            part.parent.mkdir(parents=True, exist_ok=True)
+            part.write_text(json.dumps(records[k::n_sources]))
+            pack(part, work / "images", folder, shard_size=10, overwrite=True)
+    return folders
+
+
+def bench_mixture_start(n_sources, work):
+    """A mixture of n_sources small datasets (copies of one): seconds to open it, files held open and the resident
+    memory after reading 50 batches of 8 from a loader with two workers."""
+    import resource
+    import shutil
+
+    from loader import Loader, ShardStream
+    from shapes import train_tokenizer
+
+    one = work / "one"
+    if not (one / ".nv-meta" / ".info.json").exists():
+        make_bench_shards(work / "one-src", 40, width=64, height=48, shard_size=10)
+        shutil.copytree(work / "one-src" / "shards", one, dirs_exist_ok=True)
+    copies = [work / "copies" / f"{k:04d}" for k in range(n_sources)]
+    for c in copies:
+        if not c.exists():
+            shutil.copytree(one, c)
+    if not (work / "tokenizer.model").exists():
+        train_tokenizer(["Describe the image.", "Waves."] * 50, work / "tokenizer", 320)
+    t0 = time.perf_counter()
+    stream = ShardStream([{"path": str(c), "weight": 1} for c in copies], work / "tokenizer.model", batch_size=8,
+                         seq_len=64, image_size=28, image_token_id=320, n_image_tokens=4)
+    opened = time.perf_counter() - t0
+    batches = iter(Loader(stream, num_workers=2))
+    for _ in range(50):
+        next(batches)
+    fds = len(os.listdir("/proc/self/fd"))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"| {n_sources} | {len(stream)} | {opened:.2f} | {fds} | {rss:.0f} |")
+
+
 def bench_loader(args):
     """The bench JPEGs (make_bench_shards) read by the loader, decoded to 336 px, from local files and from moto's S3
     server behind --latency_ms a request: with the ranged reads fetched ahead (shards.ShardReader), and one request
@@ -539,6 +584,13 @@ def bench_loader(args):
     ahead, best = shards.AHEAD, {}
     sources = {"local files": (local, ahead), f"S3 +{args.latency_ms:g} ms, read ahead": (url, ahead),
                f"S3 +{args.latency_ms:g} ms, one request a sample": (url, 1)}
+    if args.sources > 1:  # the same samples as a mixture of equal sources, equal weights (mixture.py)
+        folders = split_bench_shards(work, args.sources)
+        for f in sorted(p for d in folders for p in d.rglob("*") if p.is_file()):
+            storage.upload(f, f"{url}-mix/{f.relative_to(work / 'sources')}")
+        sources |= {f"local files, {args.sources} sources": ([{"path": str(d), "weight": 1} for d in folders], ahead),
+                    f"S3 +{args.latency_ms:g} ms, read ahead, {args.sources} sources":
+                        ([{"path": f"{url}-mix/{d.name}", "weight": 1} for d in folders], ahead)}
     for _ in range(args.rounds):  # the sources alternate, so a busy moment of the machine hits them alike
         for name, (where, n_ahead) in sources.items():
             shards.AHEAD = n_ahead  # read at fork time by the workers too
@@ -903,6 +955,10 @@ def main(argv=None):
     ld.add_argument("--n", type=int, default=400, help="samples of the dataset generated in --workdir")
     ld.add_argument("--workdir", default="out/bench-loader")
     ld.add_argument("--computed", action="store_true", help="print the computed table for real buckets instead")
+    ld.add_argument("--sources", type=int, default=1, help="also read the same samples as a mixture of this many "
+                                                           "equal datasets, equal weights")
+    ld.add_argument("--start-sources", type=int, nargs="*", default=[],
+                    help="instead: open mixtures of this many small datasets, and read 50 batches")
     sub.add_parser("xla", help="computed per-device memory of the LLaVA-1.5-7B TPU recipes (docs/recipes.md)")
     sub.add_parser("levers", help="computed memory and predicted speed of the speed levers for LLaVA-1.5-7B")
     sub.add_parser("attention", help="computed activation memory a chip of the long recipes: dense vs bounded attention")
@@ -924,6 +980,11 @@ def main(argv=None):
         print_levers()
     elif args.cmd == "attention":
         print_attention_memory()
+    elif args.cmd == "loader" and args.start_sources:
+        print("| sources | samples | seconds to open | files open (main process) | max RSS MiB (main process) |\n"
+              "|---|---|---|---|---|")
+        for n in args.start_sources:
+            bench_mixture_start(n, Path(args.workdir) / "start")
     elif args.cmd == "loader":
         print_bucket_reads() if args.computed else bench_loader(args)
     elif args.cmd == "data":

@@ -204,7 +204,11 @@ def test_a_writer_killed_mid_upload_leaves_no_step_that_resume_takes(shapes, loc
 
 @pytest.mark.slow
 def test_xla_and_fsdp2_share_a_bucket_and_resume_on_other_world_sizes(shapes, s3_bucket, s3_proxy, tmp_path):
-    out, bucket, common = f"{s3_bucket}/run", storage.bucket(s3_bucket), ["--ckpt_interval=3", "--keep_last=5"]
+    out, bucket = f"{s3_bucket}/run", storage.bucket(s3_bucket)
+    # a mixture of two sources (the dataset's first 60% at weight 2, its last 40% at weight 1): its order resumes too
+    mix = [{"path": str(shapes / "shards"), "weight": 2, "take": "first:60%", "name": "head"},
+           {"path": str(shapes / "shards"), "weight": 1, "take": "end:40%", "name": "tail"}]
+    common = ["--ckpt_interval=3", "--keep_last=5", f"--data_dir={mix!r}"]
     # XLA SPMD on 4 CPU devices (one host) writes step 3 to the bucket
     train_on_xla(args(shapes, out, "--max_iters=3", *common))
     # FSDP2 on 2 ranks resumes it there; a rank is SIGKILLed while step 6's shards upload (as the OOM killer does)
@@ -240,6 +244,11 @@ def test_xla_and_fsdp2_share_a_bucket_and_resume_on_other_world_sizes(shapes, s3
     same_state(f"{out}/step-000006", local / "step-000006", tmp_path)
     # and FSDP2 had loaded what XLA wrote: its steps 4-6 agree with one process's up to the order of summation
     assert all(abs(fsdp2[s] - reference[s]) <= 1e-4 * abs(reference[s]) for s in reference), (fsdp2, reference)
+    counts = [{k: v for k, v in json.loads(line).items() if k.startswith(("samples/", "tokens/"))}
+              for text in (storage.read_text(f"{out}/log.jsonl"), (local / "log.jsonl").read_text())
+              for line in text.splitlines() if '"step": 6,' in line and "samples/head" in line]
+    assert len(counts) >= 3 and all(c == counts[-1] for c in counts), counts  # XLA -> FSDP2, -> bucket, -> local
+    assert counts[-1]["samples/head"] + counts[-1]["samples/tail"] == 6 * 8, counts
 
 
 def flip_a_bit(path):
