@@ -7,8 +7,10 @@ checked (check), each objective's keys by its module (rl.check_config for GRPO).
 
 import ast
 import builtins
+import json
 import math
 import traceback
+from hashlib import sha256
 from pathlib import Path
 
 import chat
@@ -344,16 +346,17 @@ def check_inputs(cfg):
                 storage.check_bucket(cfg[key])
             except storage.StorageError as e:
                 raise SystemExit(f"{key} {e}") from None
-    check_data(cfg["data_dir"], cfg["objective"], cfg["seed"])
+    check_data(cfg["data_dir"], cfg["objective"], cfg["seed"], cfg["tokenizer"])
     try:
         chat.Tokenizer(cfg["tokenizer"])
     except Exception as e:  # noqa: BLE001  sentencepiece and tokenizers raise many kinds for a bogus file
         raise SystemExit(f"tokenizer {cfg['tokenizer']!r}: cannot load ({type(e).__name__}: {e})") from None
 
 
-def check_data(data_dir, objective, seed):
+def check_data(data_dir, objective, seed, tokenizer):
     """data_dir's sources (one dataset, or a mixture: mixture.py) each there, with a train split, something left by
-    its take rule, and of one kind (preference pairs or single answers): one sentence naming the source."""
+    its take rule, made for this run's tokenizer if a mixture's source records one, and of one kind (preference pairs
+    or single answers): one sentence naming the source."""
     try:
         found = mixture.sources(data_dir, "train")
     except MixtureError as e:
@@ -377,6 +380,11 @@ def check_data(data_dir, objective, seed):
         if None not in counts.values() and not len(mixture.take_indices(source.take, sum(counts.values()),
                                                                          source.name, seed)):
             raise SystemExit(f"{where}: take {source.take!r} keeps none of its {sum(counts.values())} samples")
+        made_for = made_for_tokenizer(source.path) if len(found) > 1 else None
+        if made_for and made_for["sha256"] != file_sha256(tokenizer):
+            raise SystemExit(f"{where} was made for another tokenizer ({made_for['file']}, sha256 "
+                             f"{made_for['sha256'][:12]}...) than this run's {tokenizer}: its text is tokenized for "
+                             f"that one (shapes: draw it with --tokenizer {tokenizer})")
         kinds[source.name] = first_sample_kind(counts)
     pairs = sorted(name for name, kind in kinds.items() if kind == "pair")
     single = sorted(name for name, kind in kinds.items() if kind == "single")
@@ -384,6 +392,23 @@ def check_data(data_dir, objective, seed):
         raise SystemExit(f"data_dir: a mixture of preference pairs ({', '.join(pairs[:3])}) and single answers "
                          f"({', '.join(single[:3])}) under objective={objective!r}: every source of a run must hold "
                          f"the same kind of sample")
+
+
+def file_sha256(tokenizer):
+    """The sha256 of the tokenizer file a run reads, or None when it cannot be read (check_inputs says why)."""
+    try:
+        return sha256(storage.read_bytes(chat.tokenizer_file(tokenizer))).hexdigest()
+    except (OSError, ValueError):
+        return None
+
+
+def made_for_tokenizer(path):
+    """The tokenizer a dataset folder records it was made for (.nv-meta/llavax.json), or None."""
+    meta = storage.join(path, ".nv-meta", "llavax.json")
+    try:
+        return json.loads(storage.read_text(meta)).get("tokenizer") if not str(path).endswith(".tar") else None
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def first_sample_kind(counts):

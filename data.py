@@ -3,8 +3,9 @@ Data for llavax: LLaVA conversations and images -> Energon-compatible tar shards
 
     python data.py pack --json llava_v1_5_mix665k.json --images DIR --out SHARDS [--shard-size 1000] [--val-ratio 0.01]
     python data.py pack ... --out s3://BUCKET/shards      # or gs://: each shard uploaded when complete, .nv-meta last
-    python data.py shapes --out DIR [--n 20000] [--seed 0]      # the synthetic demo dataset (shapes.py)
+    python data.py shapes --out DIR [--n 20000] [--seed 0] [--tokenizer T]   # the synthetic demo dataset (shapes.py)
     python data.py audit SHARDS|JSON [--config configs/x.py] [--sheet F.png]   # what training would get (pack.py)
+    python data.py audit MIX.yaml --config configs/x.py   # a mixture (or --config alone: its data_dir): by source
 
 Writing shards: pack.py; the demo data: shapes.py; reading them into batches: loader.py.
 """
@@ -19,11 +20,12 @@ import config
 import shapes
 import storage
 from model_config import VLMConfig
-from pack import audit, pack
+from pack import audit, audit_mixture, pack
 
 
 def audit_arguments(a):
-    a.add_argument("source", help="a shard folder (or tar), or a LLaVA JSON/JSONL with --images")
+    a.add_argument("source", nargs="?", help="a shard folder (or tar), a mixture (.yaml), or a LLaVA JSON/JSONL with "
+                                             "--images; default: the --config's data_dir (a mixture gets a table)")
     a.add_argument("--images", help="the image folder of a LLaVA JSON")
     a.add_argument("--split", default="train", help="the split of a shard folder to read")
     a.add_argument("--config", help="a train.py config file (e.g. configs/shapes.py): fills the settings below")
@@ -66,7 +68,19 @@ def audit_command(args):
     if max_tiles < 0:
         raise SystemExit(f"audit: --max-tiles must be >= 0, got {max_tiles}")
     config.check_tiles(mcfg, max_tiles)  # what train.py refuses (an anyres model without room for one image) is refused here
-    sys.exit(audit(args.source, given(args.tokenizer, cfg["tokenizer"]), given(args.template, cfg["template"]),
+    source = cfg["data_dir"] if args.source is None else args.source
+    if isinstance(source, list) or str(source).endswith((".yaml", ".yml")):  # a mixture: a table of its sources
+        stream_args = {"tokenizer": given(args.tokenizer, cfg["tokenizer"]), "batch_size": 1,
+                       "seq_len": given(args.seq_len, cfg["seq_len"]), "image_size": given(args.image_size,
+                                                                                          mcfg.vision.image_size),
+                       "image_token_id": given(args.image_token_id, mcfg.image_token_id),
+                       "n_image_tokens": given(args.n_image_tokens, mcfg.n_image_tokens),
+                       "template": given(args.template, cfg["template"]),
+                       "image_mode": given(args.image_mode, cfg["image_mode"]), "image_mean": mcfg.vision.image_stats[0]}
+        stream_args |= {"vlm": mcfg, "max_tiles": max_tiles} if max_tiles else {}
+        sys.exit(audit_mixture(source, stream_args, cfg["max_iters"], cfg["batch_size"], args.limit, args.progress,
+                               cfg["seed"]))
+    sys.exit(audit(source, given(args.tokenizer, cfg["tokenizer"]), given(args.template, cfg["template"]),
                    given(args.seq_len, cfg["seq_len"]), given(args.image_size, mcfg.vision.image_size),
                    given(args.n_image_tokens, mcfg.n_image_tokens), given(args.image_token_id, mcfg.image_token_id),
                    given(args.image_mode, cfg["image_mode"]), args.images, args.split, given(args.pack, cfg["pack"]),
@@ -94,6 +108,8 @@ def main(argv=None):
     b.add_argument("--turns", type=int, default=1, help="questions per image, as a multi-turn conversation")
     b.add_argument("--images", type=int, default=1, help="2: two images a sample, 'Which image has more circles?'")
     b.add_argument("--preference", action="store_true", help="also right/wrong answer pairs in OUT/preference (DPO)")
+    b.add_argument("--tokenizer", help="use this tokenizer.model (another shapes dataset's) instead of training one: "
+                                       "the two can then be mixed in one run")
     audit_arguments(sub.add_parser("audit", help="what training would get from a dataset: counts, lengths, prompts, "
                                                  "images, the chat template"))
     args = p.parse_args(argv)
@@ -105,7 +121,7 @@ def main(argv=None):
                  overwrite=args.overwrite)
         else:
             shapes.make_shapes(args.out, args.n, args.seed, image_size=args.image_size, turns=args.turns,
-                               images=args.images, preference=args.preference)
+                               images=args.images, preference=args.preference, tokenizer=args.tokenizer)
     except storage.StorageError as e:  # a bucket that is not there, no credentials, an outage: one sentence
         raise SystemExit(f"{args.cmd}: {e}") from None
 

@@ -289,7 +289,7 @@ def part_filter(part):
 '''
 
 
-def write_energon_meta(out_dir, train, val, skips):
+def write_energon_meta(out_dir, train, val, skips, made_for=None):
     """.nv-meta as `energon prepare` writes it, with our sample loader, plus llavax.json (each shard's sample
     count and byte size, what was skipped). .info.json goes last: a folder without it is not a dataset. Each file is
     written whole (storage.write_text), on a disk or in a bucket."""
@@ -304,7 +304,8 @@ def write_energon_meta(out_dir, train, val, skips):
     storage.write_text(storage.join(meta, "sample_loader.py"), SAMPLE_LOADER)
     shards = {name: {"samples": n, "bytes": size} for name, n, size in train + val}
     storage.write_text(storage.join(meta, "llavax.json"),
-                       json.dumps({"shards": shards, "skipped": dict(sorted(skips.counts.items()))}, indent=1))
+                       json.dumps({"shards": shards, "skipped": dict(sorted(skips.counts.items()))}
+                                  | ({"tokenizer": made_for} if made_for else {}), indent=1))
     info = {"energon_version": ENERGON_VERSION, "shard_counts": {name: s["samples"] for name, s in shards.items()}}
     storage.write_text(storage.join(meta, ".info.json"), json.dumps(info, indent=2))
 
@@ -340,20 +341,28 @@ def is_val(sample_id, val_ratio):
 
 
 def pack(json_path, images_dir, out_dir, shard_size=1000, val_ratio=0.0, workers=1, strict=False, val_ids=None,
-         overwrite=False):
+         overwrite=False, tokenizer=None):
     """Pack a LLaVA JSON/JSONL file into out_dir, a local folder or a bucket prefix (s3://, gs://: each shard
     uploaded when it is complete, .nv-meta last); a record goes to val by a hash of its id (val_ratio) or by
-    val_ids(id)."""
+    val_ids(id). tokenizer: the tokenizer file the data is made for (its text was written for it, as the shapes
+    demo's is), recorded so that a run with another is refused (config.check_data)."""
+    made_for = tokenizer_record(tokenizer) if tokenizer else None
     if storage.is_url(out_dir):
         storage.check_bucket(out_dir)  # a bucket that is not there, or no credentials: one sentence, before any work
         with tempfile.TemporaryDirectory(prefix="llavax-pack-") as staging:
             return pack_into(json_path, images_dir, str(out_dir).rstrip("/"), shard_size, val_ratio, workers, strict,
-                             val_ids, overwrite, staging)
-    return pack_into(json_path, images_dir, Path(out_dir), shard_size, val_ratio, workers, strict, val_ids, overwrite)
+                             val_ids, overwrite, made_for, staging)
+    return pack_into(json_path, images_dir, Path(out_dir), shard_size, val_ratio, workers, strict, val_ids, overwrite,
+                     made_for)
+
+
+def tokenizer_record(path):
+    """What .nv-meta/llavax.json records of the tokenizer a dataset is made for: its file name and sha256."""
+    return {"file": storage.name(path), "sha256": hashlib.sha256(storage.read_bytes(path)).hexdigest()}
 
 
 def pack_into(json_path, images_dir, out_dir, shard_size, val_ratio, workers, strict, val_ids, overwrite,
-              staging=None):
+              made_for=None, staging=None):
     clear_out_dir(out_dir, overwrite)
     skips = Skips()
     records = list(read_records(json_path))
@@ -382,7 +391,7 @@ def pack_into(json_path, images_dir, out_dir, shard_size, val_ratio, workers, st
     good = {split: w.close() for split, w in writers.items()}
     if n == 0:
         sys.exit(f"pack: {json_path}: no record could be packed, so no dataset was written\npack: {skips.summary()}")
-    write_energon_meta(out_dir, good["train"], good["val"], skips)
+    write_energon_meta(out_dir, good["train"], good["val"], skips, made_for)
     n_train, n_val = (sum(s[1] for s in good[split]) for split in ("train", "val"))
     log(f"pack: wrote {n_train} train and {n_val} val samples in {len(good['train']) + len(good['val'])} shards "
         f"to {out_dir}\npack: {skips.summary()}")
@@ -660,4 +669,63 @@ def audit(source, tokenizer, template, seq_len, image_size, n_image_tokens, imag
     if sheet:
         contact_sheet(tiles, image_size, sheet)
         p(f"contact sheet: {sheet} ({len(tiles)} samples)")
+    return status
+
+
+# -----------------------------------------------------------------------------
+# auditing a mixture: each source's share of the samples against its share of the tokens
+
+
+def audit_mixture(data_dir, stream_args, steps, batch_size, limit=0, progress=1000, seed=0, out=None):
+    """Print a table of data_dir's sources (mixture.py): samples kept and left out by take rules, tokens, supervised
+    tokens, images and tiles (encoded as the loader encodes them: the first `limit` kept samples of each, scaled up),
+    each source's share of the samples drawn against its share of the tokens, and the epochs of it that `steps` steps
+    of batch_size samples take. Returns the exit status (1: a source whose audited samples all drop)."""
+    from loader import ShardStream
+
+    p = lambda *a: print(*a, file=out or sys.stdout)  # noqa: E731
+    try:
+        stream = ShardStream(data_dir, split="train", seed=seed, **stream_args)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"audit: {e}") from None
+    mix, rows, status = stream.mixture, [], 0
+    for i, source in enumerate(mix.sources):
+        kept = mix.orders[i].kept
+        audited = kept[:limit] if limit else kept
+        sums = Counter()
+        for n, local in enumerate(audited.tolist()):
+            if progress and n and n % progress == 0:
+                log(f"audit: {source.name}: {n} samples")
+            e = stream.encode_or_drop(mix.bases[i] + local)
+            if e is None:
+                sums["dropped"] += 1
+                continue
+            images = (len(e[3]) if stream.max_tiles else 1) if e[2] is not None else 0
+            sums.update(tokens=len(e[0]), supervised=sum(x != -100 for x in e[1][1:]), images=images,
+                        tiles=len(e[2]) if stream.max_tiles and e[2] is not None else images)
+        scale = len(kept) / max(1, len(audited))
+        total = int(mix.ends[i] - mix.bases[i])
+        rows.append((source, len(kept), total - len(kept), {k: v * scale for k, v in sums.items()}))
+        status |= sums["dropped"] == len(audited)
+    shares = mix.shares()
+    token_weight = [share * row[3].get("tokens", 0) / max(1, row[1]) for share, row in zip(shares, rows)]
+    p(f"audit: a mixture of {len(rows)} sources ({'weights' if mix.sources[0].weight is not None else 'repeats'}), "
+      f"{steps} steps x {batch_size} samples = {steps * batch_size:,} samples drawn"
+      + (f"; each source's first {limit} kept samples audited, the figures scaled to all it keeps" if limit else ""))
+    p("| source | rule | samples kept | left out by take | tokens | supervised | images | tiles | dropped | "
+      "share of samples | share of tokens | epochs |")
+    p("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for (source, n_kept, left_out, s), share, tw in zip(rows, shares, token_weight):
+        rule = f"weight {source.weight:g}" if source.weight is not None else f"repeat {source.repeat:g}"
+        rule += f", take {source.take}" if source.take != "all" else ""
+        p(f"| {source.name} | {rule} | {n_kept:,} | {left_out:,} | {s.get('tokens', 0):,.0f} | "
+          f"{s.get('supervised', 0):,.0f} | {s.get('images', 0):,.0f} | {s.get('tiles', 0):,.0f} | "
+          f"{s.get('dropped', 0):,.0f} | {share:.1%} | {tw / max(sum(token_weight), 1e-12):.1%} | "
+          f"{steps * batch_size * share / n_kept:.2f} |")
+    left = sum(r[2] for r in rows)
+    p(f"take rules leave out {left:,} of {sum(r[1] + r[2] for r in rows):,} samples")
+    for source, _, _, s in rows:
+        if s.get("dropped"):
+            p(f"  {source.name}: {s['dropped']:,.0f} samples would drop (run `python data.py audit {source.path}` "
+              f"for the reasons)")
     return status

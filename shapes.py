@@ -122,27 +122,30 @@ def train_tokenizer(texts, out_prefix, vocab_size):
 
 
 def make_shapes(out, n=20000, seed=0, val_fraction=0.1, image_size=48, vocab_size=512, turns=1, images=1,
-                preference=False):
+                preference=False, tokenizer=None):
     """n samples of one image and `turns` questions, or (images=2) of two images and "Which image has more
     circles?", in the OneVision format: "image": [first, second] and one <image> tag for each, in order.
     preference: the same samples as right/wrong answer pairs too, in out/preference (objective='dpo').
     out may be a bucket (s3://, gs://): drawn in a local temporary folder, the shards packed into the bucket and the
-    tokenizer and JSON uploaded beside them (the images stay local, and go)."""
+    tokenizer and JSON uploaded beside them (the images stay local, and go). tokenizer: a tokenizer.model to use
+    (copied in) instead of training one, so that several shapes datasets can be mixed in one run; the shards record
+    the tokenizer they are made for."""
     if images not in (1, 2):
         raise SystemExit(f"shapes: --images must be 1 or 2, got {images}")
     if not storage.is_url(out):
-        return draw_and_pack(Path(out), out, n, seed, val_fraction, image_size, vocab_size, turns, images, preference)
+        return draw_and_pack(Path(out), out, n, seed, val_fraction, image_size, vocab_size, turns, images, preference,
+                             tokenizer)
     storage.check_bucket(out)
     with tempfile.TemporaryDirectory(prefix="llavax-shapes-") as local:
         draw_and_pack(Path(local), str(out).rstrip("/"), n, seed, val_fraction, image_size, vocab_size, turns, images,
-                      preference)
+                      preference, tokenizer)
         for name in ("tokenizer.model", "tokenizer.vocab", "shapes.json", "preference.json"):
             if Path(local, name).exists():
                 storage.upload(Path(local, name), storage.join(out, name))
     return out
 
 
-def draw_and_pack(out, packed, n, seed, val_fraction, image_size, vocab_size, turns, images, preference):
+def draw_and_pack(out, packed, n, seed, val_fraction, image_size, vocab_size, turns, images, preference, tokenizer=None):
     """make_shapes with its images, JSON and tokenizer in the local folder `out`, its shards in `packed`/shards."""
     (out / "images").mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -168,17 +171,19 @@ def draw_and_pack(out, packed, n, seed, val_fraction, image_size, vocab_size, tu
         conv = [t for q, a in qa.items() for t in ({"from": "human", "value": q}, {"from": "gpt", "value": a})]
         conv[0] = {"from": "human", "value": f"{IMAGE_TAG}\n{conv[0]['value']}"}
         records.append({"id": f"{split}-{i:06d}", "image": f"{i:06d}.png", "conversations": conv})
-    (out / "shapes.json").write_text(json.dumps(records))
     texts = [t["value"].replace(IMAGE_TAG, "").strip() for r in records for t in r["conversations"]]
     for fn in TEMPLATES.values():  # so the template scaffolding tokenizes compactly too
         texts += ["".join(t for t, _ in fn(r["conversations"])).replace(IMAGE_TAG, "") for r in records[:50]]
-    train_tokenizer(texts, out / "tokenizer", vocab_size)
-    pack(out / "shapes.json", out / "images", storage.join(packed, "shards"), shard_size=2000,
-         val_ids=lambda i: str(i).startswith("val"), overwrite=True)
-    if preference:
-        (out / "preference.json").write_text(json.dumps(preference_records(records, seed)))
-        pack(out / "preference.json", out / "images", storage.join(packed, "preference"), shard_size=2000,
-             val_ids=lambda i: str(i).startswith("val"), overwrite=True)
+    if tokenizer:
+        (out / "tokenizer.model").write_bytes(storage.read_bytes(tokenizer))
+    else:
+        train_tokenizer(texts, out / "tokenizer", vocab_size)
+    for name, kept in (("shapes", records), ("preference", preference and preference_records(records, seed))):
+        if kept:
+            (out / f"{name}.json").write_text(json.dumps(kept))
+            pack(out / f"{name}.json", out / "images", storage.join(packed, "shards" if name == "shapes" else name),
+                 shard_size=2000, val_ids=lambda i: str(i).startswith("val"), overwrite=True,
+                 tokenizer=out / "tokenizer.model")
     log(f"shapes: {n} samples of {images} image(s), tokenizer {storage.join(packed, 'tokenizer.model')}, shards in "
         f"{storage.join(packed, 'shards')}")
     return out

@@ -10,16 +10,18 @@
 #       --vision-select cls_patch --out ckpt/ov7b           # 27 layers, penultimate = LLaVA-OV's 26, last
 #   python train.py configs/pretrain.py --init_from=ckpt/ov7b --tokenizer=ckpt/ov7b/tokenizer.json --out_dir=out/ov7b-s1
 #   python convert.py anyres --ckpt out/ov7b-s1/step-002181 --preset llava-onevision-qwen2-7b --out ckpt/ov7b-s1
-#   torchrun ... train.py configs/onevision_qwen2_7b.py --init_from=ckpt/ov7b-s1 --data_dir=data/ov-mid-4m \
+#   torchrun ... train.py configs/onevision_qwen2_7b.py --init_from=ckpt/ov7b-s1 \
+#       --data_dir=configs/mixtures/onevision_mid_stage.yaml \
 #       --max_iters=15625 --warmup_iters=469 --out_dir=out/ov7b-s15                        # stage 1.5
-#   ... --init_from=out/ov7b-s15/step-015625 --data_dir=data/ov-si-3.2m --max_iters=12500 --warmup_iters=375 \
+#   ... --init_from=out/ov7b-s15/step-015625 --data_dir=configs/mixtures/onevision_single_image.yaml \
+#       --max_iters=12500 --warmup_iters=375 \
 #       --out_dir=out/ov7b-si                                                               # stage 2, single image
 #   torchrun ... train.py configs/onevision_qwen2_7b.py                                     # OneVision stage
 out_dir = "out/ov7b-ov"
 init_from = "out/ov7b-si/step-012500"
 model = "llava-onevision-qwen2-7b"  # the shapes init_from holds (used only with init_from='scratch')
 model_overrides = {}
-data_dir = "data/ov-1.6m"
+data_dir = "configs/mixtures/onevision.yaml"  # the published sources and sampling rules (point its paths at yours)
 tokenizer = "ckpt/ov7b/tokenizer.json"
 template = "chatml"
 seq_len = 16384  # an image takes at most ~8.8k tokens (729 base + <= 9 tiles' worth after reduction), 32 frames 6273

@@ -4,12 +4,9 @@ mixtures get."""
 
 import json
 import math
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from conftest import ROOT
 
 import mixture
 import pack
@@ -123,7 +120,7 @@ def test_a_mixture_resumes_at_any_position_and_world_size(three, tmp_path):
     seen, state, done = [[] for _ in range(20)], None, 0
     for world, steps in ((2, 7), (3, 9), (1, 4)):
         loaders = [Loader(stream(r, world), num_workers=2 if world == 2 else 0) for r in range(world)]
-        for r, ld in enumerate(loaders):
+        for ld in loaders:
             if state:
                 ld.load_state_dict(state)
             it = iter(ld)
@@ -283,7 +280,9 @@ def test_energon_draws_the_same_shares_from_the_same_metadataset(three, tmp_path
 
 @pytest.fixture(scope="module")
 def two_shapes(shapes_data):
-    return shapes_data(n=400, seed=0), shapes_data(n=300, seed=1, val_fraction=0.2)
+    """Two shapes datasets, the second drawn with the first's tokenizer (they mix in one run)."""
+    a = shapes_data(n=400, seed=0)
+    return a, shapes_data(n=300, seed=1, val_fraction=0.2, tokenizer=str(a / "tokenizer.model"))
 
 
 def mixture_spec(a, b, weights=(3, 1)):
@@ -350,7 +349,8 @@ def test_bad_mixtures_are_one_sentence_before_the_model_is_built(two_shapes, sha
     from test_train import run
 
     a, b = two_shapes
-    pairs = shapes_data(n=300, seed=1, val_fraction=0.2, preference=True)
+    pairs = shapes_data(n=300, seed=1, val_fraction=0.2, preference=True, tokenizer=str(a / "tokenizer.model"))
+    own_tokenizer = shapes_data(n=100, seed=2)
     only_val = text_dataset(tmp_path / "only_val", 0, val=6)
     (tmp_path / "class.yaml").write_text("__module__: megatron.energon\n__class__: CrudeWebdataset\nsplits: {}\n")
     (tmp_path / "key.yaml").write_text(
@@ -366,6 +366,9 @@ def test_bad_mixtures_are_one_sentence_before_the_model_is_built(two_shapes, sha
          "take 'first:0' keeps none of its 240 samples"),
         ([str(a / "shards"), str(pairs / "preference")], "a mixture of preference pairs (preference) and single "
                                                           f"answers ({a.name}) under objective='sft'"),
+        ([str(a / "shards"), str(own_tokenizer / "shards")],
+         f"data_dir source {own_tokenizer.name} ({own_tokenizer / 'shards'}) was made for another tokenizer "
+         f"(tokenizer.model, sha256 "),
         (str(tmp_path / "class.yaml"), "__class__: MetadatasetV2 expected, got 'megatron.energon' / 'CrudeWebdataset'"),
         (str(tmp_path / "key.yaml"), "splits.train.blend[0]: unknown key 'sample_weight'"),
     ]
@@ -375,3 +378,29 @@ def test_bad_mixtures_are_one_sentence_before_the_model_is_built(two_shapes, sha
         assert len(r.stderr.strip().splitlines()) == 1 and "model:" not in r.stdout, r.stdout[-2000:]
     r = run(mixture_run(two_shapes, tmp_path / "out", spec=[str(a / "shards"), str(only_val)]), check=False)
     assert "no train split" in r.stderr, r.stderr
+
+
+def test_audit_of_a_mixture_tables_each_source(two_shapes, tmp_path, capsys):
+    import data
+
+    a, b = two_shapes
+    (tmp_path / "mix.yaml").write_text(f"datasets:\n  - path: {a / 'shards'}\n    repeat: 2\n"
+                                       f"  - path: {b / 'shards'}\n    sampling_strategy: end:25%\n    repeat: 1\n")
+    (tmp_path / "cfg.py").write_text(f"data_dir = {str(tmp_path / 'mix.yaml')!r}\ntokenizer = "
+                                     f"{str(a / 'tokenizer.model')!r}\nmax_iters = 30\nbatch_size = 16\n")
+    with pytest.raises(SystemExit) as stop:
+        data.main(["audit", "--config", str(tmp_path / "cfg.py"), "--progress", "0"])
+    out = capsys.readouterr().out
+    assert stop.value.code == 0, out
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in out.splitlines() if line.startswith("| shapes")}
+    # 360 train samples of a, twice an epoch; b keeps ceil(25% of 240) = 60 of its 240 train samples
+    assert rows[a.name][2:4] == ["360", "0"] and rows[b.name][2:4] == ["60", "180"], out
+    assert rows[a.name][9] == f"{720 / 780:.1%}" and rows[b.name][9] == f"{60 / 780:.1%}"
+    assert rows[a.name][11] == f"{480 * 720 / 780 / 360:.2f} |"  # epochs of a in 30 x 16 samples
+    assert "take rules leave out 180 of 600 samples" in out
+    # tokens and supervised tokens: what the loader encodes of b's kept samples
+    stream = ShardStream(str(b / "shards"), a / "tokenizer.model", batch_size=1, seq_len=36, image_size=48,
+                         image_token_id=512, n_image_tokens=9, template="llama_3")
+    kept = [stream.encode(i) for i in range(180, 240)]
+    assert rows[b.name][4] == f"{sum(len(e[0]) for e in kept):,}"
+    assert rows[b.name][5] == f"{sum(sum(x != -100 for x in e[1][1:]) for e in kept):,}"
