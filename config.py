@@ -39,8 +39,10 @@ model_overrides = {  # merged into the preset; these make the shapes demo's 1.8M
     "vision_layer": -1,
     "image_token_id": 512,  # the shapes tokenizer holds at most 512 pieces; the vocab is padded to 576
 }
+# the commands that make this config's inputs (data_dir, init_from) from other runs: listed when one is missing
+prepare = []
 # data
-data_dir = "data/shapes/shards"
+data_dir = "data/shapes/shards"  # one packed dataset, or a mixture: a list of sources or a YAML file (mixture.py)
 tokenizer = "data/shapes/tokenizer.model"
 template = "llama_3"
 seq_len = 36  # the demo's samples are 30-34 tokens (9 image tokens, llama_3); padding past them is compute
@@ -346,14 +348,19 @@ def check_inputs(cfg):
                 storage.check_bucket(cfg[key])
             except storage.StorageError as e:
                 raise SystemExit(f"{key} {e}") from None
-    check_data(cfg["data_dir"], cfg["objective"], cfg["seed"], cfg["tokenizer"])
+    steps = "; ".join(f"({i}) {c}" for i, c in enumerate(cfg["prepare"], 1))
+    init = cfg["init_from"]
+    if steps and init not in ("scratch", "resume") and not cfg["resume"] and not storage.is_url(init) and \
+            not Path(init).exists():
+        raise SystemExit(f"init_from {init!r} does not exist; this config's inputs are made by: {steps}")
+    check_data(cfg["data_dir"], cfg["objective"], cfg["seed"], cfg["tokenizer"], steps)
     try:
         chat.Tokenizer(cfg["tokenizer"])
     except Exception as e:  # noqa: BLE001  sentencepiece and tokenizers raise many kinds for a bogus file
         raise SystemExit(f"tokenizer {cfg['tokenizer']!r}: cannot load ({type(e).__name__}: {e})") from None
 
 
-def check_data(data_dir, objective, seed, tokenizer):
+def check_data(data_dir, objective, seed, tokenizer, steps=""):
     """data_dir's sources (one dataset, or a mixture: mixture.py) each there, with a train split, something left by
     its take rule, made for this run's tokenizer if a mixture's source records one, and of one kind (preference pairs
     or single answers): one sentence naming the source."""
@@ -365,8 +372,9 @@ def check_data(data_dir, objective, seed, tokenizer):
     for source in found:
         where = f"data_dir {source.path!r}" if len(found) == 1 else f"data_dir source {source.name} ({source.path})"
         if not storage.is_url(source.path) and not Path(source.path).exists():
-            hint = " For the shapes demo run `python data.py shapes --out data/shapes` first (make demo does it)." \
-                if len(found) == 1 else ""
+            hint = f" This config's inputs are made by: {steps}" if steps else \
+                " For the shapes demo run `python data.py shapes --out data/shapes` first (make demo does it)." \
+                if data_dir == DEFAULTS["data_dir"] else ""
             raise SystemExit(f"{where} does not exist.{hint}")
         try:  # its bucket, .nv-meta and shard listing (two listings and three small reads), or a lone tar's size
             counts = shard_files(source.path, source.part)

@@ -13,6 +13,7 @@ position is a function of (seed, position): a resume needs only the position.
 """
 
 import math
+import os
 import re
 import zlib
 from collections import OrderedDict
@@ -165,7 +166,7 @@ def relative(yaml_path, path):
     if storage.is_url(path) or Path(path).is_absolute():
         return path
     return storage.join(storage.parent(yaml_path), path) if storage.is_url(yaml_path) \
-        else str(Path(yaml_path).parent / path)
+        else os.path.normpath(Path(yaml_path).parent / path)
 
 
 def yaml_sources(path, split):

@@ -1,8 +1,10 @@
 # The GRPO demo (docs/post-training.md, BENCHMARKS.md): the shapes VLM after only 66 SFT steps (50.8%
 # held-out), then GRPO on the training questions: 8 samples a question, reward 1 for the exact answer (58.0%).
-#   python data.py shapes --out data/shapes --n 6000
-#   python train.py configs/shapes.py --out_dir=out/shapes-sft-66 --max_iters=66 --lr_decay_iters=250
 #   python train.py configs/grpo_shapes.py
+prepare = [
+    "python data.py shapes --out data/shapes --n 6000",
+    "python train.py configs/shapes.py --out_dir=out/shapes-sft-66 --max_iters=66 --lr_decay_iters=250",
+]
 out_dir = "out/shapes-grpo"
 init_from = "out/shapes-sft-66/step-000066"
 objective = "grpo"

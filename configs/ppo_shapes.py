@@ -3,11 +3,13 @@
 # value model's start; one sample a question, 64 questions a rollout batch, 2 epochs of 4 mini-batches of 16 (8
 # updates a batch), a k1 KL penalty to the start at the seeds' 0.05: 54.4% after 200 steps (GRPO: 58.0%). The reward
 # model must read the run's tokenizer: make its pairs from the same shapes data (--preference).
-#   python data.py shapes --out data/shapes --n 6000 --preference
-#   python train.py configs/shapes.py --out_dir=out/shapes-sft-66 --max_iters=66 --lr_decay_iters=250
-#   python train.py configs/shapes.py --out_dir=out/shapes-sft-250 --max_iters=250 --eval_interval=250
-#   python train.py configs/reward_shapes.py
 #   python train.py configs/ppo_shapes.py
+prepare = [
+    "python data.py shapes --out data/shapes --n 6000 --preference",
+    "python train.py configs/shapes.py --out_dir=out/shapes-sft-66 --max_iters=66 --lr_decay_iters=250",
+    "python train.py configs/shapes.py --out_dir=out/shapes-sft-250 --max_iters=250 --eval_interval=250",
+    "python train.py configs/reward_shapes.py",
+]
 out_dir = "out/shapes-ppo"
 init_from = "out/shapes-sft-66/step-000066"
 objective = "ppo"

@@ -1,8 +1,10 @@
 # A reward model on the shapes preference pairs (docs/post-training.md, BENCHMARKS.md): the SFT model
 # with a scalar head, Bradley-Terry on right (chosen) vs plausible wrong (rejected) answers.
-#   python data.py shapes --out data/shapes --n 20000 --preference
-#   python train.py configs/shapes.py --out_dir=out/shapes-sft-250 --max_iters=250 --eval_interval=250
 #   python train.py configs/reward_shapes.py
+prepare = [
+    "python data.py shapes --out data/shapes --n 20000 --preference",
+    "python train.py configs/shapes.py --out_dir=out/shapes-sft-250 --max_iters=250 --eval_interval=250",
+]
 out_dir = "out/shapes-reward"
 init_from = "out/shapes-sft-250/step-000250"
 data_dir = "data/shapes/preference"

@@ -4,6 +4,8 @@ mixtures get."""
 
 import json
 import math
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -165,7 +167,7 @@ def test_an_energon_metadataset_reads_as_energon_reads_it(three, tmp_path):
     train = mixture.sources(str(meta / "mix.yaml"), "train")
     assert [(s.name, s.weight, s.take, s.part) for s in train] == [
         ("a", 0.5, "range:0%,50%", "train"), ("b", 0.125, "all", "train"), ("c", 0.375, "all", "train")]
-    assert [(s.path, s.part) for s in mixture.sources(str(meta / "mix.yaml"), "val")] == [(str(meta / "../c"), "val")]
+    assert [(s.path, s.part) for s in mixture.sources(str(meta / "mix.yaml"), "val")] == [(str(three[2]), "val")]
     assert Mixture(str(meta / "mix.yaml")).orders[0].kept.tolist() == list(range(18))  # int(18.5), as Energon cuts
 
 
@@ -404,3 +406,41 @@ def test_audit_of_a_mixture_tables_each_source(two_shapes, tmp_path, capsys):
     kept = [stream.encode(i) for i in range(180, 240)]
     assert rows[b.name][4] == f"{sum(len(e[0]) for e in kept):,}"
     assert rows[b.name][5] == f"{sum(sum(x != -100 for x in e[1][1:]) for e in kept):,}"
+
+
+@pytest.mark.parametrize("name,said", [
+    ("dpo_shapes", "init_from 'out/shapes-sft-250/step-000250' does not exist; this config's inputs are made by: "
+                   "(1) python data.py shapes --out data/shapes --n 20000 --preference; (2) python train.py "
+                   "configs/shapes.py --out_dir=out/shapes-sft-250 --max_iters=250 --eval_interval=250; (3) python "
+                   "dpo.py pairs --ckpt out/shapes-sft-250/step-000250 --data data/shapes/preference --out "
+                   "data/shapes/onpolicy"),
+    ("grpo_shapes", "(2) python train.py configs/shapes.py --out_dir=out/shapes-sft-66"),
+    ("shapes_mixture", "data_dir source one_image (data/shapes/shards) does not exist. This config's inputs are made "
+                       "by: (1) python data.py shapes --out data/shapes; (2) python data.py shapes --out data/shapes2 "
+                       "--images 2 --tokenizer data/shapes/tokenizer.model"),
+])
+def test_a_missing_input_made_by_other_runs_names_the_commands(tmp_path, name, said):
+    """After `make demo` alone, the post-training demos' inputs (an SFT step, on-policy pairs) do not exist yet: the
+    run says which commands make them, not only the first."""
+    import forkserver
+    from conftest import ROOT
+
+    r = forkserver.run([sys.executable, str(ROOT / "train.py"), str(ROOT / f"configs/{name}.py")],
+                       os.environ | {"OMP_NUM_THREADS": "1"}, cwd=tmp_path)
+    assert r.returncode == 1 and said in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_the_recipes_mixture_files_hold_the_published_rules():
+    """configs/mixtures/: LLaVA-NeXT's published OneVision stages (scripts/train/*.yaml @df17966), read as data_dir."""
+    from conftest import ROOT
+
+    stages = {name: mixture.sources(str(ROOT / f"configs/mixtures/{name}.yaml"))
+              for name in ("onevision_mid_stage", "onevision_single_image", "onevision")}
+    assert {k: len(v) for k, v in stages.items()} == {"onevision_mid_stage": 8, "onevision_single_image": 90,
+                                                      "onevision": 82}
+    rules = {s.name: s.take for s in stages["onevision"]}
+    assert rules["llava_next_fit_mix_filtered_text_wild_738590"] == "first:50%"
+    assert rules["magpie_pro_l3_80b_st_300000"] == "end:20%" and rules["sharegpt4o_dataset"] == "all"
+    assert sum(s.take == "all" for s in stages["onevision_single_image"]) == 73
+    assert all(s.repeat == 1.0 and s.path == str(ROOT / "data/onevision" / s.name) for v in stages.values() for s in v)
+    assert "configs/mixtures/onevision.yaml" in (ROOT / "configs/onevision_qwen2_7b.py").read_text()
