@@ -414,8 +414,9 @@ class Checkpointer:
     for it. Its collectives run on a gloo group of their own, so a background write never meets the training
     loop's collectives (DCP's async writes need a CPU group)."""
 
-    def __init__(self, env, cfg):
+    def __init__(self, env, cfg, lease=None):
         self.env, self.cfg, self.thread, self.error, self.buffers = env, cfg, None, None, {}
+        self.lease = lease  # rank 0's: out_dir's lease (lease.py), looked at before a step is written and committed
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
 
     def wait(self):
@@ -481,12 +482,19 @@ class Checkpointer:
         env, cfg, name = self.env, self.cfg, storage.name(path)
         try:
             rank = dist.get_rank(self.group) if self.group is not None else 0
-            # never write (and so never prune for) a checkpoint of non-finite values: checked here, off the loop's time
-            nonfinite = [(env.rank, nonfinite_keys(staged))]
+            # never write (and so never prune for) a checkpoint of non-finite values: checked here, off the loop's time;
+            # nor one of a run whose out_dir another run took over (its step may be the successor's, committed)
+            checks = (env.rank, nonfinite_keys(staged), self.lost_lease())
+            nonfinite = [checks]
             if self.group is not None:
                 nonfinite = [None] * dist.get_world_size(self.group)
-                dist.all_gather_object(nonfinite, (env.rank, nonfinite_keys(staged)), group=self.group)
-            bad = [(r, keys) for r, keys in nonfinite if keys]
+                dist.all_gather_object(nonfinite, checks, group=self.group)
+            lost = next((who for _, _, who in nonfinite if who), None)
+            if lost:
+                self.error = (f"step {small['state']['iter']}: not writing {name}: out_dir was taken over by {lost}; "
+                              f"this run writes nothing more there")
+                return
+            bad = [(r, keys) for r, keys, _ in nonfinite if keys]
             if bad:
                 found = checkpoints(storage.parent(path))
                 self.error = (f"step {small['state']['iter']}: not writing {name}: non-finite values in "
@@ -509,7 +517,10 @@ class Checkpointer:
                 dist.all_gather_object(every, mine, group=self.group)
             else:
                 every = [mine]
-            if rank == 0:
+            if rank == 0 and self.lost_lease():  # taken while the shards were written: never committed
+                self.error = (f"step {small['state']['iter']}: {name} not committed: out_dir was taken over by "
+                              f"{self.lease.lost} while it was written; this run writes nothing more there")
+            elif rank == 0:
                 files = {k: v for part in every for k, v in part.items()}
                 shards = sum(f["size"] for f in files.values())
                 files |= put(storage.join(path, "state.json"), json.dumps(small["state"], indent=2).encode())
@@ -530,6 +541,10 @@ class Checkpointer:
             traceback.print_exc()
             self.error = (f"checkpoint {name}: the write failed on rank {env.rank} ({type(e).__name__}: {e}); "
                           f"the previous checkpoint is the newest")
+
+    def lost_lease(self):
+        """Who holds out_dir's lease if this run (rank 0) lost it, else None."""
+        return None if self.lease is None or self.lease.held() else self.lease.lost
 
     def write_detached(self, args):
         """Run write() in a forked child in its own session on every rank, and wait for it while we live. A signalled

@@ -79,6 +79,8 @@ keep_last = 2  # in out_dir, and in local_ckpt_dir
 # resume takes the newest step that verifies in either. One host only (another host's disk holds its ranks' shards)
 local_ckpt_dir = ""
 local_ckpt_interval = 0
+take_over = False  # True: take out_dir's lease from the run that holds it (one that is dead: lease.py)
+lease_stale_s = 300.0  # a lease not refreshed for this long (and 10 log intervals) is a dead run's, taken over
 allow_config_change = []  # keys that may differ from the checkpoint's config on resume (see FIXED_ON_RESUME)
 final_accuracy_samples = 500  # > 0: exact-match accuracy of generated answers on that many val samples
 wandb_log = False
@@ -219,7 +221,7 @@ POSITIVE = ("batch_size", "micro_batch_size", "max_iters", "seq_len", "log_inter
             "max_nonfinite_steps", "checkpoint_every", "attention_block")
 NON_NEGATIVE = ("eval_interval", "eval_iters", "ckpt_interval", "local_ckpt_interval", "keep_last", "num_workers", "pack",
                 "warmup_iters", "lr_decay_iters", "max_tiles", "final_accuracy_samples", "lr", "min_lr", "weight_decay",
-                "grad_clip", "loss_chunk", "peak_flops")
+                "grad_clip", "loss_chunk", "peak_flops", "lease_stale_s")
 
 
 def check(cfg):

@@ -37,6 +37,7 @@ from config import check_tiles, load_config
 from dpo import evaluate_preference, preference_loss, reference_model, reward_pairs
 from evaluation import device_batch, evaluate, final_accuracy
 from loader import Loader, ShardStream
+from lease import Lease
 from lora import apply_lora, is_lora_parameter, merge_lora
 from model import build_model
 from model_config import VLMConfig
@@ -154,9 +155,10 @@ def checkpoint_folders(out, cfg, env):
     return [out, Path(cfg["local_ckpt_dir"])]
 
 
-def prepare_out_dir(folders, cfg, env):
-    """out_dir (and the local checkpoint tier) made, a killed checkpoint write cleaned, the config stored and logged;
-    refused if one holds another run's checkpoints and this one is not resuming it."""
+def prepare_out_dir(folders, cfg, env, lease):
+    """out_dir (and the local checkpoint tier) made, its lease taken (lease.py), a killed checkpoint write cleaned,
+    the config stored and logged; refused if one holds another run's checkpoints and this one is not resuming it, or
+    another live run holds the lease."""
     out = folders[0]
     if storage.is_url(out) and re.search(r"[][*?]", storage.key(out)):  # DCP renames .metadata.tmp with fsspec's mv
         raise SystemExit(f"out_dir {out}: torch's checkpoint writer reads [ ] * ? in a bucket path as a pattern (a "
@@ -172,10 +174,20 @@ def prepare_out_dir(folders, cfg, env):
             names = ", ".join(map(storage.name, found[-3:])) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
             raise SystemExit(f"{'out_dir' if folder == out else 'local_ckpt_dir'} {folder} already holds checkpoints "
                              f"({names}): continue that run with --resume=True, or give this one a new out_dir")
+    refused = None
     if env.master:
         try:
             for folder in folders:
                 storage.makedirs(folder)
+            lease.acquire(cfg["take_over"])  # before anything in out_dir is touched
+        except SystemExit as e:
+            refused = str(e)
+        except OSError as e:
+            raise SystemExit(f"out_dir {str(out)!r}: cannot write there ({e.strerror or e})") from None
+    if env.agree(refused is not None):
+        raise SystemExit(refused or "out_dir is in use by another run (rank 0 says which)")
+    if env.master:
+        try:
             wait_for_stop_writer(out)
             for stale in [p for folder in folders for p in unfinished_steps(folder)]:  # a write that was killed
                 print0(env, f"removing {stale}: its write did not finish (no manifest)")
@@ -341,10 +353,11 @@ def stop_on_signal(env):
     return stop
 
 
-def open_log(out, cfg, env):
+def open_log(out, cfg, env, lease):
     """(log(event), the log file or None): events go to out_dir/log.jsonl and wandb, from the master only. Nothing is
     appended in out_dir (a bucket cannot append, nor can a Mountpoint for S3 mount): the log is appended to a local
-    copy, which replaces out_dir/log.jsonl whole after each event (an upload, or a file written and renamed)."""
+    copy, which replaces out_dir/log.jsonl whole after each event (an upload, or a file written and renamed). Each
+    event refreshes out_dir's lease first; a run that lost it writes nothing there (the loop then stops)."""
     log_file, shared = None, storage.join(out, "log.jsonl")
     if env.master:
         log_file = tempfile.NamedTemporaryFile("a", prefix="llavax-log-", suffix=".jsonl")  # noqa: SIM115  gone when closed
@@ -359,7 +372,8 @@ def open_log(out, cfg, env):
         if env.master:
             log_file.write(json.dumps(event) + "\n")
             log_file.flush()
-            storage.upload(log_file.name, shared)
+            if lease.refresh():
+                storage.upload(log_file.name, shared)
             if cfg["wandb_log"]:
                 wandb.log(event, step=event["step"])
 
@@ -535,7 +549,7 @@ def update_if_finite(optimizer, step_loss, count, grad_norm, meter, env, it, log
         log({"step": it, "nonfinite_skipped": True, "nonfinite_in_a_row": meter.nonfinite_run})
 
 
-def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader):
+def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader, lease):
     """The log interval's loss, throughput and memory, printed and logged, and the meter's interval sums reset.
     Under XLA the compiled steps' non-finite skips are read here, and too many in a row stop the run."""
     env.sync()
@@ -583,6 +597,9 @@ def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader):
            + (f", {dropped} samples dropped (see data: lines)" if dropped else "")
            + (f", {event['xla_compiles']} XLA compiles so far" if "xla_compiles" in event else ""))
     log(event)
+    if env.agree(lease is not None and lease.lost is not None):  # a run that took over out_dir: we commit nothing
+        raise SystemExit(f"stopping at step {it}: out_dir was taken over by {lease.lost if lease else 'another run'}; "
+                         f"this run writes nothing more there")
     meter.loss_sum.zero_()
     meter.tokens_sum.zero_()
     meter.t_last, meter.data_wait, meter.rows_done, meter.dropped = time.perf_counter(), 0.0, 0, 0
@@ -606,8 +623,17 @@ def main(argv=None):
 def run(cfg):
     env = Env(cfg)
     out = storage.join(cfg["out_dir"])
+    lease = Lease(out, cfg["lease_stale_s"]) if env.master else None  # rank 0 holds out_dir's lease for the run
+    try:
+        train(cfg, env, out, lease)
+    finally:  # however the run ends; a SIGKILLed one's lease goes stale
+        if lease is not None:
+            lease.release()
+
+
+def train(cfg, env, out, lease):
     folders = checkpoint_folders(out, cfg, env)
-    prepare_out_dir(folders, cfg, env)
+    prepare_out_dir(folders, cfg, env, lease)
     config.check_inputs(cfg)
     grad_accum, rows_per_host = batch_layout(cfg, env)
     torch.manual_seed(cfg["seed"])
@@ -620,10 +646,10 @@ def run(cfg):
     value = (value_model, value_raw) if value_raw is not None else None
     ref_model = reference_model(cfg, env, raw) if objective.reference(cfg) else None
     loader, val_loaders, stream_args = make_loaders(raw, cfg, env, rows_per_host, objective.pairs)
-    checkpointer = Checkpointer(env, cfg)
+    checkpointer = Checkpointer(env, cfg, lease)
     start = checkpointer.load(resume_from, model, raw, optimizer, loader, value) if resume_from else 0
     stop = stop_on_signal(env)
-    log, log_file = open_log(out, cfg, env)
+    log, log_file = open_log(out, cfg, env, lease)
     poison, poison_weight = injected_faults(env)
     meter = start_meter(raw, cfg, env)
     steps = objective.batches(cfg, env, loader, resume_from, raw, value_raw)
@@ -661,7 +687,7 @@ def run(cfg):
                 stop_nonfinite(out, it, meter.nonfinite_worst, cfg, loader)
 
             if not skipped and (it % cfg["log_interval"] == 0 or it == cfg["max_iters"]):
-                log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader)
+                log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader, lease)
             evaluate_now = cfg["eval_interval"] and (it % cfg["eval_interval"] == 0 or it == cfg["max_iters"])
             if not skipped and val_loaders and evaluate_now:
                 t0 = time.perf_counter()

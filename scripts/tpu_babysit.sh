@@ -25,6 +25,8 @@ if [ ${#cmd[@]} -eq 0 ]; then
   exit 2
 fi
 here=$(dirname "$0")
+# every launch of this pod's run is one run to train.py: each restart takes over out_dir's lease from the last
+export LLAVAX_RUN_ID=${LLAVAX_RUN_ID:-babysit-$PROJECT-$ZONE-$TPU_NAME}
 done_marker=$(printf '%q' "${OUT_DIR%/}/DONE")  # run by worker 0's shell: quoted for it
 case "$OUT_DIR" in
   *://*) done_test="cd \$HOME/$REMOTE_DIR && .venv/bin/python -c 'import sys, storage; sys.exit(not storage.exists(sys.argv[1]))' $done_marker" ;;

@@ -19,7 +19,7 @@ cmd=$(printf '%q ' "${ARGS[@]}")
 secrets=$(mktemp -t llavax-secrets-XXXXXX)
 trap 'rm -f "$secrets"' EXIT
 chmod 600 "$secrets"
-for name in ${SECRET_VARS:-WANDB_API_KEY HF_TOKEN}; do
+for name in ${SECRET_VARS:-WANDB_API_KEY HF_TOKEN} LLAVAX_RUN_ID; do  # and the babysitter's run id (train.py's lease)
   if [ -n "${!name:-}" ]; then
     printf 'export %s=%q\n' "$name" "${!name}" >>"$secrets"
   fi
