@@ -378,18 +378,22 @@ def check_data(data_dir, objective, seed, tokenizer, steps=""):
                 " For the shapes demo run `python data.py shapes --out data/shapes` first (make demo does it)." \
                 if data_dir == DEFAULTS["data_dir"] else ""
             raise SystemExit(f"{where} does not exist.{hint}")
-        try:  # its bucket, .nv-meta and shard listing (two listings and three small reads), or a lone tar's size
+        if not storage.is_url(source.path) and Path(source.path).is_file() and not source.path.endswith(".tar"):
+            raise SystemExit(f"{where} is a file but not a .tar of shards: pack a LLaVA JSON first (`python data.py "
+                             f"pack --json FILE --images DIR --out DATASET`), and give a mixture file as data_dir itself")
+        try:  # its bucket, .nv-meta and shard listing (two listings and three small reads), or a lone tar's index
             counts = shard_files(source.path, source.part)
-            for tar, count in counts.items():
-                if count is None:
-                    storage.size(tar)
+            counts = {tar: len(sample_offsets(tar)) if count is None else count for tar, count in counts.items()}
         except (DatasetError, OSError) as e:
             said = str(e).replace("no train shards found", "no train split (no train shards)")
             raise SystemExit(said if said.startswith(str(source.path)) and len(found) == 1 else f"{where}: {said}") \
                 from None
-        if None not in counts.values() and not len(mixture.take_indices(source.take, sum(counts.values()),
-                                                                         source.name, seed)):
+        kept = len(mixture.take_indices(source.take, sum(counts.values()), source.name, seed))
+        if not kept:
             raise SystemExit(f"{where}: take {source.take!r} keeps none of its {sum(counts.values())} samples")
+        if source.repeat is not None and int(kept * source.repeat) == 0:
+            raise SystemExit(f"{where}: repeat {source.repeat:g} draws none of its {kept} samples an epoch (int(n x "
+                             f"repeat), as Energon counts): raise it, or leave the source out")
         made_for = made_for_tokenizer(source.path) if len(found) > 1 else None
         if made_for and made_for["sha256"] != file_sha256(tokenizer):
             raise SystemExit(f"{where} was made for another tokenizer ({made_for['file']}, sha256 "

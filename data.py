@@ -79,7 +79,7 @@ def audit_command(args):
                        "image_mode": given(args.image_mode, cfg["image_mode"]), "image_mean": mcfg.vision.image_stats[0]}
         stream_args |= {"vlm": mcfg, "max_tiles": max_tiles} if max_tiles else {}
         sys.exit(audit_mixture(source, stream_args, cfg["max_iters"], cfg["batch_size"], args.limit, args.progress,
-                               cfg["seed"]))
+                               cfg["seed"], split=args.split))
     sys.exit(audit(source, given(args.tokenizer, cfg["tokenizer"]), given(args.template, cfg["template"]),
                    given(args.seq_len, cfg["seq_len"]), given(args.image_size, mcfg.vision.image_size),
                    given(args.n_image_tokens, mcfg.n_image_tokens), given(args.image_token_id, mcfg.image_token_id),

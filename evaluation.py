@@ -31,7 +31,8 @@ def evaluate(model, val_loaders, env, cfg, n_batches, vision):
     total, count = (sum(x[i] for x in sums.values()) for i in (0, 1))
     out = {"val_loss": (total / count.clamp(min=1)).item()}
     if len(sums) > 1:
-        out |= {f"val_loss/{name}": (t / c.clamp(min=1)).item() for name, (t, c) in sums.items()}
+        # a source whose held-out samples all dropped has no loss (None), not 0.0
+        out |= {f"val_loss/{name}": (t / c).item() if c.item() else None for name, (t, c) in sums.items()}
         out |= {f"val_tokens/{name}": int(c.item()) for name, (_, c) in sums.items()}
     return out
 

@@ -248,10 +248,14 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     def drop(self, sample, why):
         shard, _, _ = self.index[sample]
+        source = self.mixture.source_of(sample)  # a mixture's samples are named within their source
+        where = storage.name(self.files[shard]) if len(self.mixture.sources) == 1 else \
+            f"{storage.name(self.files[shard])} of source {self.mixture.sources[source].name}"
+        number = sample - self.mixture.bases[source]
         reason = why.split(" ")[0]
-        self.skips.add(reason, f"{storage.name(self.files[shard])}#{sample}")
+        self.skips.add(reason, f"{where}#{number}")
         if self.skips.counts[reason] <= 3:
-            log(f"data: dropped sample {sample} of {storage.name(self.files[shard])}: {why}")
+            log(f"data: dropped sample {number} of {where}: {why}")
 
     def batch(self, k):
         N = self.samples_per_batch
@@ -440,6 +444,17 @@ def packed_batch(samples, n_rows, seq_len, pad_id, tiles=None, max_tiles=0):
             "order": [i for r in rows for i in r], "rows": rows, "where": where}
 
 
+def mixture_change(saved, now, n_samples):
+    """What differs between a checkpoint's sources (Mixture.describe) and this run's, in a few words."""
+    if not saved:
+        return f"one dataset of {n_samples} samples then, {', '.join(x['name'] for x in now)} now"
+    before, after = {x["name"]: x for x in saved}, {x["name"]: x for x in now}
+    said = [f"{name} {'dropped' if name not in after else 'added'}" for name in sorted(set(before) ^ set(after))]
+    said += [f"{name}'s {k} {before[name][k]!r} -> {after[name][k]!r}" for name in before if name in after
+             for k in after[name] if before[name].get(k) != after[name][k]]
+    return "; ".join(said) or "the order of the sources"
+
+
 def _survive_group_signals(worker_id):
     """DataLoader worker init. Schedulers signal the whole process group (VM shutdown, SLURM, systemd, kill -- -PGID):
     a worker that died of it would make the main process raise before its stop checkpoint. SIGINT is ignored;
@@ -468,6 +483,8 @@ class Loader:
         self.position = 0
         # supervised tokens per source: this rank's since the last fold, and every rank's before it
         self.tokens, self.tokens_total = (torch.zeros(len(stream.mixture.sources), dtype=torch.long) for _ in range(2))
+        # a resumed run's figures by source name as saved, and the global position they were saved at
+        self.carried, self.since = {"samples": {}, "tokens": {}}, 0
 
     def __iter__(self):
         self.stream.start = self.position
@@ -490,15 +507,24 @@ class Loader:
             self.tokens_total += env.host_sum(self.tokens.clone())
         self.tokens.zero_()
 
+    def totals(self):
+        """{"samples": {name: samples drawn by all ranks}, "tokens": {name: their supervised tokens, as of the last
+        fold_tokens}} of the run so far: what it drew before a resume (by name, of sources it may no longer read) and
+        since."""
+        blend, now = self.stream.mixture.blend, self.position * self.stream.world_size
+        drawn = blend.counts_before(now) - blend.counts_before(self.since)
+        out = {kind: dict(carried) for kind, carried in self.carried.items()}
+        for name, n, t in zip(self.stream.mixture.names(), drawn.tolist(), self.tokens_total.tolist()):
+            out["samples"][name] = out["samples"].get(name, 0) + int(n)
+            out["tokens"][name] = out["tokens"].get(name, 0) + int(t)
+        return out
+
     def figures(self):
-        """{samples/NAME, tokens/NAME} of a mixture: each source's samples drawn by all ranks so far, its supervised
-        tokens as of the last fold_tokens. {} for one dataset."""
-        names = self.stream.mixture.names()
-        if len(names) == 1:
+        """{samples/NAME, tokens/NAME} of a run on a mixture (totals()); {} for one dataset."""
+        totals = self.totals()
+        if len(totals["samples"]) == 1:
             return {}
-        drawn = self.stream.mixture.blend.counts_before(self.position * self.stream.world_size)
-        return {f"samples/{n}": int(c) for n, c in zip(names, drawn)} | \
-            {f"tokens/{n}": int(t) for n, t in zip(names, self.tokens_total)}
+        return {f"{kind}/{name}": n for kind in ("samples", "tokens") for name, n in totals[kind].items()}
 
     def state_dict(self):
         s = self.stream
@@ -506,7 +532,7 @@ class Loader:
         # (samples consumed by all ranks together) is what a resume on another world size continues from
         return {"position": self.position, "global_position": self.position * s.world_size, "seed": s.seed,
                 "n_samples": len(s), "world_size": s.world_size, "batch_size": s.batch_size, "pack": s.pack,
-                "sources": s.mixture.describe(), "source_tokens": self.tokens_total.tolist()}
+                "sources": s.mixture.describe(), "by_source": self.totals()}
 
     def load_state_dict(self, state, allow_new_data=False):
         """The saved position. A saved mixture (data_dir) unlike this run's is refused, unless allow_new_data
@@ -516,8 +542,6 @@ class Loader:
         if "sources" in state:  # states from before mixtures: one dataset, its sample count
             mine["sources"] = s.mixture.describe()
         differ = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
-        if not differ and len(state.get("source_tokens", [])) == len(self.tokens_total):
-            self.tokens_total = torch.tensor(state["source_tokens"], dtype=torch.long)
         if allow_new_data and set(differ) <= {"n_samples", "sources"}:
             if differ:
                 was = ", ".join(x["name"] for x in state.get("sources", [])) or f"{state['n_samples']} samples"
@@ -526,12 +550,10 @@ class Loader:
                     f"{state['position'] * state.get('world_size', 1)}")
             differ = {}
         if "sources" in differ or ("n_samples" in differ and len(s.mixture.sources) > 1):
-            saved, now = (", ".join(f"{x['name']} ({x['samples']} samples)" for x in sources)
-                          for sources in (state.get("sources", []), mine.get("sources", s.mixture.describe())))
-            raise ValueError(f"the checkpoint's run read other data ({saved or state['n_samples']}) than this data_dir "
-                             f"names ({now}; or their weights, repeats or take rules differ): resume with the same "
-                             f"mixture, or add data_dir to allow_config_change to go on with this one from the saved "
-                             f"position")
+            raise ValueError(f"the checkpoint's run read other data than this data_dir names "
+                             f"({mixture_change(state.get('sources'), s.mixture.describe(), state['n_samples'])}): "
+                             f"resume with the same mixture, or add data_dir to allow_config_change to go on with "
+                             f"this one from the saved position")
         if differ:
             raise ValueError(f"data loader state does not match this run (saved, now): {differ}")
         consumed = state["position"] * state.get("world_size", 1)  # global: every rank is at the same position
@@ -540,3 +562,6 @@ class Loader:
                              f"of this run's global batches ({s.world_size} ranks x {s.samples_per_batch} samples): "
                              f"keep the global batch (batch_size) the same across the change")
         self.position = consumed // s.world_size
+        if "by_source" in state:  # the run's figures so far, by name; this run's draws are counted from here
+            self.carried, self.since = state["by_source"], consumed
+        self.tokens_total.zero_()

@@ -55,6 +55,8 @@ def sources(data_dir, split="train"):
     if isinstance(data_dir, Source) or (isinstance(data_dir, (list, tuple)) and data_dir and
                                         all(isinstance(x, Source) for x in data_dir)):
         return [data_dir] if isinstance(data_dir, Source) else list(data_dir)  # resolved already
+    if isinstance(data_dir, (list, tuple)) and not data_dir:
+        raise MixtureError("data_dir: a mixture with no sources (an empty list)")
     if isinstance(data_dir, (list, tuple)) and all(isinstance(x, (str, Path)) for x in data_dir):
         data_dir = [{"path": str(x)} for x in data_dir] if len(data_dir) > 1 else str(data_dir[0])
     if isinstance(data_dir, (list, tuple)):
@@ -63,26 +65,43 @@ def sources(data_dir, split="train"):
         found = yaml_sources(str(data_dir), split)
     else:
         found = [Source(dataset_name(data_dir), str(data_dir), split, weight=1.0)]
+    if split != "train":  # one dataset under two take rules has one val split, evaluated once
+        kept = {}
+        for s in found:
+            kept.setdefault((s.path.rstrip("/"), s.part), s)
+        found = list(kept.values())
     return unique_names(found)
 
 
+GENERIC = ("shards", "data", "train", "val", "preference", "onpolicy")  # folder names data.py and dpo.py write
+
+
 def dataset_name(path):
-    """A source's default name: its folder's name, or its parent's when that is a generic 'shards'."""
+    """A source's default name: its folder's name; its parent's for 'shards', parent/name for another generic one
+    (data/shapes/preference: shapes/preference)."""
     parts = [p for p in str(path).rstrip("/").split("/") if p and not p.endswith(":")]
     name = parts[-1] if parts else str(path)
-    if name in ("shards", "train", "data") and len(parts) > 1:
+    if name in GENERIC and len(parts) > 1:
         name = f"{parts[-2]}/{name}" if name != "shards" else parts[-2]
     return re.sub(r"\.(tar|ya?ml)$", "", name)
 
 
 def unique_names(found):
+    """The sources, a name given twice numbered in order (one dataset under two rules: a#1, a#2), never onto a name
+    another source has."""
     seen = {}
     for s in found:
         seen[s.name] = seen.get(s.name, 0) + 1
-    counts, out = {}, []
-    for s in found:  # the same name twice (one dataset under two rules): numbered in order
-        counts[s.name] = counts.get(s.name, 0) + 1
-        out.append(s if seen[s.name] == 1 else Source(**(asdict(s) | {"name": f"{s.name}#{counts[s.name]}"})))
+    used, out = {s.name for s in found}, []
+    for s in found:
+        if seen[s.name] == 1:
+            out.append(s)
+            continue
+        k = 1
+        while f"{s.name}#{k}" in used:
+            k += 1
+        used.add(f"{s.name}#{k}")
+        out.append(Source(**(asdict(s) | {"name": f"{s.name}#{k}"})))
     return out
 
 
@@ -107,12 +126,26 @@ def config_sources(entries, split, where="data_dir"):
     return check_modes(out, where)
 
 
+def number(value):
+    """A YAML number: PyYAML reads 1e-3 (no dot) as a string, which Energon's reader takes as a float."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def positive(value):
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
 def make_source(at, path, name, split, weight, repeat, take):
     if weight is not None and repeat is not None:
         raise MixtureError(f"{at}: both a weight and a repeat count; a mixture draws by weight or by repetition")
+    weight, repeat = number(weight), number(repeat)
     for key, value in (("weight", weight), ("repeat", repeat)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or
-                                  not math.isfinite(value) or value <= 0):
+        if value is not None and not positive(value):
             raise MixtureError(f"{at}: {key} must be a number > 0, got {value!r}")
     check_take(at, take)
     if split != "train":  # held out: each source's val part, whole, unweighted
@@ -172,7 +205,7 @@ def relative(yaml_path, path):
 def yaml_sources(path, split):
     doc = load_yaml(path)
     if "__class__" in doc or "splits" in doc:
-        return energon_sources(path, doc, split, 1.0)
+        return energon_sources(path, doc, split)
     if "datasets" in doc:
         return next_sources(path, doc, split)
     raise MixtureError(f"{path}: neither an Energon metadataset (__class__: MetadatasetV2, splits:) nor a LLaVA-NeXT "
@@ -215,10 +248,12 @@ ENERGON_SPLIT = {"path", "blend", "blend_epochized", "split_part", "subflavors",
 ENERGON_ENTRY = {"path", "split_part", "subflavors", "subset", "dataset_config", "shuffle_over_epochs_multiplier"}
 
 
-def energon_sources(path, doc, split, amount=1.0, mode=None, part=None):
+def energon_sources(path, doc, split, amount=1.0, mode=None, want=None):
     """Megatron-Energon's MetadatasetV2 for `split`, read as Energon 7.4 reads it: `path`, `blend` (weights, default
     1, normalised at each level and multiplied down nested metadatasets) or `blend_epochized` (repetitions, default 1,
-    multiplied down); paths relative to the file; an entry's split_part defaults to the split's."""
+    multiplied down); paths relative to the file; an entry's split_part defaults to the split read, and names the
+    split of a nested metadataset read. want: 'train' or 'val', what the run builds (val sources are unweighted)."""
+    want = want or split
     unknown = sorted(set(doc) - ENERGON_TOP)
     if unknown:
         raise MixtureError(f"{path}: unknown key {unknown[0]!r} in an Energon metadataset (expected {sorted(ENERGON_TOP)})")
@@ -226,8 +261,8 @@ def energon_sources(path, doc, split, amount=1.0, mode=None, part=None):
         raise MixtureError(f"{path}: __module__: megatron.energon and __class__: MetadatasetV2 expected, got "
                            f"{doc.get('__module__')!r} / {doc.get('__class__')!r}")
     splits = doc.get("splits")
-    if not isinstance(splits, dict) or (split == "train" and "train" not in splits):
-        raise MixtureError(f"{path}: no splits: train: in the metadataset")
+    if not isinstance(splits, dict) or (want == "train" and split not in splits):
+        raise MixtureError(f"{path}: no splits: {split}: in the metadataset")
     if split not in splits:
         return []
     spec, at = splits[split], f"{path}: splits.{split}"
@@ -243,7 +278,7 @@ def energon_sources(path, doc, split, amount=1.0, mode=None, part=None):
     if len(kinds) != 1:
         raise MixtureError(f"{at}: needs exactly one of path, blend, blend_epochized; has {kinds or 'none'}")
     if kinds[0] == "path":
-        return energon_entry(path, at, spec, split, amount, mode or "weight", part)
+        return energon_entry(path, at, spec, split, amount, mode or "weight", want)
     if "subset" in spec:
         raise MixtureError(f"{at}: a subset of a whole blend is not read here; give each entry its own subset")
     new_mode = "weight" if kinds[0] == "blend" else "repeat"
@@ -261,26 +296,28 @@ def energon_sources(path, doc, split, amount=1.0, mode=None, part=None):
         unknown = sorted(set(e) - ENERGON_ENTRY - {key})
         if unknown:
             raise MixtureError(f"{e_at}: unknown key {unknown[0]!r} (expected {sorted(ENERGON_ENTRY | {key})})")
-        value = e.get(key, 1.0)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        value = number(e.get(key, 1.0))
+        if not positive(value):
             raise MixtureError(f"{e_at}: {key} must be a number > 0, got {value!r}")
         values.append(value)
     total = sum(values) if new_mode == "weight" else 1.0
     out = [s for i, (e, v) in enumerate(zip(entries, values))
-           for s in energon_entry(path, f"{at}.{kinds[0]}[{i}]", e, split, amount * v / total, new_mode, part)]
-    return check_modes(out, path) if split == "train" else out
+           for s in energon_entry(path, f"{at}.{kinds[0]}[{i}]", e, split, amount * v / total, new_mode, want)]
+    return check_modes(out, path) if want == "train" else out
 
 
-def energon_entry(path, at, e, split, amount, mode, part):
+def energon_entry(path, at, e, split, amount, mode, want):
     if "path" not in e:
         raise MixtureError(f"{at}: no path")
-    target, part = relative(path, e["path"]), e.get("split_part") or part or split
-    if str(target).endswith(".yaml"):  # a nested metadataset: its own blend, inside this entry's share
+    target, part = relative(path, e["path"]), e.get("split_part") or split
+    if str(target).endswith(".yml"):
+        raise MixtureError(f"{at}: {e['path']}: Energon reads a nested metadataset only from a .yaml file")
+    if str(target).endswith(".yaml"):  # a nested metadataset: its split `part`, inside this entry's share
         if "subset" in e:
             raise MixtureError(f"{at}: a subset of a nested metadataset is not read here; give its entries subsets")
-        return energon_sources(target, load_yaml(target), split, amount, mode, e.get("split_part") or part)
+        return energon_sources(target, load_yaml(target), part, amount, mode, want)
     take = energon_subset(at, e.get("subset"))
-    if split != "train":
+    if want != "train":
         return [Source(dataset_name(target), target, part)]
     return [Source(dataset_name(target), target, part, amount if mode == "weight" else None,
                    amount if mode == "repeat" else None, take)]
@@ -313,7 +350,7 @@ def take_indices(rule, n, name, seed):
     if rule == "all":
         return np.arange(n)
     if rule.startswith("range:"):  # Energon's subset: indices, or percentages truncated to indices
-        bounds = [n if x == "end" else int(float(x[:-1]) * n / 100) if x.endswith("%") else int(x)
+        bounds = [n if x == "end" else int(n * (float(x[:-1]) / 100.0)) if x.endswith("%") else int(x)
                   for x in rule[6:].split(",")]
         start, end = (min(max(b, 0), n) for b in bounds)
         return np.arange(start, end)
@@ -356,6 +393,28 @@ class SourceOrder:
 # which source each position draws
 
 
+HYPERGEOMETRIC_MAX = 10**9  # numpy's hypergeometric draws need fewer than this many items
+
+
+def large_hypergeometric(rng, left, n):
+    """n draws without replacement from an epoch of more than 1e9 items (`left` of each source): source by source,
+    a hypergeometric draw of what is left, or its binomial approximation where numpy has no exact draw. The counts
+    sum to n and never exceed what is left, so every epoch still holds each source exactly its count."""
+    counts, rest = np.zeros(len(left), dtype=np.int64), int(left.sum())
+    for i, good in enumerate(left.tolist()):
+        bad = rest - good
+        if n == 0:
+            break
+        if bad == 0:
+            x = n
+        elif good < HYPERGEOMETRIC_MAX and bad < HYPERGEOMETRIC_MAX:
+            x = int(rng.hypergeometric(good, bad, n)) if good else 0
+        else:
+            x = min(max(int(rng.binomial(n, good / rest)), n - bad), good)
+        counts[i], n, rest = x, n - x, bad
+    return counts
+
+
 class Blend:
     """Position -> (source, how many draws of that source came before). Positions go in blocks of BLOCK: a block's
     counts per source are drawn (weights: multinomial, i.e. an independent choice a position, as Energon's blend;
@@ -365,7 +424,7 @@ class Blend:
     def __init__(self, kept_sizes, weights=None, repeats=None, seed=0):
         self.seed, self.n = seed, len(kept_sizes)
         if weights is not None:
-            w = np.asarray(weights, dtype=float)
+            w = np.asarray(weights, dtype=float) / max(weights)  # 1e308 twice: no overflow in the sum
             self.p, self.per_epoch, self.epoch_len = w / w.sum(), None, None
         else:
             # Energon's RepeatDataset: int(n x repetitions) samples an epoch (2.5 x 10: two passes and half a third)
@@ -385,7 +444,10 @@ class Blend:
         rng = np.random.default_rng([self.seed, 0x6D6978, epoch, block])
         if self.epoch_len is None:
             return rng.multinomial(BLOCK, self.p), rng
-        return rng.multivariate_hypergeometric(self.per_epoch - before, self.size(block)), rng
+        left = self.per_epoch - before
+        if left.sum() < HYPERGEOMETRIC_MAX:
+            return rng.multivariate_hypergeometric(left, self.size(block)), rng
+        return large_hypergeometric(rng, left, self.size(block)), rng
 
     def before(self, epoch, block):
         """Each source's draws in the blocks of this epoch before `block`."""
@@ -415,12 +477,16 @@ class Blend:
         return self.blocks[key]
 
     def locate(self, position):
+        if self.n == 1:  # one dataset: the position is its draw
+            return 0, position
         epoch, block, offset = self.where(position)
         labels, draws = self.block(epoch, block)
         return int(labels[offset]), int(draws[offset])
 
     def counts_before(self, position):
         """Each source's draws at positions [0, position)."""
+        if self.n == 1:
+            return np.array([position])
         epoch, block, offset = self.where(position)
         counts = self.before(epoch, block) + np.bincount(self.block(epoch, block)[0][:offset], minlength=self.n)
         return counts + (epoch * self.per_epoch if self.per_epoch is not None else 0)

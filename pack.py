@@ -676,7 +676,7 @@ def audit(source, tokenizer, template, seq_len, image_size, n_image_tokens, imag
 # auditing a mixture: each source's share of the samples against its share of the tokens
 
 
-def audit_mixture(data_dir, stream_args, steps, batch_size, limit=0, progress=1000, seed=0, out=None):
+def audit_mixture(data_dir, stream_args, steps, batch_size, limit=0, progress=1000, seed=0, out=None, split="train"):
     """Print a table of data_dir's sources (mixture.py): samples kept and left out by take rules, tokens, supervised
     tokens, images and tiles (encoded as the loader encodes them: the first `limit` kept samples of each, scaled up),
     each source's share of the samples drawn against its share of the tokens, and the epochs of it that `steps` steps
@@ -685,7 +685,7 @@ def audit_mixture(data_dir, stream_args, steps, batch_size, limit=0, progress=10
 
     p = lambda *a: print(*a, file=out or sys.stdout)  # noqa: E731
     try:
-        stream = ShardStream(data_dir, split="train", seed=seed, **stream_args)
+        stream = ShardStream(data_dir, split=split, seed=seed, **stream_args)
     except (OSError, ValueError) as e:
         raise SystemExit(f"audit: {e}") from None
     mix, rows, status = stream.mixture, [], 0
@@ -709,14 +709,16 @@ def audit_mixture(data_dir, stream_args, steps, batch_size, limit=0, progress=10
         status |= sums["dropped"] == len(audited)
     shares = mix.shares()
     token_weight = [share * row[3].get("tokens", 0) / max(1, row[1]) for share, row in zip(shares, rows)]
-    p(f"audit: a mixture of {len(rows)} sources ({'weights' if mix.sources[0].weight is not None else 'repeats'}), "
+    rule = "weights" if mix.sources[0].weight is not None else "repeats" if split == "train" else f"{split} splits"
+    p(f"audit: a mixture of {len(rows)} sources ({rule}), "
       f"{steps} steps x {batch_size} samples = {steps * batch_size:,} samples drawn"
       + (f"; each source's first {limit} kept samples audited, the figures scaled to all it keeps" if limit else ""))
     p("| source | rule | samples kept | left out by take | tokens | supervised | images | tiles | dropped | "
       "share of samples | share of tokens | epochs |")
     p("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for (source, n_kept, left_out, s), share, tw in zip(rows, shares, token_weight):
-        rule = f"weight {source.weight:g}" if source.weight is not None else f"repeat {source.repeat:g}"
+        rule = f"weight {source.weight:g}" if source.weight is not None else f"repeat {source.repeat:g}" \
+            if source.repeat is not None else "held out"
         rule += f", take {source.take}" if source.take != "all" else ""
         p(f"| {source.name} | {rule} | {n_kept:,} | {left_out:,} | {s.get('tokens', 0):,.0f} | "
           f"{s.get('supervised', 0):,.0f} | {s.get('images', 0):,.0f} | {s.get('tiles', 0):,.0f} | "

@@ -607,8 +607,9 @@ def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader, lease
 
 def evaluate_and_log(model, ref_model, val_loaders, env, cfg, vision, objective, it, log):
     val = objective.evaluate(model, ref_model, val_loaders, env, cfg, vision, objective.loss)
-    print0(env, f"step {it}: " + ", ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in val.items()
-                                           if not k.startswith("val_tokens/")))
+    print0(env, f"step {it}: " + ", ".join(f"{k.replace('_', ' ')} " + (f"{v:.4f}" if v is not None else "n/a (no "
+                                           "supervised token: every held-out sample dropped)")
+                                           for k, v in val.items() if not k.startswith("val_tokens/")))
     log({"step": it} | val)
 
 

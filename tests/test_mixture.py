@@ -296,7 +296,7 @@ def mixture_run(two_shapes, out, *extra, spec=None):
     from test_train import args
 
     a, b = two_shapes
-    return args(a, out, f"--data_dir={spec or mixture_spec(a, b)!r}", "--pack=2", "--num_workers=2", "--seq_len=64",
+    return args(a, out, f"--data_dir={mixture_spec(a, b) if spec is None else spec!r}", "--pack=2", "--num_workers=2", "--seq_len=64",
                 "--log_interval=2", "--eval_interval=4", "--eval_iters=2", "--ckpt_interval=4", "--keep_last=5", *extra)
 
 
@@ -345,6 +345,16 @@ def test_per_source_figures_are_what_was_drawn_and_survive_a_resume(two_shapes, 
     r = run(mixture_run(two_shapes, halves, "--max_iters=10", "--resume=True", "--allow_config_change=['data_dir']",
                         spec=other))
     assert "the new mixture is read from global position 128" in r.stdout + r.stderr, r.stderr[-2000:]
+    # its figures go on from the saved ones: the new mixture's draws at positions 128-159 added, by name
+    new = ShardStream(other, a / "tokenizer.model", batch_size=8, seq_len=64, image_size=28, image_token_id=512,
+                      n_image_tokens=4, template="llama_3", pack=2)
+    later = [new.batch(k) for k in (8, 9)]
+    step8 = [e for e in run_log(halves, "samples/one") if e["step"] == 8][-1]
+    step10 = [e for e in run_log(halves, "samples/one") if e["step"] == 10][-1]
+    for i, n in enumerate(names):
+        assert step10[f"samples/{n}"] == step8[f"samples/{n}"] + sum(int((d["source"] == i).sum()) for d in later)
+        assert step10[f"tokens/{n}"] == step8[f"tokens/{n}"] + sum(int(d["tokens"][d["source"] == i].sum())
+                                                                  for d in later)
 
 
 def test_bad_mixtures_are_one_sentence_before_the_model_is_built(two_shapes, shapes_data, tmp_path):
@@ -366,11 +376,15 @@ def test_bad_mixtures_are_one_sentence_before_the_model_is_built(two_shapes, sha
         ([str(a / "shards"), str(only_val)], "data_dir source only_val"),
         ([str(a / "shards"), {"path": str(b / "shards"), "take": "first:0"}],
          "take 'first:0' keeps none of its 240 samples"),
-        ([str(a / "shards"), str(pairs / "preference")], "a mixture of preference pairs (preference) and single "
-                                                          f"answers ({a.name}) under objective='sft'"),
+        ([str(a / "shards"), str(pairs / "preference")], f"a mixture of preference pairs ({pairs.name}/preference) "
+                                                          f"and single answers ({a.name}) under objective='sft'"),
         ([str(a / "shards"), str(own_tokenizer / "shards")],
          f"data_dir source {own_tokenizer.name} ({own_tokenizer / 'shards'}) was made for another tokenizer "
          f"(tokenizer.model, sha256 "),
+        ([str(a / "shards"), str(a / "shapes.json")], "is a file but not a .tar of shards: pack a LLaVA JSON first"),
+        ([{"path": str(a / "shards"), "repeat": 1}, {"path": str(b / "shards"), "repeat": 0.001}],
+         "repeat 0.001 draws none of its 240 samples an epoch"),
+        ([], "data_dir: a mixture with no sources"),
         (str(tmp_path / "class.yaml"), "__class__: MetadatasetV2 expected, got 'megatron.energon' / 'CrudeWebdataset'"),
         (str(tmp_path / "key.yaml"), "splits.train.blend[0]: unknown key 'sample_weight'"),
     ]
@@ -444,3 +458,47 @@ def test_the_recipes_mixture_files_hold_the_published_rules():
     assert sum(s.take == "all" for s in stages["onevision_single_image"]) == 73
     assert all(s.repeat == 1.0 and s.path == str(ROOT / "data/onevision" / s.name) for v in stages.values() for s in v)
     assert "configs/mixtures/onevision.yaml" in (ROOT / "configs/onevision_qwen2_7b.py").read_text()
+
+
+# -----------------------------------------------------------------------------
+# the edges a hostile review found
+
+
+def test_a_nested_metadatasets_split_part_names_the_split_read_as_energon_does(three, tmp_path):
+    (tmp_path / "nested.yaml").write_text(
+        "__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n"
+        f"  train:\n    blend:\n      - path: {three[1]}\n  val:\n    path: {three[2]}\n")
+    (tmp_path / "outer.yaml").write_text(
+        "__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n"
+        "      - weight: 1\n        path: nested.yaml\n        split_part: val\n"
+        f"      - weight: 3\n        path: {three[0]}\n")
+    # the nested file's val split (c's 9 held-out samples), not its train entries read at their val parts
+    assert [(s.path, s.part, s.weight) for s in mixture.sources(str(tmp_path / "outer.yaml"))] == [
+        (str(three[2]), "val", 0.25), (str(three[0]), "train", 0.75)]
+    theirs = energon_draws(tmp_path / "outer.yaml", 400)
+    assert {d for d in theirs} == {str(three[2]), str(three[0])}
+    assert Mixture(str(tmp_path / "outer.yaml")).kept_sizes == [9, 37]
+
+
+def test_yaml_numbers_subsets_names_and_weights_at_their_edges(three, tmp_path):
+    (tmp_path / "sci.yaml").write_text(
+        "__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n"
+        f"      - weight: 1e-3\n        path: {three[0]}\n      - weight: 1\n        path: {three[1]}\n")
+    assert [s.weight for s in mixture.sources(str(tmp_path / "sci.yaml"))] == pytest.approx([0.001 / 1.001,
+                                                                                             1 / 1.001])
+    # Energon truncates int(n * (p / 100.0)): 29% of 100 is 28 there (28.999...), not 29
+    assert len(mixture.take_indices("range:0%,29%", 100, "x", 0)) == 28
+    a = str(three[0])
+    names = [s.name for s in mixture.sources([{"path": a, "name": "a#1"}, {"path": a}, {"path": a}])]
+    assert len(set(names)) == 3 and names[0] == "a#1"
+    assert [s.name for s in mixture.sources([{"path": a, "take": "first:50%"}, {"path": a, "take": "end:50%"}],
+                                            "val")] == ["a"]  # one dataset's val split, evaluated once
+    assert Mixture([{"path": a, "weight": 1e308}, {"path": str(three[1]), "weight": 1e308}]).shares() == [0.5, 0.5]
+
+
+def test_an_epoch_of_more_than_a_billion_samples_keeps_its_exact_counts():
+    blend = mixture.Blend([4 * 10**8, 7 * 10**8], repeats=[1.0, 1.0], seed=0)
+    assert blend.locate(5 * 10**8)[0] in (0, 1)
+    assert blend.counts_before(blend.epoch_len).tolist() == [4 * 10**8, 7 * 10**8]
+    half = blend.counts_before(blend.epoch_len // 2)
+    assert abs(half[0] - 2 * 10**8) < 10**6 and half.sum() == blend.epoch_len // 2
