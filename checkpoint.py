@@ -243,6 +243,28 @@ def verify_checkpoint(path):
     return None
 
 
+def run_key(out):
+    """out_dir as one name however it is typed: a URL normalised (storage.normal), a local path made absolute."""
+    return storage.normal(out) if storage.is_url(out) else os.path.abspath(out)
+
+
+def local_tier(local_dir, out):
+    """This run's folder in local_ckpt_dir, named by its out_dir: runs that share a host's disk never take, prune or
+    overwrite each other's steps. Its OUT_DIR file names the run's out_dir."""
+    key = run_key(out)
+    return Path(local_dir, f"{storage.name(key)}-{hashlib.sha1(key.encode()).hexdigest()[:8]}")
+
+
+def other_runs_steps(local_dir, mine):
+    """{folder: its out_dir} of the other runs' tiers in local_ckpt_dir that hold committed steps (and the flat steps
+    of a tier written before tiers were named by run)."""
+    found = {str(local_dir): "a run of an older llavax"} if checkpoints(local_dir) else {}
+    for folder in sorted(Path(local_dir).iterdir()) if Path(local_dir).is_dir() else []:
+        if folder.is_dir() and folder != mine and (folder / "OUT_DIR").exists() and checkpoints(folder):
+            found[str(folder)] = (folder / "OUT_DIR").read_text().strip()
+    return found
+
+
 def newest_good_checkpoint(folders, env):
     """The newest checkpoint that verifies, in whichever of `folders` it lives (out_dir, and local_ckpt_dir's tier:
     the higher step wins, the earlier folder on a tie). Newer ones that do not get a CORRUPT file that says why (kept
@@ -737,6 +759,18 @@ FIXED_ON_RESUME = ("seed", "batch_size", "pack", "max_tiles", "seq_len", "data_d
                    "image_mode", "shuffle_block", "stage", "model", "model_overrides")  # lora: add_lora refuses a change
 
 
+def same_path(value):
+    """A config value as compared on resume: a path or URL however it is typed (trailing slash, the scheme's case,
+    ./), also inside a mixture's sources; anything else as it is."""
+    if isinstance(value, str) and ("/" in value or storage.is_url(value)):
+        return storage.normal(value) if storage.is_url(value) else os.path.normpath(value)
+    if isinstance(value, list):
+        return [same_path(v) for v in value]
+    if isinstance(value, dict):
+        return {k: same_path(v) if k == "path" else v for k, v in value.items()}
+    return value
+
+
 def check_resume_config(path, cfg, env):
     """Say which keys differ from the checkpoint's config; stop if one that may not change did."""
     try:
@@ -745,7 +779,8 @@ def check_resume_config(path, cfg, env):
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"{storage.join(path, 'state.json')}: unreadable ({type(e).__name__}: {e})") from None
     now = json.loads(json.dumps(cfg | {"world": env.world}))  # tuples become lists, as in the saved one
-    changed = {k: (saved[k], now[k]) for k in now if k in saved and saved[k] != now[k] and k != "init_from"}
+    changed = {k: (saved[k], now[k]) for k in now if k in saved and same_path(saved[k]) != same_path(now[k])
+               and k != "init_from"}
     refused = [k for k in changed if k in FIXED_ON_RESUME and k not in cfg["allow_config_change"]]
     for k, (a, b) in changed.items():
         verdict = "refused" if k in refused else "allowed by allow_config_change" if k in FIXED_ON_RESUME else "allowed"

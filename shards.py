@@ -11,6 +11,7 @@ import re
 import struct
 import sys
 import tarfile
+import time
 from collections import Counter, defaultdict, deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,6 +25,10 @@ MAX_OPEN_SHARDS = 64  # local shard files one reader keeps open
 class DatasetError(SystemExit):
     """A shard folder or tar that is incomplete or inconsistent. Training cannot go on, so it exits with one
     message naming the file, not a traceback (catch it like any exception to do otherwise)."""
+
+
+class VanishedShard(storage.StorageError):
+    """A shard that was whole when the run indexed it and is gone or shorter now: the data changed under the run."""
 
 
 def split_parts(split_yaml):
@@ -200,6 +205,7 @@ REQUEST_BYTES = 4 << 20  # the most one ranged request reads: neighbouring sampl
 MERGE_GAP = 64 << 10  # samples at most this far apart are read in one request, the gap with them
 AHEAD, AHEAD_BYTES = 256, 64 << 20  # samples, and bytes, requested before they are asked for (per process)
 THREADS = 16  # ranged requests in flight
+VANISHED_RETRIES = 3  # reads of a sample whose shard is gone or short before the run stops
 
 
 def merged_requests(ranges):
@@ -262,9 +268,45 @@ class ShardReader:
         if self.pending and self.pending[0][0] == sample:
             _, request, offset = self.pending.popleft()
             self.pending_bytes -= end - start
-            return parse_members(request.result()[offset : offset + end - start])
-        self.forget()  # asked for another sample than planned: the plan is stale
-        return parse_members(storage.read_bytes(self.files[shard], start, end))
+            try:
+                data = request.result()[offset : offset + end - start]
+            except (FileNotFoundError, storage.StorageError):
+                raise
+            except OSError:  # a range past a truncated object's end: read it again below, then said
+                data = b""
+            if len(data) == end - start:
+                return parse_members(data)
+        else:
+            self.forget()  # asked for another sample than planned: the plan is stale
+        return parse_members(self.whole(shard, start, end))
+
+    def whole(self, shard, start, end):
+        """The bytes [start, end) of a shard this run indexed when it started. Gone or shorter now, the shard was
+        deleted or replaced since: a storage failure, not a bad sample. Read again a few times (a replacement may be
+        landing), then StorageError: the run stops, naming the shard, rather than train on empty batches."""
+        path, problem = self.files[shard], None
+        for attempt in range(VANISHED_RETRIES):
+            if attempt:
+                time.sleep(storage.BACKOFF * 2**attempt)
+            try:
+                if self.remote:
+                    data = storage.read_bytes(path, start, end)
+                else:
+                    with open(path, "rb") as f:
+                        f.seek(start)
+                        data = f.read(end - start)
+            except FileNotFoundError:
+                problem = "gone (deleted since the run started)"
+                continue
+            except storage.StorageError:
+                raise
+            except OSError as e:  # a range the object no longer holds (416), a local read error
+                problem = f"unreadable ({type(e).__name__}: {' '.join(str(e).split())[:120]})"
+                continue
+            if len(data) == end - start:
+                return data
+            problem = f"truncated since the run started (sample bytes {start}-{end}, {len(data)} read)"
+        raise VanishedShard(f"shard {path} is {problem}, after {VANISHED_RETRIES} reads")
 
     def fetch_ahead(self):
         """Request the next samples of the order once fewer than half of AHEAD (and AHEAD_BYTES) are pending."""
@@ -293,11 +335,16 @@ class ShardReader:
         shard, start, end = self.index[sample]
         if self.pid != os.getpid():  # files opened by the parent of a DataLoader worker share its offsets
             self.open_files, self.pid = {}, os.getpid()
-        f = self.open_files.pop(shard, None) or open(self.files[shard], "rb")  # noqa: SIM115  kept open, closed below
+        try:
+            f = self.open_files.pop(shard, None) or open(self.files[shard], "rb")  # noqa: SIM115  kept open, closed below
+        except FileNotFoundError:
+            return parse_members(self.whole(shard, start, end))  # deleted since the run started: said there
         self.open_files[shard] = f
         if len(self.open_files) > MAX_OPEN_SHARDS:  # the least recently read closed first
             self.open_files.pop(next(iter(self.open_files))).close()
-        return read_members(f, start, end)
+        f.seek(start)
+        data = f.read(end - start)
+        return parse_members(data if len(data) == end - start else self.whole(shard, start, end))
 
 
 def log(msg):

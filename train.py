@@ -36,14 +36,15 @@ from checkpoint import (Checkpointer, check_resume_config, checkpoints, newest_g
 from config import check_tiles, load_config
 from dpo import evaluate_preference, preference_loss, reference_model, reward_pairs
 from evaluation import device_batch, evaluate, final_accuracy
-from loader import Loader, ShardStream
 from lease import Lease
+from loader import Loader, ShardStream
 from lora import apply_lora, is_lora_parameter, merge_lora
 from model import build_model
 from model_config import VLMConfig
 from parallel import (Env, attention_kernel, autocast, checkpoint_fn, compile_blocks, flops_per_sample, freeze,
                       frozen_matmul_weights, grad_sync, init_optimizer_state, make_optimizer, param_groups, print0,
                       set_checkpointing, shard, store_frozen, use_flex_attention)
+from shards import VanishedShard
 
 # -----------------------------------------------------------------------------
 # configuration
@@ -133,7 +134,7 @@ def last_checkpoint(out):
 
 
 def stop_nonfinite(out, it, n, cfg, loader):
-    raise SystemExit(f"stopping at step {it}: {n} steps in a row had a non-finite loss or gradient "
+    raise SystemExit(f"stopping at step {it}: {n} steps in a row had a non-finite loss or gradient, or nothing to learn "
                      f"(max_nonfinite_steps={cfg['max_nonfinite_steps']}); no update was applied. The last checkpoint "
                      f"is {last_checkpoint(out)}. Lower lr, check the data near loader position "
                      f"{loader.position}, or jump past it with --skip_steps=[({it}, {it + n})] and --resume=True")
@@ -152,7 +153,10 @@ def checkpoint_folders(out, cfg, env):
     if ranks_here != env.world:
         raise SystemExit(f"config: local_ckpt_dir holds a step only if every rank runs on this host; this run has "
                          f"{env.world} {'hosts' if env.kind == 'xla' else 'ranks'}, {ranks_here} here. Leave it out")
-    return [out, Path(cfg["local_ckpt_dir"])]
+    mine = checkpoint.local_tier(cfg["local_ckpt_dir"], out)  # this run's own folder: another run's steps never taken
+    for folder, theirs in checkpoint.other_runs_steps(cfg["local_ckpt_dir"], mine).items():
+        print0(env, f"local_ckpt_dir: ignoring the steps in {folder}: another run's (out_dir {theirs})")
+    return [out, mine]
 
 
 def prepare_out_dir(folders, cfg, env, lease):
@@ -180,6 +184,8 @@ def prepare_out_dir(folders, cfg, env, lease):
             for folder in folders:
                 storage.makedirs(folder)
             lease.acquire(cfg["take_over"])  # before anything in out_dir is touched
+            if len(folders) > 1:  # the local tier says whose it is
+                Path(folders[1], "OUT_DIR").write_text(checkpoint.run_key(out) + "\n")
         except SystemExit as e:
             refused = str(e)
         except OSError as e:
@@ -393,6 +399,7 @@ def start_meter(raw, cfg, env):
     """What a log interval sums (loss, supervised tokens, rows, data wait, dropped samples) and the run's non-finite
     skips (device tensors under XLA, read only at log intervals), with the FLOPs of a row for MFU."""
     meter = SimpleNamespace(nonfinite_run=0, nonfinite_worst=0, nonfinite_total=0)
+    meter.empty_run = torch.zeros((), dtype=torch.long, device=env.device)  # steps in a row with nothing to learn
     if env.kind == "xla":
         meter.nonfinite_run, meter.nonfinite_worst, meter.nonfinite_total = (
             torch.zeros((), dtype=torch.long, device=env.device) for _ in range(3))
@@ -528,6 +535,8 @@ def update_if_finite(optimizer, step_loss, count, grad_norm, meter, env, it, log
     flag a step is agreed over the ranks."""
     finite = torch.isfinite(step_loss) & torch.isfinite(grad_norm.to_local() if hasattr(grad_norm, "to_local")
                                                        else grad_norm)
+    finite = finite & (count > 0)  # a batch with nothing to learn from (every sample dropped) moves no weight
+    meter.empty_run = torch.where(count > 0, 0, meter.empty_run + 1)  # read at checkpoints and the end only
     if env.kind == "xla":
         step_if_finite(optimizer, finite)
         meter.nonfinite_run = torch.where(finite, 0, meter.nonfinite_run + 1)
@@ -543,9 +552,11 @@ def update_if_finite(optimizer, step_loss, count, grad_norm, meter, env, it, log
     else:
         meter.nonfinite_run, meter.nonfinite_total = meter.nonfinite_run + 1, meter.nonfinite_total + 1
         meter.nonfinite_worst = max(meter.nonfinite_worst, meter.nonfinite_run)
-        print0(env, f"step {it}: non-finite loss or gradient (loss {step_loss.item()}, grad norm "
-               f"{grad_norm.full_tensor() if hasattr(grad_norm, 'full_tensor') else grad_norm:.4g}): update "
-               f"skipped, {meter.nonfinite_run} in a row, {meter.nonfinite_total} in this run")
+        why = "no supervised token in the batch (every sample dropped?)" if not count.item() else \
+            f"non-finite loss or gradient (loss {step_loss.item()}, grad norm " \
+            f"{grad_norm.full_tensor() if hasattr(grad_norm, 'full_tensor') else grad_norm:.4g})"
+        print0(env, f"step {it}: {why}: update skipped, {meter.nonfinite_run} in a row, {meter.nonfinite_total} in "
+               f"this run")
         log({"step": it, "nonfinite_skipped": True, "nonfinite_in_a_row": meter.nonfinite_run})
 
 
@@ -698,7 +709,10 @@ def train(cfg, env, out, lease):
             stopping = env.agree(stop["requested"])
             persist = stopping or (cfg["ckpt_interval"] and it % cfg["ckpt_interval"] == 0) or it == cfg["max_iters"]
             local = not persist and cfg["local_ckpt_interval"] and it % cfg["local_ckpt_interval"] == 0  # the tier between
-            if persist or local:
+            if (persist or local) and int(meter.empty_run):  # its batch had nothing to learn: data lost, not kept
+                print0(env, f"step {it}: no checkpoint: its batch had no supervised token (every sample dropped); the "
+                       f"last checkpoint stays {last_checkpoint(out)}")
+            elif persist or local:
                 step_dir, t0 = storage.join(folders[0] if persist else folders[1], f"step-{it:06d}"), time.perf_counter()
                 loader.fold_tokens(env)  # the state saved holds every rank's counts
                 checkpointer.save(step_dir, model, raw, optimizer, loader, it, stop=stopping,
@@ -710,13 +724,18 @@ def train(cfg, env, out, lease):
                 break
     except storage.StorageError as e:  # a bucket (the data's, out_dir) that stayed unreachable through the retries
         checkpointer.finish()
+        back = "the shard is back (restored, or the dataset re-packed)" if isinstance(e, VanishedShard) else \
+            "the bucket answers"
         raise SystemExit(f"stopping at step {it}: {e}; the last checkpoint is {last_checkpoint(out)}: resume with "
-                         f"--resume=True once the bucket answers") from None
+                         f"--resume=True once {back}") from None
     except BaseException:  # a run stopped by an error lets the checkpoint in flight commit first
         checkpointer.finish()
         raise
     checkpointer.wait()  # the last checkpoint committed before anything reads it
 
+    if it >= cfg["max_iters"] and int(meter.empty_run):
+        raise SystemExit(f"step {it}: the last {int(meter.empty_run)} batch(es) had no supervised token (every sample "
+                         f"dropped): the run is not marked DONE; the last checkpoint is {last_checkpoint(out)}")
     if it >= cfg["max_iters"]:
         if cfg["final_accuracy_samples"] and val_loaders and objective.answers:
             streams = {name: val_loader.stream for name, val_loader in val_loaders.items()}

@@ -280,16 +280,17 @@ def test_resume_takes_the_newest_verified_step_of_either_tier(shapes, local_run,
     r = forkserver.run([sys.executable, "-c", script], os.environ | {"OMP_NUM_THREADS": "1"})
     assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
     assert [storage.name(p) for p in checkpoint.checkpoints(out)] == ["step-000003", "step-000006"]
-    assert [p.name for p in checkpoint.checkpoints(local)] == ["step-000002", "step-000004", "step-000008"]
+    tier = checkpoint.local_tier(local, out)  # this run's folder in local_ckpt_dir
+    assert [p.name for p in checkpoint.checkpoints(tier)] == ["step-000002", "step-000004", "step-000008"]
     # resumed: the local step 8 is the newest that verifies; step 9 lands in the bucket as an uninterrupted run has it
     r = run(args(shapes, out, *common, "--init_from=resume"))
-    assert f"resuming from {local / 'step-000008'}" in r.stdout, r.stdout[-3000:]
+    assert f"resuming from {tier / 'step-000008'}" in r.stdout, r.stdout[-3000:]
     same_state(f"{out}/step-000009", local_run / "step-000009", tmp_path)
     assert log_losses(storage.read_text(f"{out}/log.jsonl")) == log_losses((local_run / "log.jsonl").read_text())
     # the bucket's step 9 rots: the newest that verifies is then the local step 8, not the bucket's step 6
     flip_a_bit(f"{out}/step-000009/__0_0.distcp")
     master = SimpleNamespace(master=True)
-    assert checkpoint.newest_good_checkpoint([out, local], master) == local / "step-000008"
+    assert checkpoint.newest_good_checkpoint([out, tier], master) == tier / "step-000008"
     assert storage.exists(f"{out}/step-000009/CORRUPT")
     # a new run into the bucket prefix that holds this one's checkpoints: one sentence, nothing touched
     before = {p: storage.read_bytes(f"{p}/manifest.json") for p in checkpoint.checkpoints(out)}

@@ -296,8 +296,9 @@ def mixture_run(two_shapes, out, *extra, spec=None):
     from test_train import args
 
     a, b = two_shapes
-    return args(a, out, f"--data_dir={mixture_spec(a, b) if spec is None else spec!r}", "--pack=2", "--num_workers=2", "--seq_len=64",
-                "--log_interval=2", "--eval_interval=4", "--eval_iters=2", "--ckpt_interval=4", "--keep_last=5", *extra)
+    spec = mixture_spec(a, b) if spec is None else spec
+    return args(a, out, f"--data_dir={spec!r}", "--pack=2", "--num_workers=2", "--seq_len=64", "--log_interval=2",
+                "--eval_interval=4", "--eval_iters=2", "--ckpt_interval=4", "--keep_last=5", *extra)
 
 
 def test_per_source_figures_are_what_was_drawn_and_survive_a_resume(two_shapes, tmp_path):
