@@ -3,7 +3,8 @@ One writer per out_dir: out_dir/LEASE.json names the run that writes there (its 
 token of this start). Rank 0 takes it before touching out_dir, refreshes it at every log event, looks at it before
 every checkpoint write and commit, and removes it when the run ends. A second run on the same out_dir, local or in a
 bucket, stops in one sentence while the lease is fresh; a lease not refreshed for its holder's stale_after_s (at
-least lease_stale_s, and 10 log intervals) is taken over; so is one of the same run id (a SLURM job requeued, a pod
+least lease_stale_s, and 10 log intervals) is taken over; so is one whose process is gone (on this host), and one of
+the same run id (a SLURM job requeued, a pod
 the babysitter restarts: LLAVAX_RUN_ID, else SLURM_JOB_ID); --take_over=True takes it at once. A run whose lease was
 taken (a zombie continued after its successor started) commits nothing more and stops. The lease is written whole
 (an object appears whole; a local file is replaced atomically) and never renamed by us.
@@ -39,6 +40,32 @@ def describe(held, now):
     return (f"run {held.get('run') or 'without a run id'} (host {held.get('host')}, pid {held.get('pid')}, started "
             f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(held.get('started', 0)))}), its lease refreshed "
             f"{now - held.get('refreshed', 0):.0f} s ago")
+
+
+def process_start(pid):
+    """When process pid started (Linux: the start time in /proc/PID/stat, ticks since boot), None if there is no such
+    process (or no /proc): with the pid, it names one process, never a later one given the same pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def alive(held):
+    """Whether the lease holder's process still runs: True or False on this host, None (unknown) on another."""
+    if held.get("host") != socket.gethostname() or not isinstance(held.get("pid"), int):
+        return None
+    if os.path.isdir("/proc"):
+        start = process_start(held["pid"])
+        return start is not None and start == held.get("process_start", start)
+    try:
+        os.kill(held["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: there
+        pass
+    return True
 
 
 class Lease:
@@ -77,7 +104,8 @@ class Lease:
     def record(self):
         self.last_write = time.time()
         return {"token": self.token, "run": self.run, "host": socket.gethostname(), "pid": os.getpid(),
-                "started": self.started, "refreshed": self.last_write, "stale_after_s": self.stale_after}
+                "process_start": process_start(os.getpid()), "started": self.started, "refreshed": self.last_write,
+                "stale_after_s": self.stale_after}
 
     def write(self):
         storage.write_text(self.path, json.dumps(self.record()))
@@ -93,6 +121,8 @@ class Lease:
                 print(f"lease: taking over out_dir from {describe(held, now)} (--take_over=True)", flush=True)
             elif self.run is not None and held.get("run") == self.run:
                 print(f"lease: taking over out_dir from this run's earlier start ({describe(held, now)})", flush=True)
+            elif alive(held) is False:
+                print(f"lease: taking over out_dir from {describe(held, now)}: its process is gone", flush=True)
             elif age > stale_after:
                 print(f"lease: taking over out_dir from {describe(held, now)}, stale after {stale_after:.0f} s",
                       flush=True)

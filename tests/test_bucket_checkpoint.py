@@ -21,6 +21,7 @@ from shapes import make_shapes
 from test_train import args, free_port, run, torchrun_workers
 
 import checkpoint
+import pack
 import storage
 import train
 
@@ -308,3 +309,36 @@ def test_resume_from_gcs_equals_a_local_run(shapes, local_run, gcs_bucket, tmp_p
     r = run(args(shapes, out, "--max_iters=6", "--ckpt_interval=3", "--keep_last=5", "--init_from=resume"))
     assert f"resuming from {out}/step-000003" in r.stdout
     same_state(f"{out}/step-000006", local_run / "step-000006", tmp_path)
+
+
+def test_runs_sharing_a_local_tier_never_take_each_others_steps(shapes, s3_bucket, tmp_path):
+    """Run A writes its local tier on this host; run B, another out_dir with the same local_ckpt_dir and --resume=True,
+    starts from scratch (A's steps ignored, and said); A resumes from its own steps, none of them touched by B."""
+    local, a, b = tmp_path / "scratch", f"{s3_bucket}/runA", f"{s3_bucket}/runB"
+    tier = ["--ckpt_interval=0", f"--local_ckpt_dir={local}", "--local_ckpt_interval=2", "--keep_last=5"]
+    run(args(shapes, a, "--max_iters=5", *tier))
+    mine = checkpoint.local_tier(local, a)
+    assert [p.name for p in checkpoint.checkpoints(mine)] == ["step-000002", "step-000004"]
+    before = {p.name: (p / "manifest.json").read_bytes() for p in checkpoint.checkpoints(mine)}
+    r = run(args(shapes, b, "--max_iters=4", "--lr=5e-4", "--resume=True", *tier))
+    assert "resuming from" not in r.stdout and "starting from scratch" in r.stdout, r.stdout[-3000:]
+    assert f"local_ckpt_dir: ignoring the steps in {mine}: another run's (out_dir {a})" in r.stdout
+    assert {p.name: (p / "manifest.json").read_bytes() for p in checkpoint.checkpoints(mine)} == before
+    r = run(args(shapes, a, "--max_iters=6", "--resume=True", *tier))
+    assert f"resuming from {a}/step-000005" in r.stdout, r.stdout[-3000:]
+
+
+def test_resume_takes_urls_and_paths_however_they_are_typed(shapes, s3_bucket, tmp_path):
+    """A bucket path typed with a trailing slash, a doubled one or the scheme in capitals names the same prefix: resume
+    does not refuse it as a changed data_dir or tokenizer, and reads the same run."""
+    pack.pack(shapes / "shapes.json", shapes / "images", f"{s3_bucket}/data", shard_size=150,
+              val_ids=lambda i: str(i).startswith("val"))
+    storage.upload(shapes / "tokenizer.model", f"{s3_bucket}/tok/tokenizer.model")
+    out = f"{s3_bucket}/typed"
+    run(args(shapes, out, "--max_iters=3", "--ckpt_interval=3", f"--data_dir={s3_bucket}/data",
+             f"--tokenizer={s3_bucket}/tok/tokenizer.model"))
+    retyped = s3_bucket.replace("s3://", "S3://")
+    r = run(args(shapes, f"{s3_bucket}//typed/", "--max_iters=5", "--ckpt_interval=3", "--resume=True",
+                 f"--data_dir={s3_bucket}/data/", f"--tokenizer={retyped}/tok//tokenizer.model"))
+    assert f"resuming from {out}/step-000003" in r.stdout and "refused" not in r.stdout, r.stdout[-3000:]
+    assert "resume: data_dir changed" not in r.stdout and "resume: tokenizer changed" not in r.stdout

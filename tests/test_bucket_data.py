@@ -7,6 +7,7 @@ import json
 import os
 import re
 import sys
+import time
 
 import forkserver
 import pytest
@@ -248,3 +249,49 @@ def test_shapes_out_to_a_bucket_packs_its_shards_there(s3_bucket, tmp_path):
     s = ShardStream(f"{s3_bucket}/shapes/shards", tmp_path / "tokenizer.model", batch_size=2, seq_len=64, image_size=28,
                     image_token_id=512, n_image_tokens=4)
     assert len(s) == 12 and s.batch(0)["dropped"].sum() == 0
+
+
+# -----------------------------------------------------------------------------
+# data that vanishes mid-run: a storage failure that stops the run, never empty batches trained on
+
+
+@pytest.mark.parametrize("where,fault", [("s3", "deleted"), ("s3", "truncated"), ("gs", "deleted"), ("gs", "truncated"),
+                                         ("local", "truncated")])
+def test_a_shard_deleted_or_truncated_mid_run_stops_it_and_nothing_is_committed_after(where, fault, shapes, tmp_path,
+                                                                                     request, monkeypatch):
+    """The shards were whole when the run indexed them; at step 4 one is deleted (or cut to half) under it: the run
+    reads it again, then stops in one sentence naming the shard, the step and the last committed checkpoint; every
+    committed step was trained on real data (its interval's loss finite, nothing dropped), and there is no DONE."""
+    import threading
+
+    url = str(tmp_path / "shards") if where == "local" else request.getfixturevalue(f"{where}_bucket") + "/shards"
+    pack_shapes(shapes, url)
+    monkeypatch.setattr(shards, "AHEAD", 16)  # two batches fetched ahead: the loss meets the run, not its prefetch
+    monkeypatch.setattr(storage, "BACKOFF", 0.01)
+    out, victim = tmp_path / "out", f"{url}/shard-000001.tar"
+
+    def break_the_shard():
+        while not (out / "step-000004" / "manifest.json").exists():
+            time.sleep(0.02)
+        if fault == "deleted":
+            storage.rm(victim)
+        elif where == "local":  # cut in place (a replaced file would leave the reader's open copy whole, and right)
+            os.truncate(victim, storage.size(victim) // 2)
+        else:
+            storage.write_bytes(victim, storage.read_bytes(victim)[: storage.size(victim) // 2])
+
+    threading.Thread(target=break_the_shard, daemon=True).start()
+    with pytest.raises(SystemExit) as e:
+        train.main(args(shapes, out, f"--data_dir={url}", "--max_iters=200", "--ckpt_interval=2", "--keep_last=50",
+                        "--log_interval=1"))
+    said = str(e.value)
+    problem = "gone (deleted since the run started)" if fault == "deleted" else "truncated since the run started"
+    assert re.fullmatch(rf"stopping at step (\d+): shard {re.escape(victim)} is {re.escape(problem)}.*, after 3 reads; "
+                        rf"the last checkpoint is \S+/step-(\d+): resume with --resume=True once the shard is back "
+                        r"\(restored, or the dataset re-packed\)", said) and "\n" not in said, said
+    steps = checkpoint.checkpoints(out)
+    assert f"the last checkpoint is {steps[-1]}:" in said and not (out / "DONE").exists()
+    assert all(checkpoint.verify_checkpoint(p) is None for p in steps)
+    events = [e for e in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "loss" in e]
+    assert all(e["loss"] is not None and e["dropped_samples"] == 0 for e in events), events
+    assert max(e["step"] for e in events) >= checkpoint.step_number(steps[-1])
