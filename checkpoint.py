@@ -128,14 +128,29 @@ class HashedStreams:
     a rank's shards get their manifest entries without being read back. DCP writes a file front to back (write() and
     tell(); torch.save goes through its NoCloseWriter, which only writes), so the running hash is the file's."""
 
-    def __init__(self, fs):
+    def __init__(self, fs, in_place=False):
         self.fs, self.written = fs, {}
+        # in_place (a bucket, a mount that refuses renames): DCP's index is written under its own name, where DCP
+        # writes .metadata.tmp and renames it (a copy and a delete on a bucket, refused by Mountpoint for S3). The
+        # manifest written after it stays the commit
+        self.in_place, self.redirected = in_place, {}
 
-    def __getattr__(self, name):  # everything but create_stream is the file system's own
+    def __getattr__(self, name):  # everything but create_stream, rm_file and rename is the file system's own
         return getattr(self.fs, name)
+
+    def rm_file(self, path):
+        if str(path) not in self.redirected.values():  # DCP clears the name it is about to rename onto: ours
+            self.fs.rm_file(path)
+
+    def rename(self, src, dst):
+        if str(src) not in self.redirected:
+            self.fs.rename(src, dst)
 
     @contextlib.contextmanager
     def create_stream(self, path, mode):
+        if self.in_place and str(path).endswith(".metadata.tmp"):
+            self.redirected[str(path)] = str(path)[: -len(".tmp")]
+            path = type(path)(self.redirected[str(path)]) if not isinstance(path, str) else self.redirected[path]
         with self.fs.create_stream(path, mode) as stream:
             if "w" not in mode:
                 yield stream
@@ -166,7 +181,7 @@ def dcp_writer(path):
         writer = FsspecWriter(str(path), single_file_per_rank=True, sync_files=False, **storage.options(path))
     else:
         writer = dcp.FileSystemWriter(str(path), sync_files=True, single_file_per_rank=True)
-    writer.fs = HashedStreams(writer.fs)
+    writer.fs = HashedStreams(writer.fs, in_place=storage.is_url(path) or storage.write_once(path))
     return writer
 
 
@@ -609,7 +624,7 @@ class Checkpointer:
                 os._exit(code)
         marker = writer_pid_file(out, self.env.rank)
         marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(str(pid))
+        storage.write_text(marker, str(pid))
         _, status = os.waitpid(pid, 0)
         marker.unlink(missing_ok=True)
         if status:
@@ -763,7 +778,7 @@ def same_path(value):
     """A config value as compared on resume: a path or URL however it is typed (trailing slash, the scheme's case,
     ./), also inside a mixture's sources; anything else as it is."""
     if isinstance(value, str) and ("/" in value or storage.is_url(value)):
-        return storage.normal(value) if storage.is_url(value) else os.path.normpath(value)
+        return storage.canonical(value)
     if isinstance(value, list):
         return [same_path(v) for v in value]
     if isinstance(value, dict):

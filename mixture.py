@@ -548,6 +548,6 @@ class Mixture:
 
     def describe(self):
         """What a checkpoint records of the mixture, to tell on resume whether it is the same."""
-        return [{"name": s.name, "path": str(s.path), "part": s.part,
+        return [{"name": s.name, "path": storage.canonical(s.path), "part": s.part,
                  "weight": s.weight, "repeat": s.repeat, "take": s.take, "samples": int(self.ends[i] - self.bases[i])}
                 for i, s in enumerate(self.sources)]

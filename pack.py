@@ -316,6 +316,7 @@ OUR_FILES = re.compile(r"^(shard|val)-\d{6}\.tar(\.idx|\.tmp)?$")
 def clear_out_dir(out_dir, overwrite):
     """Refuse to pack over an existing dataset (or the shards of a killed pack) unless overwrite; then remove it,
     metadata first. out_dir: a local folder or a bucket prefix."""
+    storage.refuse_object(out_dir, "--out")
     storage.makedirs(out_dir)
     old = [name for name in storage.ls(out_dir) if name == ".nv-meta" or name.endswith((".tar", ".idx", ".tmp"))]
     if not old:

@@ -270,10 +270,10 @@ class ShardReader:
             self.pending_bytes -= end - start
             try:
                 data = request.result()[offset : offset + end - start]
-            except (FileNotFoundError, storage.StorageError):
+            except storage.StorageError:
                 raise
-            except OSError:  # a range past a truncated object's end: read it again below, then said
-                data = b""
+            except Exception:  # noqa: BLE001  gone, or a range past a truncated object's end (gcsfs: HttpError 416)
+                data = b""  # read again below, then said
             if len(data) == end - start:
                 return parse_members(data)
         else:
@@ -300,8 +300,14 @@ class ShardReader:
                 continue
             except storage.StorageError:
                 raise
-            except OSError as e:  # a range the object no longer holds (416), a local read error
-                problem = f"unreadable ({type(e).__name__}: {' '.join(str(e).split())[:120]})"
+            except Exception as e:  # noqa: BLE001  a range the object no longer holds (416: OSError, gcsfs's HttpError)
+                try:
+                    now = storage.size(path)
+                except OSError:
+                    now = None
+                problem = f"truncated since the run started (now {now} bytes; a sample ends at byte {end})" \
+                    if now is not None and now < end else f"unreadable ({type(e).__name__}: " \
+                    f"{' '.join(str(e).split())[:120]})"
                 continue
             if len(data) == end - start:
                 return data

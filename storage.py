@@ -17,6 +17,7 @@ a VM's service account) for GCS.
 """
 
 import builtins
+import contextlib
 import functools
 import importlib.util
 import os
@@ -56,6 +57,11 @@ def normal(url):
     others, so a URL typed with them was listed in one place and read from another)."""
     kind, rest = str(url).split("://", 1)
     return f"{kind.lower()}://{'/'.join(part for part in rest.split('/') if part)}"
+
+
+def canonical(path):
+    """path however it is typed, as one string: a URL normal, a local path without ./, // or a trailing slash."""
+    return normal(path) if is_url(path) else os.path.normpath(str(path))
 
 
 def join(base, *names):
@@ -279,6 +285,23 @@ def exists(path):
     return call(path, fs.exists, key(path), seconds=PATIENCE)
 
 
+def is_object(path):
+    """Whether a bucket URL names an object (a file), not a prefix: a write "under" it would make object/... keys beside
+    it, where a local path that is a file is refused by the file system itself."""
+    if not is_url(path):
+        return Path(path).is_file()
+    fs = filesystem(path)
+    fs.invalidate_cache(key(path))
+    return call(path, fs.isfile, key(path), seconds=PATIENCE)
+
+
+def refuse_object(path, what):
+    """A StorageError when path (an output folder or prefix) names an existing file or object."""
+    if is_object(path):
+        raise StorageError(f"{what} {path}: an existing {'object' if is_url(path) else 'file'}, not a folder or prefix; "
+                           f"give a folder (a prefix in a bucket) to write into")
+
+
 def size(path):
     return Path(path).stat().st_size if not is_url(path) else call(path, filesystem(path).size, key(path),
                                                                    seconds=PATIENCE)
@@ -376,13 +399,55 @@ def read_text(path):
     return read_bytes(path).decode()
 
 
+# local folders that refuse renames, overwrites and appends (Mountpoint for S3 does, by default): found by
+# check_renames, written there as on a bucket, each file created whole and never renamed (an old one deleted first)
+WRITE_ONCE = set()
+
+
+def check_renames(folder):
+    """Whether `folder` (local) renames and overwrites files; if it does not (a Mountpoint for S3 mount), its
+    writes from now on create each file in place, deleting an old one first (write_bytes). Returns True if so."""
+    folder = Path(folder).resolve()
+    probe, moved = folder / f".llavax-probe-{os.getpid()}", folder / f".llavax-probe-{os.getpid()}-moved"
+    refused = False
+    try:
+        probe.write_bytes(b"1")
+        try:
+            with builtins.open(probe, "wb") as f:  # an overwrite
+                f.write(b"2")
+            os.replace(probe, moved)
+        except OSError:
+            refused = True
+    finally:
+        for p in (probe, moved):
+            with contextlib.suppress(OSError):
+                p.unlink()
+    if refused:
+        WRITE_ONCE.add(str(folder))
+    return refused
+
+
+def write_once(path):
+    resolved = str(Path(path).resolve())
+    return any(resolved == f or resolved.startswith(f + os.sep) for f in WRITE_ONCE)
+
+
 def write_bytes(path, data):
     """Write a whole file atomically: readers see the old one or the new one, never a part. Locally a temporary file
-    in the same folder is fsynced and os.replace'd over the name (a file rename; folders are never renamed)."""
+    in the same folder is fsynced and os.replace'd over the name (a file rename; folders are never renamed); under a
+    folder that refuses renames and overwrites (check_renames), the old file is deleted and the new one created in
+    place, as an object in a bucket is."""
     if is_url(path):
         return call(path, filesystem(path).pipe_file, key(path), bytes(data))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)  # as on a bucket, where a key needs no folder
+    if write_once(path):
+        path.unlink(missing_ok=True)
+        with builtins.open(path, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return None
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with builtins.open(tmp, "wb") as f:

@@ -170,8 +170,9 @@ def prepare_out_dir(folders, cfg, env, lease):
     if storage.is_url(out):
         try:
             storage.check_bucket(out)
+            storage.refuse_object(out, "out_dir")
         except storage.StorageError as e:
-            raise SystemExit(f"out_dir {e}") from None
+            raise SystemExit(str(e) if str(e).startswith("out_dir") else f"out_dir {e}") from None
     for folder in folders:
         found = checkpoints(folder)
         if found and not resuming(cfg):  # its pruning would delete them, or they would collide with ours
@@ -183,9 +184,12 @@ def prepare_out_dir(folders, cfg, env, lease):
         try:
             for folder in folders:
                 storage.makedirs(folder)
+                if not storage.is_url(folder) and storage.check_renames(folder):
+                    print0(env, f"{folder}: refuses renames and overwrites (a Mountpoint for S3 mount?): every file "
+                                "there is written once, in place, as in a bucket")
             lease.acquire(cfg["take_over"])  # before anything in out_dir is touched
             if len(folders) > 1:  # the local tier says whose it is
-                Path(folders[1], "OUT_DIR").write_text(checkpoint.run_key(out) + "\n")
+                storage.write_text(Path(folders[1], "OUT_DIR"), checkpoint.run_key(out) + "\n")
         except SystemExit as e:
             refused = str(e)
         except OSError as e:

@@ -146,9 +146,10 @@ def write_dir(out, fill, overwrite=False, commit="config.json"):
     An `out` that holds files is refused, unless it is an unfinished write of ours (the UNFINISHED marker, written
     before the first file and removed after the commit): then its files are replaced. overwrite=True replaces a
     finished one too: its commit file goes first, so a reader meanwhile finds no model rather than a mix of two."""
+    if storage.is_object(out):  # a bucket would take out/config.json beside the object
+        raise ConversionError(f"{out}: {'an existing object' if storage.is_url(out) else 'a file'}, not a folder; "
+                              f"choose another --out")
     held = storage.ls(out)
-    if not storage.is_url(out) and Path(out).exists() and not Path(out).is_dir():
-        raise ConversionError(f"{out}: a file, not a folder; choose another --out")
     if held and UNFINISHED not in held and not overwrite:
         raise ConversionError(f"{out}: already exists; refusing to overwrite it (choose another --out)")
     staging = staging_folder(out)

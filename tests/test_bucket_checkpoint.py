@@ -82,8 +82,29 @@ def no_appends(real):  # Mountpoint for S3: a file cannot be appended to
     return open_
 
 
-os.rename, os.replace = no_folder_renames(os.rename), no_folder_renames(os.replace)
-builtins.open = io.open = no_appends(io.open)
+def no_renames(real):  # Mountpoint for S3 by default: no rename of any kind
+    def rename(src, dst, *a, **kw):
+        if os.path.abspath(src).startswith(mount) or os.path.abspath(dst).startswith(mount):
+            raise refused("rename", src)
+        return real(src, dst, *a, **kw)
+    return rename
+
+
+def no_overwrites(real):  # Mountpoint for S3 by default: an existing file cannot be opened for writing
+    def open_(file, mode="r", *a, **kw):
+        under = isinstance(file, (str, os.PathLike)) and os.path.abspath(file).startswith(mount)
+        if under and any(m in mode for m in "wa+") and os.path.exists(file):
+            raise refused("overwrite", file)
+        return real(file, mode, *a, **kw)
+    return open_
+
+
+if {strict}:
+    os.rename, os.replace = no_renames(os.rename), no_renames(os.replace)
+    builtins.open = io.open = no_overwrites(no_appends(io.open))
+else:
+    os.rename, os.replace = no_folder_renames(os.rename), no_folder_renames(os.replace)
+    builtins.open = io.open = no_appends(io.open)
 import train
 if {stop_at}:  # SIGTERM to the whole process group once step N is logged, as a scheduler delivers it
     os.setsid()
@@ -97,19 +118,22 @@ train.main({argv!r})
 """
 
 
-def on_mount(argv, mount, stop_at=0):
+def on_mount(argv, mount, stop_at=0, strict=False):
     """train.main(argv) where `mount` behaves as a bucket mounted with gcsfuse or Mountpoint for S3 does: no folder
-    renames, no appends under it."""
-    r = forkserver.run([sys.executable, "-c", MOUNT.format(root=str(ROOT), mount=str(mount), argv=argv, stop_at=stop_at)],
-                       os.environ | {"OMP_NUM_THREADS": "1"}, cwd=ROOT)
+    renames, no appends under it; strict: no rename at all and no overwrite of an existing file either (Mountpoint for
+    S3's defaults)."""
+    script = MOUNT.format(root=str(ROOT), mount=str(mount), argv=argv, stop_at=stop_at, strict=strict)
+    r = forkserver.run([sys.executable, "-c", script], os.environ | {"OMP_NUM_THREADS": "1"}, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return r
 
 
-def test_a_run_on_a_mount_without_appends_or_folder_renames(shapes, local_run, tmp_path):
+@pytest.mark.parametrize("strict", [False, True], ids=["no_folder_renames", "mountpoint_s3"])
+def test_a_run_on_a_mount_without_appends_or_folder_renames(shapes, local_run, tmp_path, strict):
     # stopped by SIGTERM at step 7: the detached writer (its pid file on the mount) commits step 7, then prunes
     common = ["--max_iters=9", "--ckpt_interval=3", "--keep_last=2"]
-    r = on_mount(args(shapes, tmp_path, *common), tmp_path, stop_at=7)
+    r = on_mount(args(shapes, tmp_path, *common), tmp_path, stop_at=7, strict=strict)
+    assert ("refuses renames and overwrites" in r.stdout) == strict, r.stdout[-2000:]
     assert "stopped at step 7 by a signal" in r.stdout, r.stdout[-2000:]
     stop = tmp_path / "step-000007"
     assert checkpoint.verify_checkpoint(stop) is None and not list(tmp_path.glob(".stop-writer*"))
@@ -118,7 +142,7 @@ def test_a_run_on_a_mount_without_appends_or_folder_renames(shapes, local_run, t
     data[len(data) // 2] ^= 1
     shard.write_bytes(bytes(data))
     # resumed: step 7 marked CORRUPT (a new file, no rename), step 6 taken, 9 written, 3 pruned, DONE
-    r = on_mount(args(shapes, tmp_path, *common, "--init_from=resume"), tmp_path)
+    r = on_mount(args(shapes, tmp_path, *common, "--init_from=resume"), tmp_path, strict=strict)
     assert f"skipping {stop}: __0_0.distcp differs from its sha256" in r.stdout
     assert f"resuming from {tmp_path / 'step-000006'}" in r.stdout
     assert "sha256" in json.loads((stop / "CORRUPT").read_text())["reason"]

@@ -264,7 +264,8 @@ def test_a_shard_deleted_or_truncated_mid_run_stops_it_and_nothing_is_committed_
     committed step was trained on real data (its interval's loss finite, nothing dropped), and there is no DONE."""
     import threading
 
-    url = str(tmp_path / "shards") if where == "local" else request.getfixturevalue(f"{where}_bucket") + "/shards"
+    bucket = {"s3": "s3_bucket", "gs": "gcs_bucket"}.get(where)
+    url = str(tmp_path / "shards") if where == "local" else request.getfixturevalue(bucket) + "/shards"
     pack_shapes(shapes, url)
     monkeypatch.setattr(shards, "AHEAD", 16)  # two batches fetched ahead: the loss meets the run, not its prefetch
     monkeypatch.setattr(storage, "BACKOFF", 0.01)
