@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from attention import blockwise_attention, loop_scan
 from lora import is_lora_parameter
-from model import blockwise_attention, loop_scan, param_group
+from model import param_group
 
 AXES = ("dp", "fsdp", "tp")
 BATCH = ("dp", "fsdp")  # the batch dimension of inputs and activations is split over both data axes

@@ -205,3 +205,31 @@ def assert_same_logs(cpu, xla, keys, rtol=1e-4):
             assert abs(got[k] - want[k]) <= rtol * max(1.0, abs(want[k])), (want["step"], k, got[k], want[k])
     compiles = [e["xla_compiles"] for e in xla]
     assert compiles[1] == compiles[-1], compiles
+
+
+# -----------------------------------------------------------------------------
+# make test's wall time: a whole-suite session (no test paths named, no -k, at most -m "not full") that takes over
+# LLAVAX_SUITE_WARN_S seconds ends with one line naming its five slowest modules. Under pytest-xdist the controller
+# gets every worker's reports, so it sums them all; the workers print nothing.
+
+SUITE_WARN_S = float(os.environ.get("LLAVAX_SUITE_WARN_S", 12 * 60))
+SUITE_START, MODULE_S = [time.monotonic()], {}  # the session's start; test module -> seconds of setup, call, teardown
+
+
+def pytest_sessionstart(session):
+    SUITE_START[0] = time.monotonic()
+
+
+def pytest_runtest_logreport(report):
+    module = report.nodeid.split("::")[0]
+    MODULE_S[module] = MODULE_S.get(module, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    took = time.monotonic() - SUITE_START[0]
+    whole = config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.option.keyword \
+        and config.option.markexpr in ("", "not full")
+    if whole and took > SUITE_WARN_S and not hasattr(config, "workerinput"):
+        slowest = sorted(MODULE_S.items(), key=lambda kv: -kv[1])[:5]
+        terminalreporter.write_line(f"warning: the suite took {took / 60:.1f} min, over {SUITE_WARN_S / 60:g} min; slowest "
+                                    "modules: " + ", ".join(f"{m} {s:.0f} s" for m, s in slowest), yellow=True)

@@ -240,7 +240,7 @@ def test_dpo_training_starts_at_log2_with_zero_rewards_and_separates_the_pairs(s
     before = load_file(init / "model.safetensors")
     train.main(dpo_args(shapes_pairs, tmp_path / "out", f"--init_from={init}", "--max_iters=8", "--eval_interval=8",
                         "--eval_iters=2", "--lr=2e-3"))
-    events = [json.loads(line) for line in (tmp_path / "out/log.jsonl").read_text().splitlines()]
+    events = run_log(tmp_path / "out")
     steps = [e for e in events if "rewards/accuracies" in e]
     assert [e["step"] for e in steps] == list(range(1, 9))
     # step 1's forward ran before any update: the policy is the reference, so every log ratio is 0
@@ -276,8 +276,7 @@ def test_dpo_under_torchrun_ddp_and_fsdp_matches_one_process(shapes_pairs, tmp_p
     for parallel in ("ddp", "fsdp"):  # 2 ranks x 4 pairs = the single run's 8
         run(dpo_args(shapes_pairs, tmp_path / parallel, *common, f"--parallel={parallel}", "--micro_batch_size=4"),
             nproc=2)
-    logged = {name: [json.loads(line) for line in (tmp_path / name / "log.jsonl").read_text().splitlines()]
-              for name in ("single", "ddp", "fsdp")}
+    logged = {name: run_log(tmp_path / name) for name in ("single", "ddp", "fsdp")}
     keys = ("loss", "rewards/chosen", "rewards/margins", "rewards/accuracies", "logps/rejected")
     for name in ("ddp", "fsdp"):
         for want, got in zip(logged["single"], logged[name], strict=True):

@@ -1,13 +1,12 @@
 """GRPO against TRL 1.16's GRPOTrainer: on a fixed batch (prompts with images, completions, rewards, old and reference
 log-probs) our advantages and loss equal what its _compute_loss computes with the same tiny random LLaVA."""
 
-import json
 import math
 import os
 
 import pytest
 import torch
-from conftest import tiny_hf_llava
+from conftest import run_log, tiny_hf_llava
 from test_dpo import EOS, IMAGE, N_IMAGE_TOKENS, PAD, our_model, shapes_pairs, word_level_processor  # noqa: F401
 
 import chat
@@ -246,8 +245,6 @@ def test_prompts_are_cut_where_the_answer_starts(tmp_path):
 
 @pytest.mark.parametrize("reward", ["rule", "reward_model"])
 def test_grpo_loop_logs_its_metrics(shapes_pairs, tmp_path, reward):  # noqa: F811
-    import json
-
     from test_dpo import debug_init, dpo_args
 
     from model import build_model
@@ -264,7 +261,7 @@ def test_grpo_loop_logs_its_metrics(shapes_pairs, tmp_path, reward):  # noqa: F8
                         "--batch_size=4", "--micro_batch_size=2", "--grpo_group=4", "--grpo_iterations=2",
                         "--grpo_beta=0.05", "--lr=3e-3", "--warmup_iters=1", f"--lr_decay_iters={steps}",
                         "--eval_interval=0", "--final_accuracy_samples=8", "--grpo_max_new_tokens=6"))
-    events = [json.loads(line) for line in (tmp_path / "out/log.jsonl").read_text().splitlines()]
+    events = run_log(tmp_path / "out")
     logged = [e for e in events if "rl/reward" in e]
     assert [e["step"] for e in logged] == list(range(1, steps + 1))
     for key in ("rl/kl", "rl/clip_ratio", "rl/entropy", "rl/completion_length", "rl/reward_std"):
@@ -413,8 +410,6 @@ def test_grpo_resumes_exactly(shapes_pairs, tmp_path, iterations, stop, scale): 
     """4 steps straight, or `stop` then a resume for the rest: the same rollouts (sampler seeded by step), rewards and
     loss; stopped inside a generation batch (grpo_iterations 2, step 3), the resume trains on the saved rollouts (with
     grpo_scale_rewards='batch', two micro-batches: their advantages divided by the whole generation batch's std)."""
-    import json
-
     from test_dpo import debug_init, dpo_args
 
     init = debug_init(tmp_path / "init")
@@ -426,9 +421,7 @@ def test_grpo_resumes_exactly(shapes_pairs, tmp_path, iterations, stop, scale): 
     train.main(dpo_args(shapes_pairs, tmp_path / "straight", f"--init_from={init}", "--max_iters=4", *common))
     train.main(dpo_args(shapes_pairs, tmp_path / "resumed", f"--init_from={init}", f"--max_iters={stop}", *common))
     train.main(dpo_args(shapes_pairs, tmp_path / "resumed", "--init_from=resume", "--max_iters=4", *common))
-    read = lambda run: [json.loads(line) for line in (tmp_path / run / "log.jsonl").read_text().splitlines()  # noqa: E731
-                        if "rl/reward" in line]
-    straight, resumed = read("straight"), read("resumed")
+    straight, resumed = run_log(tmp_path / "straight", "rl/reward"), run_log(tmp_path / "resumed", "rl/reward")
     assert [e["step"] for e in resumed] == [1, 2, 3, 4]
     for want, got in zip(straight, resumed, strict=True):
         for k in ("loss", "rl/reward", "rl/kl", "rl/completion_length"):
@@ -444,8 +437,6 @@ def test_grpo_under_torchrun_fsdp_matches_ddp_and_resumes_exactly(shapes_pairs, 
     uninterrupted run's steps 4 to 6 (step 4's rollouts kept in the checkpoint, the loader's position, the reward
     model and reference reloaded). The first FSDP2 run keeps the blocks gathered through a generation
     (grpo_gather_for_generation), the resumed one gathers each block at every decoding step, the ranks in lockstep."""
-    import json
-
     from test_dpo import debug_init, dpo_args
     from test_train import run
 
@@ -472,9 +463,7 @@ def test_grpo_under_torchrun_fsdp_matches_ddp_and_resumes_exactly(shapes_pairs, 
                  "--grpo_gather_for_generation=True"), nproc=2)
     fsdp_out = run(dpo_args(shapes_pairs, tmp_path / "fsdp", "--init_from=resume", "--max_iters=6", "--parallel=fsdp",
                             *common), nproc=2).stdout
-    read = lambda name: [json.loads(line) for line in (tmp_path / name / "log.jsonl").read_text().splitlines()  # noqa: E731
-                         if "rl/reward" in line]
-    ddp, fsdp = read("ddp"), read("fsdp")
+    ddp, fsdp = run_log(tmp_path / "ddp", "rl/reward"), run_log(tmp_path / "fsdp", "rl/reward")
     answers = lambda out: [line for line in out.splitlines() if line.startswith(("  Q: ", "held-out"))]  # noqa: E731
     assert answers(fsdp_out) == answers(ddp_out) and len(answers(ddp_out)) > 1  # the final greedy answers
     assert [e["step"] for e in fsdp] == [1, 2, 3, 4, 5, 6]
@@ -612,7 +601,7 @@ def test_grpo_under_torchrun_fsdp_survives_a_rank_whose_prompts_were_all_dropped
                      "--grpo_max_new_tokens=3", "--parallel=fsdp", "--eval_interval=0", "--ckpt_interval=0",
                      "--final_accuracy_samples=0"), nproc=2)
     assert "no_supervised_tokens" in r.stdout + r.stderr
-    logged = [json.loads(line) for line in (tmp_path / "fsdp/log.jsonl").read_text().splitlines()]
+    logged = run_log(tmp_path / "fsdp")
     assert [e["step"] for e in logged if "rl/reward" in e] == [1, 2, 3]
     # the metrics are means over the micro-batches with prompts: an empty one does not halve them (3 new tokens, a
     # random policy that never stops: every completion has 3)
@@ -633,9 +622,7 @@ def test_a_skipped_step_that_starts_a_generation_batch_leaves_no_rollouts_behind
     train.main(dpo_args(shapes_pairs, tmp_path / "straight", "--max_iters=5", *common))
     train.main(dpo_args(shapes_pairs, tmp_path / "resumed", "--max_iters=3", *common))
     train.main(dpo_args(shapes_pairs, tmp_path / "resumed", "--max_iters=5", *common[1:], "--init_from=resume"))
-    read = lambda run: [json.loads(line) for line in (tmp_path / run / "log.jsonl").read_text().splitlines()  # noqa: E731
-                        if "rl/reward" in line]
-    straight, resumed = read("straight"), read("resumed")
+    straight, resumed = run_log(tmp_path / "straight", "rl/reward"), run_log(tmp_path / "resumed", "rl/reward")
     assert [e["step"] for e in straight] == [1, 2, 4, 5]
     assert [e["step"] for e in straight if e.get("gen_samples_per_s")] == [1, 4, 5]
     assert straight[2]["rl/clip_ratio"] == 0 and straight[1]["rl/clip_ratio"] > 0
@@ -727,7 +714,7 @@ def test_a_resume_that_changes_how_rollouts_are_made_samples_a_new_generation_ba
     again = [reference, "--grpo_beta=0.05"] if change == "--grpo_reference" else [reference, change]
     train.main(dpo_args(shapes_pairs, tmp_path / "out", "--init_from=resume", "--max_iters=4", *common, *again))
     out = capsys.readouterr().out
-    logged = [json.loads(line) for line in (tmp_path / "out/log.jsonl").read_text().splitlines()]
+    logged = run_log(tmp_path / "out")
     if change == "--grpo_reference":
         assert "sampled with other" not in out
         assert [e["step"] for e in logged if e.get("gen_samples_per_s")] == [1, 3]
@@ -797,8 +784,6 @@ def test_lora_grpo_kl_reference_is_the_policy_with_adapters_off(shapes_pairs, tm
     """grpo_beta > 0 with LoRA and no grpo_reference: the policy with its adapters off (and its projector at its
     start values) gives the frozen copy's rollouts, KL and loss. bf16: autocast's cast cache handed the reference
     the projector the policy had generated with (the KL 15x too small)."""
-    import json
-
     from test_dpo import debug_init, dpo_args
 
     init = debug_init(tmp_path / "init")
@@ -810,9 +795,7 @@ def test_lora_grpo_kl_reference_is_the_policy_with_adapters_off(shapes_pairs, tm
     train.main(dpo_args(shapes_pairs, tmp_path / "off", *common))
     assert "grpo: reference model = the policy with its LoRA adapters off" in capsys.readouterr().out
     train.main(dpo_args(shapes_pairs, tmp_path / "copy", *common, f"--grpo_reference={init}"))
-    read = lambda run: [json.loads(line) for line in (tmp_path / run / "log.jsonl").read_text().splitlines()  # noqa: E731
-                        if "rl/reward" in line]
-    off, copy = read("off"), read("copy")
+    off, copy = run_log(tmp_path / "off", "rl/reward"), run_log(tmp_path / "copy", "rl/reward")
     assert len(off) == 3 and any(e["rl/kl"] > 0 for e in off[1:])
     for want, got in zip(copy, off, strict=True):
         for k in ("loss", "rl/reward", "rl/kl", "rl/completion_length"):

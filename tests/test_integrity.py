@@ -11,7 +11,7 @@ import sys
 import forkserver
 import pytest
 import torch
-from conftest import ROOT, checkpoint_bytes, checkpoint_tensors
+from conftest import ROOT, checkpoint_bytes, checkpoint_tensors, run_log
 from test_train import args, run, shapes, weights  # noqa: F401  (shapes is a fixture)
 
 import chat
@@ -29,10 +29,6 @@ def base(shapes, tmp_path_factory):  # noqa: F811
     out = tmp_path_factory.mktemp("base")
     run(args(shapes, out, "--max_iters=6", "--ckpt_interval=3", "--keep_last=5"))
     return out
-
-
-def log_events(out):
-    return [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
 
 
 def no_traceback(r):
@@ -53,7 +49,7 @@ def test_nonfinite_step_is_skipped_exactly_like_a_skipped_batch(shapes, tmp_path
     assert weights(tmp_path / "nan/step-000006") == weights(tmp_path / "skip/step-000006")
     assert checkpoint_bytes(tmp_path / "nan/step-000006", "optim.") == \
         checkpoint_bytes(tmp_path / "skip/step-000006", "optim.")
-    assert [e["step"] for e in log_events(tmp_path / "nan") if e.get("nonfinite_skipped")] == [3]
+    assert [e["step"] for e in run_log(tmp_path / "nan") if e.get("nonfinite_skipped")] == [3]
     assert (tmp_path / "nan/DONE").exists()
 
 

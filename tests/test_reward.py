@@ -1,12 +1,11 @@
 """Reward models (objective='reward'): the VLM with a scalar head read at each row's last real token, trained with the
 Bradley-Terry loss on the preference shards of DPO."""
 
-import json
 import math
 
 import pytest
 import torch
-from conftest import tiny_hf_llava
+from conftest import run_log, tiny_hf_llava
 from test_dpo import IMAGE, N_IMAGE_TOKENS, PAD, debug_init, our_model
 
 import checkpoint
@@ -88,7 +87,7 @@ def test_reward_model_ranks_right_above_wrong_on_held_out_shapes_pairs(tmp_path)
     train.main(dpo_args(shapes_pairs, tmp_path / "out", f"--init_from={init}", "--objective=reward", "--max_iters=40",
                         "--lr_decay_iters=40", "--eval_interval=40", "--eval_iters=8", "--lr=2e-3", "--warmup_iters=3",
                         "--log_interval=10", "--batch_size=16", "--micro_batch_size=16"))
-    events = [json.loads(line) for line in (tmp_path / "out/log.jsonl").read_text().splitlines()]
+    events = run_log(tmp_path / "out")
     logged = [e for e in events if "reward/accuracy" in e]
     assert [e["step"] for e in logged] == [10, 20, 30, 40]
     val = next(e for e in events if "val_loss" in e)
@@ -124,8 +123,7 @@ def test_reward_model_under_torchrun_ddp_and_fsdp_matches_one_process(tmp_path):
     for parallel in ("ddp", "fsdp"):  # 2 ranks x 4 pairs = the single run's 8
         run(dpo_args(tmp_path / "shapes", tmp_path / parallel, *common, f"--parallel={parallel}",
                      "--micro_batch_size=4"), nproc=2)
-    logged = {name: [json.loads(line) for line in (tmp_path / name / "log.jsonl").read_text().splitlines()]
-              for name in ("single", "ddp", "fsdp")}
+    logged = {name: run_log(tmp_path / name) for name in ("single", "ddp", "fsdp")}
     for name in ("ddp", "fsdp"):
         for want, got in zip(logged["single"], logged[name], strict=True):
             for k in ("loss", "reward/accuracy", "reward/margin", "reward/chosen"):

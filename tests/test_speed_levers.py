@@ -12,7 +12,7 @@ import sys
 import forkserver
 import pytest
 import torch
-from conftest import ROOT, checkpoint_bytes, checkpoint_tensors, image_batch, tiny_hf_llava
+from conftest import ROOT, checkpoint_bytes, checkpoint_tensors, image_batch, run_log, tiny_hf_llava
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import checkpoint
@@ -142,7 +142,7 @@ def run(argv, script="train.py"):
 
 
 def losses(out):
-    return {e["step"]: e["loss"] for e in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "loss" in e}
+    return {e["step"]: e["loss"] for e in run_log(out, "loss")}
 
 
 @pytest.fixture(scope="module")

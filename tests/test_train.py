@@ -12,7 +12,7 @@ from pathlib import Path
 import forkserver
 import pytest
 import torch
-from conftest import ROOT, checkpoint_bytes, checkpoint_tensors
+from conftest import ROOT, checkpoint_bytes, checkpoint_tensors, run_log
 from safetensors.torch import load_file
 
 import chat
@@ -60,7 +60,7 @@ def run(argv, nproc=1, check=True, **kw):
 
 
 def losses(out):
-    return {e["step"]: e["loss"] for e in map(json.loads, (out / "log.jsonl").read_text().splitlines()) if "loss" in e}
+    return {e["step"]: e["loss"] for e in run_log(out, "loss")}
 
 
 def checkpoint_model(path):
@@ -221,7 +221,7 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(shapes, tmp_path):
 
 def test_skip_steps_consume_batches_without_training(shapes, single_run, tmp_path):
     run(args(shapes, tmp_path, "--max_iters=10", "--skip_steps=[(3, 6)]"))
-    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    log = run_log(tmp_path)
     assert [e["step"] for e in log if e.get("skipped")] == [3, 4, 5]
     ref, got = losses(single_run), losses(tmp_path)
     assert all(got[s] == ref[s] for s in (1, 2, 3)) and got[7] != ref[7]
@@ -361,7 +361,7 @@ def test_bench_data_runs_both_pipelines(tmp_path):
 
 def test_dropped_samples_are_counted_in_the_training_log(shapes, tmp_path):
     train.main(args(shapes, tmp_path, "--seq_len=6", "--max_iters=2"))  # too short for the image: every sample drops
-    events = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    events = run_log(tmp_path)
     assert sum(e.get("dropped_samples", 0) for e in events) == 2 * 8
 
 
@@ -384,7 +384,7 @@ def test_packed_training_matches_one_sample_a_row_and_resumes_exactly(shapes, si
 def test_samples_that_do_not_fit_a_packed_batch_are_counted(shapes, tmp_path):
     r = run(args(shapes, tmp_path, "--max_iters=2", "--pack=3", "--micro_batch_size=4", "--batch_size=4", "--seq_len=64"))
     assert "no_room_in_pack" in r.stdout + r.stderr
-    events = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    events = run_log(tmp_path)
     assert sum(e.get("dropped_samples", 0) for e in events) > 0
 
 
@@ -456,7 +456,7 @@ def test_two_image_demo_trains_answers_and_resumes_exactly(shapes2, tmp_path, ca
     assert "held-out exact-match accuracy" in out and "on 12 questions" in out, out[-2000:]
     truths = [line.rsplit("truth: ", 1)[1] for line in out.splitlines() if "Which image has more circles?" in line]
     assert len(truths) == 5 and set(truths) <= {"the first", "the second", "neither"}, out[-2000:]  # whole answers
-    events = [json.loads(line) for line in (tmp_path / "straight/log.jsonl").read_text().splitlines()]
+    events = run_log(tmp_path / "straight")
     assert sum(e.get("dropped_samples", 0) for e in events) == 0
     train.main(multi_args(shapes2, tmp_path / "resumed", "--max_iters=3", "--final_accuracy_samples=0"))
     train.main(multi_args(shapes2, tmp_path / "resumed", "--max_iters=6", "--init_from=resume",

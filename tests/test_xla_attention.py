@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from conftest import ROOT, start_in_background, wait_for_background
 
 import config
-from model import blockwise_attention, build_model
+from attention import blockwise_attention
+from model import build_model
 from model_config import vlm_preset
 from xla_attention import MEMORY_T, PARITY, packed_rows
 
