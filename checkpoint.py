@@ -446,6 +446,26 @@ def planners(env):
 # saving: block while the shards are staged, write in the background, commit when every rank is done
 
 
+def one_line(e):
+    """An exception as one short line: DCP's CheckpointException (a line per failed rank, with its traceback) as the
+    first underlying error, anything else as its innermost cause with a message. LLAVAX_DEBUG=1 prints the traceback."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        e = inner[0] if isinstance(inner, tuple) else inner
+    chain = [c for c in storage.causes(e) if str(c).strip()]
+    found = chain[-1] if chain else e
+    return f"{type(found).__name__}: {' '.join(str(found).split())[:200]}"
+
+
+def checkpoints_or_none(out):
+    try:
+        found = checkpoints(out)
+    except OSError:  # the storage that failed the write does not answer a listing either
+        return "unknown (out_dir cannot be listed now)"
+    return found[-1] if found else "none"
+
+
 class Checkpointer:
     """Writes and loads the training checkpoints of one run. At most one write is in flight; the next save waits
     for it. Its collectives run on a gloo group of their own, so a background write never meets the training
@@ -453,16 +473,29 @@ class Checkpointer:
 
     def __init__(self, env, cfg, lease=None):
         self.env, self.cfg, self.thread, self.error, self.buffers = env, cfg, None, None, {}
+        # a write that failed on its storage (an outage, a stalled upload): said, not committed, training goes on and
+        # the next save tries again; max_failed_checkpoints of them in a row stop the run
+        self.failed, self.failed_in_a_row = None, 0
         self.lease = lease  # rank 0's: out_dir's lease (lease.py), looked at before a step is written and committed
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
 
     def wait(self):
-        """Block until the write in flight (if any) is committed; a failed one stops the run, named."""
+        """Block until the write in flight (if any) is committed. One refused (non-finite values, a lost lease) stops
+        the run, named; one whose storage failed is said and skipped, until max_failed_checkpoints in a row."""
         if self.thread is not None:
             self.thread.join()
             self.thread = None
         if self.error:
             raise SystemExit(self.error)
+        if self.failed:
+            failed, self.failed = self.failed, None
+            self.failed_in_a_row += 1
+            if self.failed_in_a_row >= self.cfg["max_failed_checkpoints"]:
+                raise SystemExit(f"{failed}; {self.failed_in_a_row} checkpoints in a row failed "
+                                 f"(max_failed_checkpoints={self.cfg['max_failed_checkpoints']}): stopping. Resume with "
+                                 f"--resume=True once the storage answers")
+            print(f"{failed}; training goes on and the next checkpoint tries again ({self.failed_in_a_row} in a row, "
+                  f"max_failed_checkpoints={self.cfg['max_failed_checkpoints']})", file=sys.stderr, flush=True)
 
     def poll(self):
         """wait() if the write in flight has ended (the loop calls this every step: a failed write stops the run
@@ -575,9 +608,14 @@ class Checkpointer:
             if self.group is not None:
                 dist.barrier(group=self.group)  # every rank knows the step is committed before the next save
         except BaseException as e:  # noqa: BLE001  named on the next wait(), in the loop's thread
-            traceback.print_exc()
-            self.error = (f"checkpoint {name}: the write failed on rank {env.rank} ({type(e).__name__}: {e}); "
-                          f"the previous checkpoint is the newest")
+            if os.environ.get("LLAVAX_DEBUG") == "1":
+                traceback.print_exc()
+            newest = checkpoints_or_none(storage.parent(path))
+            self.failed = (f"checkpoint {path} not committed: writing it failed on rank {env.rank} ({one_line(e)}); "
+                           f"the last committed step is {newest}")
+        else:
+            if not self.error:
+                self.failed_in_a_row = 0
 
     def lost_lease(self):
         """Who holds out_dir's lease if this run (rank 0) lost it, else None."""
@@ -615,9 +653,9 @@ class Checkpointer:
                     dist.init_process_group("gloo", store=store, rank=self.env.rank, world_size=self.env.world)
                     self.group = dist.group.WORLD
                 self.write(*args)
-                if self.error:
-                    print(self.error, file=sys.stderr, flush=True)
-                code = 1 if self.error else 0
+                if self.error or self.failed:
+                    print(self.error or self.failed, file=sys.stderr, flush=True)
+                code = 1 if self.error or self.failed else 0
             except BaseException:
                 traceback.print_exc()
             finally:
@@ -628,9 +666,9 @@ class Checkpointer:
         _, status = os.waitpid(pid, 0)
         marker.unlink(missing_ok=True)
         if status:
-            raise SystemExit(f"the stop checkpoint writer (pid {pid}, rank {self.env.rank}) failed (exit "
-                             f"{os.waitstatus_to_exitcode(status)}); see its traceback above. The previous checkpoint "
-                             f"is the newest")
+            raise SystemExit(f"the stop checkpoint {args[0]} could not be written (its writer, pid {pid}, rank "
+                             f"{self.env.rank}, exited {os.waitstatus_to_exitcode(status)}: its reason above); the last "
+                             f"committed step is {checkpoints_or_none(out)}")
 
     # -------------------------------------------------------------------------
     # loading: into this run's own (sharded) tensors, whatever world size or backend wrote the checkpoint

@@ -79,6 +79,8 @@ keep_last = 2  # in out_dir, and in local_ckpt_dir
 # resume takes the newest step that verifies in either. One host only (another host's disk holds its ranks' shards)
 local_ckpt_dir = ""
 local_ckpt_interval = 0
+storage_stall_s = 60.0  # a bucket request (an upload's included) that makes no progress this long is abandoned
+max_failed_checkpoints = 3  # checkpoints in a row whose write failed (an outage) before the run stops
 take_over = False  # True: take out_dir's lease from the run that holds it (one that is dead: lease.py)
 lease_stale_s = 300.0  # a lease not refreshed for this long (and 10 log intervals) is a dead run's, taken over
 allow_config_change = []  # keys that may differ from the checkpoint's config on resume (see FIXED_ON_RESUME)
@@ -218,7 +220,7 @@ def run_config_file(arg):
 # the values checked
 
 POSITIVE = ("batch_size", "micro_batch_size", "max_iters", "seq_len", "log_interval", "shuffle_block",
-            "max_nonfinite_steps", "checkpoint_every", "attention_block")
+            "max_nonfinite_steps", "checkpoint_every", "attention_block", "storage_stall_s", "max_failed_checkpoints")
 NON_NEGATIVE = ("eval_interval", "eval_iters", "ckpt_interval", "local_ckpt_interval", "keep_last", "num_workers", "pack",
                 "warmup_iters", "lr_decay_iters", "max_tiles", "final_accuracy_samples", "lr", "min_lr", "weight_decay",
                 "grad_clip", "loss_chunk", "peak_flops", "lease_stale_s")

@@ -637,6 +637,7 @@ def main(argv=None):
 
 
 def run(cfg):
+    storage.STALL_S = cfg["storage_stall_s"]  # before any bucket is touched: its clients are made with it
     env = Env(cfg)
     out = storage.join(cfg["out_dir"])
     lease = Lease(out, cfg["lease_stale_s"]) if env.master else None  # rank 0 holds out_dir's lease for the run

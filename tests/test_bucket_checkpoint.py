@@ -366,3 +366,28 @@ def test_resume_takes_urls_and_paths_however_they_are_typed(shapes, s3_bucket, t
                  f"--data_dir={s3_bucket}/data/", f"--tokenizer={retyped}/tok//tokenizer.model"))
     assert f"resuming from {out}/step-000003" in r.stdout and "refused" not in r.stdout, r.stdout[-3000:]
     assert "resume: data_dir changed" not in r.stdout and "resume: tokenizer changed" not in r.stdout
+
+
+def test_a_checkpoint_whose_upload_fails_is_skipped_and_the_next_commits(shapes, s3_bucket, s3_proxy, tmp_path):
+    """The endpoint answers only 503s to step 3's shard upload, through every retry: step 3 is not committed (said in
+    one line, no traceback), training goes on, and step 6 commits once the endpoint answers again; three such
+    checkpoints in a row (max_failed_checkpoints) stop the run in one sentence (the next test)."""
+    out, bucket = f"{s3_bucket}/fails", storage.bucket(s3_bucket)
+    s3_proxy.inject(rf"^PUT /{bucket}/fails/step-000003/__0_0\.distcp", 503, 10**6)
+    r = run(args(shapes, out, "--max_iters=6", "--ckpt_interval=3", "--keep_last=5"))
+    said = [line for line in r.stderr.splitlines() if "not committed" in line]
+    assert len(said) == 1 and f"checkpoint {out}/step-000003 not committed: writing it failed on rank 0" in said[0], \
+        r.stderr[-3000:]
+    assert "training goes on and the next checkpoint tries again (1 in a row" in said[0] and "Traceback" not in r.stderr
+    assert [storage.name(p) for p in checkpoint.checkpoints(out)] == ["step-000006"] and storage.exists(f"{out}/DONE")
+
+
+@pytest.mark.full
+def test_checkpoints_failing_in_a_row_stop_the_run_in_one_sentence(shapes, s3_bucket, s3_proxy):
+    bucket = storage.bucket(s3_bucket)
+    s3_proxy.inject(rf"^PUT /{bucket}/fails2/step-\d+/__0_0\.distcp", 503, 10**6)
+    r = run(args(shapes, f"{s3_bucket}/fails2", "--max_iters=12", "--ckpt_interval=2", "--max_failed_checkpoints=2"),
+            check=False)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith(f"checkpoint {s3_bucket}/fails2/step-"), \
+        r.stderr[-3000:]
+    assert "2 checkpoints in a row failed (max_failed_checkpoints=2): stopping" in r.stderr
