@@ -83,18 +83,17 @@ def parent(path):
 # the filesystem of a URL: package, endpoint and credentials checked once, each with a sentence
 
 
-STALL_S = 60.0  # a request (a part of an upload included) that makes no progress this long is abandoned (train.py
-# sets it from storage_stall_s); the clients' own retries are capped so that ours (call()) are the retry budget
+STALL_S = 60.0  # a request (a part of an upload included) with no answer this long is abandoned (train.py sets it
+# from storage_stall_s); the clients' own retries stay (DCP's uploads have no other)
 
 
 def options(url):
     """fsspec options for url's filesystem (also what DCP's FsspecWriter/Reader take): credentials, and each
-    request's wait bounded by STALL_S with the clients' own retries capped."""
+    request's wait bounded by STALL_S."""
     if scheme(url) in ("gs", "gcs"):  # the emulator takes no credentials; otherwise ADC only, never anonymous
         return {"token": "anon" if os.environ.get("STORAGE_EMULATOR_HOST") else "google_default",
                 "requests_timeout": STALL_S}
-    return {"config_kwargs": {"connect_timeout": min(STALL_S, 30.0), "read_timeout": STALL_S,
-                              "retries": {"max_attempts": 3, "mode": "standard"}}}
+    return {"config_kwargs": {"connect_timeout": min(STALL_S, 30.0), "read_timeout": STALL_S}}
 
 
 def filesystem(url):
