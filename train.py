@@ -622,9 +622,10 @@ def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader, lease
 
 def evaluate_and_log(model, ref_model, val_loaders, env, cfg, vision, objective, it, log):
     val = objective.evaluate(model, ref_model, val_loaders, env, cfg, vision, objective.loss)
-    print0(env, f"step {it}: " + ", ".join(f"{k.replace('_', ' ')} " + (f"{v:.4f}" if v is not None else "n/a (no "
-                                           "supervised token: every held-out sample dropped)")
-                                           for k, v in val.items() if not k.startswith("val_tokens/")))
+    shown = {k.partition("/")[0].replace("_", " ") + k[len(k.partition("/")[0]):]: v for k, v in val.items()
+             if not k.startswith("val_tokens/")}  # val_loss/NAME: "val loss/NAME", the source's name as written
+    print0(env, f"step {it}: " + ", ".join(f"{k} {v:.4f}" if v is not None else f"{k} n/a (every held-out sample "
+                                           f"dropped)" for k, v in shown.items()))
     log({"step": it} | val)
 
 
