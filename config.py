@@ -378,18 +378,23 @@ def check_data(data_dir, objective, seed, tokenizer, steps=""):
         if not storage.is_url(source.path) and not Path(source.path).exists():
             hint = f" This config's inputs are made by: {steps}" if steps else \
                 " For the shapes demo run `python data.py shapes --out data/shapes` first (make demo does it)." \
-                if data_dir == DEFAULTS["data_dir"] else ""
+                if len(found) == 1 else ""
             raise SystemExit(f"{where} does not exist.{hint}")
         if not storage.is_url(source.path) and Path(source.path).is_file() and not source.path.endswith(".tar"):
             raise SystemExit(f"{where} is a file but not a .tar of shards: pack a LLaVA JSON first (`python data.py "
                              f"pack --json FILE --images DIR --out DATASET`), and give a mixture file as data_dir itself")
         try:  # its bucket, .nv-meta and shard listing (two listings and three small reads), or a lone tar's index
             counts = shard_files(source.path, source.part)
-            counts = {tar: len(sample_offsets(tar)) if count is None else count for tar, count in counts.items()}
+            for tar, count in counts.items():
+                if count is None:  # a lone tar: there, its samples counted when the loader reads its index
+                    storage.size(tar)
         except (DatasetError, OSError) as e:
             said = str(e).replace("no train shards found", "no train split (no train shards)")
-            raise SystemExit(said if said.startswith(str(source.path)) and len(found) == 1 else f"{where}: {said}") \
-                from None
+            raise SystemExit(f"data_dir {said}" if said.startswith(str(source.path)) and len(found) == 1 else
+                             f"{where}: {said}") from None
+        if None in counts.values():
+            kinds[source.name] = first_sample_kind(counts)
+            continue
         kept = len(mixture.take_indices(source.take, sum(counts.values()), source.name, seed))
         if not kept:
             raise SystemExit(f"{where}: take {source.take!r} keeps none of its {sum(counts.values())} samples")

@@ -651,8 +651,8 @@ def run(cfg):
 
 def train(cfg, env, out, lease):
     folders = checkpoint_folders(out, cfg, env)
+    config.check_inputs(cfg)  # read-only, before out_dir is taken or touched
     prepare_out_dir(folders, cfg, env, lease)
-    config.check_inputs(cfg)
     grad_accum, rows_per_host = batch_layout(cfg, env)
     torch.manual_seed(cfg["seed"])
     resume_from = resume_point(folders, cfg, env)

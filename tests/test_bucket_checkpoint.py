@@ -368,6 +368,7 @@ def test_resume_takes_urls_and_paths_however_they_are_typed(shapes, s3_bucket, t
     assert "resume: data_dir changed" not in r.stdout and "resume: tokenizer changed" not in r.stdout
 
 
+@pytest.mark.full
 def test_a_checkpoint_whose_upload_fails_is_skipped_and_the_next_commits(shapes, s3_bucket, s3_proxy, tmp_path):
     """The endpoint answers only 503s to step 3's shard upload, through every retry: step 3 is not committed (said in
     one line, no traceback), training goes on, and step 6 commits once the endpoint answers again; three such

@@ -236,10 +236,11 @@ def cases(shapes, base, d):  # noqa: F811
         "truncated_shard": ([*t, f"--out_dir={d / 'trunc_shard'}", "--init_from=resume"], "__0_0.distcp"),
         "malformed_checkpoint_config": ([*t, f"--init_from={d / 'bad_config'}"], "bad_config/config.json"),
         "scratch_into_foreign_checkpoints": ([*t, f"--out_dir={base}"], "step-000006"),
-        "resume_with_another_seed": ([*t, f"--out_dir={base}", "--init_from=resume", "--seed=1"], "seed"),
-        "resume_with_another_global_batch": ([*t, f"--out_dir={base}", "--init_from=resume", "--micro_batch_size=4",
-                                              "--batch_size=16"], "batch_size"),
-        "resume_into_another_stage": ([*t, f"--out_dir={base}", "--init_from=resume", "--stage=1",
+        # copies of the good run: one run at a time may hold an out_dir (lease.py), and these run two at a time
+        "resume_with_another_seed": ([*t, f"--out_dir={d / 'base_seed'}", "--init_from=resume", "--seed=1"], "seed"),
+        "resume_with_another_global_batch": ([*t, f"--out_dir={d / 'base_batch'}", "--init_from=resume",
+                                              "--micro_batch_size=4", "--batch_size=16"], "batch_size"),
+        "resume_into_another_stage": ([*t, f"--out_dir={d / 'base_stage'}", "--init_from=resume", "--stage=1",
                                        "--allow_config_change=['stage']"], "does not fit this run"),
         "sample_missing_image": ([*s, "--image", str(d / "nope.png")], "nope.png"),
         "sample_unknown_template": ([*s, "--template", "vicuna_v9"], "vicuna_v9"),
@@ -262,6 +263,9 @@ def bad_runs(shapes, base, bad_inputs):  # noqa: F811
     lines run two at a time as processes forked after the imports (tests/forkserver.py): each start was mostly
     importing torch on one core."""
     before = sorted(p.name for p in base.iterdir())
+    for copy in ("base_seed", "base_batch", "base_stage"):
+        if not (bad_inputs / copy).exists():
+            shutil.copytree(base, bad_inputs / copy)
     env = os.environ | {"OMP_NUM_THREADS": "1", "NPROC_PER_NODE": "abc"}
     argvs = {case: cases(shapes, base, bad_inputs)[case][0] for case in CASES}
     python = [case for case in CASES if argvs[case][0].endswith(".py")]

@@ -39,7 +39,7 @@ def out_dir(where, s3_bucket_or_none, gcs_bucket_or_none, tmp_path, name):
     return {"local": str(tmp_path / name), "s3": f"{s3_bucket_or_none}/{name}", "gs": f"{gcs_bucket_or_none}/{name}"}[where]
 
 
-@pytest.fixture(params=["local", "s3", "gs"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.full), "gs"])
 def where(request):
     return request.param
 
@@ -76,7 +76,7 @@ def test_two_runs_started_together_one_trains_the_other_refuses(shapes, place):
     assert not storage.exists(storage.join(out, "LEASE.json"))  # the run that trained removed it at the end
 
 
-@pytest.mark.parametrize("where", ["local", "s3"])
+@pytest.mark.parametrize("where", ["local", pytest.param("s3", marks=pytest.mark.full)])
 def test_a_killed_runs_lease_is_taken_and_the_resume_is_bit_for_bit(shapes, place, tmp_path):
     """SIGKILLed (the OOM killer, a lost node): no stop path, its lease stays. On this host its process is gone, so a
     resume takes the lease at once; the run ends bit for bit as an uninterrupted one."""
@@ -134,7 +134,7 @@ def test_a_restart_of_the_same_run_takes_its_lease_at_once(shapes, tmp_path):
     assert storage.exists(f"{out}/DONE")
 
 
-@pytest.mark.parametrize("where", ["local", "gs"])
+@pytest.mark.parametrize("where", ["local", pytest.param("gs", marks=pytest.mark.full)])
 def test_a_zombie_continued_after_its_successor_took_over_commits_nothing(shapes, place):
     out = place("zombie")
     zombie = start(shapes, out, "--max_iters=400", "--log_interval=1")

@@ -360,9 +360,12 @@ def test_bench_data_runs_both_pipelines(tmp_path):
 
 
 def test_dropped_samples_are_counted_in_the_training_log(shapes, tmp_path):
-    train.main(args(shapes, tmp_path, "--seq_len=6", "--max_iters=2"))  # too short for the image: every sample drops
+    # too short for the image: every sample drops; steps with nothing to learn move no weight and are never DONE
+    with pytest.raises(SystemExit, match="the last 2 batch.es. had no supervised token .every sample dropped.: the run "
+                                         "is not marked DONE; the last checkpoint is none"):
+        train.main(args(shapes, tmp_path, "--seq_len=6", "--max_iters=2"))
     events = run_log(tmp_path)
-    assert sum(e.get("dropped_samples", 0) for e in events) == 2 * 8
+    assert sum(e.get("dropped_samples", 0) for e in events) == 2 * 8 and not (tmp_path / "DONE").exists()
 
 
 def test_packed_training_matches_one_sample_a_row_and_resumes_exactly(shapes, single_run, tmp_path):
