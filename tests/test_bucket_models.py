@@ -18,6 +18,7 @@ from test_train import args
 
 import checkpoint
 import convert
+import data
 import images
 import loader
 import sample
@@ -251,3 +252,19 @@ def test_bad_bucket_inputs_get_one_sentence_and_overwrite_nothing(shapes, step, 
         monkeypatch.undo()
         forget_filesystems()
     assert {n: storage.read_bytes(f"{export}/{n}") for n in storage.ls(export)} == kept
+
+
+def test_outputs_naming_an_existing_object_are_refused(shapes, step, s3_bucket, tmp_path):
+    """out_dir, convert.py --out and data.py pack --out naming an object (a file in a bucket) would write object/...
+    keys beside it: refused in one sentence, as a local file is, and the object is left as it was."""
+    obj = f"{s3_bucket}/a-file"
+    storage.write_bytes(obj, b"not a folder")
+    with pytest.raises(SystemExit) as e:
+        train.main(args(shapes, tmp_path / "x", "--max_iters=1", f"--out_dir={obj}"))
+    assert str(e.value) == f"out_dir {obj}: an existing object, not a folder or prefix; give a folder (a prefix in " \
+                           f"a bucket) to write into", str(e.value)
+    with pytest.raises(SystemExit, match=r"^convert: error: .*a-file: an existing object, not a folder"):
+        convert.main(["to-hf", "--ckpt", str(step), "--out", obj])
+    with pytest.raises(SystemExit, match=rf"^pack: --out {obj}: an existing object, not a folder or prefix"):
+        data.main(["pack", "--json", str(shapes / "shapes.json"), "--images", str(shapes / "images"), "--out", obj])
+    assert storage.read_bytes(obj) == b"not a folder" and storage.ls(obj) == []
