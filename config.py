@@ -16,6 +16,7 @@ from pathlib import Path
 import chat
 import checkpoint
 import mixture
+import model_files
 import rl
 import storage
 from loader import sample_conversation
@@ -448,7 +449,7 @@ def check_carried_tokenizer(step, cfg):
     """A training step carries its run's tokenizer (checkpoint.tokenizer_files): this run's must encode text as that
     one does. Another tokenizer named, or its file replaced in the bucket since, would shift the ids the model learned."""
     try:
-        carried = checkpoint.tokenizer_files(step) if checkpoint.is_sharded_checkpoint(step) else {}
+        carried = checkpoint.tokenizer_files(step) if model_files.is_sharded_checkpoint(step) else {}
     except OSError:  # not there, or not a step: init_model says so
         return
     if carried:

@@ -24,13 +24,13 @@ from pathlib import Path
 import torch
 
 import storage
-from checkpoint import copy_tokenizer, read_checkpoint, save_checkpoint
 from hf_config import hf_model_type, llama_config, llava_hf_config, read_json, vit_config
 from hf_names import (check_complete, drop_siglip_head, drop_tied_head, expected_shapes, hub_name, llama_table,
                       llava_from_hf, llava_table, memory_name, projector_table, remap, vit_table)
 from lora import LORA_SITES, LoRAConfig, is_lora_parameter, merge_lora_state
 from model import Projector
 from model_config import LlamaConfig, ViTConfig, VLMConfig, vlm_preset
+from model_files import copy_tokenizer, read_checkpoint, save_checkpoint
 from processor import TEMPLATE_NAMES, ExportError, export_tokenizer, has_processor, write_processor
 from weight_files import ConversionError, read_weights, say, write_dir, write_safetensors, write_weights
 

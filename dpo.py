@@ -21,9 +21,9 @@ from torch.distributed.fsdp import FSDPModule
 from tqdm import tqdm
 
 import chat
-import checkpoint
 from images import load_image, normalize_images
 import loader
+import model_files
 import weight_files
 from evaluation import device_batch
 from lora import adapters_off, is_lora_parameter
@@ -46,7 +46,7 @@ def reference_model(cfg, env, policy=None):
     source = named or cfg["init_from"]
     build_on = "cpu" if env.kind == "xla" else env.device
     try:
-        ref = checkpoint.load_model(source, device=build_on).requires_grad_(False).eval()
+        ref = model_files.load_model(source, device=build_on).requires_grad_(False).eval()
     except (weight_files.ConversionError, OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"{cfg['objective']} reference {str(source)!r}: cannot load the model ({e})") from None
     ref.loss_chunk, ref.recompute = cfg["loss_chunk"], checkpoint_fn(env.kind)  # its log-probs as the policy's
@@ -300,7 +300,7 @@ def pairs_command(args):
     if held and not args.overwrite:  # refused before the answering, not after
         raise SystemExit(f"pairs: --out {out} already holds a dataset ({held[0]}, ...); pass --overwrite to replace it")
     try:
-        model = checkpoint.load_model(ckpt).eval()
+        model = model_files.load_model(ckpt).eval()
         tok = chat.Tokenizer(args.tokenizer or ckpt)
         trained = json.loads((ckpt / "state.json").read_text())["config"] if (ckpt / "state.json").exists() else {}
     except (weight_files.ConversionError, OSError, ValueError, KeyError, TypeError, RuntimeError) as e:

@@ -59,7 +59,7 @@ def llava_table(cfg: VLMConfig):
                               f"not {cfg.projector!r}")
     if cfg.reward_head:
         raise ConversionError("a reward model (reward_head): no Hugging Face LLaVA class holds its scalar head; load it "
-                              "with checkpoint.load_model (docs/post-training.md)")
+                              "with model_files.load_model (docs/post-training.md)")
     t = vit_table(cfg.vision, "vision_tower.vision_model.")
     t |= {f"projector.fc.{i}.{p}": f"multi_modal_projector.linear_{i + 1}.{p}" for i in range(2) for p in ("weight", "bias")}
     if "image_newline" in expected_shapes(cfg):

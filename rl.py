@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import chat
 import checkpoint
 import images
+import model_files
 import storage
 import weight_files
 from checkpoint import saved_own
@@ -282,7 +283,7 @@ def reward_scorer(cfg, env, policy, tok):
             return rewards
         return score
     try:
-        judge = checkpoint.load_model(spec, device=env.device).requires_grad_(False).eval()
+        judge = model_files.load_model(spec, device=env.device).requires_grad_(False).eval()
     except (weight_files.ConversionError, OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"grpo_reward {spec!r}: cannot load the reward model ({e})") from None
     if judge.reward_head is None:
@@ -510,7 +511,7 @@ def load_value_model(cfg, env, policy, tok, resume_from=None):
         saved = VLMConfig.from_dict(json.loads(storage.read_text(storage.join(resume_from, checkpoint.VALUE_CONFIG))))
         return build_model(saved, device=build_on, init=False)
     try:
-        value_model = checkpoint.load_model(spec, device=build_on)
+        value_model = model_files.load_model(spec, device=build_on)
     except (weight_files.ConversionError, OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"ppo_value_init {spec!r}: cannot load the value model ({e})") from None
     if value_model.reward_head is None:

@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 import chat
-import checkpoint
 import loader
+import model_files
 import storage
 import weight_files
 from images import image_hw, load_image, normalize_images
@@ -73,7 +73,7 @@ def main(argv=None):
         sys.exit(f"sample: unknown template {template!r}; choose from {sorted(chat.TEMPLATES)}")
     try:
         tok = chat.Tokenizer(args.tokenizer or ckpt)
-        model = checkpoint.load_model(ckpt, device=args.device).eval()
+        model = model_files.load_model(ckpt, device=args.device).eval()
     except (OSError, ValueError, RuntimeError, weight_files.ConversionError) as e:
         sys.exit(f"sample: {e}")
     cfg = model.cfg

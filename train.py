@@ -28,6 +28,7 @@ import chat
 import checkpoint
 import config
 import mixture
+import model_files
 import rl
 import storage
 import weight_files
@@ -262,7 +263,7 @@ def init_model(cfg, env, resume_from):
                            device=build_on, init=False)
     if source:
         try:
-            return checkpoint.load_model(source, device=build_on)
+            return model_files.load_model(source, device=build_on)
         except (weight_files.ConversionError, OSError, ValueError, KeyError, TypeError) as e:
             raise SystemExit(f"{'resume' if resume_from else 'init_from'} {str(source)!r}: cannot load the model "
                              f"({e})") from None

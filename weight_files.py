@@ -2,7 +2,7 @@
 Weight files: finding them in a directory (HF shards and their index, ours), reading safetensors and weights-only
 pickles, writing safetensors one tensor at a time (HF-style shards above a size), and writing a directory without a
 rename, its config last. Every directory may be a local folder or a prefix in a bucket (storage.py). convert.py
-(formats) and checkpoint.py (training checkpoints) build on these.
+(formats) and model_files.py (our model directories) build on these.
 
 Split from convert.py along the seam between moving bytes and mapping names: nothing here knows a model.
 """

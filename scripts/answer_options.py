@@ -16,9 +16,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import chat
-import checkpoint
 import images
 import loader  # noqa: E402
+import model_files
 from model import left_pad  # noqa: E402
 from shapes import ANSWER_SETS  # noqa: E402
 
@@ -26,7 +26,7 @@ from shapes import ANSWER_SETS  # noqa: E402
 @torch.no_grad()
 def answers(ckpt, data_dir, n, batch_size=50):
     """[(truth, greedy, {option: (answer-token logp, end-of-turn logp)})] for the first n val questions."""
-    model, tok = checkpoint.load_model(ckpt).eval(), chat.Tokenizer(ckpt)
+    model, tok = model_files.load_model(ckpt).eval(), chat.Tokenizer(ckpt)
     template, cfg = "llama_3", model.cfg
     stop = chat.stop_token_id(template, tok)
     stream = loader.ShardStream(data_dir, tok, 1, cfg.llm.max_seq_len, cfg.vision.image_size, cfg.image_token_id,

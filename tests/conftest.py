@@ -146,8 +146,9 @@ def background(request, tmp_path_factory):
 def checkpoint_tensors(step_dir, prefix=""):
     """{DCP key: tensor} of a training step directory (model.* weights, optim.state.* moments), read back whole."""
     import checkpoint
+    import model_files
 
-    return {k: checkpoint.SavedTensor(step_dir, k, m).detach() for k, m in checkpoint.saved_tensors(step_dir).items()
+    return {k: model_files.SavedTensor(step_dir, k, m).detach() for k, m in checkpoint.saved_tensors(step_dir).items()
             if k.startswith(prefix) and hasattr(m, "size")}
 
 

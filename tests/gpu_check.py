@@ -49,8 +49,8 @@ results.append(("fsdp_term_group", rc, round(time.time() - t0, 1), ckpts))
 run("fsdp_resume", [*torchrun, f"--out_dir={work / 'stopped'}", "--init_from=resume"])
 try:
     sys.path.insert(0, str(ROOT))
-    import checkpoint
-    a, b = ({k: t.detach() for k, t in checkpoint.saved_weights(sorted((work / d).glob("step-*"))[-1]).items()}
+    import model_files
+    a, b = ({k: t.detach() for k, t in model_files.saved_weights(sorted((work / d).glob("step-*"))[-1]).items()}
             for d in ("straight", "stopped"))
     diff = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
     results.append(("straight_vs_resumed_max_abs_diff", 0, 0, [diff]))

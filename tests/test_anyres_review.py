@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_multi_image_data import chat_tokenizer, tiny_onevision_config
 
-import checkpoint
+import model_files
 import sample
 import weight_files
 from model import VLM
@@ -20,7 +20,7 @@ def onevision_ckpt(tmp_path_factory):
     with torch.device("meta"):
         model = VLM(tiny_onevision_config(tok))
     model.to_empty(device="cpu").init_weights(seed=0)
-    checkpoint.save_model(model, d / "ckpt", d / "tok")
+    model_files.save_model(model, d / "ckpt", d / "tok")
     return d / "ckpt"
 
 

@@ -21,6 +21,7 @@ import convert
 import data
 import images
 import loader
+import model_files
 import sample
 import storage
 import train
@@ -174,24 +175,24 @@ def test_an_export_commits_its_config_last_without_a_folder_rename(step, export_
 
     monkeypatch.setattr(weight_files, "put_file", killed_after_two)
     with pytest.raises(KeyboardInterrupt):
-        checkpoint.save_model(model, export_dir, tokenizer_dir=step)
+        model_files.save_model(model, export_dir, tokenizer_dir=step)
     monkeypatch.setattr(weight_files, "put_file", put)
     assert storage.ls(export_dir) == sorted([weight_files.UNFINISHED, *seen]) and "config.json" not in seen
     with pytest.raises(weight_files.ConversionError, match="a write that did not finish"):
-        checkpoint.read_checkpoint(export_dir)
+        model_files.read_checkpoint(export_dir)
 
-    checkpoint.save_model(model, export_dir, tokenizer_dir=step)  # our unfinished write is replaced
+    model_files.save_model(model, export_dir, tokenizer_dir=step)  # our unfinished write is replaced
     assert storage.ls(export_dir) == ["config.json", "model.safetensors", "tokenizer.model"]
     before = {n: storage.read_bytes(storage.join(export_dir, n)) for n in storage.ls(export_dir)}
     with pytest.raises(weight_files.ConversionError, match="already exists; refusing to overwrite"):
-        checkpoint.save_model(build_model(vlm_preset("debug"), seed=1), export_dir)  # a finished one: kept
+        model_files.save_model(build_model(vlm_preset("debug"), seed=1), export_dir)  # a finished one: kept
     assert {n: storage.read_bytes(storage.join(export_dir, n)) for n in storage.ls(export_dir)} == before
 
     other = build_model(vlm_preset("debug"), seed=1)
-    checkpoint.save_model(other, export_dir, overwrite=True, shard_bytes=200_000)  # asked for: no old file left
+    model_files.save_model(other, export_dir, overwrite=True, shard_bytes=200_000)  # asked for: no old file left
     held = storage.ls(export_dir)
     assert "model.safetensors" not in held and "tokenizer.model" not in held and "model.safetensors.index.json" in held
-    for k, v in checkpoint.load_model(export_dir).state_dict().items():
+    for k, v in model_files.load_model(export_dir).state_dict().items():
         assert torch.equal(v, other.state_dict()[k]), k
 
 

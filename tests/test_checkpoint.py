@@ -19,6 +19,7 @@ from test_train import args, free_port, losses, run, torchrun_workers
 
 import checkpoint
 import convert
+import model_files
 from loader import Loader, ShardStream
 
 
@@ -169,7 +170,7 @@ def test_a_step_directory_reads_as_a_model_and_consolidates(single_run_10, tmp_p
                         str(tmp_path / "model")], os.environ | {"OMP_NUM_THREADS": "1"}, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert {"model.safetensors", "config.json", "tokenizer.model"} <= {p.name for p in (tmp_path / "model").iterdir()}
-    a, b = checkpoint.load_model(step).state_dict(), checkpoint.load_model(tmp_path / "model").state_dict()
+    a, b = model_files.load_model(step).state_dict(), model_files.load_model(tmp_path / "model").state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     saved = checkpoint_tensors(step, "model.")
     assert all(torch.equal(a[k[6:]], v) for k, v in saved.items())
@@ -182,7 +183,7 @@ def test_a_step_directory_reads_as_a_model_and_consolidates(single_run_10, tmp_p
 def test_consolidate_holds_one_tensor_at_a_time(single_run_10, tmp_path, monkeypatch):
     import weakref
 
-    alive, most, read = weakref.WeakSet(), [0], checkpoint.SavedTensor.detach
+    alive, most, read = weakref.WeakSet(), [0], model_files.SavedTensor.detach
 
     def tracked(self):
         t = read(self)
@@ -190,7 +191,7 @@ def test_consolidate_holds_one_tensor_at_a_time(single_run_10, tmp_path, monkeyp
         most[0] = max(most[0], len(alive))
         return t
 
-    monkeypatch.setattr(checkpoint.SavedTensor, "detach", tracked)
+    monkeypatch.setattr(model_files.SavedTensor, "detach", tracked)
     convert.main(["consolidate", "--ckpt", str(single_run_10 / "step-000010"), "--out", str(tmp_path / "model")])
     assert most[0] == 1  # each tensor is read, written and dropped before the next
     assert (tmp_path / "model/model.safetensors").exists()

@@ -12,13 +12,13 @@ from conftest import ROOT, image_batch, tiny_hf_llava
 from safetensors.torch import load_file, save_file
 
 import chat
-import checkpoint
 import config
 import convert
 import hf_config
 import hf_names
 import images
 import model_config
+import model_files
 import weight_files
 from model import build_model
 from model_config import vlm_preset
@@ -60,7 +60,7 @@ def test_round_trip_hf_ours_hf(tmp_path, layout):
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     ids, pixels, _ = image_batch(4, 511, 512)
     assert torch.equal(hf_logits(back.eval(), ids, pixels), hf_logits(hf, ids, pixels))
-    ours = checkpoint.load_model(tmp_path / "ours").eval()
+    ours = model_files.load_model(tmp_path / "ours").eval()
     assert (ours(ids, pixels)[0] - hf_logits(hf, ids, pixels)).abs().max() <= 1e-4
 
 
@@ -71,7 +71,7 @@ def test_to_hf_config_loads_without_warnings(tmp_path, caplog):
     cfg.llm.rope_scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                             "original_max_position_embeddings": 64}
     model = build_model(cfg, seed=0).eval()
-    checkpoint.save_model(model, tmp_path / "ours")
+    model_files.save_model(model, tmp_path / "ours")
     convert.llava_to_hf(tmp_path / "ours", tmp_path / "hf")
     import transformers
 
@@ -89,10 +89,10 @@ def test_to_hf_config_loads_without_warnings(tmp_path, caplog):
 
 def test_sharded_checkpoint_round_trip(tmp_path):
     model = build_model(vlm_preset("debug"), seed=1)
-    checkpoint.save_model(model, tmp_path / "ckpt", shard_bytes=100_000)
+    model_files.save_model(model, tmp_path / "ckpt", shard_bytes=100_000)
     index = json.loads((tmp_path / "ckpt/model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
-    loaded = checkpoint.load_model(tmp_path / "ckpt")
+    loaded = model_files.load_model(tmp_path / "ckpt")
     for (k, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), k
 
@@ -110,7 +110,7 @@ def test_from_hf_llm_plus_clip_adds_image_token(tmp_path, capsys):
     convert.main(["from-hf", "--llm", str(tmp_path / "llm"), "--vision", str(tmp_path / "clip"),
                   "--out", str(tmp_path / "ours"), "--projector", "mlp2x_gelu", "--vision-layer", "-2"])
     assert "added id 300" in capsys.readouterr().err
-    ours = checkpoint.load_model(tmp_path / "ours").eval()
+    ours = model_files.load_model(tmp_path / "ours").eval()
     assert ours.cfg.image_token_id == 300 and ours.cfg.llm.vocab_size == 320
     ids = torch.randint(0, 300, (1, 12))
     with torch.no_grad():
@@ -157,7 +157,7 @@ def test_from_original_llava(tmp_path, capsys, projector_only):
         args += ["--llm", str(tmp_path / "base")]
     convert.main(args)
     assert "weights_only=True" in capsys.readouterr().err
-    ours = checkpoint.load_model(tmp_path / "ours").eval()
+    ours = model_files.load_model(tmp_path / "ours").eval()
     assert ours.cfg.projector == "mlp2x_gelu" and ours.cfg.vision_layer == -2 and ours.cfg.n_image_tokens == 4
     assert torch.equal(ours.projector.fc[1].weight, projector["model.mm_projector.2.weight"])
     ids = torch.randint(0, 300, (1, 12))
@@ -172,7 +172,7 @@ def test_from_original_llava(tmp_path, capsys, projector_only):
 @pytest.fixture
 def our_ckpt(tmp_path):
     model = build_model(vlm_preset("debug"), seed=0)
-    checkpoint.save_model(model, tmp_path / "ckpt")
+    model_files.save_model(model, tmp_path / "ckpt")
     return tmp_path / "ckpt"
 
 
@@ -191,7 +191,7 @@ def tamper(ckpt, fn):
 def test_bad_keys_and_shapes_are_named(our_ckpt, change, expect):
     tamper(our_ckpt, change)
     with pytest.raises(weight_files.ConversionError, match=expect):
-        checkpoint.load_model(our_ckpt)
+        model_files.load_model(our_ckpt)
 
 
 def test_hf_checkpoint_that_does_not_fit_lists_every_problem(tmp_path, hf_llava_dir):
@@ -229,13 +229,13 @@ def test_failed_write_leaves_nothing_behind(tmp_path, our_ckpt):
         weight_files.write_dir(tmp_path / "out", boom)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     with pytest.raises(weight_files.ConversionError, match="already exists"):
-        checkpoint.save_model(build_model(vlm_preset("debug"), seed=0), our_ckpt)
+        model_files.save_model(build_model(vlm_preset("debug"), seed=0), our_ckpt)
 
 
 def test_to_hf_refuses_projectors_hf_cannot_hold(tmp_path):
     cfg = vlm_preset("debug")
     cfg.projector = "linear"
-    checkpoint.save_model(build_model(cfg, seed=0), tmp_path / "ckpt")
+    model_files.save_model(build_model(cfg, seed=0), tmp_path / "ckpt")
     with pytest.raises(weight_files.ConversionError, match="only mlp2x_gelu"):
         convert.llava_to_hf(tmp_path / "ckpt", tmp_path / "hf")
 
@@ -404,7 +404,7 @@ def test_siglip_qwen2_llava_converts_both_ways(tmp_path, caplog):
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
     assert back.config.vision_config.model_type == "siglip_vision_model" and back.config.text_config.model_type == "qwen2"
-    ours = checkpoint.load_model(tmp_path / "ours").eval()
+    ours = model_files.load_model(tmp_path / "ours").eval()
     assert (ours.cfg.llm.sliding_window, ours.cfg.llm.sliding_layers) == (8, [1])
     assert back.config.text_config.layer_types == hf.config.text_config.layer_types
     n = ours.cfg.n_image_tokens
@@ -446,7 +446,7 @@ def exported(tmp_path_factory):
     cfg["vision"]["image_size"], cfg["image_token_id"] = 336, tok.vocab_size
     cfg["llm"]["vocab_size"], cfg["llm"]["max_seq_len"] = -(-(tok.vocab_size + 1) // 64) * 64, 1024
     cfg = model_config.VLMConfig.from_dict(cfg)
-    checkpoint.save_model(build_model(cfg, seed=0), root / "ckpt", tokenizer_dir=root)
+    model_files.save_model(build_model(cfg, seed=0), root / "ckpt", tokenizer_dir=root)
     return root, tok, cfg
 
 
@@ -541,9 +541,9 @@ def test_sample_answers_several_images_in_one_batch(exported, tmp_path, capsys):
 
 def test_export_refuses_an_image_id_the_tokenizer_already_uses(exported, tmp_path):
     root, tok, _ = exported
-    state, cfg = checkpoint.read_checkpoint(root / "ckpt")
+    state, cfg = model_files.read_checkpoint(root / "ckpt")
     cfg.image_token_id = tok.specials["<|im_end|>"]
-    checkpoint.save_checkpoint(state, cfg, tmp_path / "ckpt", tokenizer_dir=root)
+    model_files.save_checkpoint(state, cfg, tmp_path / "ckpt", tokenizer_dir=root)
     with pytest.raises(SystemExit, match=re.escape("is the tokenizer's '<|im_end|>'; cannot add <image>")):
         convert.main(["to-hf", "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")])
     assert not (tmp_path / "hf").exists()
@@ -627,7 +627,7 @@ def test_anyres_round_trip_hf_ours_hf(tmp_path, kind, layout):
         a, b = getattr(hf.config, sub).to_dict(), getattr(back.config, sub).to_dict()
         assert {k: (a[k], b.get(k)) for k in a if b.get(k) != a[k] and k not in ("projection_dim", "dtype")} \
             == {}, sub  # CLIPVisionConfig's projection_dim: unused by LLaVA
-    ours = checkpoint.load_model(tmp_path / "ours").eval()
+    ours = model_files.load_model(tmp_path / "ours").eval()
     assert ours.cfg.anyres == ("anyres" if kind == "llava_next" else "anyres_max_2")
     assert ours.cfg.grid_pinpoints == TINY_PINPOINTS
     # 50x33 -> 2x2 grid (reduced under anyres_max_2), 33x90 -> 1x3 unpadded, 60x20 -> 2x1
@@ -654,7 +654,7 @@ def anyres_exports(tmp_path_factory):
                                              "vision": {"kind": "siglip", "act": "gelu_pytorch_tanh"}})]:
         cfg = vlm_preset("debug").with_overrides({"image_token_id": tok.vocab_size, "grid_pinpoints": TINY_PINPOINTS,
                                                   "llm": {"vocab_size": -(-(tok.vocab_size + 2) // 64) * 64}} | extra)
-        checkpoint.save_model(build_model(cfg, seed=0), root / kind, tokenizer_dir=root)
+        model_files.save_model(build_model(cfg, seed=0), root / kind, tokenizer_dir=root)
         convert.llava_to_hf(root / kind, root / f"{kind}-hf", template="chatml", image_mode="pad")
         out[kind] = root / f"{kind}-hf", cfg
     return out
@@ -707,7 +707,7 @@ def test_anyres_export_processor_counts_and_logits_match_ours(anyres_exports, ki
                                                    tokenize=False, add_generation_prompt=True) == \
         chat.generation_prompt("chatml", f"{chat.IMAGE_TAG}\n<video>\nWhich?")
     hf = getattr(tf, hf_config.HF_ARCHITECTURES[kind]).from_pretrained(directory).eval()
-    ours = checkpoint.load_model(directory).eval()
+    ours = model_files.load_model(directory).eval()
     template = (directory / "chat_template.jinja").read_text()
     for size in [(333, 500), (500, 333), (40, 300)]:  # (h, w): 2x2 (reduced under anyres_max_2), 2x1, 1x3
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
@@ -748,7 +748,7 @@ def test_anyres_subcommand_adds_tiling_and_a_newline_hf_loads(our_ckpt, tmp_path
     from transformers import LlavaNextForConditionalGeneration
 
     convert.main(["anyres", "--ckpt", str(our_ckpt), "--preset", "llava-next-vicuna-7b", "--out", str(tmp_path / "a")])
-    before, after = checkpoint.load_model(our_ckpt), checkpoint.load_model(tmp_path / "a")
+    before, after = model_files.load_model(our_ckpt), model_files.load_model(tmp_path / "a")
     assert after.cfg.anyres == "anyres" and after.cfg.grid_pinpoints == vlm_preset("llava-next-vicuna-7b").grid_pinpoints
     old = before.state_dict()
     assert all(torch.equal(v, after.state_dict()[k]) for k, v in old.items())

@@ -11,13 +11,13 @@ from conftest import assert_same_logs, run_log, tiny_hf_llava, train_on_xla
 from test_pack import tok  # noqa: F401  the byte-level tokenizer fixture
 
 import chat
-import checkpoint
 import config
 import convert
 import dpo
 import hf_names
 import images
 import model_config
+import model_files
 import train
 from model import build_model
 
@@ -229,7 +229,7 @@ def debug_init(path):
 
     cfg = vlm_preset("debug")
     cfg.vision.image_size, cfg.vision.patch_size, cfg.llm.vocab_size, cfg.image_token_id = 28, 14, 576, 512
-    checkpoint.save_model(build_model(cfg, seed=0), path)
+    model_files.save_model(build_model(cfg, seed=0), path)
     return path
 
 
@@ -395,7 +395,7 @@ def test_pair_rows_are_trl_vision_collator_rows(tmp_path, template):
     cfg["vision"]["image_size"], cfg["vision"]["patch_size"], cfg["image_token_id"] = 28, 14, tok.vocab_size
     cfg["llm"]["vocab_size"] = -(-(tok.vocab_size + 1) // 64) * 64
     cfg = model_config.VLMConfig.from_dict(cfg)
-    checkpoint.save_model(build_model(cfg, seed=0), tmp_path / "ckpt", tokenizer_dir=tmp_path)
+    model_files.save_model(build_model(cfg, seed=0), tmp_path / "ckpt", tokenizer_dir=tmp_path)
     convert.llava_to_hf(tmp_path / "ckpt", tmp_path / "hf", template=template, image_mode="pad")
     processor = AutoProcessor.from_pretrained(tmp_path / "hf")
     processor.tokenizer.pad_token = "<|endoftext|>"  # DPOTrainer needs one (its pad_token or eos; this has neither)
@@ -482,7 +482,7 @@ def test_adapter_free_reference_restores_the_policy_after_an_exception(shapes_pa
     from dpo import AdapterFreeReference
     from lora import LoRAConfig, LoRALinear, apply_lora
 
-    model = checkpoint.load_model(debug_init(tmp_path / "init"))
+    model = model_files.load_model(debug_init(tmp_path / "init"))
     apply_lora(model, LoRAConfig(r=2, targets=["llm.attention.wq"]), seed=0)
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_" in name or name.startswith("projector."))
@@ -506,7 +506,7 @@ def test_adapter_free_reference_under_bf16_autocast_is_the_frozen_copy(tmp_path,
     from lora import LoRAConfig, apply_lora
 
     init = debug_init(tmp_path / "init")
-    model, frozen = checkpoint.load_model(init), checkpoint.load_model(init).eval()
+    model, frozen = model_files.load_model(init), model_files.load_model(init).eval()
     apply_lora(model, LoRAConfig(r=2, targets=["llm"]), seed=0)
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_" in name or name.startswith("projector."))

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import chat
-import checkpoint
 import dpo
 import loader
+import model_files
 import sample
 from model import build_model
 from model_config import vlm_preset
@@ -32,7 +32,7 @@ def setup(tmp_path_factory):
     model = build_model(cfg, seed=0)
     with torch.no_grad():  # logit 0 for the ids pairs never samples (the image token, ids past the tokenizer), far
         model.llm.output.weight[tok.vocab_size :] = 0  # below the top of ~500 random ones: greedy is sample.py's
-    checkpoint.save_model(model, root / "model")
+    model_files.save_model(model, root / "model")
     records = json.loads((shapes / "preference.json").read_text())
     return root, shapes, records
 
@@ -128,7 +128,7 @@ def test_pairs_refuses_a_tokenizer_the_model_does_not_read(setup, tmp_path, voca
     root, shapes, _ = setup  # it failed inside the embedding (IndexError), or placed the image on a text token
     cfg = vlm_preset("debug")
     cfg.llm.vocab_size, cfg.image_token_id = vocab_size, image_token_id
-    checkpoint.save_model(build_model(cfg, seed=0), tmp_path / "model")
+    model_files.save_model(build_model(cfg, seed=0), tmp_path / "model")
     with pytest.raises(SystemExit, match=r"pairs: the tokenizer \(\S+tokenizer.model: \d+ ids\) does not fit --ckpt"):
         pairs(tmp_path, shapes, shapes / "preference", tmp_path / "out")
 
@@ -137,7 +137,7 @@ def test_pairs_with_every_question_dropped_says_so(setup, tmp_path, capsys):
     root, shapes, _ = setup  # it said the model had answered every question right
     cfg = vlm_preset("debug")
     cfg.llm.vocab_size, cfg.image_token_id, cfg.llm.max_seq_len = 576, 512, 12  # no prompt fits
-    checkpoint.save_model(build_model(cfg, seed=0), tmp_path / "model")
+    model_files.save_model(build_model(cfg, seed=0), tmp_path / "model")
     with pytest.raises(SystemExit, match="every question was dropped"):
         pairs(tmp_path, shapes, shapes / "preference", tmp_path / "out")
     assert "dropped: prompt_and_answer_beyond_max_seq_len 27" in capsys.readouterr().out
@@ -149,9 +149,9 @@ def test_a_long_prompt_does_not_cut_the_answers_of_its_batch(setup, tmp_path, ca
     made generate stop its whole batch at max_seq_len, so the others' rejected answers were cut short too."""
     root, shapes, _ = setup
     long = pairs(root, shapes, shapes / "preference", tmp_path / "long", "--samples", "1", "--batch-size", "16")
-    model = checkpoint.load_model(root / "model")
+    model = model_files.load_model(root / "model")
     model.cfg.llm.max_seq_len = 33  # the same weights (RoPE's table is only shorter)
-    checkpoint.save_model(model, tmp_path / "model")
+    model_files.save_model(model, tmp_path / "model")
     capsys.readouterr()
     short = pairs(tmp_path, shapes, shapes / "preference", tmp_path / "short", "--samples", "1", "--batch-size", "16")
     dropped = re.search(r"pairs: train: 27 questions.*dropped: prompt_and_answer_beyond_max_seq_len (\d+)",

@@ -12,9 +12,9 @@ from PIL import Image, ImageOps
 from test_convert import TINY_PINPOINTS
 from test_images import photo
 
-import checkpoint
 import images
 import loader
+import model_files
 import pack
 import processor
 from model import build_model
@@ -146,7 +146,7 @@ def test_sample_sees_the_photo_upright(tmp_path, tok, monkeypatch, anyres):
 
     cfg = anyres_cfg(tok) if anyres else vlm_preset("debug").with_overrides(
         {"image_token_id": tok.vocab_size, "llm": {"vocab_size": -(-(tok.vocab_size + 1) // 64) * 64}})
-    checkpoint.save_model(build_model(cfg, seed=0), tmp_path / "ckpt", tokenizer_dir=tok.path.parent)
+    model_files.save_model(build_model(cfg, seed=0), tmp_path / "ckpt", tokenizer_dir=tok.path.parent)
     path = rotated_jpeg(tmp_path / "phone.jpg", 90, 33, 6)
     seen = {}
     monkeypatch.setattr(sample, "answer", lambda args, model, template, tok, ids, mask, pixels, extra:

@@ -15,9 +15,9 @@ from test_templates import CORPUS, LLAMA3_SPECIALS, QWEN2_SPECIALS, bpe_dir
 import chat
 import convert
 import hf_config
-from checkpoint import load_model, save_model
 from model import build_model
 from model_config import vlm_preset
+from model_files import load_model, save_model
 from shapes import train_tokenizer
 
 SP_CONFIG = {"tokenizer_class": "LlamaTokenizer", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",

@@ -10,9 +10,9 @@ from conftest import run_log, tiny_hf_llava
 from test_dpo import EOS, IMAGE, N_IMAGE_TOKENS, PAD, our_model, shapes_pairs, word_level_processor  # noqa: F401
 
 import chat
-import checkpoint
 import config
 import images
+import model_files
 import rl
 import train
 from losses import group_advantages, grpo_loss
@@ -252,8 +252,8 @@ def test_grpo_loop_logs_its_metrics(shapes_pairs, tmp_path, reward):  # noqa: F8
     init = debug_init(tmp_path / "init")
     spec = "test_grpo:short_answers"
     if reward == "reward_model":
-        judge = build_model(checkpoint.load_model(init).cfg.with_overrides({"reward_head": True}), seed=5)
-        checkpoint.save_model(judge, tmp_path / "judge")
+        judge = build_model(model_files.load_model(init).cfg.with_overrides({"reward_head": True}), seed=5)
+        model_files.save_model(judge, tmp_path / "judge")
         spec = str(tmp_path / "judge")
     steps = 4 if reward == "rule" else 2
     train.main(dpo_args(shapes_pairs, tmp_path / "out", f"--init_from={init}", "--objective=grpo",
@@ -443,13 +443,13 @@ def test_grpo_under_torchrun_fsdp_matches_ddp_and_resumes_exactly(shapes_pairs, 
     from model import build_model
 
 
-    policy = checkpoint.load_model(debug_init(tmp_path / "random"))
+    policy = model_files.load_model(debug_init(tmp_path / "random"))
     stop = chat.stop_token_id("llama_3", chat.Tokenizer(shapes_pairs / "tokenizer.model"))
     with torch.no_grad():  # the stop token likely at about half the positions: completions of different lengths, so
         policy.llm.output.weight[stop] *= 10  # FSDP2's ranks, which decode every step, must end where DDP's stop
-    checkpoint.save_model(policy, init := tmp_path / "init")
+    model_files.save_model(policy, init := tmp_path / "init")
     judge = build_model(policy.cfg.with_overrides({"reward_head": True}), seed=5)
-    checkpoint.save_model(judge, tmp_path / "judge")  # a random reward model: rewards that differ within a group
+    model_files.save_model(judge, tmp_path / "judge")  # a random reward model: rewards that differ within a group
     common = [f"--grpo_reward={tmp_path / 'judge'}", "--objective=grpo", f"--data_dir={shapes_pairs / 'shards'}",
               "--batch_size=4", "--micro_batch_size=1", "--grpo_group=3", "--grpo_beta=0.05",
               f"--grpo_reference={init}", "--grpo_iterations=2", "--lr=1e-4", "--warmup_iters=1",
@@ -650,9 +650,9 @@ def test_a_reward_model_that_reads_ids_or_images_unlike_the_policy_is_refused(sh
     from shapes import train_tokenizer
 
     init = debug_init(tmp_path / "init")
-    policy = checkpoint.load_model(init).cfg
-    checkpoint.save_model(build_model(policy.with_overrides({"reward_head": True} | (judge if judge != "tokenizer" else {})),
-                                   seed=5), tmp_path / "judge")
+    policy = model_files.load_model(init).cfg
+    overrides = {"reward_head": True} | (judge if judge != "tokenizer" else {})
+    model_files.save_model(build_model(policy.with_overrides(overrides), seed=5), tmp_path / "judge")
     if judge == "tokenizer":
         texts = [f"{w} {n} {w[::-1]}" for n in range(200) for w in ("alpha", "beta", "gamma", "delta")]
         train_tokenizer(texts, tmp_path / "judge" / "tokenizer", 300)
@@ -666,9 +666,9 @@ def test_a_reward_model_that_reads_ids_or_images_unlike_the_policy_is_refused(sh
         train.main(args)
     if judge == "tokenizer":  # a narrower reward model with the run's tokenizer: accepted
         shutil.rmtree(tmp_path / "judge")
-        checkpoint.save_model(build_model(policy.with_overrides({"reward_head": True, "llm": {"dim": 32, "n_heads": 2,
-                                                                                         "n_kv_heads": 2}}), seed=5),
-                           tmp_path / "judge")
+        model_files.save_model(build_model(policy.with_overrides({"reward_head": True, "llm": {"dim": 32, "n_heads": 2,
+                                                                                          "n_kv_heads": 2}}), seed=5),
+                            tmp_path / "judge")
         shutil.copy(shapes_pairs / "tokenizer.model", tmp_path / "judge")
         train.main(args)
 
@@ -680,9 +680,9 @@ def test_rollouts_past_the_models_max_seq_len_are_refused_at_setup(shapes_pairs,
 
     from model import build_model
 
-    model = checkpoint.load_model(debug_init(tmp_path / "init"))
+    model = model_files.load_model(debug_init(tmp_path / "init"))
     model.cfg.llm.max_seq_len = 30
-    checkpoint.save_model(build_model(model.cfg, seed=0), tmp_path / "short")
+    model_files.save_model(build_model(model.cfg, seed=0), tmp_path / "short")
     args = dpo_args(shapes_pairs, tmp_path / "out", f"--init_from={tmp_path / 'short'}", "--objective=grpo",
                     f"--data_dir={shapes_pairs / 'shards'}", "--grpo_reward=exact_match", "--max_iters=2",
                     "--batch_size=8", "--micro_batch_size=8", "--grpo_group=2", "--grpo_max_new_tokens=8",

@@ -10,8 +10,8 @@ import pytest
 from PIL import Image
 
 import chat
-import checkpoint
 import loader
+import model_files
 import pack
 import processor
 
@@ -139,7 +139,7 @@ def test_sample_puts_one_image_before_the_question_wherever_the_prompt_has_its_t
     _, tok, _ = packed
     cfg = vlm_preset("debug").with_overrides({"image_token_id": tok.vocab_size,
                                               "llm": {"vocab_size": -(-(tok.vocab_size + 1) // 64) * 64}})
-    checkpoint.save_model(build_model(cfg, seed=0), tmp_path / "ckpt", tokenizer_dir=tok.path.parent)
+    model_files.save_model(build_model(cfg, seed=0), tmp_path / "ckpt", tokenizer_dir=tok.path.parent)
     Image.new("RGB", (45, 31), (200, 30, 60)).save(tmp_path / "a.jpg")
     seen = []
     monkeypatch.setattr(sample, "answer", lambda args, model, template, tok, ids, mask, pixels, extra:

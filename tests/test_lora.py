@@ -13,11 +13,11 @@ from safetensors.torch import load_file, save_file
 from test_convert import anyres_logits, tiny_hf_anyres
 from test_train import args, losses, run, weights
 
-import checkpoint
 import config
 import convert
 import hf_config
 import hf_names
+import model_files
 import train
 from lora import LoRAConfig, LoRALinear, apply_lora, merge_lora
 from model import build_model
@@ -50,7 +50,7 @@ def adapted(peft_model):
 
 def ours_from_hf(hf, path):
     hf.save_pretrained(path)
-    return checkpoint.load_model(path)
+    return model_files.load_model(path)
 
 
 def randomize_adapters(model, seed=0, std=0.3):
@@ -263,7 +263,7 @@ def lora_checkpoint(hf, tmp_path, targets, seed=0):
     with torch.no_grad():
         for p in ours.projector.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)))
-    checkpoint.save_model(ours, tmp_path / "ours")
+    model_files.save_model(ours, tmp_path / "ours")
     return ours.eval()
 
 
@@ -334,7 +334,7 @@ def test_from_hf_reads_a_peft_adapter_back(tmp_path):
     twin.save_pretrained(tmp_path / "adapter")
     convert.main(["from-hf", "--llava", str(tmp_path / "base"), "--lora", str(tmp_path / "adapter"),
                   "--out", str(tmp_path / "ours")])
-    ours = checkpoint.load_model(tmp_path / "ours").eval()
+    ours = model_files.load_model(tmp_path / "ours").eval()
     assert ours.cfg.lora == LoRAConfig(r=3, alpha=7, targets=["llm.attention.wq", "llm.attention.wk", "llm.attention.wv",
                                                               "llm.attention.wo", "llm.feed_forward.w1",
                                                               "llm.feed_forward.w2", "llm.feed_forward.w3"], rslora=True)
@@ -355,8 +355,8 @@ def test_from_hf_reads_a_peft_adapter_back(tmp_path):
     save_file(tf4, tmp_path / "tf4/adapter_model.safetensors")
     convert.main(["from-hf", "--llava", str(tmp_path / "base"), "--lora", str(tmp_path / "tf4"),
                   "--out", str(tmp_path / "o4")])
-    assert all(torch.equal(a, b) for a, b in zip(checkpoint.load_model(tmp_path / "o4").state_dict().values(),
-                                                 ours.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(model_files.load_model(tmp_path / "o4").state_dict().values(),
+                                                  ours.state_dict().values()))
     convert.main(["to-hf", "--ckpt", str(tmp_path / "ours"), "--lora-only", "--out", str(tmp_path / "again")])
     theirs, again = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("adapter", "again"))
     assert theirs.keys() == again.keys() and all(torch.equal(theirs[k], again[k]) for k in theirs)
@@ -413,7 +413,7 @@ def base(tmp_path_factory):
     cfg = vlm_preset("debug")
     cfg.vision.image_size, cfg.llm.vocab_size, cfg.image_token_id = 28, 576, 512
     out = tmp_path_factory.mktemp("lora-base")
-    checkpoint.save_model(build_model(cfg, seed=0), out / "init")
+    model_files.save_model(build_model(cfg, seed=0), out / "init")
     return out / "init"
 
 

@@ -4,9 +4,9 @@ import pytest
 import torch
 from conftest import image_batch, tiny_hf_llava
 
-import checkpoint
 import convert
 import hf_config
+import model_files
 from model import VLM, Llama, ViT, build_model
 from model_config import LLM_PRESETS, VIT_PRESETS, VLMConfig, vlm_preset
 
@@ -15,7 +15,7 @@ TOL = 1e-4
 
 def ours_from_hf(hf_model, tmp_path):
     hf_model.save_pretrained(tmp_path / "hf")
-    return checkpoint.load_model(tmp_path / "hf").eval()
+    return model_files.load_model(tmp_path / "hf").eval()
 
 
 @pytest.mark.parametrize("rope", [None, {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,

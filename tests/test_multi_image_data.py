@@ -13,9 +13,9 @@ from PIL import Image
 from test_images import encode, photo
 
 import chat
-import checkpoint
 import images
 import loader
+import model_files
 import pack
 
 # -----------------------------------------------------------------------------
@@ -385,7 +385,7 @@ def test_sample_py_asks_about_several_images_as_the_processor_and_the_loader_bui
     with torch.device("meta"):
         model = VLM(cfg)
     model.to_empty(device="cpu").init_weights(seed=0)
-    checkpoint.save_model(model, tmp_path / "ckpt", tmp_path / "tok")
+    model_files.save_model(model, tmp_path / "ckpt", tmp_path / "tok")
     (tmp_path / "d.json").write_text(json.dumps([{"id": "q", "image": ["a.jpg", "b.png"],
                                                   "conversations": conv("<image>\n<image>\n" + question, "The first.")}]))
     pack.pack(tmp_path / "d.json", imgs, tmp_path / "out")

@@ -13,8 +13,8 @@ import pytest
 import torch
 from conftest import ROOT, start_in_background, wait_for_background
 
-import checkpoint
 import config
+import model_files
 import rl
 from losses import explained_variance, gae, masked_whiten, ppo_loss, ppo_rewards, ppo_score, ppo_value_loss
 from model import build_model
@@ -201,8 +201,8 @@ def test_the_value_model_is_a_reward_model_checkpoint_read_at_every_token(tmp_pa
     the completion tokens (those completion_logps reads). A checkpoint without a head is refused in one sentence."""
     cfg = vlm_preset("debug").with_overrides({"vision": {"image_size": 28, "patch_size": 14}, "llm": {"vocab_size": 96},
                                              "image_token_id": 95, "reward_head": True})
-    checkpoint.save_model(build_model(cfg, seed=3), tmp_path / "reward")
-    value_model = checkpoint.load_model(tmp_path / "reward").eval()
+    model_files.save_model(build_model(cfg, seed=3), tmp_path / "reward")
+    value_model = model_files.load_model(tmp_path / "reward").eval()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, 90, (3, 13), generator=g)
     ids[:, 2:6] = 95  # 4 image tokens

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from test_dpo import debug_init, dpo_args, shapes_pairs  # noqa: F401
 
 import chat
-import checkpoint
+import model_files
 import rl
 import train
 from model import build_model
@@ -24,12 +24,12 @@ LOGGED = ("rl/reward", "rl/kl", "rl/value_loss", "rl/policy_clipfrac", "rl/value
 def policy_and_judge(shapes, tmp_path, stop_weight=1.0):
     """The debug VLM (random) as the policy, and a random reward model of its layout: the reward, and the value model's
     start. stop_weight > 1 makes the stop token likely: completions of different lengths, some without an end."""
-    policy = checkpoint.load_model(debug_init(tmp_path / "random"))
+    policy = model_files.load_model(debug_init(tmp_path / "random"))
     stop = chat.stop_token_id("llama_3", chat.Tokenizer(shapes / "tokenizer.model"))
     with torch.no_grad():
         policy.llm.output.weight[stop] *= stop_weight
-    checkpoint.save_model(policy, tmp_path / "init")
-    checkpoint.save_model(build_model(policy.cfg.with_overrides({"reward_head": True}), seed=5), tmp_path / "judge")
+    model_files.save_model(policy, tmp_path / "init")
+    model_files.save_model(build_model(policy.cfg.with_overrides({"reward_head": True}), seed=5), tmp_path / "judge")
     return tmp_path / "init", tmp_path / "judge"
 
 
@@ -75,7 +75,7 @@ def test_ppo_epochs_lower_the_surrogate_and_the_value_loss_and_train_both_models
     ended = ((batch["ids"][:, -m.shape[1]:] == stop) & m).any(1)  # the completion holds the stop token
     assert len(set(lengths.tolist())) > 1 and torch.equal(batch["ended"], ended) and 0 < ended.sum() < 4
     assert abs(batch["advantages"][m].mean()) < 1e-6 and abs(batch["advantages"][m].std() - 1) < 1e-5
-    policy, value_model = checkpoint.load_model(init).eval(), checkpoint.load_model(judge).eval()
+    policy, value_model = model_files.load_model(init).eval(), model_files.load_model(judge).eval()
     pixels = rl.images.normalize_images(batch["pixel_values"], *policy.cfg.vision.image_stats)
     for r in range(4):
         real = batch["mask"][r].bool()
@@ -128,10 +128,10 @@ def test_a_value_model_that_reads_ids_or_images_unlike_the_policy_is_refused(sha
     from shapes import train_tokenizer
 
     init, judge = policy_and_judge(shapes_pairs, tmp_path)
-    policy = checkpoint.load_model(init).cfg
+    policy = model_files.load_model(init).cfg
     layout = value if isinstance(value, dict) else {}
-    checkpoint.save_model(build_model(policy.with_overrides({"reward_head": value != "no head"} | layout), seed=6),
-                          tmp_path / "value")
+    model_files.save_model(build_model(policy.with_overrides({"reward_head": value != "no head"} | layout), seed=6),
+                           tmp_path / "value")
     if value == "tokenizer":
         texts = [f"{w} {n} {w[::-1]}" for n in range(200) for w in ("alpha", "beta", "gamma", "delta")]
         train_tokenizer(texts, tmp_path / "value" / "tokenizer", 300)

@@ -8,7 +8,7 @@ import torch
 from conftest import run_log, tiny_hf_llava
 from test_dpo import IMAGE, N_IMAGE_TOKENS, PAD, debug_init, our_model
 
-import checkpoint
+import model_files
 import train
 import weight_files
 from losses import reward_loss
@@ -92,7 +92,7 @@ def test_reward_model_ranks_right_above_wrong_on_held_out_shapes_pairs(tmp_path)
     assert [e["step"] for e in logged] == [10, 20, 30, 40]
     val = next(e for e in events if "val_loss" in e)
     assert val["val_reward/accuracy"] > 0.6 and val["val_reward/margin"] > 0 and val["val_loss"] < math.log(2), val
-    reloaded = checkpoint.load_model(tmp_path / "out/step-000040")
+    reloaded = model_files.load_model(tmp_path / "out/step-000040")
     assert reloaded.reward_head is not None and reloaded.cfg.reward_head
     with pytest.raises(weight_files.ConversionError, match="no Hugging Face LLaVA class holds its scalar head"):
         convert.llava_to_hf(tmp_path / "out/step-000040", tmp_path / "hf")

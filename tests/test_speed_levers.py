@@ -15,8 +15,8 @@ import torch
 from conftest import ROOT, checkpoint_bytes, checkpoint_tensors, image_batch, run_log, tiny_hf_llava
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import checkpoint
 import config
+import model_files
 import parallel
 from lora import LoRAConfig, apply_lora, merge_lora
 from model import build_model
@@ -25,7 +25,7 @@ from model_config import vlm_preset
 
 def ours_from_hf(hf, path):
     hf.save_pretrained(path)
-    return checkpoint.load_model(path)
+    return model_files.load_model(path)
 
 
 def copy_of(model):
@@ -186,7 +186,7 @@ def test_bf16_frozen_run_trains_saves_resumes_and_exports(shapes, tmp_path):
     # export: transformers reads the mixed-dtype weights (upcast to fp32) and agrees with ours
     run(["to-hf", "--ckpt", str(step), "--out", str(tmp_path / "hf")], script="convert.py")
     hf = LlavaForConditionalGeneration.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
-    ours = checkpoint.load_model(step).eval()
+    ours = model_files.load_model(step).eval()
     assert torch.equal(ours.llm.layers[0].feed_forward.w1.weight, saved["model.llm.layers.0.feed_forward.w1.weight"].float())
     ids, pixels, _ = image_batch(ours.cfg.n_image_tokens, 512, 512, seq=20)
     with torch.no_grad():

@@ -221,7 +221,7 @@ def test_the_export_loads_where_sentencepiece_protobuf_and_tiktoken_cannot_be_im
 def test_carried_through_from_hf_the_export_is_written_again_alike(models, tmp_path):
     """to-hf, then from-hf (which carries every tokenizer file into our checkpoint), then to-hf again: training still
     reads tokenizer.model with the same legacy flag, and the second tokenizer.json is the first."""
-    from checkpoint import copy_tokenizer
+    from model_files import copy_tokenizer
 
     tok, _ = export(models, "bpe", False, tmp_path / "first")
     first = (tmp_path / "first/tokenizer.json").read_text()
@@ -239,9 +239,9 @@ def test_a_tokenizer_whose_fast_and_slow_ids_disagree_is_refused(models, tmp_pat
     " ..." (the newline folded into a space it keeps), at the start of the text as "..." (stripped); one tokenizer.json
     cannot do both, so to-hf refuses in one sentence naming the checkpoint's tokenizer.model, and writes nothing."""
     import convert
-    from checkpoint import save_model
     from model import build_model
     from model_config import vlm_preset
+    from model_files import save_model
 
     shutil.copytree(models["no-prefix"], tmp_path / "tok")
     (tmp_path / "tok/tokenizer_config.json").write_text(json.dumps({"legacy": False}))

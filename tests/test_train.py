@@ -21,6 +21,7 @@ import config
 import evaluation
 import images
 import loader
+import model_files
 import parallel
 import train
 from model import build_model
@@ -261,7 +262,7 @@ def test_model_and_data_mismatches_are_config_errors(shapes, tmp_path):
 def test_stages_change_exactly_the_intended_parameters(shapes, tmp_path, stage, trained):
     cfg = vlm_preset("debug")
     cfg.vision.image_size, cfg.llm.vocab_size, cfg.image_token_id = 28, 576, 512
-    checkpoint.save_model(build_model(cfg, seed=0), tmp_path / "init")
+    model_files.save_model(build_model(cfg, seed=0), tmp_path / "init")
     train.main(args(shapes, tmp_path / "out", f"--stage={stage}", f"--init_from={tmp_path / 'init'}", "--max_iters=3"))
     before, after = load_file(tmp_path / "init/model.safetensors"), checkpoint_model(tmp_path / "out/step-000003")
     changed = {k.split(".")[0] for k in before if not torch.equal(before[k], after[k])}
@@ -276,7 +277,7 @@ def test_resume_true_starts_from_init_from_then_continues_its_own_steps(shapes, 
     stage 1 weights), not random weights, and a restart its own newest step."""
     cfg = vlm_preset("debug")
     cfg.vision.image_size, cfg.llm.vocab_size, cfg.image_token_id = 28, 576, 512
-    checkpoint.save_model(build_model(cfg, seed=7), tmp_path / "init")
+    model_files.save_model(build_model(cfg, seed=7), tmp_path / "init")
     common = [f"--init_from={tmp_path / 'init'}", "--ckpt_interval=2", "--keep_last=5"]
     train.main(args(shapes, tmp_path / "straight", *common, "--max_iters=4"))
     train.main(args(shapes, tmp_path / "scratch", "--max_iters=1", "--ckpt_interval=0"))
@@ -298,7 +299,7 @@ def test_trained_checkpoint_converts_to_hf_and_transformers_agrees(shapes, singl
                         "--out", str(tmp_path / "hf")], os.environ | {"OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
     hf = LlavaForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
-    ours = checkpoint.load_model(single_run / "step-000020").eval()
+    ours = model_files.load_model(single_run / "step-000020").eval()
     s = loader.ShardStream(shapes / "shards", shapes / "tokenizer.model", batch_size=2, seq_len=48, image_size=28,
                          image_token_id=512, n_image_tokens=4, template="llama_3", split="val")
     b = s.batch(0)
@@ -394,7 +395,7 @@ def test_samples_that_do_not_fit_a_packed_batch_are_counted(shapes, tmp_path):
 def test_final_accuracy_pass_batches_questions_without_changing_answers(shapes, single_run):
     """Left-padded batches of val questions (5 a batch: the last batch is short) give the answers asked one by one."""
 
-    model = checkpoint.load_model(single_run / "step-000020")
+    model = model_files.load_model(single_run / "step-000020")
     s = loader.ShardStream(shapes / "shards", shapes / "tokenizer.model", batch_size=2, seq_len=48, image_size=28,
                          image_token_id=512, n_image_tokens=4, template="llama_3", split="val")
     env = parallel.Env({"device": "cpu"})
@@ -421,7 +422,7 @@ def test_tiled_answer_accuracy_gives_the_single_image_answers(shapes, single_run
     """The tile path's accuracy pass cuts the loader's rows at the answer and left-pads image_index with them: the
     same greedy answers as the single-image pass, which tokenizes the questions itself."""
 
-    model = checkpoint.load_model(single_run / "step-000020")
+    model = model_files.load_model(single_run / "step-000020")
     common = dict(batch_size=5, seq_len=48, image_size=28, image_token_id=512, n_image_tokens=4, template="llama_3",
                   split="val")
     legacy = loader.ShardStream(shapes / "shards", shapes / "tokenizer.model", **common)
@@ -473,7 +474,7 @@ def test_image_newline_trains_with_the_llm(shapes, tmp_path, stage):
     cfg = vlm_preset("debug").with_overrides({"vision": {"image_size": 28, "patch_size": 14}, "llm": {"vocab_size": 576},
                                               "image_token_id": 512, "anyres": "anyres",
                                               "grid_pinpoints": [[28, 56], [56, 28], [56, 56]]})
-    checkpoint.save_model(build_model(cfg, seed=0), tmp_path / "init")
+    model_files.save_model(build_model(cfg, seed=0), tmp_path / "init")
     train.main(args(shapes, tmp_path / "out", f"--stage={stage}", f"--init_from={tmp_path / 'init'}", "--max_iters=2",
                     "--max_tiles=5"))
     before, after = load_file(tmp_path / "init/model.safetensors"), checkpoint_model(tmp_path / "out/step-000002")

@@ -61,10 +61,10 @@ def main(side, out):
     from conftest import tiny_hf_llava
     from test_dpo import EOS, IMAGE, N_IMAGE_TOKENS, PAD, word_level_processor
 
-    import checkpoint
     import hf_names
     import losses
     import model
+    import model_files
     import rl
 
     # ---- the models: policy, reference, value and reward, each a tiny LLaVA; the last two with a scalar head
@@ -82,8 +82,8 @@ def main(side, out):
         ours[name] = model.build_model(cfg, init=False)
         ours[name].load_state_dict(state)
         ours[name].eval()
-    checkpoint.save_model(ours["value"], tmp / "value_ckpt")  # the value model starts from a reward-model checkpoint
-    ours["value"] = checkpoint.load_model(tmp / "value_ckpt").eval()
+    model_files.save_model(ours["value"], tmp / "value_ckpt")  # the value model starts from a reward-model checkpoint
+    ours["value"] = model_files.load_model(tmp / "value_ckpt").eval()
 
     # ---- the rollout: prompts of different lengths (left-padded) with an image each, completions of every length
     g = torch.Generator().manual_seed(0)
