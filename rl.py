@@ -377,7 +377,7 @@ ROLLOUT_KEYS = ("grpo_group", "grpo_loss", "grpo_scale_rewards", "grpo_beta", "g
 
 class GenerationBatches:
     """What a GRPO step trains on: a generation batch, sampled from the loader's prompts every grpo_iterations steps
-    and reused in between (train.ReadBatches is the other objectives'). Set up with the tokenizer, the stop token, the
+    and reused in between (objectives.ReadBatches is the other objectives'). Set up with the tokenizer, the stop token, the
     reward scorer and the sampler of the rollouts, and the generation batch in flight when a checkpoint taken inside
     one (grpo_iterations > 1) was written."""
 

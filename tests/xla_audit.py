@@ -19,6 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 import config  # noqa: E402
 import parallel  # noqa: E402
+import objectives  # noqa: E402
 import train  # noqa: E402
 from model import TransformerBlock, ViTBlock, build_model  # noqa: E402
 
@@ -93,7 +94,7 @@ def step(mesh_shape, fsdpv2):
     b = env.to_device(b)  # batch-sharded over (dp, fsdp) for both
     torch_xla.sync()
     count = (b["labels"][:, 1:] != -100).sum().float()
-    train.forward_backward(net, b, env, cfg, 1 / count, train.OBJECTIVES["sft"])
+    train.forward_backward(net, b, env, cfg, 1 / count, objectives.OBJECTIVES["sft"])
     torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 1.0)
     optimizer.step()
     torch_xla.sync()

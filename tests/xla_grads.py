@@ -15,6 +15,7 @@ sys.path.insert(0, str(ROOT))
 import config  # noqa: E402
 import loader  # noqa: E402
 import parallel  # noqa: E402
+import objectives  # noqa: E402
 import train  # noqa: E402
 from model import build_model  # noqa: E402
 
@@ -38,7 +39,7 @@ def micro_step(env, cfg, mcfg, b, stage, checkpointing, packed):
     model = parallel.shard(model, env)
     b = env.to_device(b)
     count = (b["labels"][:, 1:] != -100).sum().float()
-    return train.forward_backward(model, b, env, cfg, 1 / count, train.OBJECTIVES["sft"]).detach(), model
+    return train.forward_backward(model, b, env, cfg, 1 / count, objectives.OBJECTIVES["sft"]).detach(), model
 
 
 def read(loss, model):
