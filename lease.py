@@ -148,6 +148,9 @@ class Lease:
         if self.lost:
             return False
         held = self.read()
+        if held is None and self.acquired:  # a refresh on a mount deletes, then creates: look once more
+            time.sleep(0.2)
+            held = self.read()
         if held is None and self.acquired:  # removed by a run that took it over and has ended since
             self.lost = "a run that has ended since (out_dir's lease is gone)"
         elif held is not None and held.get("token") != self.token:
