@@ -103,7 +103,8 @@ frozen_dtype = "float32"  # 'bfloat16' (with dtype='bfloat16'): frozen Linear/Co
 loss_chunk = 0  # > 0: cross-entropy over this many positions at a time, never the full fp32 logits
 # 'dense': SDPA (packed rows: a (B, 1, T, T) mask, or FlexAttention on CUDA with compile); 'blockwise': an online
 # softmax over key blocks, memory linear in seq_len on every device (XLA: one compiled loop); 'flash', 'splash':
-# torch_xla's Pallas kernels (TPU only, not verified in llavax's tests)
+# torch_xla's Pallas kernels (TPU only, not verified in llavax's tests); 'bounded' (the long recipes'): 'splash' on a
+# TPU, 'blockwise' elsewhere, resolved once at set-up and printed
 attention = "dense"
 attention_block = 512  # keys a step of attention='blockwise'
 peak_flops = 0.0  # per device, for MFU; 0 uses the bf16 dense peak of a known GPU

@@ -215,7 +215,7 @@ def _xla_checkpoint(fn, *args):
 # -----------------------------------------------------------------------------
 # attention: what the model calls in place of SDPA (Llama.attention_kernel), chosen once at setup
 
-ATTENTION = ("dense", "blockwise", "flash", "splash")
+ATTENTION = ("dense", "blockwise", "flash", "splash", "bounded")
 PALLAS = ("flash", "splash")
 
 
@@ -228,6 +228,9 @@ def attention_kernel(kind, block, env, window=None):
     """f(q, k, v, segments, window) -> (B, H, T, hd) for Llama.attention_kernel, or None for SDPA ('dense': packed
     rows get a (B, 1, T, T) mask, or FlexAttention on CUDA with compiled blocks). window: the model's sliding window
     where it is shorter than the rows (torch_xla's flash kernel has none)."""
+    if kind == "bounded":  # the recipes' default: bounded memory wherever they run, the fastest kernel that has it
+        kind = "splash" if on_tpu(env) and importlib.util.find_spec("jax") is not None else "blockwise"
+        print0(env, f"attention='bounded': {kind} ({'a TPU' if kind == 'splash' else 'no TPU with Pallas here'})")
     if kind == "dense":
         return None
     if kind == "blockwise":
@@ -246,6 +249,14 @@ def attention_kernel(kind, block, env, window=None):
         raise SystemExit(f"config: attention='flash' has no sliding window, and this model's is {window} tokens, "
                          f"shorter than its rows: use attention='splash' or 'blockwise'")
     return functools.partial(_flash_attention if kind == "flash" else _splash_attention, mesh=env.mesh)
+
+
+def on_tpu(env):
+    if env.kind != "xla":
+        return False
+    import torch_xla.runtime as xr
+
+    return xr.device_type() == "TPU"
 
 
 def _xla_scan(fn, init, xs):

@@ -18,6 +18,7 @@ dpo_beta = 0.1
 dpo_loss = "sigmoid"
 dpo_sft_weight = 0.0
 seq_len = 10240  # the prompt's image (at most ~8.8k tokens after anyres_max_9's reduction) and an answer
+attention = "bounded"  # bounded memory: splash on a TPU, blockwise elsewhere (resolved at set-up, printed)
 max_tiles = 37  # a 6x6 grid and its base view: one image a pair
 stage = 0
 lr_scale = {"vision": 1.0, "projector": 1.0, "llm": 1.0}

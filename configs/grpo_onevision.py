@@ -28,6 +28,7 @@ grpo_max_new_tokens = 512
 grpo_reward = "exact_match"  # grpo_vlm.py's math answers: a 'module:function' running math-verify (its accuracy_reward)
 grpo_gather_for_generation = True  # TRL's ds3_gather_for_generation default: the 8B whole (16 GB bf16) while sampling
 seq_len = 10240  # a prompt's image (at most ~8.8k tokens after anyres_max_9's reduction), question and answer
+attention = "bounded"  # bounded memory: splash on a TPU, blockwise elsewhere (resolved at set-up, printed)
 max_tiles = 37  # a 6x6 grid and its base view
 stage = 0
 lr_scale = {"vision": 1.0, "projector": 1.0, "llm": 1.0}

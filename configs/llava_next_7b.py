@@ -19,6 +19,7 @@ data_dir = "data/next-760k"
 tokenizer = "ckpt/next7b/tokenizer.model"
 template = "vicuna_v1"
 seq_len = 4096  # vicuna's context; an image takes at most 2928 tokens (base 576 + a 2x2 grid unpadded, newlines)
+attention = "bounded"  # bounded memory: splash on a TPU, blockwise elsewhere (resolved at set-up, printed)
 pack = 2
 max_tiles = 10  # two samples a row, each a base view and at most 4 grid tiles (v1.6: 2x2, 1x3, 3x1)
 stage = 0  # everything: LLM, projector, newline and the vision tower

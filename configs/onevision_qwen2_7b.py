@@ -25,6 +25,7 @@ data_dir = "configs/mixtures/onevision.yaml"  # the published sources and sampli
 tokenizer = "ckpt/ov7b/tokenizer.json"
 template = "chatml"
 seq_len = 16384  # an image takes at most ~8.8k tokens (729 base + <= 9 tiles' worth after reduction), 32 frames 6273
+attention = "bounded"  # bounded memory: splash on a TPU, blockwise elsewhere (resolved at set-up, printed)
 pack = 4
 max_tiles = 48  # a 6x6 grid and its base view (37) with room for smaller images in the row
 stage = 0

@@ -44,6 +44,7 @@ ppo_clip_value = 0.2
 ppo_vf_coef = 0.1
 ppo_value_lr = 0.0  # the policy's lr
 seq_len = 10240  # the prompt's image (at most ~8.8k tokens after anyres_max_9's reduction) and question
+attention = "bounded"  # bounded memory: splash on a TPU, blockwise elsewhere (resolved at set-up, printed)
 max_tiles = 37  # a 6x6 grid and its base view
 stage = 0
 lr_scale = {"vision": 1.0, "projector": 1.0, "llm": 1.0}

@@ -10,6 +10,7 @@ tokenizer = "gs://MY-BUCKET/ckpt/vicuna7b-clip336/tokenizer.model"
 template = "plain"
 image_mode = "crop"
 seq_len = 2048
+attention = "bounded"  # bounded memory: splash on a TPU, blockwise elsewhere (resolved at set-up, printed)
 stage = 1
 device = "xla"
 mesh = [1, -1, 1]  # every chip in fsdp: the frozen 7B LLM and the projector are sharded 32 ways

@@ -489,3 +489,22 @@ def test_a_bf16_frozen_lora_checkpoint_merges_its_small_update_in_fp32(tmp_path)
         got = plain.eval()(ids, pixels)[0]
     update = (adapted - base).abs().max()
     assert update > 1e-4 and (got - adapted).abs().max() < 1e-2 * update  # in bf16: ~30%
+
+
+def test_the_long_recipes_default_to_bounded_attention_resolved_at_setup(capsys):
+    """attention='bounded' (the recipes' default) is blockwise where there is no TPU, said once; the TPU recipes and the
+    OneVision post-training configs set it (dense attention at their row lengths does not fit a pod's chips)."""
+    import functools
+    from types import SimpleNamespace
+
+    import attention
+    import config
+    import parallel
+    from conftest import ROOT
+
+    kernel = parallel.attention_kernel("bounded", 128, SimpleNamespace(kind="cpu", master=True, rank=0))
+    assert isinstance(kernel, functools.partial) and kernel.func is attention.blockwise_attention
+    assert "attention='bounded': blockwise (no TPU with Pallas here)" in capsys.readouterr().out
+    for name in ("onevision_qwen2_7b", "llava_next_7b", "tpu_pretrain", "dpo_onevision", "grpo_onevision",
+                 "ppo_onevision"):
+        assert config.parse([str(ROOT / f"configs/{name}.py")], config.DEFAULTS)["attention"] == "bounded", name
