@@ -120,13 +120,17 @@ def write_manifest(path, files=None):
     storage.write_text(storage.join(path, MANIFEST), json.dumps({"files": dict(sorted(files.items()))}, indent=2))
 
 
+class OutDirTaken(OSError):
+    """This run's lease on out_dir was taken by another run: it writes nothing more there."""
+
+
 class HashedStreams:
     """A DCP writer's file system, each file it writes hashed on the way out (`written`: {name: {size, sha256}}), so
     a rank's shards get their manifest entries without being read back. DCP writes a file front to back (write() and
     tell(); torch.save goes through its NoCloseWriter, which only writes), so the running hash is the file's."""
 
-    def __init__(self, fs, in_place=False):
-        self.fs, self.written = fs, {}
+    def __init__(self, fs, in_place=False, guard=None):
+        self.fs, self.written, self.guard = fs, {}, guard  # guard(): who took out_dir's lease, if another run did
         # in_place (a bucket, a mount that refuses renames): DCP's index is written under its own name, where DCP
         # writes .metadata.tmp and renames it (a copy and a delete on a bucket, refused by Mountpoint for S3). The
         # manifest written after it stays the commit
@@ -139,12 +143,20 @@ class HashedStreams:
         if str(path) not in self.redirected.values():  # DCP clears the name it is about to rename onto: ours
             self.fs.rm_file(path)
 
+    def check(self):
+        """Before each file a zombie (a run continued after its successor took out_dir) would write: stop it."""
+        if self.guard is not None and (who := self.guard()):
+            raise OutDirTaken(f"out_dir was taken over by {who}")
+
     def rename(self, src, dst):
+        self.check()
         if str(src) not in self.redirected:
             self.fs.rename(src, dst)
 
     @contextlib.contextmanager
     def create_stream(self, path, mode):
+        if "w" in mode:
+            self.check()
         if self.in_place and str(path).endswith(".metadata.tmp"):
             self.redirected[str(path)] = str(path)[: -len(".tmp")]
             path = type(path)(self.redirected[str(path)]) if not isinstance(path, str) else self.redirected[path]
@@ -170,7 +182,7 @@ class HashedStream:
         return self.stream.write(data)
 
 
-def dcp_writer(path):
+def dcp_writer(path, guard=None):
     """DCP's writer for a step directory, local or in a bucket, its files hashed as written (HashedStreams)."""
     if storage.is_url(path):
         # not sync_files: on a remote stream it calls os.sync(); an object is durable once its upload completes.
@@ -178,7 +190,7 @@ def dcp_writer(path):
         writer = FsspecWriter(str(path), single_file_per_rank=True, sync_files=False, **storage.options(path))
     else:
         writer = dcp.FileSystemWriter(str(path), sync_files=True, single_file_per_rank=True)
-    writer.fs = HashedStreams(writer.fs, in_place=storage.is_url(path) or storage.write_once(path))
+    writer.fs = HashedStreams(writer.fs, in_place=storage.is_url(path) or storage.write_once(path), guard=guard)
     return writer
 
 
@@ -585,7 +597,7 @@ class Checkpointer:
                 remove_step(path)
             if self.group is not None:
                 dist.barrier(group=self.group)  # no rank writes before it is gone
-            writer = dcp_writer(path)
+            writer = dcp_writer(path, guard=self.lost_lease)
             with quiet():
                 dcp.save(staged, storage_writer=writer, planner=planners(env)[0], process_group=self.group)
             time.sleep(float(os.environ.get("LLAVAX_TEST_SLOW_CHECKPOINT", "0")))  # tests only: a slow disk
@@ -620,6 +632,10 @@ class Checkpointer:
         except BaseException as e:  # noqa: BLE001  named on the next wait(), in the loop's thread
             if os.environ.get("LLAVAX_DEBUG") == "1":
                 traceback.print_exc()
+            if self.lost_lease():  # a zombie: stopped between two files of its write
+                self.error = (f"step {small['state']['iter']}: {name} not committed: out_dir was taken over by "
+                              f"{self.lease.lost} while it was written; this run writes nothing more there")
+                return
             newest = checkpoints_or_none(storage.parent(path))
             self.failed = (f"checkpoint {path} not committed: writing it failed on rank {env.rank} ({one_line(e)}); "
                            f"the last committed step is {newest}")
