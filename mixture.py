@@ -215,6 +215,15 @@ def yaml_sources(path, split):
 NEXT_KEYS = {"json_path", "path", "sampling_strategy", "weight", "repeat", "name"}
 
 
+def check_entry(at, e, allowed, what):
+    """One entry of a mixture file: a mapping with no key but `allowed`."""
+    if not isinstance(e, dict):
+        raise MixtureError(f"{at}: expected {what}, got {e!r}")
+    unknown = sorted(set(e) - allowed)
+    if unknown:
+        raise MixtureError(f"{at}: unknown key {unknown[0]!r} (expected {sorted(allowed)})")
+
+
 def next_sources(path, doc, split):
     """LLaVA-NeXT's data YAML: `datasets:` a list of {json_path | path, sampling_strategy}; each path is the dataset
     that `data.py pack` made of the JSON (LLaVA-NeXT reads the JSON itself; we read packed shards)."""
@@ -224,11 +233,7 @@ def next_sources(path, doc, split):
     out = []
     for i, e in enumerate(entries):
         at = f"{path}: datasets[{i}]"
-        if not isinstance(e, dict):
-            raise MixtureError(f"{at}: expected a mapping with path and sampling_strategy, got {e!r}")
-        unknown = sorted(set(e) - NEXT_KEYS)
-        if unknown:
-            raise MixtureError(f"{at}: unknown key {unknown[0]!r} (expected {sorted(NEXT_KEYS)})")
+        check_entry(at, e, NEXT_KEYS, "a mapping with path and sampling_strategy")
         where = e.get("path") or e.get("json_path")
         if not where:
             raise MixtureError(f"{at}: no path")
@@ -291,11 +296,7 @@ def energon_sources(path, doc, split, amount=1.0, mode=None, want=None):
     values = []
     for i, e in enumerate(entries):
         e_at = f"{at}.{kinds[0]}[{i}]"
-        if not isinstance(e, dict):
-            raise MixtureError(f"{e_at}: expected a mapping, got {e!r}")
-        unknown = sorted(set(e) - ENERGON_ENTRY - {key})
-        if unknown:
-            raise MixtureError(f"{e_at}: unknown key {unknown[0]!r} (expected {sorted(ENERGON_ENTRY | {key})})")
+        check_entry(e_at, e, ENERGON_ENTRY | {key}, "a mapping")
         value = number(e.get(key, 1.0))
         if not positive(value):
             raise MixtureError(f"{e_at}: {key} must be a number > 0, got {value!r}")
