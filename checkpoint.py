@@ -187,9 +187,12 @@ def dcp_writer(path, guard=None):
     if storage.is_url(path):
         # not sync_files: on a remote stream it calls os.sync(); an object is durable once its upload completes.
         # The options go to the writer itself: DCP's reset(checkpoint_id) would drop them (REFERENCES.md 13)
-        writer = FsspecWriter(str(path), single_file_per_rank=True, sync_files=False, **storage.options(path))
+        writer = FsspecWriter(str(path), single_file_per_rank=True, sync_files=False,
+                              **storage.options(path, one_attempt=True))
     else:
         writer = dcp.FileSystemWriter(str(path), sync_files=True, single_file_per_rank=True)
+    if storage.is_url(path):
+        storage.one_attempt_only(writer.fs.fs, path)  # DCP's fsspec instance (its FileSystem's .fs): only its writers'
     writer.fs = HashedStreams(writer.fs, in_place=storage.is_url(path) or storage.write_once(path), guard=guard)
     return writer
 
@@ -455,13 +458,26 @@ def planners(env):
 # saving: block while the shards are staged, write in the background, commit when every rank is done
 
 
-def one_line(e):
-    """An exception as one short line: DCP's CheckpointException (a line per failed rank, with its traceback) as the
-    first underlying error, anything else as its innermost cause with a message. LLAVAX_DEBUG=1 prints the traceback."""
+class StalledUpload(OSError):
+    """A checkpoint's upload had no answer for storage_stall_s: the step is abandoned, not tried again."""
+
+
+def first_failure(e):
+    """DCP's CheckpointException (a failure per rank, each with its traceback) as its first rank's error; e itself
+    otherwise."""
     failures = getattr(e, "failures", None)
     if isinstance(failures, dict) and failures:
         inner = next(iter(failures.values()))
-        e = inner[0] if isinstance(inner, tuple) else inner
+        return inner[0] if isinstance(inner, tuple) else inner
+    return e
+
+
+def one_line(e):
+    """An exception as one short line: DCP's CheckpointException as its first underlying error, anything else as its
+    innermost cause with a message. LLAVAX_DEBUG=1 prints the traceback."""
+    if isinstance(e, StalledUpload):
+        return str(e)
+    e = first_failure(e)
     chain = [c for c in storage.causes(e) if str(c).strip()]
     found = chain[-1] if chain else e
     return f"{type(found).__name__}: {' '.join(str(found).split())[:200]}"
@@ -593,13 +609,7 @@ class Checkpointer:
                               f"{bad[0][1][:3]}{' and more' if len(bad[0][1]) > 3 else ''} (rank {bad[0][0]}). The "
                               f"last checkpoint is {found[-1] if found else 'none'}; resume from it with a lower lr")
                 return
-            if rank == 0 and storage.exists(path):  # an earlier attempt's, never committed or marked CORRUPT
-                remove_step(path)
-            if self.group is not None:
-                dist.barrier(group=self.group)  # no rank writes before it is gone
-            writer = dcp_writer(path, guard=self.lost_lease)
-            with quiet():
-                dcp.save(staged, storage_writer=writer, planner=planners(env)[0], process_group=self.group)
+            writer = self.write_shards(path, staged, rank)
             time.sleep(float(os.environ.get("LLAVAX_TEST_SLOW_CHECKPOINT", "0")))  # tests only: a slow disk
             mine = {n: f for n, f in writer.fs.written.items() if n.endswith(".distcp")}  # this rank's shards
             if small["own"]:
@@ -642,6 +652,32 @@ class Checkpointer:
         else:
             if not self.error:
                 self.failed_in_a_row = 0
+
+    def write_shards(self, path, staged, rank):
+        """DCP writes every rank's shards into path, tried again as a whole (every rank: DCP raises the failures it
+        gathered on each) while the storage fails transiently (throttled, reset): the clients try each request once.
+        An upload that had no answer for storage_stall_s is not tried again: the step is abandoned. Returns the writer."""
+        for attempt in range(storage.RETRIES):
+            if rank == 0 and storage.exists(path):  # an earlier attempt's, never committed or marked CORRUPT
+                remove_step(path)
+            if self.group is not None:
+                dist.barrier(group=self.group)  # no rank writes before it is gone
+            writer = dcp_writer(path, guard=self.lost_lease)
+            try:
+                with quiet():
+                    dcp.save(staged, storage_writer=writer, planner=planners(self.env)[0], process_group=self.group)
+                if storage.is_url(path):
+                    storage.written(path)
+                return writer
+            except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001  (DCP's is a BaseException) sorted by its cause
+                cause = first_failure(e)
+                if storage.stalled(cause):
+                    raise StalledUpload(f"an upload had no answer for {storage.STALL_S:g} s (storage_stall_s): "
+                                        f"abandoned") from e
+                if attempt + 1 == storage.RETRIES or not storage.transient(cause):
+                    raise
+                time.sleep(storage.BACKOFF * 2**attempt)
+        raise AssertionError("unreachable")
 
     def lost_lease(self):
         """Who holds out_dir's lease if this run (rank 0) lost it, else None."""

@@ -92,6 +92,7 @@ wandb_run_name = ""
 # backend
 device = ""  # '' picks cuda when available, else cpu; 'xla' is torch_xla SPMD (TPU, or CPU devices in tests)
 parallel = "ddp"  # under torchrun: 'ddp' or 'fsdp'
+compile_cache_dir = ""  # xla: programs kept for restarts; '' = ~/.cache/llavax/xla-VERSION on a TPU host, 'none' = off
 mesh = [1, -1, 1]  # xla: devices as (dp, fsdp, tp); one -1 takes what the others leave
 dcn_mesh = [1, 1, 1]  # xla: slices as (dp, fsdp, tp) for multi-slice pods (dp across slices is usual)
 dtype = "float32"  # 'bfloat16': bf16 compute with fp32 master weights
@@ -236,6 +237,9 @@ def check(cfg):
     if bool(cfg["local_ckpt_interval"]) != bool(cfg["local_ckpt_dir"]):
         raise SystemExit("config: local_ckpt_dir and local_ckpt_interval go together (a folder on this host's disk, "
                          "and the steps between its checkpoints)")
+    if storage.is_url(cfg["compile_cache_dir"]):
+        raise SystemExit(f"config: compile_cache_dir {cfg['compile_cache_dir']!r} must be a folder on this host's disk "
+                         f"(torch_xla reads its cache locally): leave it '' for ~/.cache/llavax, or 'none'")
     if storage.is_url(cfg["local_ckpt_dir"]):
         raise SystemExit(f"config: local_ckpt_dir {cfg['local_ckpt_dir']!r} must be a folder on this host's disk; "
                          f"out_dir is the bucket")

@@ -12,20 +12,94 @@ import importlib.util
 import os
 import re
 import resource
+import sys
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+import storage
 from attention import blockwise_attention, loop_scan
 from lora import is_lora_parameter
 from model import param_group
 
 AXES = ("dp", "fsdp", "tp")
 BATCH = ("dp", "fsdp")  # the batch dimension of inputs and activations is split over both data axes
+
+
+def start_compile_cache(folder):
+    """torch_xla's persistent compilation cache in `folder` ('' = a folder of this host's, per torch_xla version, on
+    a TPU; 'none' = off), set before anything compiles: a restart (a preemption, the babysitter) loads the programs
+    its predecessor compiled. A folder that cannot be made is a warning and no cache; an entry that cannot be read
+    (another torch_xla or libtpu, a cut file) is compiled afresh, which torch_xla does itself. torch_xla's CPU
+    devices write entries but cannot load them: there '' is off. The folder, or ''."""
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    if folder == "none" or (not folder and xr.device_type() == "CPU"):
+        return ""
+    folder = folder or str(Path.home() / ".cache" / "llavax" / f"xla-{torch_xla.__version__}")
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        probe = Path(folder) / f".probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        print(f"xla: compile_cache_dir {folder} cannot be written ({e.strerror or e}): compiling without a cache",
+              file=sys.stderr, flush=True)
+        return ""
+    xr.initialize_cache(folder, readonly=False)
+    return folder
+
+
+def compile_cache_mirror(env, out):
+    """Where this host's compile cache is kept beside a bucket out_dir (out/xla-cache/VERSION/host-R), or None: a
+    recreated spot VM starts with an empty disk, and its run finds there what its predecessor compiled."""
+    if not env.compile_cache or not storage.is_url(out):
+        return None
+    import torch_xla
+
+    return storage.join(out, "xla-cache", torch_xla.__version__, f"host-{env.rank}")
+
+
+def pull_compile_cache(env, mirror):
+    """Before anything compiles: the mirror's entries this host's cache lacks, copied in. Their names, or a warning
+    and nothing (the run compiles, as without a mirror)."""
+    if mirror is None:
+        return set()
+    try:
+        names = storage.ls(mirror)
+        for name in names:
+            if not (Path(env.compile_cache) / name).exists():
+                storage.write_bytes(Path(env.compile_cache) / name, storage.read_bytes(storage.join(mirror, name)))
+    except (OSError, storage.StorageError) as e:
+        print(f"xla: warning: the compile cache in {mirror} could not be read ({e}): compiling", file=sys.stderr,
+              flush=True)
+        return set()
+    if names:
+        print(f"xla: {len(names)} compiled program(s) from {mirror}", flush=True)
+    return set(names)
+
+
+def push_compile_cache(env, mirror, pushed):
+    """The entries this host compiled since the last push, uploaded to the mirror (at each checkpoint); a failure is
+    a warning: the next push tries again."""
+    if mirror is None:
+        return
+    for entry in sorted(Path(env.compile_cache).iterdir()):
+        if entry.name in pushed or entry.name.startswith(".") or not entry.is_file():
+            continue
+        try:
+            storage.upload(entry, storage.join(mirror, entry.name))
+        except (OSError, storage.StorageError) as e:
+            print(f"xla: warning: the compile cache entry {entry.name} could not be kept in {mirror} ({e}); the next "
+                  f"checkpoint tries again", file=sys.stderr, flush=True)
+            return
+        pushed.add(entry.name)
 
 
 class Env:
@@ -35,13 +109,14 @@ class Env:
         kind = cfg["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
         if kind not in ("cpu", "cuda", "xla"):
             raise SystemExit(f"config: device must be '', 'cpu', 'cuda' or 'xla', got {kind!r}")
-        self.kind, self.mesh = kind, None
+        self.kind, self.mesh, self.compile_cache = kind, None, ""
         # under torchrun: 'ddp' or 'fsdp'; bf16: bf16 compute over fp32 master weights (FSDP2's policy, else autocast)
         self.parallel, self.bf16 = cfg.get("parallel", "ddp"), cfg.get("dtype", "float32") == "bfloat16"
         if kind == "xla":
             import torch_xla
             import torch_xla.runtime as xr
 
+            self.compile_cache = start_compile_cache(cfg.get("compile_cache_dir", ""))
             xr.use_spmd()
             self.device = torch_xla.device()
             # hosts, not ranks: each reads its part of the data; gradients need no averaging (one program)
@@ -116,6 +191,24 @@ class Env:
         import torch_xla.debug.metrics as met
 
         return (met.metric_data("CompileTime") or [0])[0]
+
+    def compile_seconds(self):
+        """Seconds XLA has spent compiling so far (None elsewhere): what a compile cache saves a restart."""
+        if self.kind != "xla":
+            return None
+        import torch_xla.debug.metrics as met
+
+        return (met.metric_data("CompileTime") or [0, 0])[1] / 1e9
+
+    def cache_counts(self):
+        """XLA's persistent compilation cache so far: {hit, miss, unreadable} (programs loaded, compiled and stored,
+        found but not loadable and compiled afresh); None without a cache."""
+        if self.kind != "xla" or not self.compile_cache:
+            return None
+        import torch_xla.debug.metrics as met
+
+        return {name: met.counter_value(f"PersistentCache{counter}") or 0
+                for name, counter in (("hit", "Hit"), ("miss", "Miss"), ("unreadable", "DeserializeFailure"))}
 
     def all_sum(self, t):
         if self.distributed:

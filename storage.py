@@ -7,7 +7,8 @@ What a bucket has and a disk has not, and what follows for callers:
 - an object appears whole when its upload completes, or not at all: write_bytes is atomic on both (locally: a
   temporary file, then os.replace of that one file; a directory is never renamed);
 - requests are throttled (429, 503 SlowDown) and connections reset: each call here is retried with exponential
-  backoff (and s3fs, gcsfs and botocore retry their own requests too); a call whose answer is small is bounded in
+  backoff (reads: s3fs, gcsfs and botocore retry their own requests too; uploads: botocore and s3fs try each request
+  once, our retry is theirs, and a request unanswered for STALL_S is abandoned); a call whose answer is small is bounded in
   time (FIRST_CONTACT, PATIENCE), so an endpoint that is down or never answers is said, not waited on for an hour;
 - a URL names one prefix however it is typed (normal: doubled and trailing slashes, the scheme's case), and
   [ ] * ? in it are names, never patterns (fsspec's glob and rm would expand them).
@@ -84,20 +85,48 @@ def parent(path):
 
 
 STALL_S = 60.0  # a request (a part of an upload included) with no answer this long is abandoned (train.py sets it
-# from storage_stall_s); the clients' own retries stay (DCP's uploads have no other)
+# from storage_stall_s)
 
 
-def options(url):
+def options(url, one_attempt=False):
     """fsspec options for url's filesystem (also what DCP's FsspecWriter/Reader take): credentials, and each
-    request's wait bounded by STALL_S."""
+    request's wait bounded by STALL_S. one_attempt (uploads: write_bytes and upload, retried by call(); a
+    checkpoint's shards, written again as a whole by the Checkpointer): botocore tries each request once (s3fs's own
+    loop: one_attempt_only). gcsfs's retries are fixed where its class is defined (six attempts of a 5xx); a request
+    it timed out it does not try again."""
     if scheme(url) in ("gs", "gcs"):  # the emulator takes no credentials; otherwise ADC only, never anonymous
         return {"token": "anon" if os.environ.get("STORAGE_EMULATOR_HOST") else "google_default",
                 "requests_timeout": STALL_S}
-    return {"config_kwargs": {"connect_timeout": min(STALL_S, 30.0), "read_timeout": STALL_S}}
+    config = {"connect_timeout": min(STALL_S, 30.0), "read_timeout": STALL_S}
+    if one_attempt:
+        return {"config_kwargs": config | {"retries": {"total_max_attempts": 1}}}
+    return {"config_kwargs": config}
 
 
-def filesystem(url):
-    """url's fsspec filesystem (fsspec keeps one instance per options and process)."""
+def one_attempt_only(fs, url):
+    """fs (made with options(url, one_attempt=True), used by nothing else) tries each request once: s3fs's retry
+    loop reads the instance's `retries`, which its constructor does not take."""
+    if scheme(url) == "s3":
+        fs.retries = 1
+
+
+def written(url):
+    """After a write through the one-attempt filesystem: the other (reads, listings) forgets what it had listed, so
+    that it sees the new object (its size and ETag) and not a cached one."""
+    filesystem(url).invalidate_cache()
+
+
+STALL_TYPES = {"ReadTimeoutError", "ConnectTimeoutError", "TimeoutError", "FSTimeoutError", "ServerTimeoutError"}
+
+
+def stalled(e):
+    """A request that had no answer in STALL_S (its client gave up on it): abandoned, not tried again."""
+    return any({c.__name__ for c in type(err).__mro__} & STALL_TYPES for err in causes(e))
+
+
+def filesystem(url, one_attempt=False):
+    """url's fsspec filesystem (fsspec keeps one instance per options and process). one_attempt: the one our writes
+    use, whose clients try each request once (options), our call() being their retry."""
     kind = scheme(url)
     if kind not in PACKAGES:
         raise StorageError(f"{url}: unknown storage scheme '{kind}://': use a local path, s3://bucket/... or "
@@ -112,7 +141,10 @@ def filesystem(url):
 
     try:
         with CREATING:
-            return fsspec.filesystem(kind, **options(url))
+            fs = fsspec.filesystem(kind, **options(url, one_attempt))
+            if one_attempt:
+                one_attempt_only(fs, url)
+            return fs
     except Exception as e:  # noqa: BLE001  gcsfs looks for credentials here
         if (plain := plain_error(e, url)) is not None:
             raise plain from None
@@ -444,7 +476,8 @@ def write_bytes(path, data):
     folder that refuses renames and overwrites (check_renames), the old file is deleted and the new one created in
     place, as an object in a bucket is."""
     if is_url(path):
-        return call(path, filesystem(path).pipe_file, key(path), bytes(data))
+        call(path, filesystem(path, one_attempt=True).pipe_file, key(path), bytes(data))
+        return written(path)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)  # as on a bucket, where a key needs no folder
     if write_once(path):
@@ -472,5 +505,6 @@ def write_text(path, text):
 def upload(local_file, path):
     """Copy a local file to path (an object appears whole, a local copy is replaced atomically)."""
     if is_url(path):
-        return call(path, filesystem(path).put_file, str(local_file), key(path))
+        call(path, filesystem(path, one_attempt=True).put_file, str(local_file), key(path))
+        return written(path)
     write_bytes(path, Path(local_file).read_bytes())

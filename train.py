@@ -43,9 +43,10 @@ from lora import apply_lora, is_lora_parameter, merge_lora
 from model import build_model
 from model_config import VLMConfig
 from objectives import OBJECTIVES
-from parallel import (Env, attention_kernel, autocast, checkpoint_fn, compile_blocks, flops_per_sample, freeze,
-                      frozen_matmul_weights, grad_sync, init_optimizer_state, make_optimizer, param_groups, print0,
-                      set_checkpointing, shard, store_frozen, use_flex_attention)
+from parallel import (Env, attention_kernel, autocast, checkpoint_fn, compile_blocks, compile_cache_mirror,
+                      flops_per_sample, freeze, frozen_matmul_weights, grad_sync, init_optimizer_state, make_optimizer,
+                      param_groups, print0, pull_compile_cache, push_compile_cache, set_checkpointing, shard,
+                      store_frozen, use_flex_attention)
 from shards import VanishedShard
 
 # -----------------------------------------------------------------------------
@@ -232,6 +233,10 @@ def batch_layout(cfg, env):
         print0(env, f"xla: mesh {dict(env.mesh.shape())} over {env.n_devices} devices, {env.world} host(s); global batch "
                f"{cfg['batch_size']} = {grad_accum} micro-steps x {cfg['micro_batch_size']} rows "
                f"({cfg['micro_batch_size'] // data_devices} a device, {rows_per_host} read by each host)")
+        why = {"none": "compile_cache_dir='none'", "": "CPU devices cannot load one"}.get(
+            cfg["compile_cache_dir"], "its folder cannot be written")
+        print0(env, f"xla: compile cache {env.compile_cache} (on each host; a restart loads what was compiled before)"
+               if env.compile_cache else f"xla: no compile cache ({why}): a restart compiles again")
     return grad_accum, rows_per_host
 
 
@@ -404,7 +409,7 @@ def injected_faults(env):
 def start_meter(raw, cfg, env):
     """What a log interval sums (loss, supervised tokens, rows, data wait, dropped samples) and the run's non-finite
     skips (device tensors under XLA, read only at log intervals), with the FLOPs of a row for MFU."""
-    meter = SimpleNamespace(nonfinite_run=0, nonfinite_worst=0, nonfinite_total=0)
+    meter = SimpleNamespace(nonfinite_run=0, nonfinite_worst=0, nonfinite_total=0, cache_warned=False)
     meter.empty_run = torch.zeros((), dtype=torch.long, device=env.device)  # steps in a row with nothing to learn
     if env.kind == "xla":
         meter.nonfinite_run, meter.nonfinite_worst, meter.nonfinite_total = (
@@ -528,7 +533,13 @@ def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader, lease
     loader.fold_tokens(env)
     event |= loader.figures()  # a mixture's samples and supervised tokens so far, by source
     if env.compiles() is not None:  # a count that grows after warm-up means the step recompiles: see README
-        event["xla_compiles"] = env.compiles()
+        event["xla_compiles"], event["xla_compile_s"] = env.compiles(), env.compile_seconds()
+    if (cache := env.cache_counts()) is not None:  # programs loaded from a predecessor's compiles, stored, unreadable
+        event |= {f"xla_cache_{k}": v for k, v in cache.items()}
+        if cache["unreadable"] and not meter.cache_warned:
+            meter.cache_warned = True
+            print0(env, f"xla: warning: {cache['unreadable']} compiled program(s) in {env.compile_cache} could not be "
+                   f"read (another torch_xla or libtpu, or a cut file): compiled afresh and stored again")
     if meter.gen_rows:  # grpo, ppo: generation and training throughput apart
         event |= {"gen_samples_per_s": meter.gen_rows / meter.gen_seconds,
                   "train_samples_per_s": rows_done * meter.completions_per_prompt / max(dt - meter.gen_seconds, 1e-9)}
@@ -547,7 +558,8 @@ def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader, lease
            f"{tok_s:,.0f} tok/s, {event['samples_per_s']:.1f} samples/s, MFU {mfu}, data wait "
            f"{100 * event['data_wait']:.1f}%, peak mem {mem:.2f} GiB ({steps:.0f} steps in {dt:.1f}s)"
            + (f", {dropped} samples dropped (see data: lines)" if dropped else "")
-           + (f", {event['xla_compiles']} XLA compiles so far" if "xla_compiles" in event else ""))
+           + (f", {event['xla_compiles']} XLA compiles so far" if "xla_compiles" in event else "")
+           + (f" ({event['xla_cache_hit']} loaded from the compile cache)" if event.get("xla_cache_hit") else ""))
     log(event)
     if env.agree(lease is not None and lease.lost is not None):  # a run that took over out_dir: we commit nothing
         raise SystemExit(f"stopping at step {it}: out_dir was taken over by {lease.lost if lease else 'another run'}; "
@@ -590,6 +602,8 @@ def train(cfg, env, out, lease):
     folders = checkpoint_folders(out, cfg, env)
     config.check_inputs(cfg)  # read-only, before out_dir is taken or touched
     prepare_out_dir(folders, cfg, env, lease)
+    mirror = compile_cache_mirror(env, out)  # xla, a bucket out_dir: the compile cache outlives a recreated VM
+    pushed = pull_compile_cache(env, mirror)
     grad_accum, rows_per_host = batch_layout(cfg, env)
     torch.manual_seed(cfg["seed"])
     resume_from = resume_point(folders, cfg, env)
@@ -661,6 +675,8 @@ def train(cfg, env, out, lease):
                 checkpointer.save(step_dir, model, raw, optimizer, loader, it, stop=stopping,
                                   own=steps.in_flight(it), value=value)  # grpo, ppo: the rollouts the next step uses
                 print0(env, f"step {it}: checkpoint {step_dir}" + ("" if stopping else " (writing)"))
+                if persist and not stopping:
+                    push_compile_cache(env, mirror, pushed)  # what this host compiled so far, for a recreated VM
                 meter.t_last += time.perf_counter() - t0
             if stopping:
                 print0(env, f"stopped at step {it} by a signal; resume with --resume=True")

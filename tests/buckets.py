@@ -108,9 +108,10 @@ ERROR_BODIES = {  # what S3 and GCS send with these codes, so that each client r
 class FaultProxy:
     """Forwards HTTP/1.1 to 127.0.0.1:upstream. inject(pattern, fault, count): the next `count` requests whose
     'METHOD /path?query' matches the regex get `fault` instead: 503 or 429 (with the service's error body), 'reset'
-    (the connection is closed with a TCP RST before an answer) or 'hold' (the body is read only after `hold` seconds,
-    and forwarded only if whole: a client killed meanwhile uploads nothing); with after=k the first k matching
-    requests are forwarded first (a server that goes down later). `faults` counts those served."""
+    (the connection is closed with a TCP RST before an answer), 'hold' (the body is read only after `hold` seconds,
+    and forwarded only if whole: a client killed meanwhile uploads nothing) or 'wedge' (the upload is taken whole,
+    then nothing answers for `hold` seconds and the connection is closed: it never reaches the server); with after=k
+    the first k matching requests are forwarded first (a server that goes down later). `faults` counts those served."""
 
     def __init__(self, upstream, service):
         self.upstream, self.service, self.rules, self.faults, self.requests = upstream, service, [], 0, []
@@ -131,7 +132,10 @@ class FaultProxy:
                     self.close_connection = True
 
             def forward(self):
-                fault = proxy.take(f"{self.command} {self.path}")
+                line, body = f"{self.command} {self.path}", None
+                if proxy.on_body(line):  # a rule that names what is uploaded (GCS: the object's name is in the body)
+                    body = self.read_body()
+                fault = proxy.take(line, body)
                 if fault == "reset":
                     self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                     self.close_connection = True
@@ -139,11 +143,16 @@ class FaultProxy:
                     return
                 if fault == "hold":
                     time.sleep(proxy.hold)
-                body = self.read_body()
+                if body is None:
+                    body = self.read_body()
+                if fault == "wedge":
+                    time.sleep(proxy.hold)
+                    self.close_connection = True
+                    return
                 if body is not None and len(body) < int(self.headers.get("Content-Length") or 0):
                     self.close_connection = True  # the client went away mid-upload: nothing reaches the server
                     return
-                if fault and fault != "hold":
+                if fault and fault not in ("hold", "wedge"):
                     self.answer(int(fault), {"Content-Type": "application/xml" if proxy.service == "s3" else
                                              "application/json"}, ERROR_BODIES[proxy.service, int(fault)])
                     return
@@ -195,17 +204,23 @@ class FaultProxy:
     def url(self):
         return f"http://127.0.0.1:{self.port}"
 
-    def inject(self, pattern, fault, count, after=0):
+    def inject(self, pattern, fault, count, after=0, body=None):
+        """body: a regex the request's body must match as well (its first 64 KiB, read before the fault)."""
         with self.lock:
-            self.rules.append([re.compile(pattern), str(fault), count, after])
+            self.rules.append([re.compile(pattern), str(fault), count, after, body and re.compile(body.encode())])
 
-    def take(self, request):
+    def on_body(self, request):
+        with self.lock:
+            return any(rule[4] is not None and rule[2] > 0 and rule[0].search(request) for rule in self.rules)
+
+    def take(self, request, body=None):
         with self.lock:
             self.requests.append(request)
             for rule in self.rules:
-                if rule[2] > 0 and rule[3] > 0 and rule[0].search(request):
+                match = rule[0].search(request) and (rule[4] is None or (body and rule[4].search(body[:65536])))
+                if rule[2] > 0 and rule[3] > 0 and match:
                     rule[3] -= 1
-                elif rule[2] > 0 and rule[0].search(request):
+                elif rule[2] > 0 and match:
                     rule[2] -= 1
                     self.faults += 1
                     return rule[1]

@@ -124,15 +124,17 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def background(request, tmp_path_factory):
-    """The first worker starts each collected module's start_background(folders), and every worker the fork server
+    """The first worker starts each selected module's start_background(folders), and every worker the fork server
     of the command-line tests (tests/forkserver.py) if they import it; at the end of its session the first worker
     waits for what it started (another worker may still need it), or kills it after a failure with -x."""
     BACKGROUND_ROOT.append(shared_folder(tmp_path_factory))
     if "forkserver" in sys.modules:
         sys.modules["forkserver"].start()
-    if worker() == "gw0":
-        for module in {item.module for item in request.session.items if item.module is not None}:
-            if hasattr(module, "start_background") and module.__name__ not in BACKGROUND:
+    if worker() == "gw0":  # a module's job only when a selected test waits for it (its BACKGROUND_FIXTURE)
+        needed = {item.module for item in request.session.items
+                  if getattr(item.module, "BACKGROUND_FIXTURE", None) in getattr(item, "fixturenames", ())}
+        for module in needed:
+            if module.__name__ not in BACKGROUND:
                 module.start_background(SharedFolders(BACKGROUND_ROOT[0]))
     yield
     for proc in BACKGROUND.values():

@@ -405,3 +405,28 @@ def test_a_gcs_commit_renames_nothing(shapes, gcs_bucket, gcs_proxy):
     assert checkpoint.verify_checkpoint(f"{out}/step-000003") is None
     assert not [q for q in gcs_proxy.requests if re.search(r"moveTo|rewriteTo|copyTo", q)], gcs_proxy.requests
     assert "Traceback" not in r.stderr and "out of retries" not in r.stderr and gcs_proxy.faults == 0
+
+
+@pytest.mark.parametrize("service", ["s3", pytest.param("gs", marks=pytest.mark.full)])
+def test_a_wedged_upload_is_abandoned_after_storage_stall_s_and_the_next_checkpoint_commits(shapes, service, request):
+    """The endpoint takes step 3's shard upload whole, then answers nothing for 90 s (a wedged endpoint): after
+    storage_stall_s (2 s) the upload is abandoned, not tried again, and step 3 is never committed (one line, no
+    traceback); training goes on, and step 6 commits through the same endpoint. The run never waits out the wedge."""
+    proxy = request.getfixturevalue("s3_proxy" if service == "s3" else "gcs_proxy")
+    root = request.getfixturevalue("s3_bucket" if service == "s3" else "gcs_bucket")
+    out, bucket = f"{root}/wedged", storage.bucket(root)
+    proxy.hold = 90.0
+    if service == "s3":
+        proxy.inject(rf"^PUT /{bucket}/wedged/step-000003/__0_0\.distcp", "wedge", 1)
+    else:  # the object's name is in the upload's body
+        proxy.inject(rf"^POST /upload/storage/v1/b/{bucket}/o\?", "wedge", 1,
+                     body=r'"name": ?"wedged/step-000003/__0_0\.distcp"')
+    t0 = time.monotonic()
+    r = run(args(shapes, out, "--max_iters=6", "--ckpt_interval=3", "--storage_stall_s=2"))
+    assert time.monotonic() - t0 < proxy.hold - 10 and proxy.faults == 1, r.stderr[-3000:]
+    said = [line for line in r.stderr.splitlines() if "not committed" in line]
+    assert len(said) == 1 and f"checkpoint {out}/step-000003 not committed" in said[0], r.stderr[-3000:]
+    assert "had no answer for 2 s (storage_stall_s): abandoned" in said[0] and "Traceback" not in r.stderr, said[0]
+    assert "the last committed step is none" in said[0]
+    assert [storage.name(p) for p in checkpoint.checkpoints(out)] == ["step-000006"]
+    assert checkpoint.verify_checkpoint(f"{out}/step-000006") is None and storage.exists(f"{out}/DONE")

@@ -474,7 +474,7 @@ def test_grpo_under_torchrun_fsdp_matches_ddp_and_resumes_exactly(shapes_pairs, 
     assert all(1 < e["rl/completion_length"] < 6 for e in ddp)  # rows (and ranks) that stopped at different steps
 
 
-@pytest.mark.slow
+@pytest.mark.full  # make test: tests/test_xla.py for SFT on XLA
 def test_grpo_on_xla_spmd_compiles_once_and_matches_cpu_eager(shapes_pairs, tmp_path, capsys):  # noqa: F811
     """5 GRPO steps under torch_xla SPMD on 4 CPU devices (fsdp 4), with a KL reference, against the same run on CPU
     eager with grpo_static=True: static rollouts draw from hashed noise, so both sample the same completions, and

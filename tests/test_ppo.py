@@ -28,6 +28,9 @@ def side_dir():
     return Path(sys.prefix, "trl-ppo") if os.access(sys.prefix, os.W_OK) else Path(tempfile.gettempdir(), "llavax-trl-ppo")
 
 
+BACKGROUND_FIXTURE = "trl_figures"  # the fixture that waits for start_background's job
+
+
 def start_background(tmp_path_factory):  # at the start of the session (tests/conftest.py)
     out = tmp_path_factory.mktemp("trl_ppo")
     env = os.environ | {"OMP_NUM_THREADS": "1", "USE_TORCH_XLA": "0"}
@@ -43,7 +46,7 @@ TRL_QUANTITIES = ("logps", "values", "scores", "entropy", "kl", "advantages", "r
                   "policy_clipfrac", "value_clipfrac", "approx_kl")
 
 
-@pytest.mark.slow
+@pytest.mark.full  # TRL 1.12 in its side venv: installed and run in the background
 @pytest.mark.parametrize("case", ["k1", "k3_whitened_rewards", "gamma_lam_1"])
 def test_ppo_matches_trl_1_12_on_the_same_llava_rollout(trl_figures, case):
     """TRL 1.12's PPOTrainer.train() on one rollout batch of 8 prompts with images (left-padded, of different lengths)

@@ -12,6 +12,9 @@ from conftest import ROOT, start_in_background, wait_for_background
 SCRIPT = ROOT / "scripts/tpu_check.sh"
 
 
+BACKGROUND_FIXTURE = "verdict"  # the fixture that waits for start_background's job
+
+
 def start_background(tmp_path_factory):  # at the start of the session (tests/conftest.py)
     out = tmp_path_factory.mktemp("tpu_check")
     start_in_background(__name__, ["bash", SCRIPT, "--cpu", f"--out={out / 'verdict'}"],
@@ -39,7 +42,7 @@ def test_dry_run_prints_the_command_and_runs_nothing(tmp_path):
     assert bad.returncode == 2 and bad.stderr.startswith("usage: scripts/tpu_check.sh")
 
 
-@pytest.mark.slow
+@pytest.mark.full  # make test: the --dry-run above
 def test_cpu_verdict_passes_every_check(verdict):
     assert [r for r in verdict if r["verdict"] == "FAIL"] == []
     checks = [r["check"] for r in verdict]
@@ -47,7 +50,7 @@ def test_cpu_verdict_passes_every_check(verdict):
     assert checks.count("checkpoint") == 1
 
 
-@pytest.mark.slow
+@pytest.mark.full  # make test: the --dry-run above
 def test_cpu_verdict_compares_blockwise_with_dense_and_refuses_pallas(verdict):
     rows = {r["setting"].split(",")[0]: r for r in verdict if r["check"] == "attention"}
     assert rows["dense"]["verdict"] == rows["blockwise"]["verdict"] == "PASS"

@@ -18,6 +18,9 @@ from model_config import vlm_preset
 from xla_attention import MEMORY_T, PARITY, packed_rows
 
 
+BACKGROUND_FIXTURE = "xla"  # the fixture that waits for start_background's job
+
+
 def start_background(tmp_path_factory):  # at the start of the session (tests/conftest.py)
     out = tmp_path_factory.mktemp("attention")
     env = os.environ | {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "OMP_NUM_THREADS": "1",
@@ -107,7 +110,7 @@ def test_pallas_kernels_are_refused_off_a_tpu_in_one_sentence(kind):
 # on 4 CPU XLA devices (tests/xla_attention.py)
 
 
-@pytest.mark.slow
+@pytest.mark.full  # the XLA runs of tests/xla_attention.py
 @pytest.mark.parametrize("name", [p[0] for p in PARITY])
 def test_xla_blockwise_loss_and_gradients_equal_cpu_sdpa(xla, name):
     r = xla["parity"][name]
@@ -117,7 +120,7 @@ def test_xla_blockwise_loss_and_gradients_equal_cpu_sdpa(xla, name):
     assert r["grad_err"] <= 1e-5  # the largest difference, relative to the largest gradient, of any parameter
 
 
-@pytest.mark.slow
+@pytest.mark.full  # the XLA runs of tests/xla_attention.py
 def test_xla_peak_memory_grows_linearly_in_seq_len(xla):
     peaks = {int(t): b for t, b in xla["memory"]["blockwise"].items()}
     assert sorted(peaks) == list(MEMORY_T)
@@ -128,12 +131,12 @@ def test_xla_peak_memory_grows_linearly_in_seq_len(xla):
     assert peaks[4096] < 0.4 * dense[4096]
 
 
-@pytest.mark.slow
+@pytest.mark.full  # the XLA runs of tests/xla_attention.py
 def test_xla_compile_count_is_flat_as_packing_and_tiles_vary(xla):
     assert xla["compiles"] == [xla["compiles"][0]] * 5
 
 
-@pytest.mark.slow
+@pytest.mark.full  # the XLA runs of tests/xla_attention.py
 @pytest.mark.parametrize("kind", ["flash", "splash"])
 def test_xla_pallas_kernels_are_refused_on_a_cpu_xla_device(xla, kind):
     assert xla["refusals"][kind] == (f"config: attention='{kind}' is torch_xla's Pallas kernel, which runs only on a "
@@ -141,7 +144,7 @@ def test_xla_pallas_kernels_are_refused_on_a_cpu_xla_device(xla, kind):
                                      "attention='blockwise' (bounded memory on every device) or 'dense'")
 
 
-@pytest.mark.slow
+@pytest.mark.full  # the XLA runs of tests/xla_attention.py
 def test_bench_attention_memory_formula_matches_the_compiled_programs(xla):
     """bench.py attention's per-row bytes for the 1-layer model against XLA's own peak of its compiled step: dense at
     4096 tokens (the T x T terms), blockwise at 16384 (the tiles)."""

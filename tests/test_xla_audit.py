@@ -13,9 +13,12 @@ import pytest
 from conftest import ROOT, start_in_background, wait_for_background
 from xla_audit import ROWS, SEQ, VIT_TOKENS
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.full]  # make test: tests/test_xla.py's losses on 4 meshes
 MESHES = ["1,8,1", "2,4,1", "1,4,2"]
 CPU_PIPELINE = "XLA's CPU pipeline has no all-reduce + dynamic-slice -> reduce-scatter rewrite (TPU's has)"
+
+
+BACKGROUND_FIXTURE = "audit"  # the fixture that waits for start_background's job
 
 
 def start_background(tmp_path_factory):  # at the start of the session (tests/conftest.py)

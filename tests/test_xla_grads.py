@@ -11,12 +11,15 @@ from conftest import ROOT, start_in_background, wait_for_background
 
 from shapes import make_shapes
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.full]  # make test: tests/test_xla.py's losses on 4 meshes
 COMBOS = list(itertools.product((0, 1, 2), ("float32", "bfloat16"), (False, True), (False, True)))
 # bf16 on both sides, but XLA's autocast casts other ops than CPU's and GSPMD sums in another order
 RTOL = {"float32": 2e-4, "bfloat16": 6e-2}
 # plus a floor relative to the whole gradient: a key bias's gradient is exactly zero, what is left is rounding
 ATOL = {"float32": 1e-6, "bfloat16": 1e-3}
+
+
+BACKGROUND_FIXTURE = "grads"  # the fixture that waits for start_background's job
 
 
 def start_background(tmp_path_factory):  # at the start of the session (tests/conftest.py)
