@@ -690,6 +690,44 @@ def print_attention_memory():
                   " | ".join(f"{x:,.1f}" for x in cells) + " |")
 
 
+# the TPU recipe configs as written, each on the pod docs/recipes.md runs it on, and the model its init_from holds
+TPU_RECIPES = {"configs/tpu_pretrain.py": ("v4-64", "llava-1.5-7b"),
+               "configs/llava_next_7b.py": ("v4-64", "llava-next-vicuna-7b"),
+               "configs/onevision_qwen2_7b.py": ("v5p-128", "llava-onevision-qwen2-7b")}
+
+
+def recipe_memory(config_file, attention=None):
+    """Computed, not measured: GiB a chip of a recipe config as written (attention: another, to compare) on its pod,
+    and the pod's HBM a chip. fp32 weights sharded over every chip, fp32 gradients and AdamW's two moments of what its
+    stage trains, and the LLM's activations (attention_bytes) of micro_batch_size rows (global under SPMD, at least
+    one a chip: a GPU recipe's micro_batch_size=1 is --micro_batch_size=CHIPS on a pod) of seq_len tokens, with its
+    attention ('bounded' is splash, a Pallas kernel, on a TPU) and its activation checkpointing."""
+    from model import VLM
+
+    cfg = config.load_config([str(Path(__file__).parent / config_file)])
+    pod, preset = TPU_RECIPES[config_file]
+    chips, hbm = (PODS | ATTENTION_PODS)[pod]
+    with torch.device("meta"):
+        model = VLM(vlm_preset(preset))  # what init_from holds (model_overrides apply only from scratch)
+    parallel.freeze(model, cfg["stage"])
+    state = sum((4 + 12 * p.requires_grad) * p.numel() for p in model.parameters())
+    kind = attention or cfg["attention"]
+    kind = "pallas" if kind in ("bounded", "splash", "flash") else kind
+    rows = max(1.0, cfg["micro_batch_size"] / chips)
+    activations = rows * attention_bytes(model.cfg.llm, cfg["seq_len"], kind, cfg["activation_checkpointing"])
+    return (state / chips + activations) / 2**30, hbm
+
+
+def print_recipe_memory():
+    print("| recipe config as written | pod (chips, HBM) | attention | GiB a chip | with attention='dense' |")
+    print("|---|---|---|---|---|")
+    for config_file, (pod, _) in TPU_RECIPES.items():
+        (gib, hbm), (dense, _) = recipe_memory(config_file), recipe_memory(config_file, attention="dense")
+        attention = config.load_config([str(Path(__file__).parent / config_file)])["attention"]
+        print(f"| {config_file} | {pod} ({(PODS | ATTENTION_PODS)[pod][0]}, {hbm} GiB) | {attention} | {gib:,.1f} | "
+              f"{dense:,.1f} |")
+
+
 # -----------------------------------------------------------------------------
 # levers: computed memory of frozen_dtype and of the checkpointing settings, and predicted speed
 
@@ -976,6 +1014,8 @@ def main(argv=None):
         return print_checkpoint_recipes() if args.recipes else bench_checkpoint(args)
     if args.cmd == "xla":
         print_xla_memory()
+        print()
+        print_recipe_memory()
     elif args.cmd == "levers":
         print_levers()
     elif args.cmd == "attention":

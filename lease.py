@@ -136,7 +136,12 @@ class Lease:
                 return self.acquire(take_over)
         else:
             self.write()
-            if storage.is_url(self.path):  # no exclusive create in a bucket: a run that looked when we did writes now
+            # no exclusive create in a bucket: a run that looked when we did writes now; and a holder taken over may be
+            # between its look and its write (refresh): its write lands after ours, so we write once more
+            if storage.is_url(self.path) or held:
+                time.sleep(SETTLE_S)
+            if held and (back := self.read()) and back.get("token") == held.get("token"):
+                self.write()
                 time.sleep(SETTLE_S)
         self.acquired = True
         if not self.held():  # another run started at the same moment, and wrote after us

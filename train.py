@@ -539,7 +539,7 @@ def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader, lease
         if cache["unreadable"] and not meter.cache_warned:
             meter.cache_warned = True
             print0(env, f"xla: warning: {cache['unreadable']} compiled program(s) in {env.compile_cache} could not be "
-                   f"read (another torch_xla or libtpu, or a cut file): compiled afresh and stored again")
+                   f"read (another torch_xla or libtpu, or a cut file): compiled afresh")
     if meter.gen_rows:  # grpo, ppo: generation and training throughput apart
         event |= {"gen_samples_per_s": meter.gen_rows / meter.gen_seconds,
                   "train_samples_per_s": rows_done * meter.completions_per_prompt / max(dt - meter.gen_seconds, 1e-9)}

@@ -8,7 +8,9 @@
 2. one training step of each TPU recipe (LLaVA-1.5 stage 1, LLaVA-NeXT-7B, OneVision-7B) at their real widths and
    lengths, 2 layers deep, through train.py itself on a few synthetic shapes samples;
 3. the compile count after warm-up, as the batches' packing and tiles vary;
-4. a checkpoint saved at step 2 and resumed: step 3's loss as without the stop.
+4. a checkpoint saved at step 2 and resumed: step 3's loss as without the stop;
+5. DPO, GRPO and PPO through their OneVision configs (from a OneVision-shaped checkpoint of random weights): 3 steps,
+   the compile count after warm-up, and step 2 resumed.
 
 --cpu runs a dry version on 4 CPU XLA devices (tiny widths, 1 layer, 320 tokens, fp32 for the attention check):
 the tests run it. The Pallas kernels then report their refusal. Exit status 1 when any check fails. Not yet run on a
@@ -32,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import config  # noqa: E402
+import model_files  # noqa: E402
 import parallel  # noqa: E402
 import train  # noqa: E402
 from model import build_model  # noqa: E402
@@ -42,6 +45,13 @@ LENGTHS = {"tpu": (2048, 8192, 32768), "cpu": (320,)}
 # the recipes and the preset each starts from (their init_from is a converted checkpoint; here: random weights)
 RECIPES = {"configs/tpu_pretrain.py": "llava-1.5-7b", "configs/llava_next_7b.py": "llava-next-vicuna-7b",
            "configs/onevision_qwen2_7b.py": "llava-onevision-qwen2-7b"}
+# the objectives after SFT, each from a OneVision-shaped checkpoint of the same widths (random weights) and the
+# settings a dry run changes: how much is generated, GRPO's group, and PPO's mini-batch (a step's prompts)
+OBJECTIVES = {"configs/dpo_onevision.py": ["--dpo_reference={init}", "--data_dir={shapes}/preference"],
+              # a reward model, not the config's exact match: random weights would score every completion 0
+              "configs/grpo_onevision.py": ["--grpo_reward={judge}", "--grpo_max_new_tokens={new}", "--grpo_group=4"],
+              "configs/ppo_onevision.py": ["--grpo_reward={judge}", "--grpo_reference={init}",
+                                           "--grpo_max_new_tokens={new}", "--ppo_mini_batch_size={rows}"]}
 # --cpu: one layer a tower (the compiles are most of its time), tiny widths
 TINY_VISION = {"image_size": 28, "patch_size": 14, "dim": 32, "n_layers": 1, "n_heads": 2, "ffn_dim": 64}
 TINY_LLM = {"vocab_size": 576, "dim": 64, "n_layers": 1, "n_heads": 4, "ffn_dim": 128}
@@ -201,7 +211,7 @@ def check_recipes(verdict, env, cpu, work):
     from shapes import make_shapes
 
     shapes = work / "shapes"
-    make_shapes(shapes, n=120, seed=0, val_fraction=0.1)
+    make_shapes(shapes, n=120, seed=0, val_fraction=0.1, preference=True)
     rows, resumable = env.n_devices, "configs/onevision_qwen2_7b.py"
     for recipe, preset in RECIPES.items():
         # OneVision's run saves step 2, for the checkpoint check (a save compiles nothing: local shards are written)
@@ -222,23 +232,63 @@ def check_recipes(verdict, env, cpu, work):
         verdict.add("compiles after warm-up", recipe, f"running total after each step: {compiles}",
                     "PASS" if len(compiles) == 3 and compiles[1] == compiles[2] else "FAIL")
     check_checkpoint(verdict, work, shapes, rows, cpu, resumable)
+    check_objectives(verdict, env, cpu, work, shapes)
 
 
-def check_checkpoint(verdict, work, shapes, rows, cpu, recipe):
+def check_objectives(verdict, env, cpu, work, shapes):
+    """DPO, GRPO and PPO through their OneVision configs as written (objective, loss, bounded attention, tiles), at the
+    recipe's dry widths: 3 steps, the compile count after warm-up, and step 2 resumed."""
+    from model import build_model
+
+    rows, preset = env.n_devices, "llava-onevision-qwen2-7b"
+    probe = config.load_config(recipe_args("configs/onevision_qwen2_7b.py", preset, shapes, work / "probe", rows, cpu))
+    vlm = vlm_preset(preset).with_overrides(probe["model_overrides"])
+    init, judge = work / "ov-init", work / "ov-judge"  # the SFT checkpoint, and a reward model of its layout
+    model_files.save_model(build_model(vlm, seed=0), init)
+    model_files.save_model(build_model(vlm.with_overrides({"reward_head": True}), seed=5), judge)
+    fill = {"init": init, "judge": judge, "shapes": shapes, "rows": rows, "new": 4 if cpu else 64}
+    for recipe, extra in OBJECTIVES.items():
+        name = Path(recipe).stem
+        argv = recipe_args(recipe, preset, shapes, work / name, rows, cpu) + [f"--init_from={init}"] + \
+            [a.format(**fill) for a in extra]
+        try:
+            start = time.perf_counter()
+            train.main(argv + ["--max_iters=3", "--ckpt_interval=2", "--keep_last=5"])
+            seconds, log = time.perf_counter() - start, losses(work / name)
+        except (Exception, SystemExit) as e:  # noqa: BLE001
+            verdict.add("objective step", recipe, failure(e), "FAIL")
+            continue
+        finite = len(log) == 3 and all(math.isfinite(e["loss"]) for e in log)
+        verdict.add("objective step", f"{recipe} ({'1 layer, tiny' if cpu else '2 layers'})",
+                    "losses " + " ".join(f"{e['loss']:.4f}" for e in log) + f"; 3 steps in {seconds:.0f} s with compiles",
+                    "PASS" if finite else "FAIL")
+        compiles = [e["xla_compiles"] for e in log]
+        verdict.add("compiles after warm-up", recipe, f"running total after each step: {compiles}",
+                    "PASS" if len(compiles) == 3 and compiles[1] == compiles[2] else "FAIL")
+        check_checkpoint(verdict, work, shapes, rows, cpu, recipe, argv)
+
+
+def check_checkpoint(verdict, work, shapes, rows, cpu, recipe, argv=None):
     """A run resumes the recipe run's step 2 and trains step 3 again: the same loss."""
-    saved, resumed = work / Path(recipe).stem, work / "resumed"
+    saved, resumed = work / Path(recipe).stem, work / f"resumed-{Path(recipe).stem}"
+    argv = argv or recipe_args(recipe, RECIPES[recipe], shapes, resumed, rows, cpu)
     try:
         resumed.mkdir()
         shutil.copytree(saved / "step-000002", resumed / "step-000002")
-        train.main(recipe_args(recipe, RECIPES[recipe], shapes, resumed, rows, cpu) +
-                   ["--max_iters=3", "--ckpt_interval=0", "--resume=True"])
+        train.main(argv + [f"--out_dir={resumed}", "--max_iters=3", "--ckpt_interval=0", "--resume=True"])
         straight, again = losses(saved)[-1], losses(resumed)[-1]
     except (Exception, SystemExit) as e:  # noqa: BLE001
         verdict.add("checkpoint", recipe, failure(e), "FAIL")
         return
-    same = again["step"] == straight["step"] == 3 and abs(again["loss"] - straight["loss"]) <= 1e-4 * abs(straight["loss"])
-    verdict.add("checkpoint", f"{recipe}: saved at step 2, resumed", f"step 3's loss {again['loss']:.6f}, without the "
-                f"stop {straight['loss']:.6f}", "PASS" if same else "FAIL")
+    # and the gradient's norm: GRPO's loss is about 0 on policy (its advantages are centred in each group)
+    same = again["step"] == straight["step"] == 3 and all(abs(again[k] - straight[k]) <= 1e-4 * abs(straight[k])
+                                                          for k in ("loss", "grad_norm"))
+    # a TPU host's compile cache (on by default there): the resumed run loads what the first compiled
+    cache = (f"; {again['xla_cache_hit']} program(s) loaded from the compile cache, {again['xla_compile_s']:.0f} s "
+             f"compiling (the first run: {straight['xla_compile_s']:.0f} s)" if "xla_cache_hit" in again else "")
+    verdict.add("checkpoint", f"{recipe}: saved at step 2, resumed", f"step 3's loss {again['loss']:.6f}, grad norm "
+                f"{again['grad_norm']:.6f}; without the stop {straight['loss']:.6f}, {straight['grad_norm']:.6f}" + cache,
+                "PASS" if same else "FAIL")
 
 
 def failure(e):

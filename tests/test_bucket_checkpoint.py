@@ -203,7 +203,7 @@ def test_resume_from_s3_through_faults_equals_a_local_run(shapes, local_run, s3_
     assert json.loads(storage.read_text(f"{out}/DONE")) == {"step": 9}
 
 
-@pytest.mark.slow
+@pytest.mark.full  # make test: tests/test_checkpoint.py kills a rank mid-write on a folder
 def test_a_writer_killed_mid_upload_leaves_no_step_that_resume_takes(shapes, local_run, s3_bucket, s3_proxy, tmp_path):
     out, bucket = f"{s3_bucket}/run", storage.bucket(s3_bucket)
     shard_put = rf"^PUT /{bucket}/run/step-000006/__0_0\.distcp"
@@ -227,7 +227,7 @@ def test_a_writer_killed_mid_upload_leaves_no_step_that_resume_takes(shapes, loc
     same_state(f"{out}/step-000006", local_run / "step-000006", tmp_path)
 
 
-@pytest.mark.slow
+@pytest.mark.full  # make test: tests/test_xla.py moves steps between XLA and FSDP2 on a folder
 def test_xla_and_fsdp2_share_a_bucket_and_resume_on_other_world_sizes(shapes, s3_bucket, s3_proxy, tmp_path):
     out, bucket = f"{s3_bucket}/run", storage.bucket(s3_bucket)
     # a mixture of two sources (the dataset's first 60% at weight 2, its last 40% at weight 1): its order resumes too
@@ -325,7 +325,7 @@ def test_resume_takes_the_newest_verified_step_of_either_tier(shapes, local_run,
     assert before == {p: storage.read_bytes(f"{p}/manifest.json") for p in checkpoint.checkpoints(out)}
 
 
-@pytest.mark.slow
+@pytest.mark.full  # make test: the S3 run above
 def test_resume_from_gcs_equals_a_local_run(shapes, local_run, gcs_bucket, tmp_path):
     out = f"{gcs_bucket}/run"
     run(args(shapes, out, "--max_iters=6", "--ckpt_interval=3", "--keep_last=5"))

@@ -429,7 +429,7 @@ def test_grpo_resumes_exactly(shapes_pairs, tmp_path, iterations, stop, scale): 
     assert (tmp_path / "resumed" / f"step-{stop:06d}" / "rank0.safetensors").exists() == (stop % iterations != 0)
 
 
-@pytest.mark.slow
+@pytest.mark.full  # make test: GRPO in one process, FSDP2 by tests/test_train.py
 def test_grpo_under_torchrun_fsdp_matches_ddp_and_resumes_exactly(shapes_pairs, tmp_path):  # noqa: F811
     """2 ranks x 2 prompts, rewards from a reward-model checkpoint, a KL to a reference, 2 updates a generation batch:
     FSDP2 (judge and reference sharded too) logs what DDP logs (each rank samples the same prompts, seeded by rank,

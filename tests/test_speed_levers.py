@@ -508,3 +508,16 @@ def test_the_long_recipes_default_to_bounded_attention_resolved_at_setup(capsys)
     for name in ("onevision_qwen2_7b", "llava_next_7b", "tpu_pretrain", "dpo_onevision", "grpo_onevision",
                  "ppo_onevision"):
         assert config.parse([str(ROOT / f"configs/{name}.py")], config.DEFAULTS)["attention"] == "bounded", name
+
+
+def test_each_tpu_recipe_as_written_fits_the_pod_it_runs_on():
+    """bench.py xla's computed GiB a chip of configs/tpu_pretrain.py, llava_next_7b.py and onevision_qwen2_7b.py as
+    written, on the pods docs/recipes.md names: each within the chip's HBM; OneVision's rows would not fit with the
+    dense attention the configs had before."""
+    import bench
+
+    for config_file, (pod, _) in bench.TPU_RECIPES.items():
+        gib, hbm = bench.recipe_memory(config_file)
+        assert gib <= hbm, (config_file, pod, gib, hbm)
+    dense, hbm = bench.recipe_memory("configs/onevision_qwen2_7b.py", attention="dense")
+    assert dense > hbm

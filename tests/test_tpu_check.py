@@ -1,5 +1,6 @@
 """scripts/tpu_check.sh: --dry-run prints its command; --cpu, the dry version on 4 CPU XLA devices, gives a verdict
-table in which every check passes (the Pallas kernels skipped with their refusal)."""
+table in which every check passes (the Pallas kernels skipped with their refusal): the recipes, and DPO, GRPO and PPO
+through their OneVision configs, each with its compile count and a resume (make test-full)."""
 
 import json
 import os
@@ -46,8 +47,10 @@ def test_dry_run_prints_the_command_and_runs_nothing(tmp_path):
 def test_cpu_verdict_passes_every_check(verdict):
     assert [r for r in verdict if r["verdict"] == "FAIL"] == []
     checks = [r["check"] for r in verdict]
-    assert checks.count("recipe step") == checks.count("compiles after warm-up") == 3
-    assert checks.count("checkpoint") == 1
+    assert checks.count("recipe step") == checks.count("objective step") == 3
+    assert checks.count("compiles after warm-up") == 6 and checks.count("checkpoint") == 4
+    objectives = [r["setting"] for r in verdict if r["check"] == "objective step"]
+    assert [s.split(" ")[0] for s in objectives] == [f"configs/{o}_onevision.py" for o in ("dpo", "grpo", "ppo")]
 
 
 @pytest.mark.full  # make test: the --dry-run above
