@@ -36,13 +36,15 @@ def start_compile_cache(folder):
     a TPU; 'none' = off), set before anything compiles: a restart (a preemption, the babysitter) loads the programs
     its predecessor compiled. A folder that cannot be made is a warning and no cache; an entry that cannot be read
     (another torch_xla or libtpu, a cut file) is compiled afresh, which torch_xla does itself. torch_xla's CPU
-    devices write entries but cannot load them: there '' is off. The folder, or ''."""
+    devices write entries but cannot load them: there '' is off. (the folder, or '', and why there is none)."""
     import torch_xla
     import torch_xla.runtime as xr
 
-    if folder == "none" or (not folder and xr.device_type() == "CPU"):
-        return ""
-    folder = folder or str(Path.home() / ".cache" / "llavax" / f"xla-{torch_xla.__version__}")
+    if folder == "none":
+        return "", "compile_cache_dir='none'"
+    if not folder and xr.device_type() == "CPU":
+        return "", "CPU devices cannot load one"
+    folder = str(Path(folder or Path.home() / ".cache" / "llavax" / f"xla-{torch_xla.__version__}").expanduser())
     try:
         Path(folder).mkdir(parents=True, exist_ok=True)
         probe = Path(folder) / f".probe-{os.getpid()}"
@@ -51,9 +53,9 @@ def start_compile_cache(folder):
     except OSError as e:
         print(f"xla: compile_cache_dir {folder} cannot be written ({e.strerror or e}): compiling without a cache",
               file=sys.stderr, flush=True)
-        return ""
+        return "", "its folder cannot be written"
     xr.initialize_cache(folder, readonly=False)
-    return folder
+    return folder, ""
 
 
 def compile_cache_mirror(env, out):
@@ -67,39 +69,46 @@ def compile_cache_mirror(env, out):
 
 
 def pull_compile_cache(env, mirror):
-    """Before anything compiles: the mirror's entries this host's cache lacks, copied in. Their names, or a warning
-    and nothing (the run compiles, as without a mirror)."""
+    """Before anything compiles: the mirror's entries this host's cache lacks, copied in. The names this cache now
+    holds; an entry that cannot be copied (gone meanwhile, not an object) is skipped with a warning and compiles."""
     if mirror is None:
         return set()
     try:
         names = storage.ls(mirror)
-        for name in names:
-            if not (Path(env.compile_cache) / name).exists():
-                storage.write_bytes(Path(env.compile_cache) / name, storage.read_bytes(storage.join(mirror, name)))
     except (OSError, storage.StorageError) as e:
-        print(f"xla: warning: the compile cache in {mirror} could not be read ({e}): compiling", file=sys.stderr,
+        print(f"xla: warning: the compile cache in {mirror} could not be listed ({e}): compiling", file=sys.stderr,
               flush=True)
         return set()
-    if names:
-        print(f"xla: {len(names)} compiled program(s) from {mirror}", flush=True)
-    return set(names)
+    found, failed = set(), []
+    for name in names:
+        local = Path(env.compile_cache) / name
+        try:
+            if not local.exists():
+                storage.write_bytes(local, storage.read_bytes(storage.join(mirror, name)))
+            found.add(name)
+        except (OSError, storage.StorageError) as e:
+            failed.append(f"{name} ({e})")
+    if failed:
+        print(f"xla: warning: {len(failed)} entr{'y' if len(failed) == 1 else 'ies'} of the compile cache in {mirror} "
+              f"could not be copied, compiled instead: {failed[0]}", file=sys.stderr, flush=True)
+    if found:
+        print(f"xla: {len(found)} compiled program(s) from {mirror}", flush=True)
+    return found
 
 
 def push_compile_cache(env, mirror, pushed):
-    """The entries this host compiled since the last push, uploaded to the mirror (at each checkpoint); a failure is
-    a warning: the next push tries again."""
+    """The entries this host compiled since the last push, uploaded to the mirror (after each periodic checkpoint; not
+    at a stop, whose notice is the checkpoint's); a failure is a warning: the next push tries again."""
     if mirror is None:
         return
-    for entry in sorted(Path(env.compile_cache).iterdir()):
-        if entry.name in pushed or entry.name.startswith(".") or not entry.is_file():
-            continue
-        try:
-            storage.upload(entry, storage.join(mirror, entry.name))
-        except (OSError, storage.StorageError) as e:
-            print(f"xla: warning: the compile cache entry {entry.name} could not be kept in {mirror} ({e}); the next "
-                  f"checkpoint tries again", file=sys.stderr, flush=True)
-            return
-        pushed.add(entry.name)
+    try:
+        for entry in sorted(Path(env.compile_cache).iterdir()):
+            if entry.name not in pushed and not entry.name.startswith(".") and entry.is_file():
+                storage.upload(entry, storage.join(mirror, entry.name))
+                pushed.add(entry.name)
+    except (OSError, storage.StorageError) as e:
+        print(f"xla: warning: the compile cache could not be kept in {mirror} ({e}); the next checkpoint tries again",
+              file=sys.stderr, flush=True)
 
 
 class Env:
@@ -116,7 +125,7 @@ class Env:
             import torch_xla
             import torch_xla.runtime as xr
 
-            self.compile_cache = start_compile_cache(cfg.get("compile_cache_dir", ""))
+            self.compile_cache, self.compile_cache_off = start_compile_cache(cfg.get("compile_cache_dir", ""))
             xr.use_spmd()
             self.device = torch_xla.device()
             # hosts, not ranks: each reads its part of the data; gradients need no averaging (one program)

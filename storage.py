@@ -188,8 +188,10 @@ def key(url):
 TRANSIENT_TYPES = {"ConnectionError", "ClientConnectionError", "ServerDisconnectedError", "ClientPayloadError",
                    "EndpointConnectionError", "ConnectionClosedError", "IncompleteRead", "ProtocolError",
                    "ReadTimeoutError", "TimeoutError"}
-TRANSIENT_TEXT = re.compile(r"SlowDown|Throttl|TooManyRequests|Too Many Requests|Service Unavailable|"
-                            r"RequestTimeout|InternalError|\b(429|500|502|503|504)\b")
+# (s3fs turns SlowDown into OSError(EBUSY, "Please reduce your request rate."): all a rank's failure keeps once DCP
+# has pickled it to gather it, its cause dropped)
+TRANSIENT_TEXT = re.compile(r"SlowDown|reduce your request rate|Throttl|TooManyRequests|Too Many Requests|"
+                            r"Service Unavailable|RequestTimeout|InternalError|\b(429|500|502|503|504)\b")
 
 
 def causes(e):

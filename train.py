@@ -233,10 +233,8 @@ def batch_layout(cfg, env):
         print0(env, f"xla: mesh {dict(env.mesh.shape())} over {env.n_devices} devices, {env.world} host(s); global batch "
                f"{cfg['batch_size']} = {grad_accum} micro-steps x {cfg['micro_batch_size']} rows "
                f"({cfg['micro_batch_size'] // data_devices} a device, {rows_per_host} read by each host)")
-        why = {"none": "compile_cache_dir='none'", "": "CPU devices cannot load one"}.get(
-            cfg["compile_cache_dir"], "its folder cannot be written")
         print0(env, f"xla: compile cache {env.compile_cache} (on each host; a restart loads what was compiled before)"
-               if env.compile_cache else f"xla: no compile cache ({why}): a restart compiles again")
+               if env.compile_cache else f"xla: no compile cache ({env.compile_cache_off}): a restart compiles again")
     return grad_accum, rows_per_host
 
 

@@ -6,8 +6,10 @@ the hits of a second run there are still to be measured."""
 import importlib.metadata
 import json
 import os
+import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 from conftest import ROOT, XLA_CPU, train_on_xla
@@ -68,7 +70,7 @@ def test_a_cache_folder_that_cannot_be_written_is_a_warning_and_no_cache(tmp_pat
     code = f"import parallel; print(repr(parallel.start_compile_cache({str(blocked / 'cache')!r})))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
                        env=os.environ | XLA_CPU)
-    assert r.returncode == 0 and r.stdout.strip() == "''", r.stderr[-2000:]
+    assert r.returncode == 0 and r.stdout.strip() == "('', 'its folder cannot be written')", r.stderr[-2000:]
     assert f"xla: compile_cache_dir {blocked / 'cache'} cannot be written" in r.stderr
     assert "compiling without a cache" in r.stderr and "Traceback" not in r.stderr
 
@@ -76,3 +78,25 @@ def test_a_cache_folder_that_cannot_be_written_is_a_warning_and_no_cache(tmp_pat
 def test_a_compile_cache_in_a_bucket_is_refused_in_one_sentence():
     with pytest.raises(SystemExit, match=r"compile_cache_dir 's3://b/cache' must be a folder on this host's disk"):
         config.load_config(["--compile_cache_dir=s3://b/cache"])
+
+
+def test_a_mirror_entry_that_cannot_be_copied_is_skipped_and_a_push_never_stops_the_run(s3_bucket, tmp_path, capsys):
+    """The mirror holds two entries and a sub-folder (something else wrote there): the two are copied, the folder is
+    one warning; a push whose cache folder was removed meanwhile (a tmp cleaner) is a warning, not a traceback."""
+    import parallel
+
+    mirror, env = f"{s3_bucket}/run/xla-cache/v/host-0", SimpleNamespace(compile_cache=str(tmp_path / "cache"))
+    for name in ("111", "sub/333", "222"):
+        storage.write_bytes(f"{mirror}/{name}", name.encode())
+    (tmp_path / "cache").mkdir()
+    assert parallel.pull_compile_cache(env, mirror) == {"111", "222"}
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["111", "222"]
+    said = capsys.readouterr()
+    assert "xla: 2 compiled program(s) from" in said.out and "1 entry of the compile cache" in said.err
+    (tmp_path / "cache" / "444").write_bytes(b"4")
+    pushed = {"111", "222"}
+    parallel.push_compile_cache(env, mirror, pushed)
+    assert pushed == {"111", "222", "444"} and storage.read_bytes(f"{mirror}/444") == b"4"
+    shutil.rmtree(tmp_path / "cache")
+    parallel.push_compile_cache(env, mirror, pushed)
+    assert "the compile cache could not be kept in" in capsys.readouterr().err

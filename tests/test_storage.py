@@ -285,3 +285,22 @@ def test_throttling_and_resets_are_retried_on_gcs(gcs_bucket, gcs_proxy):
         gcs_proxy.inject(r"^GET .*data%2Fshard-0.tar", fault, 1)
         assert storage.read_bytes(path, 1000, 5001) == blob[1000:5001]
     assert gcs_proxy.faults == 5
+
+
+def test_throttling_stays_transient_after_dcp_pickles_a_ranks_failure():
+    """DCP gathers each rank's write failure by pickling it, which drops its cause: all a multi-rank save sees of S3's
+    SlowDown is s3fs's OSError(EBUSY, "Please reduce your request rate."). It must still be retried (one rank's 503
+    made a 2-rank save give up at once), and a refusal must still not be."""
+    import pickle
+
+    from botocore.exceptions import ClientError
+    from s3fs.errors import translate_boto_error
+
+    for code, message, retried in (("SlowDown", "Please reduce your request rate.", True),
+                                   ("AccessDenied", "Access Denied", False)):
+        error = ClientError({"Error": {"Code": code, "Message": message}}, "PutObject")
+        try:
+            raise translate_boto_error(error) from error
+        except OSError as e:
+            seen = pickle.loads(pickle.dumps(e))
+        assert seen.__cause__ is None and storage.transient(seen) is retried, (code, repr(seen))
