@@ -40,6 +40,9 @@ def start_compile_cache(folder):
     import torch_xla
     import torch_xla.runtime as xr
 
+    if torch_xla._XLAC._xla_computation_cache_is_initialized():  # this process compiled already (tpu_check.py runs
+        # train.main after its own checks): its cache, if it set one, stays
+        return os.environ.get("XLA_PERSISTENT_CACHE_PATH", ""), "this process compiled before one was set"
     if folder == "none":
         return "", "compile_cache_dir='none'"
     if not folder and xr.device_type() == "CPU":
@@ -126,6 +129,7 @@ class Env:
             import torch_xla.runtime as xr
 
             self.compile_cache, self.compile_cache_off = start_compile_cache(cfg.get("compile_cache_dir", ""))
+            self.cache_warned = False
             xr.use_spmd()
             self.device = torch_xla.device()
             # hosts, not ranks: each reads its part of the data; gradients need no averaging (one program)
@@ -209,15 +213,20 @@ class Env:
 
         return (met.metric_data("CompileTime") or [0, 0])[1] / 1e9
 
-    def cache_counts(self):
-        """XLA's persistent compilation cache so far: {hit, miss, unreadable} (programs loaded, compiled and stored,
-        found but not loadable and compiled afresh); None without a cache."""
+    def cache_figures(self):
+        """For the log: XLA's persistent compilation cache so far, xla_cache_{hit, miss, unreadable} (programs loaded,
+        compiled and stored, found but not loadable and compiled afresh: said once); {} without a cache."""
         if self.kind != "xla" or not self.compile_cache:
-            return None
+            return {}
         import torch_xla.debug.metrics as met
 
-        return {name: met.counter_value(f"PersistentCache{counter}") or 0
-                for name, counter in (("hit", "Hit"), ("miss", "Miss"), ("unreadable", "DeserializeFailure"))}
+        counts = {f"xla_cache_{name}": met.counter_value(f"PersistentCache{counter}") or 0
+                  for name, counter in (("hit", "Hit"), ("miss", "Miss"), ("unreadable", "DeserializeFailure"))}
+        if counts["xla_cache_unreadable"] and not self.cache_warned:
+            self.cache_warned = True
+            print0(self, f"xla: warning: {counts['xla_cache_unreadable']} compiled program(s) in {self.compile_cache} "
+                   f"could not be read (another torch_xla or libtpu, or a cut file): compiled afresh")
+        return counts
 
     def all_sum(self, t):
         if self.distributed:

@@ -407,7 +407,7 @@ def injected_faults(env):
 def start_meter(raw, cfg, env):
     """What a log interval sums (loss, supervised tokens, rows, data wait, dropped samples) and the run's non-finite
     skips (device tensors under XLA, read only at log intervals), with the FLOPs of a row for MFU."""
-    meter = SimpleNamespace(nonfinite_run=0, nonfinite_worst=0, nonfinite_total=0, cache_warned=False)
+    meter = SimpleNamespace(nonfinite_run=0, nonfinite_worst=0, nonfinite_total=0)
     meter.empty_run = torch.zeros((), dtype=torch.long, device=env.device)  # steps in a row with nothing to learn
     if env.kind == "xla":
         meter.nonfinite_run, meter.nonfinite_worst, meter.nonfinite_total = (
@@ -532,12 +532,7 @@ def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader, lease
     event |= loader.figures()  # a mixture's samples and supervised tokens so far, by source
     if env.compiles() is not None:  # a count that grows after warm-up means the step recompiles: see README
         event["xla_compiles"], event["xla_compile_s"] = env.compiles(), env.compile_seconds()
-    if (cache := env.cache_counts()) is not None:  # programs loaded from a predecessor's compiles, stored, unreadable
-        event |= {f"xla_cache_{k}": v for k, v in cache.items()}
-        if cache["unreadable"] and not meter.cache_warned:
-            meter.cache_warned = True
-            print0(env, f"xla: warning: {cache['unreadable']} compiled program(s) in {env.compile_cache} could not be "
-                   f"read (another torch_xla or libtpu, or a cut file): compiled afresh")
+    event |= env.cache_figures()  # xla: programs loaded from a predecessor's compiles, stored, unreadable
     if meter.gen_rows:  # grpo, ppo: generation and training throughput apart
         event |= {"gen_samples_per_s": meter.gen_rows / meter.gen_seconds,
                   "train_samples_per_s": rows_done * meter.completions_per_prompt / max(dt - meter.gen_seconds, 1e-9)}

@@ -216,23 +216,29 @@ def check_recipes(verdict, env, cpu, work):
     for recipe, preset in RECIPES.items():
         # OneVision's run saves step 2, for the checkpoint check (a save compiles nothing: local shards are written)
         saves = ["--ckpt_interval=2", "--keep_last=5"] if recipe == resumable else ["--ckpt_interval=0"]
-        try:
-            start = time.perf_counter()
-            train.main(recipe_args(recipe, preset, shapes, work / Path(recipe).stem, rows, cpu) + ["--max_iters=3", *saves])
-            seconds, log = time.perf_counter() - start, losses(work / Path(recipe).stem)
-        except (Exception, SystemExit) as e:  # noqa: BLE001  the verdict names it; the other checks still run
-            verdict.add("recipe step", recipe, failure(e), "FAIL")
-            continue
-        finite = len(log) == 3 and all(math.isfinite(e["loss"]) for e in log)
-        verdict.add("recipe step", f"{recipe} ({preset}, {'1 layer, tiny' if cpu else '2 layers'})",
-                    "losses " + " ".join(f"{e['loss']:.4f}" for e in log) + f"; 3 steps in {seconds:.0f} s with compiles",
-                    "PASS" if finite else "FAIL")
-        compiles = [e["xla_compiles"] for e in log]
-        # steps 1 and 2 compile (the second sees AdamW's state), then one program whatever the packing and tiles
-        verdict.add("compiles after warm-up", recipe, f"running total after each step: {compiles}",
-                    "PASS" if len(compiles) == 3 and compiles[1] == compiles[2] else "FAIL")
+        three_steps(verdict, "recipe step", recipe, f"{recipe} ({preset}, {'1 layer, tiny' if cpu else '2 layers'})",
+                    recipe_args(recipe, preset, shapes, work / Path(recipe).stem, rows, cpu) + saves)
     check_checkpoint(verdict, work, shapes, rows, cpu, resumable)
     check_objectives(verdict, env, cpu, work, shapes)
+
+
+def three_steps(verdict, check, recipe, setting, argv):
+    """train.py for 3 steps with argv: a row for its losses, and one for its compile count, which grows at steps 1
+    and 2 (the second sees AdamW's state), then stays: one program whatever the packing and tiles. Whether it ran."""
+    try:
+        start = time.perf_counter()
+        train.main(argv + ["--max_iters=3"])
+        seconds, log = time.perf_counter() - start, losses(Path(config.load_config(argv)["out_dir"]))
+    except (Exception, SystemExit) as e:  # noqa: BLE001  the verdict names it; the other checks still run
+        verdict.add(check, recipe, failure(e), "FAIL")
+        return False
+    finite = len(log) == 3 and all(math.isfinite(e["loss"]) for e in log)
+    verdict.add(check, setting, "losses " + " ".join(f"{e['loss']:.4f}" for e in log) +
+                f"; 3 steps in {seconds:.0f} s with compiles", "PASS" if finite else "FAIL")
+    compiles = [e["xla_compiles"] for e in log]
+    verdict.add("compiles after warm-up", recipe, f"running total after each step: {compiles}",
+                "PASS" if len(compiles) == 3 and compiles[1] == compiles[2] else "FAIL")
+    return True
 
 
 def check_objectives(verdict, env, cpu, work, shapes):
@@ -251,21 +257,9 @@ def check_objectives(verdict, env, cpu, work, shapes):
         name = Path(recipe).stem
         argv = recipe_args(recipe, preset, shapes, work / name, rows, cpu) + [f"--init_from={init}"] + \
             [a.format(**fill) for a in extra]
-        try:
-            start = time.perf_counter()
-            train.main(argv + ["--max_iters=3", "--ckpt_interval=2", "--keep_last=5"])
-            seconds, log = time.perf_counter() - start, losses(work / name)
-        except (Exception, SystemExit) as e:  # noqa: BLE001
-            verdict.add("objective step", recipe, failure(e), "FAIL")
-            continue
-        finite = len(log) == 3 and all(math.isfinite(e["loss"]) for e in log)
-        verdict.add("objective step", f"{recipe} ({'1 layer, tiny' if cpu else '2 layers'})",
-                    "losses " + " ".join(f"{e['loss']:.4f}" for e in log) + f"; 3 steps in {seconds:.0f} s with compiles",
-                    "PASS" if finite else "FAIL")
-        compiles = [e["xla_compiles"] for e in log]
-        verdict.add("compiles after warm-up", recipe, f"running total after each step: {compiles}",
-                    "PASS" if len(compiles) == 3 and compiles[1] == compiles[2] else "FAIL")
-        check_checkpoint(verdict, work, shapes, rows, cpu, recipe, argv)
+        if three_steps(verdict, "objective step", recipe, f"{recipe} ({'1 layer, tiny' if cpu else '2 layers'})",
+                       argv + ["--ckpt_interval=2", "--keep_last=5"]):
+            check_checkpoint(verdict, work, shapes, rows, cpu, recipe, argv)
 
 
 def check_checkpoint(verdict, work, shapes, rows, cpu, recipe, argv=None):
