@@ -1,5 +1,6 @@
-"""The torch_xla SPMD path on CPU virtual devices: the same losses as the CPU eager run on four meshes and
-two stages, a flat compile count, the sharding rules, checkpoints across XLA and CPU, and mesh errors.
+"""The torch_xla SPMD path on CPU virtual devices: the same losses as the CPU eager run for both stages (on two
+meshes; four, packed rows and LoRA in make test-full), one compiled step for tiled batches of every mix, the sharding
+rules, checkpoints across XLA and CPU and across meshes, and mesh errors.
 The XLA runs share one subprocess (tests/xla_runs.py), so they neither disturb nor slow the other tests."""
 
 import json
@@ -18,9 +19,11 @@ REL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def xla(tmp_path_factory):
+def xla(request, tmp_path_factory):
+    """The CPU runs, then tests/xla_runs.py; with --full when a selected test of this module is marked full."""
     from shapes import make_shapes
 
+    full = any(item.get_closest_marker("full") for item in request.session.items if item.module is request.module)
     shapes = tmp_path_factory.mktemp("xla_shapes")
     make_shapes(shapes, n=400, seed=0, val_fraction=0.1)
     out = tmp_path_factory.mktemp("xla")
@@ -28,21 +31,22 @@ def xla(tmp_path_factory):
     for stage in (1, 2):
         cpu[stage] = out / f"cpu-stage{stage}"
         run(args(shapes, cpu[stage], f"--stage={stage}", "--max_iters=5", "--ckpt_interval=0"))
-    run(args(shapes, out / "cpu-packed", "--max_iters=5", "--ckpt_interval=0", *PACKED))
-    run(args(shapes, out / "cpu-lora", *LORA))
     run(args(shapes, out / "cpu-straight", "--max_iters=20", "--ckpt_interval=10", "--keep_last=5"))
     make_mixed(out / "mixed")
     run(args(shapes, out / "cpu-tiled", *tiled(out / "mixed")))
     (out / "xla-resume").mkdir()
     shutil.copytree(out / "cpu-straight/step-000010", out / "xla-resume/step-000010")  # the CPU run's checkpoint
-    # FSDP2 on 2 ranks writes step 10; XLA resumes it on a (2, 1, 2) mesh
-    run(args(shapes, out / "fsdp", "--max_iters=10", "--parallel=fsdp", "--micro_batch_size=4"), nproc=2)
-    (out / "xla-from-fsdp").mkdir()
-    shutil.copytree(out / "fsdp/step-000010", out / "xla-from-fsdp/step-000010")
+    if full:
+        run(args(shapes, out / "cpu-packed", "--max_iters=5", "--ckpt_interval=0", *PACKED))
+        run(args(shapes, out / "cpu-lora", *LORA))
+        # FSDP2 on 2 ranks writes step 10; XLA resumes it on a (2, 1, 2) mesh
+        run(args(shapes, out / "fsdp", "--max_iters=10", "--parallel=fsdp", "--micro_batch_size=4"), nproc=2)
+        (out / "xla-from-fsdp").mkdir()
+        shutil.copytree(out / "fsdp/step-000010", out / "xla-from-fsdp/step-000010")
     env = os.environ | {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                         "XLA_FLAGS": "--xla_backend_optimization_level=0"}  # compiles faster; the same numbers
-    r = subprocess.run([sys.executable, str(ROOT / "tests/xla_runs.py"), str(shapes), str(out)], capture_output=True,
-                       text=True, env=env, cwd=ROOT, timeout=900)
+    r = subprocess.run([sys.executable, str(ROOT / "tests/xla_runs.py"), str(shapes), str(out), *["--full"] * full],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     assert r.returncode == 0, f"{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     results = json.loads((out / "results.json").read_text())
     # and the CPU side resumes what XLA saved
@@ -91,7 +95,8 @@ def close(a, b):
     return abs(a - b) <= REL * abs(b)
 
 
-@pytest.mark.parametrize("stage,mesh", [(1, "4x1x1"), (1, "1x2x2"), (2, "1x4x1"), (2, "2x2x1")])
+@pytest.mark.parametrize("stage,mesh", [(1, "1x2x2"), (2, "2x2x1"), pytest.param(1, "4x1x1", marks=pytest.mark.full),
+                                        pytest.param(2, "1x4x1", marks=pytest.mark.full)])
 def test_xla_losses_match_cpu_eager(xla, stage, mesh):
     out, _, cpu, results = xla
     expected = list(losses(cpu[stage]).values())
@@ -100,18 +105,21 @@ def test_xla_losses_match_cpu_eager(xla, stage, mesh):
     assert all(close(g, e) for g, e in zip(got, expected)), (got, expected)
 
 
+@pytest.mark.full
 def test_xla_packed_rows_match_cpu_eager(xla):
     out, _, _, results = xla
     expected = list(losses(out / "cpu-packed").values())
     assert len(expected) == 5 and all(close(g, e) for g, e in zip(results["losses"]["packed"], expected))
 
 
+@pytest.mark.full
 def test_xla_lora_with_activation_checkpointing_matches_cpu_eager(xla):
     out, _, _, results = xla
     expected = list(losses(out / "cpu-lora").values())
     assert len(expected) == 5 and all(close(g, e) for g, e in zip(results["losses"]["lora"], expected))
 
 
+@pytest.mark.full
 def test_compile_count_is_flat_after_warmup(xla):
     _, _, _, results = xla
     compiles = results["compiles"]
@@ -165,11 +173,17 @@ def loaded_exactly(saved, written):
     return all(checkpoint_bytes(written, p) == checkpoint_bytes(saved, p) for p in ("model.", "optim."))
 
 
-def test_checkpoints_reshard_across_meshes_and_between_xla_and_fsdp2(xla, tmp_path):
-    out, shapes, _, _ = xla
-    # FSDP2 (2 ranks) -> XLA mesh (2, 1, 2), and XLA (1, 2, 2) -> XLA (4, 1, 1): every weight and moment as saved
-    assert loaded_exactly(out / "fsdp/step-000010", out / "xla-from-fsdp/step-000011")
+def test_checkpoints_reshard_across_xla_meshes(xla):
+    out = xla[0]
+    # XLA (1, 2, 2) -> XLA (4, 1, 1): every weight and moment as saved
     assert loaded_exactly(out / "xla-save/step-000010", out / "xla-remesh/step-000011")
+
+
+@pytest.mark.full  # make test: tests/test_checkpoint.py reshards FSDP2 across world sizes, the test above XLA meshes
+def test_checkpoints_reshard_between_xla_and_fsdp2(xla, tmp_path):
+    out, shapes, _, _ = xla
+    # FSDP2 (2 ranks) -> XLA mesh (2, 1, 2): every weight and moment as saved
+    assert loaded_exactly(out / "fsdp/step-000010", out / "xla-from-fsdp/step-000011")
     # XLA (1, 2, 2) -> FSDP2 on 2 ranks
     shutil.copytree(out / "xla-save/step-000010", tmp_path / "step-000010")
     r = run(args(shapes, tmp_path, "--max_iters=11", "--skip_steps=[(10, 11)]", "--init_from=resume", "--keep_last=5",
@@ -178,6 +192,7 @@ def test_checkpoints_reshard_across_meshes_and_between_xla_and_fsdp2(xla, tmp_pa
     assert loaded_exactly(out / "xla-save/step-000010", tmp_path / "step-000011")
 
 
+@pytest.mark.full
 def test_the_stock_xla_planner_loses_replicated_shards_and_ours_keeps_them(xla):
     missing = xla[3]["planner_keys"]
     assert set(missing) == {"4x1x1", "1x4x1", "1x2x2", "2x2x1", "2x1x2"}
@@ -189,6 +204,7 @@ def test_the_stock_xla_planner_loses_replicated_shards_and_ours_keeps_them(xla):
     assert missing["1x2x2"]["stock"] and missing["2x1x2"]["stock"]
 
 
+@pytest.mark.full
 def test_nonfinite_update_is_skipped_inside_the_compiled_step(xla):
     _, _, _, results = xla
     poisoned, skipped = results["xla-nan"], results["xla-skip"]

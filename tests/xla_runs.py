@@ -1,5 +1,8 @@
 """The torch_xla SPMD runs of test_xla.py, in one process on CPU virtual devices (PJRT_DEVICE=CPU
-CPU_NUM_DEVICES=4): python tests/xla_runs.py SHAPES_DIR OUT_DIR writes OUT_DIR/results.json."""
+CPU_NUM_DEVICES=4): python tests/xla_runs.py SHAPES_DIR OUT_DIR [--full] writes OUT_DIR/results.json.
+Without --full (make test): both stages on a mesh each, the tile path, checkpoints between XLA and CPU and across XLA
+meshes, the sharding rules and mesh errors. --full (make test-full) adds the other meshes, packed rows, LoRA, the
+compile count of varying data, FSDP2's checkpoint, the stock planner and a non-finite step."""
 
 import json
 import os
@@ -20,8 +23,9 @@ from model import build_model  # noqa: E402
 from model_config import vlm_preset  # noqa: E402
 
 # each mesh once, each stage on two of them (the gradient matrix in xla_grads.py covers stages x dtypes x
-# checkpointing x packing on one mesh; these runs check five-step losses across meshes)
-STAGE_MESHES = {1: ([4, 1, 1], [1, 2, 2]), 2: ([1, 4, 1], [2, 2, 1])}
+# checkpointing x packing on one mesh; these runs check five-step losses across meshes): make test runs the first
+# mesh of each stage, which between them shard over all three axes
+STAGE_MESHES = {1: ([1, 2, 2], [4, 1, 1]), 2: ([2, 2, 1], [1, 4, 1])}
 # LoRA on the LLM and the ViT's attention (stage 0: the rest of the ViT and the projector in full), under torch_xla's
 # (reentrant) activation checkpointing, which gave the ViT's adapters no gradient while its input needed none
 LORA = ["--stage=0", "--lora={'r': 4, 'alpha': 8, 'targets': ['llm', 'vision.attn']}", "--max_iters=5", "--ckpt_interval=0"]
@@ -100,28 +104,15 @@ def planner_keys(out):
     return missing
 
 
-def main(shapes, out):
+def main(shapes, out, full):
     results = {"losses": {}, "sharding": {}, "mesh_errors": {}}
     for stage, meshes in STAGE_MESHES.items():
-        for mesh in meshes:
+        for mesh in meshes if full else meshes[:1]:
             d = out / f"stage{stage}-{'x'.join(map(str, mesh))}"
             checkpointing = mesh == [2, 2, 1]  # torch_xla's activation checkpointing must not change the losses
             train.main(common(shapes, d) + [f"--stage={stage}", "--max_iters=5", "--ckpt_interval=0", f"--mesh={mesh}",
                                             f"--activation_checkpointing={checkpointing}"])
             results["losses"][d.name] = [e["loss"] for e in log(d) if "loss" in e]
-
-    # packed rows: the dense document mask is the static-shape form XLA compiles
-    train.main(common(shapes, out / "xla-packed") + ["--max_iters=5", "--ckpt_interval=0", "--mesh=[2,2,1]", *PACKED])
-    results["losses"]["packed"] = [e["loss"] for e in log(out / "xla-packed") if "loss" in e]
-
-    train.main(common(shapes, out / "xla-lora") + LORA + ["--mesh=[1,2,2]", "--activation_checkpointing=True"])
-    results["losses"]["lora"] = [e["loss"] for e in log(out / "xla-lora") if "loss" in e]
-
-    # compiles: 10 steps of varying data (stage 0, with a dropped sample or two from a short seq_len)
-    d = out / "compiles"
-    train.main(common(shapes, d) + ["--max_iters=10", "--ckpt_interval=0", "--mesh=[2,2,1]", "--seq_len=24"])
-    results["compiles"] = [e["xla_compiles"] for e in log(d) if "loss" in e]
-    results["dropped"] = sum(e.get("dropped_samples", 0) for e in log(d))
 
     # the tile path: one compiled step whatever a batch's image counts and grids, the CPU eager losses
     d = out / "xla-tiled"
@@ -143,13 +134,41 @@ def main(shapes, out):
     for name in ("xla-xla", "xla-straight"):
         results[name] = {e["step"]: e["loss"] for e in log(out / name) if "loss" in e}
 
-    # resharding on load: FSDP2's (2 ranks, test_xla.py) and XLA's own step 10 on other meshes. Iteration 10 is
+    # resharding on load: XLA's own step 10 on another mesh, and FSDP2's (2 ranks, test_xla.py). Iteration 10 is
     # skipped (its batch consumed, nothing trained), so step 11 holds exactly what the load produced
-    for name, mesh in (("xla-from-fsdp", "[2,1,2]"), ("xla-remesh", "[4,1,1]")):
-        if name == "xla-remesh":
-            shutil.copytree(out / "xla-save/step-000010", out / name / "step-000010")
+    shutil.copytree(out / "xla-save/step-000010", out / "xla-remesh/step-000010")
+    for name, mesh in (("xla-remesh", "[4,1,1]"), ("xla-from-fsdp", "[2,1,2]"))[:2 if full else 1]:
         train.main(common(shapes, out / name) + ["--max_iters=11", "--skip_steps=[(10, 11)]", f"--mesh={mesh}",
                                                  "--init_from=resume", "--keep_last=5"])
+    for mesh in ([1, 2, 2], [1, 4, 1]):
+        results["sharding"]["x".join(map(str, mesh))] = shard_shapes(mesh)
+    for bad in ("[3,1,1]", "[-1,-1,1]", "[1,2]", "[2,2,2]"):
+        try:
+            train.main(common(shapes, out / "bad") + [f"--mesh={bad}", "--max_iters=1"])
+            results["mesh_errors"][bad] = None
+        except SystemExit as e:
+            results["mesh_errors"][bad] = str(e)
+    if full:
+        full_runs(shapes, out, results)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+
+
+def full_runs(shapes, out, results):
+    """What make test-full adds: packed rows, LoRA, the compile count of varying data, the stock planner, a
+    non-finite step."""
+    # packed rows: the dense document mask is the static-shape form XLA compiles
+    train.main(common(shapes, out / "xla-packed") + ["--max_iters=5", "--ckpt_interval=0", "--mesh=[2,2,1]", *PACKED])
+    results["losses"]["packed"] = [e["loss"] for e in log(out / "xla-packed") if "loss" in e]
+
+    train.main(common(shapes, out / "xla-lora") + LORA + ["--mesh=[1,2,2]", "--activation_checkpointing=True"])
+    results["losses"]["lora"] = [e["loss"] for e in log(out / "xla-lora") if "loss" in e]
+
+    # compiles: 10 steps of varying data (stage 0, with a dropped sample or two from a short seq_len)
+    d = out / "compiles"
+    train.main(common(shapes, d) + ["--max_iters=10", "--ckpt_interval=0", "--mesh=[2,2,1]", "--seq_len=24"])
+    results["compiles"] = [e["xla_compiles"] for e in log(d) if "loss" in e]
+    results["dropped"] = sum(e.get("dropped_samples", 0) for e in log(d))
+
     results["planner_keys"] = planner_keys(out / "planner")
 
     # a non-finite loss at iteration 2 (test-only hook): the update is undone inside the compiled step
@@ -161,16 +180,6 @@ def main(shapes, out):
     for name in ("xla-nan", "xla-skip"):
         results[name] = {e["step"]: e["loss"] for e in log(out / name) if "loss" in e}
 
-    for mesh in ([1, 2, 2], [1, 4, 1]):
-        results["sharding"]["x".join(map(str, mesh))] = shard_shapes(mesh)
-    for bad in ("[3,1,1]", "[-1,-1,1]", "[1,2]", "[2,2,2]"):
-        try:
-            train.main(common(shapes, out / "bad") + [f"--mesh={bad}", "--max_iters=1"])
-            results["mesh_errors"][bad] = None
-        except SystemExit as e:
-            results["mesh_errors"][bad] = str(e)
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    main(Path(sys.argv[1]), Path(sys.argv[2]), full="--full" in sys.argv[3:])
