@@ -116,6 +116,7 @@ def test_two_process_run_matches_single_and_resumes_exactly(shapes, single_run, 
     assert weights(b / "step-000020") == weights(a / "step-000020")
 
 
+@pytest.mark.full  # make test: the process group's SIGTERM below, which checkpoints and resumes bit for bit
 def test_sigterm_finishes_the_step_checkpoints_and_resumes(shapes, tmp_path):
     cmd = [sys.executable, str(ROOT / "train.py"), *args(shapes, tmp_path, "--max_iters=100000", "--ckpt_interval=0")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
@@ -166,6 +167,7 @@ def torchrun_workers(torchrun_pid):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # make test: tests/test_scripts.py's SLURM job, whose torchrun worker is SIGKILLed mid-write
 def test_torchrun_stop_checkpoint_survives_the_sigkill_after_the_grace_period(shapes, ddp_run, tmp_path):
     # torchrun forwards SIGTERM to each worker's group and SIGKILLs them 30 s later (hard-coded in torch 2.9);
     # a stop checkpoint slower than that (LLAVAX_TEST_SLOW_CHECKPOINT: a slow disk) must still be completed
