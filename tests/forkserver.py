@@ -1,12 +1,14 @@
 """Run our command lines (python train.py, sample.py, convert.py, -m torch.distributed.run, -c CODE) as real
 processes, forked from one that has already imported torch: each `python train.py` of the tests spent ~4.5 s of its
-~7 s importing, on one core. (torchrun's workers are its own cold starts.)
+~7 s importing, on one core. torchrun's launcher, run here, forks its workers in the same way (forked_worker below)
+instead of starting a cold `python -u train.py` each: a 2-rank run of 10 steps took 23 s of CPU, 2 of them training.
 
 The child is a real process: its own pid, the given argv, environment and working directory, fds 1 and 2 to files,
 the script run as __main__ by runpy, and an uncaught exception or SystemExit ends it as the interpreter ends any
 script (a traceback or the message on stderr, the exit status). What it shares with its parent is only the state
 after the imports (torch's thread count included: the server runs with OMP_NUM_THREADS=1, as the tests' runs do).
-An import-time failure of a script would not show here: tests/test_train.py's other launches start it cold.
+An import-time failure of a script would not show here: tests/test_train.py's other launches start it cold, and so
+do the torchrun launches that tests/test_checkpoint.py, test_train.py and test_scripts.py (SLURM) make themselves.
 
 Protocol: one JSON line a request on stdin ({"jobs": [{argv, env, cwd, stdout, stderr, timeout}], "parallel": n}),
 one JSON line of exit statuses back on stdout, in job order."""
@@ -21,6 +23,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,8 +43,17 @@ def child(job, reply_fd):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
     signal.alarm(int(job["timeout"]))  # a hung run dies with SIGALRM (status -14) instead of hanging the suite
     argv = job["argv"]
+    if argv[:2] == ["-m", "torch.distributed.run"]:
+        from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+        subprocess_handler.SubprocessHandler._popen = forked_worker
+    run_script(argv, job["cwd"])
+
+
+def run_script(argv, cwd):
+    """What `python ARGV...` runs, in this process."""
     if argv[0] == "-m":  # python -m module args: sys.argv[0] becomes the module's file, sys.path[0] the cwd
-        sys.argv, sys.path[:] = [argv[1], *argv[2:]], [job["cwd"], *PATH]
+        sys.argv, sys.path[:] = [argv[1], *argv[2:]], [cwd, *PATH]
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
     elif argv[0] == "-c":  # python -c code args
         sys.argv, sys.path[:] = ["-c", *argv[2:]], ["", *PATH]
@@ -47,6 +61,79 @@ def child(job, reply_fd):
     else:
         sys.argv, sys.path[:] = list(argv), [str(Path(argv[0]).resolve().parent), *PATH]
         runpy.run_path(argv[0], run_name="__main__")
+
+
+class Worker:
+    """The part of a subprocess.Popen that torchrun's SubprocessHandler uses, for a forked worker."""
+
+    def __init__(self, pid):
+        self.pid, self.returncode = pid, None
+
+    def poll(self):
+        if self.returncode is None and (done := os.waitpid(self.pid, os.WNOHANG))[0]:
+            self.returncode = os.waitstatus_to_exitcode(done[1])
+        return self.returncode
+
+    def wait(self, timeout=None):
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if end is not None and time.monotonic() > end:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def send_signal(self, sig):
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self):
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+
+def forked_worker(handler, args, env):
+    """torchrun's SubprocessHandler._popen(args=(python, -u, script, ...), env): the worker forked from the launcher
+    (its imports done) where Popen(args, env=env, start_new_session=True) would start a cold interpreter. The worker
+    starts as an exec'd one would: its own session, default signal handlers, none of the launcher's atexit handlers,
+    fds 1 and 2 to the handler's files if it has them; it ends with os._exit, so that the launcher's own stack (its
+    finally blocks, which stop workers) never unwinds in it."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    pid = os.fork()
+    if pid:
+        return Worker(pid)
+    code = 1
+    try:
+        os.setsid()
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        atexit._clear()
+        for fd, file in ((1, handler._stdout), (2, handler._stderr)):
+            if file is not None:
+                os.dup2(file.fileno(), fd)
+        os.environ.clear()
+        os.environ.update(env)
+        python, *argv = args
+        assert python == sys.executable and argv[0] == "-u", args
+        run_script(argv[1:], os.getcwd())
+        code = 0
+    except SystemExit as e:  # as the interpreter ends on one: its code, or its message on stderr and 1
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        try:
+            threading._shutdown()  # the interpreter's exit: non-daemon threads joined, then atexit, then streams
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
 
 
 def serve():
