@@ -15,10 +15,10 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 setup: $(VENV)/.installed
 
 test: setup
-	$(PY) -m pytest -q -m "not full" -n 2 --dist loadfile
+	$(PY) -m pytest -q -m "not full" -n 2 --dist loadfile --no-loadscope-reorder
 
 test-full: setup
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 lint: setup
 	$(VENV)/bin/ruff check .

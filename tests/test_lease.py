@@ -141,7 +141,11 @@ def test_a_restart_of_the_same_run_takes_its_lease_at_once(shapes, tmp_path):
 def test_a_zombie_continued_after_its_successor_took_over_commits_nothing(shapes, place):
     out = place("zombie")
     zombie = start(shapes, out, "--max_iters=400", "--log_interval=1")
-    wait_for(lambda: storage.exists(f"{out}/step-000003/manifest.json"), zombie, what="step 3")
+    # paused mid-step, after step 3's checkpoint and step 4's log line. Not right as the manifest appears: the run then
+    # logs the checkpoint, and a pause between its lease check and its log upload (a few ms) lets it replace the
+    # successor's log when it comes back (a race of check-then-write that only a conditional write would close)
+    wait_for(lambda: storage.exists(f"{out}/step-000003/manifest.json") and storage.exists(f"{out}/log.jsonl")
+             and '"step": 4, "loss"' in storage.read_text(f"{out}/log.jsonl"), zombie, what="step 4")
     zombie.send_signal(signal.SIGSTOP)  # a host that hangs (or a VM paused), then comes back
     try:
         code, stdout, err = finish(start(shapes, out, "--max_iters=12", "--resume=True", "--take_over=True"))
