@@ -10,8 +10,10 @@ after the imports (torch's thread count included: the server runs with OMP_NUM_T
 An import-time failure of a script would not show here: tests/test_train.py's other launches start it cold, and so
 do the torchrun launches that tests/test_checkpoint.py, test_train.py and test_scripts.py (SLURM) make themselves.
 
-Protocol: one JSON line a request on stdin ({"jobs": [{argv, env, cwd, stdout, stderr, timeout}], "parallel": n}),
-one JSON line of exit statuses back on stdout, in job order."""
+Protocol: one JSON line a request on stdin, one JSON line back on stdout: {"jobs": [{argv, env, cwd, stdout, stderr,
+timeout}], "parallel": n} runs them and answers their exit statuses in job order; {"spawn": job} starts one and
+answers {"pid": pid} at once (spawn(): a test that signals it or waits for what it writes), {"poll": pid} answers its
+{"status"}, null while it runs."""
 
 import atexit
 import gc
@@ -148,23 +150,47 @@ def serve():
     gc.freeze()  # the imports stay out of the children's garbage collections: fewer copy-on-write pages
 
     reply = os.fdopen(os.dup(1), "w")
+    spawned = {}  # pid -> exit status (None while it runs) of the children started by {"spawn"}
+
+    def fork(job):
+        reply.flush()
+        pid = os.fork()
+        if pid == 0:
+            child(job, reply.fileno())
+            sys.exit(0)  # the script returned: exit as the interpreter does (atexit handlers, flushed streams)
+        return pid
+
+    def reap():
+        """The next child to end: (pid, its exit status); a spawned one's is kept for its poll."""
+        pid, code = os.wait()
+        if pid in spawned:
+            spawned[pid] = os.waitstatus_to_exitcode(code)
+        return pid, os.waitstatus_to_exitcode(code)
+
     for line in sys.stdin:
         request = json.loads(line)
-        jobs, running, status = request["jobs"], {}, {}
-        for i, job in enumerate(jobs):
-            while len(running) >= request["parallel"]:
-                pid, code = os.wait()
-                status[running.pop(pid)] = os.waitstatus_to_exitcode(code)
-            reply.flush()
-            pid = os.fork()
-            if pid == 0:
-                child(job, reply.fileno())
-                sys.exit(0)  # the script returned: exit as the interpreter does (atexit handlers, flushed streams)
-            running[pid] = i
-        while running:
-            pid, code = os.wait()
-            status[running.pop(pid)] = os.waitstatus_to_exitcode(code)
-        reply.write(json.dumps([status[i] for i in range(len(jobs))]) + "\n")
+        if "spawn" in request:
+            spawned[pid := fork(request["spawn"])] = None
+            answer = {"pid": pid}
+        elif "poll" in request:
+            pid = request["poll"]
+            if spawned[pid] is None and (done := os.waitpid(pid, os.WNOHANG))[0]:
+                spawned[pid] = os.waitstatus_to_exitcode(done[1])
+            answer = {"status": spawned[pid]}
+        else:
+            jobs, running, status = request["jobs"], {}, {}
+            for i, job in enumerate(jobs):
+                while len(running) >= request["parallel"]:
+                    pid, code = reap()
+                    if pid in running:
+                        status[running.pop(pid)] = code
+                running[fork(job)] = i
+            while running:
+                pid, code = reap()
+                if pid in running:
+                    status[running.pop(pid)] = code
+            answer = [status[i] for i in range(len(jobs))]
+        reply.write(json.dumps(answer) + "\n")
         reply.flush()
 
 
@@ -188,30 +214,80 @@ def stop(server):
     server.wait(timeout=60)
 
 
-def run_many(cmds, env, cwd=ROOT, timeout=300, parallel=1):
-    """Run each cmd ([sys.executable, script | -m module | -c code, *args]) in a child of the server, `parallel` at a
-    time; a list of subprocess.CompletedProcess (text stdout, stderr) as subprocess.run(..., capture_output=True) gives."""
-    if env.get("OMP_NUM_THREADS") != "1":
-        raise ValueError("the fork server's children run torch with one thread: pass OMP_NUM_THREADS=1")
-    start()
-    tmp = Path(tempfile.mkdtemp(prefix="forkserver-"))
-    jobs = [{"argv": [str(a) for a in cmd[1:]], "env": dict(env), "cwd": str(cwd), "stdout": str(tmp / f"{i}.out"),
-             "stderr": str(tmp / f"{i}.err"), "timeout": timeout} for i, cmd in enumerate(cmds)]
-    assert all(cmd[0] == sys.executable for cmd in cmds), cmds
-    _server.stdin.write(json.dumps({"jobs": jobs, "parallel": parallel}) + "\n")
+def ask(request):
+    _server.stdin.write(json.dumps(request) + "\n")
     _server.stdin.flush()
     line = _server.stdout.readline()
     if not line:
         raise RuntimeError(f"tests/forkserver.py died (exit status {_server.wait()})")
-    results = [subprocess.CompletedProcess(cmd, code, Path(job["stdout"]).read_text(errors="replace"),
-                                           Path(job["stderr"]).read_text(errors="replace"))
-               for cmd, job, code in zip(cmds, jobs, json.loads(line))]
+    return json.loads(line)
+
+
+def job(cmd, env, cwd, folder, name, timeout):
+    assert cmd[0] == sys.executable, cmd
+    if env.get("OMP_NUM_THREADS") != "1":
+        raise ValueError("the fork server's children run torch with one thread: pass OMP_NUM_THREADS=1")
+    return {"argv": [str(a) for a in cmd[1:]], "env": dict(env), "cwd": str(cwd), "stdout": str(folder / f"{name}.out"),
+            "stderr": str(folder / f"{name}.err"), "timeout": timeout}
+
+
+def run_many(cmds, env, cwd=ROOT, timeout=300, parallel=1):
+    """Run each cmd ([sys.executable, script | -m module | -c code, *args]) in a child of the server, `parallel` at a
+    time; a list of subprocess.CompletedProcess (text stdout, stderr) as subprocess.run(..., capture_output=True) gives."""
+    start()
+    tmp = Path(tempfile.mkdtemp(prefix="forkserver-"))
+    jobs = [job(cmd, env, cwd, tmp, i, timeout) for i, cmd in enumerate(cmds)]
+    results = [subprocess.CompletedProcess(cmd, code, Path(j["stdout"]).read_text(errors="replace"),
+                                           Path(j["stderr"]).read_text(errors="replace"))
+               for cmd, j, code in zip(cmds, jobs, ask({"jobs": jobs, "parallel": parallel}))]
     shutil.rmtree(tmp, ignore_errors=True)
     return results
 
 
 def run(cmd, env, cwd=ROOT, timeout=300):
     return run_many([cmd], env, cwd, timeout)[0]
+
+
+class Spawned:
+    """A command started by spawn(): what the tests use of a subprocess.Popen with text stdout and stderr pipes (pid,
+    poll, wait, communicate, send_signal, kill); its output is read when it has ended."""
+
+    def __init__(self, cmd, env, cwd, timeout):
+        start()
+        self.folder = Path(tempfile.mkdtemp(prefix="forkserver-"))
+        self.job = job(cmd, env, cwd, self.folder, "spawned", timeout)
+        self.pid, self.returncode = ask({"spawn": self.job})["pid"], None
+
+    def poll(self):
+        if self.returncode is None:
+            self.returncode = ask({"poll": self.pid})["status"]
+        return self.returncode
+
+    def wait(self, timeout=None):
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if end is not None and time.monotonic() > end:
+                raise subprocess.TimeoutExpired(self.job["argv"], timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+    def communicate(self, timeout=None):
+        self.wait(timeout)
+        out, err = (Path(self.job[k]).read_text(errors="replace") for k in ("stdout", "stderr"))
+        shutil.rmtree(self.folder, ignore_errors=True)
+        return out, err
+
+    def send_signal(self, sig):
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+
+def spawn(cmd, env, cwd=ROOT, timeout=300):
+    """Start cmd in a child of the server and return at once (a Spawned)."""
+    return Spawned(cmd, env, cwd, timeout)
 
 
 if __name__ == "__main__":

@@ -5,14 +5,14 @@ its successor took over commits nothing."""
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import forkserver
 import pytest
 from conftest import ROOT, checkpoint_bytes
-from test_train import args
+from test_train import args, run
 
 import checkpoint
 import lease
@@ -25,9 +25,9 @@ def shapes(shapes_data):
 
 
 def start(shapes, out, *extra, env=None):
+    """train.py started in a process forked after the imports (tests/forkserver.py), running while the test goes on."""
     cmd = [sys.executable, str(ROOT / "train.py"), *args(shapes, out, "--ckpt_interval=3", "--keep_last=10", *extra)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env=os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"} | (env or {}))
+    return forkserver.spawn(cmd, os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"} | (env or {}))
 
 
 def finish(proc, timeout=240):
@@ -81,8 +81,7 @@ def test_a_killed_runs_lease_is_taken_and_the_resume_is_bit_for_bit(shapes, plac
     """SIGKILLed (the OOM killer, a lost node): no stop path, its lease stays. On this host its process is gone, so a
     resume takes the lease at once; the run ends bit for bit as an uninterrupted one."""
     out, straight = place("killed"), tmp_path / "straight"
-    subprocess.run([sys.executable, str(ROOT / "train.py"), *args(shapes, straight, "--max_iters=9", "--ckpt_interval=3")],
-                   check=True, capture_output=True, env=os.environ | {"OMP_NUM_THREADS": "1"}, cwd=ROOT)
+    run(args(shapes, straight, "--max_iters=9", "--ckpt_interval=3"))
     proc = start(shapes, out, "--max_iters=200")
     wait_for(lambda: storage.exists(f"{out}/step-000003/manifest.json"), proc, what="step 3")
     proc.kill()
