@@ -66,7 +66,7 @@ def run_script(argv, cwd):
 
 
 class Worker:
-    """The part of a subprocess.Popen that torchrun's SubprocessHandler uses, for a forked worker."""
+    """The part of a subprocess.Popen that torchrun's SubprocessHandler uses, for a worker this process forked."""
 
     def __init__(self, pid):
         self.pid, self.returncode = pid, None
@@ -248,27 +248,19 @@ def run(cmd, env, cwd=ROOT, timeout=300):
     return run_many([cmd], env, cwd, timeout)[0]
 
 
-class Spawned:
-    """A command started by spawn(): what the tests use of a subprocess.Popen with text stdout and stderr pipes (pid,
-    poll, wait, communicate, send_signal, kill); its output is read when it has ended."""
+class Spawned(Worker):
+    """A command started by spawn(): what the tests use of a subprocess.Popen with text stdout and stderr pipes (a
+    Worker whose exit status the server collects, and communicate); its output is read when it has ended."""
 
     def __init__(self, cmd, env, cwd, timeout):
         start()
         self.folder = Path(tempfile.mkdtemp(prefix="forkserver-"))
         self.job = job(cmd, env, cwd, self.folder, "spawned", timeout)
-        self.pid, self.returncode = ask({"spawn": self.job})["pid"], None
+        super().__init__(ask({"spawn": self.job})["pid"])
 
     def poll(self):
         if self.returncode is None:
             self.returncode = ask({"poll": self.pid})["status"]
-        return self.returncode
-
-    def wait(self, timeout=None):
-        end = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if end is not None and time.monotonic() > end:
-                raise subprocess.TimeoutExpired(self.job["argv"], timeout)
-            time.sleep(0.05)
         return self.returncode
 
     def communicate(self, timeout=None):
@@ -276,13 +268,6 @@ class Spawned:
         out, err = (Path(self.job[k]).read_text(errors="replace") for k in ("stdout", "stderr"))
         shutil.rmtree(self.folder, ignore_errors=True)
         return out, err
-
-    def send_signal(self, sig):
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def kill(self):
-        self.send_signal(signal.SIGKILL)
 
 
 def spawn(cmd, env, cwd=ROOT, timeout=300):
