@@ -16,9 +16,11 @@ answers {"pid": pid} at once (spawn(): a test that signals it or waits for what 
 {"status"}, null while it runs."""
 
 import atexit
+import faulthandler
 import gc
 import json
 import os
+import random
 import runpy
 import shutil
 import signal
@@ -28,7 +30,11 @@ import tempfile
 import threading
 import time
 import traceback
+import weakref
 from pathlib import Path
+
+import numpy as np
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 PATH = sys.path[1:]  # as `python script.py` has it, after the script's own folder
@@ -48,6 +54,8 @@ def child(job, reply_fd):
     if argv[:2] == ["-m", "torch.distributed.run"]:
         from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
 
+        global handler_popen
+        handler_popen = subprocess_handler.SubprocessHandler._popen  # for a worker command that is not `python -u`
         subprocess_handler.SubprocessHandler._popen = forked_worker
     run_script(argv, job["cwd"])
 
@@ -95,37 +103,65 @@ class Worker:
         self.send_signal(signal.SIGKILL)
 
 
+AT_EXIT = []  # the atexit handlers the server's imports registered: a cold interpreter's imports register them too
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM)
+
+
 def forked_worker(handler, args, env):
     """torchrun's SubprocessHandler._popen(args=(python, -u, script, ...), env): the worker forked from the launcher
-    (its imports done) where Popen(args, env=env, start_new_session=True) would start a cold interpreter. The worker
-    starts as an exec'd one would: its own session, default signal handlers, none of the launcher's atexit handlers,
-    fds 1 and 2 to the handler's files if it has them; it ends with os._exit, so that the launcher's own stack (its
-    finally blocks, which stop workers) never unwinds in it."""
+    (its imports done) where Popen(args, env=env, start_new_session=True) would start a cold interpreter. Returns once
+    the worker is set up as an exec'd one would be: its own session, default signal handlers (signals blocked until
+    then), the atexit handlers of the imports but none of the launcher's, fresh random seeds, fds 1 and 2 to the
+    handler's files if it has them. It ends with os._exit, so that the launcher's own stack (its finally blocks, which
+    stop workers) never unwinds in it. Not as a cold start: Python's string hashes are the launcher's on every rank
+    (an order of a set of str that differs between ranks shows only in the cold torchrun launches), it holds the
+    launcher's other fds (its store's sockets), and its command line in /proc is the fork server's."""
+    if argv_of(args) is None:
+        return handler_popen(handler, args, env)
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
+    ready_r, ready_w = os.pipe()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
     pid = os.fork()
     if pid:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        os.close(ready_w)
+        os.read(ready_r, 1)  # set up (or dead): Popen returns after the exec too
+        os.close(ready_r)
         return Worker(pid)
     code = 1
     try:
+        os.close(ready_r)
         os.setsid()
-        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for sig in SIGNALS:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
         atexit._clear()
+        weakref.finalize._registered_with_atexit = False
+        for func, a, kw in AT_EXIT:
+            atexit.register(func, *a, **kw)
+        if not os.environ.get("PYTHONFAULTHANDLER"):
+            faulthandler.disable()  # torchrun's @record enabled it in the launcher
+        random.seed()
+        torch.seed()
+        np.random.seed()
         for fd, file in ((1, handler._stdout), (2, handler._stderr)):
             if file is not None:
                 os.dup2(file.fileno(), fd)
         os.environ.clear()
         os.environ.update(env)
-        python, *argv = args
-        assert python == sys.executable and argv[0] == "-u", args
-        run_script(argv[1:], os.getcwd())
+        os.write(ready_w, b"1")
+        os.close(ready_w)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        run_script(argv_of(args), os.getcwd())
         code = 0
     except SystemExit as e:  # as the interpreter ends on one: its code, or its message on stderr and 1
         code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
         if not isinstance(e.code, int) and e.code is not None:
             print(e.code, file=sys.stderr)
+    except KeyboardInterrupt:  # the interpreter ends by SIGINT (status -2)
+        traceback.print_exc()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     except BaseException:
         traceback.print_exc()
     finally:
@@ -138,14 +174,23 @@ def forked_worker(handler, args, env):
             os._exit(code)
 
 
+def argv_of(args):
+    """`python -u script args...` as torchrun starts a worker: [script, args...]; None for another command."""
+    return list(args[2:]) if len(args) > 2 and args[0] == sys.executable and args[1] == "-u" else None
+
+
 def serve():
     sys.path.insert(0, str(ROOT))
+    register = atexit.register
+    atexit.register = lambda func, *a, **kw: AT_EXIT.append((func, a, kw)) or register(func, *a, **kw)
     import sentencepiece  # noqa: F401  what train.py, sample.py and convert.py import at start or first use
     import torch._dynamo  # noqa: F401  what building a model on the meta device imports first (~1.6 s of a 3 s run)
 
     import convert  # noqa: F401
     import sample  # noqa: F401
     import train  # noqa: F401
+
+    atexit.register = register
 
     gc.freeze()  # the imports stay out of the children's garbage collections: fewer copy-on-write pages
 
@@ -174,9 +219,12 @@ def serve():
             answer = {"pid": pid}
         elif "poll" in request:
             pid = request["poll"]
-            if spawned[pid] is None and (done := os.waitpid(pid, os.WNOHANG))[0]:
-                spawned[pid] = os.waitstatus_to_exitcode(done[1])
-            answer = {"status": spawned[pid]}
+            if pid not in spawned:  # a child of a server that has died since
+                answer = {"error": f"pid {pid} is no child of this fork server"}
+            else:
+                if spawned[pid] is None and (done := os.waitpid(pid, os.WNOHANG))[0]:
+                    spawned[pid] = os.waitstatus_to_exitcode(done[1])
+                answer = {"status": spawned[pid]}
         else:
             jobs, running, status = request["jobs"], {}, {}
             for i, job in enumerate(jobs):
@@ -260,7 +308,10 @@ class Spawned(Worker):
 
     def poll(self):
         if self.returncode is None:
-            self.returncode = ask({"poll": self.pid})["status"]
+            answer = ask({"poll": self.pid})
+            if "error" in answer:
+                raise RuntimeError(answer["error"])
+            self.returncode = answer["status"]
         return self.returncode
 
     def communicate(self, timeout=None):
