@@ -103,6 +103,7 @@ class Worker:
         self.send_signal(signal.SIGKILL)
 
 
+handler_popen = None  # torch's SubprocessHandler._popen, set where child() replaces it with forked_worker
 AT_EXIT = []  # the atexit handlers the server's imports registered: a cold interpreter's imports register them too
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM)
 
@@ -129,7 +130,7 @@ def forked_worker(handler, args, env):
         os.read(ready_r, 1)  # set up (or dead): Popen returns after the exec too
         os.close(ready_r)
         return Worker(pid)
-    code = 1
+    code, interrupted = 1, False
     try:
         os.close(ready_r)
         os.setsid()
@@ -139,7 +140,7 @@ def forked_worker(handler, args, env):
         weakref.finalize._registered_with_atexit = False
         for func, a, kw in AT_EXIT:
             atexit.register(func, *a, **kw)
-        if not os.environ.get("PYTHONFAULTHANDLER"):
+        if not env.get("PYTHONFAULTHANDLER"):
             faulthandler.disable()  # torchrun's @record enabled it in the launcher
         random.seed()
         torch.seed()
@@ -155,13 +156,13 @@ def forked_worker(handler, args, env):
         run_script(argv_of(args), os.getcwd())
         code = 0
     except SystemExit as e:  # as the interpreter ends on one: its code, or its message on stderr and 1
-        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-        if not isinstance(e.code, int) and e.code is not None:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
             print(e.code, file=sys.stderr)
-    except KeyboardInterrupt:  # the interpreter ends by SIGINT (status -2)
+    except KeyboardInterrupt:  # the interpreter ends by SIGINT (status -2), after its atexit handlers
         traceback.print_exc()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
+        interrupted = True
     except BaseException:
         traceback.print_exc()
     finally:
@@ -170,6 +171,9 @@ def forked_worker(handler, args, env):
             atexit._run_exitfuncs()
             sys.stdout.flush()
             sys.stderr.flush()
+            if interrupted:
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGINT)
         finally:
             os._exit(code)
 
