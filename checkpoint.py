@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
@@ -182,25 +182,39 @@ class HashedStream:
         return self.stream.write(data)
 
 
+class BucketFiles(FsspecFileSystem):
+    """DCP's file system on a bucket: storage.py's fsspec instance, and every path a bucket/key. torch's own makes its
+    instance from the URL with fsspec's url_to_fs, which reads :: anywhere in a key as a chain of file systems
+    (s3://b/run::v2 failed every checkpoint) and gcsfs reads #N or ?generation=N as an object's version."""
+
+    def __init__(self, fs):
+        self.fs = fs
+
+    def init_path(self, path, **kwargs):
+        return path
+
+    def rm_file(self, path):  # not fsspec's rm: it expands [ * ? in a key as a pattern, removing what that matches
+        self.fs.rm_file(path)
+
+
 def dcp_writer(path, guard=None):
     """DCP's writer for a step directory, local or in a bucket, its files hashed as written (HashedStreams)."""
     if storage.is_url(path):
-        # not sync_files: on a remote stream it calls os.sync(); an object is durable once its upload completes.
-        # The options go to the writer itself: DCP's reset(checkpoint_id) would drop them (REFERENCES.md 13)
-        writer = FsspecWriter(str(path), single_file_per_rank=True, sync_files=False,
-                              **storage.options(path, one_attempt=True))
+        # not sync_files: on a remote stream it calls os.sync(); an object is durable once its upload completes. Its
+        # clients try each request once: Checkpointer.write_shards writes the step again as a whole
+        writer = dcp.FileSystemWriter(storage.key(path), single_file_per_rank=True, sync_files=False)
+        writer.fs, writer.path = BucketFiles(storage.filesystem(path, one_attempt=True)), storage.key(path)
     else:
         writer = dcp.FileSystemWriter(str(path), sync_files=True, single_file_per_rank=True)
-    if storage.is_url(path):
-        storage.one_attempt_only(writer.fs.fs, path)  # DCP's fsspec instance (its FileSystem's .fs): only its writers'
     writer.fs = HashedStreams(writer.fs, in_place=storage.is_url(path) or storage.write_once(path), guard=guard)
     return writer
 
 
 def dcp_reader(path):
+    reader = dcp.FileSystemReader(storage.key(path) if storage.is_url(path) else str(path))
     if storage.is_url(path):
-        return FsspecReader(str(path), **storage.options(path))
-    return dcp.FileSystemReader(str(path))
+        reader.fs, reader.path = BucketFiles(storage.filesystem(path)), storage.key(path)
+    return reader
 
 
 def read_json(path):
@@ -483,14 +497,6 @@ def one_line(e):
     return f"{type(found).__name__}: {' '.join(str(found).split())[:200]}"
 
 
-def checkpoints_or_none(out):
-    try:
-        found = checkpoints(out)
-    except OSError:  # the storage that failed the write does not answer a listing either
-        return "unknown (out_dir cannot be listed now)"
-    return found[-1] if found else "none"
-
-
 def tokenizer_files(tokenizer):
     """{name in a step: its source} of a run's tokenizer, as chat.Tokenizer reads it: the tokenizer file (the one
     named, or in the folder named) and the tokenizer_config.json beside it (sentencepiece's legacy flag, the special
@@ -514,17 +520,27 @@ class Checkpointer:
         # a write that failed on its storage (an outage, a stalled upload): said, not committed, training goes on and
         # the next save tries again; max_failed_checkpoints of them in a row stop the run
         self.failed, self.failed_in_a_row = None, 0
+        self.committed = None  # the newest step this run knows committed (its resume point, then its own): named when
+        # a write fails, without asking a storage that may be what failed
         self.lease = lease  # rank 0's: out_dir's lease (lease.py), looked at before a step is written and committed
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
 
-    def wait(self):
+    def last_committed(self):
+        return str(self.committed) if self.committed else "none"
+
+    def wait(self, final=False):
         """Block until the write in flight (if any) is committed. One refused (non-finite values, a lost lease) stops
-        the run, named; one whose storage failed is said and skipped, until max_failed_checkpoints in a row."""
+        the run, named; one whose storage failed is said and skipped, until max_failed_checkpoints in a row. final:
+        the run's last write (its last step, or a stop's), which no later checkpoint can make up for: its failure
+        stops the run, not marked DONE."""
         if self.thread is not None:
             self.thread.join()
             self.thread = None
         if self.error:
             raise SystemExit(self.error)
+        if self.failed and final:
+            raise SystemExit(f"{self.failed}; this was the run's last checkpoint, so it is not marked DONE: resume with "
+                             f"--resume=True once the storage answers")
         if self.failed:
             failed, self.failed = self.failed, None
             self.failed_in_a_row += 1
@@ -548,9 +564,10 @@ class Checkpointer:
         except SystemExit as e:
             print(e, file=sys.stderr, flush=True)
 
-    def save(self, path, model, raw, optimizer, loader, it, stop=False, own=None, value=None):
+    def save(self, path, model, raw, optimizer, loader, it, stop=False, own=None, value=None, until=None):
         """own: {name: tensor} of this rank alone (GRPO's generation batch in flight), in rank{R}.safetensors. value:
-        PPO's value model (as the step runs it, unwrapped), under value.*."""
+        PPO's value model (as the step runs it, unwrapped), under value.*. until: a stop's deadline (time.monotonic):
+        its detached writer is waited for until then."""
         env, cfg, buffers = self.env, self.cfg, self.buffers
         if stop and env.kind != "xla" and self.thread is not None and self.thread.is_alive():
             # a stop must not wait for a periodic write (it may take longer than the grace period): that write goes
@@ -576,12 +593,14 @@ class Checkpointer:
                  "own": {k: v.detach().cpu().contiguous() for k, v in (own or {}).items()}}
         args = (path, staged, small, t0, blocked)
         if stop and env.kind != "xla":
-            self.write_detached(args)  # outlives the kill that follows the stop signal
+            self.write_detached(args, until)  # outlives the kill that follows the stop signal
         elif stop:  # XLA: the hosts write their parts in parallel, now
             self.write(*args)
         else:
-            # not a daemon: an exit (a SystemExit in the loop included) waits for the write to commit
-            self.thread = threading.Thread(target=self.write, args=args, name=f"checkpoint {storage.name(path)}")
+            # a daemon: every way out of the loop waits for it (finish), but a run that must end by a deadline (a
+            # signal, a storage that stopped answering) is not held at exit by a write stuck on that storage
+            self.thread = threading.Thread(target=self.write, args=args, name=f"checkpoint {storage.name(path)}",
+                                           daemon=True)
             self.thread.start()
 
     def write(self, path, staged, small, t0, blocked):
@@ -632,23 +651,31 @@ class Checkpointer:
                     files |= put(storage.join(path, VALUE_CONFIG), json.dumps(small["value_config"], indent=2).encode())
                 for carried, source in tokenizer_files(cfg["tokenizer"]).items():  # the run's, as chat.Tokenizer reads it
                     files |= put(storage.join(path, carried), storage.read_bytes(source))
-                # DCP's index is read back (it pickles it in its own finish()); last, the manifest: the commit
-                write_manifest(path, files | describe([storage.join(path, ".metadata")]))
-                prune_checkpoints(storage.parent(path), path, cfg["keep_last"])
-                print(f"checkpoint {path}: {shards / 2**30:.2f} GiB from {len(every)} rank(s); training blocked "
-                      f"{blocked:.2f} s, written in {time.perf_counter() - t0:.2f} s", flush=True)
+                files |= describe([storage.join(path, ".metadata")])  # DCP's index, read back (pickled in its finish())
+                if not self.commit(path, files):  # last, the manifest: the commit, only while the lease is ours
+                    self.error = (f"step {small['state']['iter']}: {name} not committed: out_dir was taken over by "
+                                  f"{self.lease.lost} while it was written; this run writes nothing more there")
+                else:
+                    self.committed = path
+                    try:  # committed: a storage failing now costs only the pruning, which the next commit does again
+                        prune_checkpoints(storage.parent(path), path, cfg["keep_last"])
+                    except OSError as e:
+                        print(f"checkpoint {path}: committed, but removing older steps failed ({one_line(e)}); the "
+                              f"next checkpoint tries again", file=sys.stderr, flush=True)
+                    print(f"checkpoint {path}: {shards / 2**30:.2f} GiB from {len(every)} rank(s); training blocked "
+                          f"{blocked:.2f} s, written in {time.perf_counter() - t0:.2f} s", flush=True)
             if self.group is not None:
                 dist.barrier(group=self.group)  # every rank knows the step is committed before the next save
         except BaseException as e:  # noqa: BLE001  named on the next wait(), in the loop's thread
             if os.environ.get("LLAVAX_DEBUG") == "1":
                 traceback.print_exc()
-            if self.lost_lease():  # a zombie: stopped between two files of its write
+            if self.lease is not None and self.lease.lost:  # a zombie: stopped between two files of its write (the
+                # guard read the lease; a storage that failed the write is not asked again here)
                 self.error = (f"step {small['state']['iter']}: {name} not committed: out_dir was taken over by "
                               f"{self.lease.lost} while it was written; this run writes nothing more there")
                 return
-            newest = checkpoints_or_none(storage.parent(path))
             self.failed = (f"checkpoint {path} not committed: writing it failed on rank {env.rank} ({one_line(e)}); "
-                           f"the last committed step is {newest}")
+                           f"the last committed step is {self.last_committed()}")
         else:
             if not self.error:
                 self.failed_in_a_row = 0
@@ -683,12 +710,22 @@ class Checkpointer:
         """Who holds out_dir's lease if this run (rank 0) lost it, else None."""
         return None if self.lease is None or self.lease.held() else self.lease.lost
 
-    def write_detached(self, args):
+    def commit(self, path, files):
+        """The manifest of `files` written while out_dir's lease is this run's (rank 0's; lease.py: locally inside its
+        lock, in a bucket right after its conditional rewrite): False, nothing written, once another run took it."""
+        if self.lease is None:
+            write_manifest(path, files)
+            return True
+        return self.lease.fenced(storage.join(path, MANIFEST), lambda: write_manifest(path, files))
+
+    def write_detached(self, args, until=None):
         """Run write() in a forked child in its own session on every rank, and wait for it while we live. A signalled
         job is killed soon after the signal (torchrun: 30 s, REFERENCES.md 7; SLURM: KillWait); a killpg does not
         reach another session, so the checkpoint is finished from the host copy each fork holds. The children
         cannot use their parents' process groups (the fork does not copy gloo's threads): they meet in a group of
-        their own, on a store that rank 0's child serves at a port agreed on before the fork."""
+        their own, on a store that rank 0's child serves at a port agreed on before the fork. until: the most we wait
+        (a stop must end within storage_stall_s of its signal); a writer still at work then goes on by itself, its pid
+        file left for the next run (wait_for_stop_writer), out_dir's lease left to it (its guard reads it)."""
         out, port = storage.parent(args[0]), [0]
         if self.group is not None:
             if self.env.master:
@@ -725,18 +762,29 @@ class Checkpointer:
         marker = writer_pid_file(out, self.env.rank)
         marker.parent.mkdir(parents=True, exist_ok=True)
         storage.write_text(marker, str(pid))
-        _, status = os.waitpid(pid, 0)
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and (until is None or time.monotonic() < until):
+            time.sleep(0.05)
+        if done[0] == 0:
+            if self.lease is not None:
+                self.lease.left_to_writer = pid
+            raise SystemExit(f"the stop checkpoint {args[0]} did not commit within storage_stall_s="
+                             f"{storage.STALL_S:g} s of the signal: its writer (pid {pid}, in a session of its own) "
+                             f"goes on and commits it if the storage answers; the last committed step is "
+                             f"{self.last_committed()}: resume with --resume=True")
+        status = done[1]
         marker.unlink(missing_ok=True)
+        if not status:
+            self.committed = args[0]
         if status:
             raise SystemExit(f"the stop checkpoint {args[0]} could not be written (its writer, pid {pid}, rank "
                              f"{self.env.rank}, exited {os.waitstatus_to_exitcode(status)}: its reason above); the last "
-                             f"committed step is {checkpoints_or_none(out)}")
+                             f"committed step is {self.last_committed()}")
 
     # -------------------------------------------------------------------------
     # loading: into this run's own (sharded) tensors, whatever world size or backend wrote the checkpoint
 
     def load(self, path, model, raw, optimizer, loader, value=None):
-        env = self.env
+        env, self.committed = self.env, path
         state = read_json(storage.join(path, "state.json"))
         tensors, groups = train_state(model, raw, optimizer, env, value)
         have = saved_tensors(path)

@@ -78,7 +78,7 @@ def copy_tokenizer(src, dst):
     held = set(storage.ls(src)) if src else set()
     for name in TOKENIZER_FILES:
         if name in held:
-            Path(dst, name).write_bytes(storage.read_bytes(storage.join(src, name)))
+            Path(dst, name).write_bytes(storage.read_bytes(storage.join(src, name), big=True))
 
 
 def save_checkpoint(state, cfg: VLMConfig, out, tokenizer_dir=None, overwrite=False, shard_bytes=SHARD_BYTES):

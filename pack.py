@@ -359,7 +359,7 @@ def pack(json_path, images_dir, out_dir, shard_size=1000, val_ratio=0.0, workers
 
 def tokenizer_record(path):
     """What .nv-meta/llavax.json records of the tokenizer a dataset is made for: its file name and sha256."""
-    return {"file": storage.name(path), "sha256": hashlib.sha256(storage.read_bytes(path)).hexdigest()}
+    return {"file": storage.name(path), "sha256": hashlib.sha256(storage.read_bytes(path, big=True)).hexdigest()}
 
 
 def pack_into(json_path, images_dir, out_dir, shard_size, val_ratio, workers, strict, val_ids, overwrite,

@@ -87,7 +87,7 @@ def pull_compile_cache(env, mirror):
         local = Path(env.compile_cache) / name
         try:
             if not local.exists():
-                storage.write_bytes(local, storage.read_bytes(storage.join(mirror, name)))
+                storage.write_bytes(local, storage.read_bytes(storage.join(mirror, name), big=True))
             found.add(name)
         except (OSError, storage.StorageError) as e:
             failed.append(f"{name} ({e})")

@@ -8,8 +8,10 @@ What a bucket has and a disk has not, and what follows for callers:
   temporary file, then os.replace of that one file; a directory is never renamed);
 - requests are throttled (429, 503 SlowDown) and connections reset: each call here is retried with exponential
   backoff (reads: s3fs, gcsfs and botocore retry their own requests too; uploads: botocore and s3fs try each request
-  once, our retry is theirs, and a request unanswered for STALL_S is abandoned); a call whose answer is small is bounded in
-  time (FIRST_CONTACT, PATIENCE), so an endpoint that is down or never answers is said, not waited on for an hour;
+  once, our retry is theirs, and a request unanswered for STALL_S is abandoned);
+- an endpoint that stops answering (a partition, a frozen server) must not hang a run: every call has one deadline,
+  its attempts and the clients' own retries together (deadline(): from STALL_S, plus the bytes it moves), and then
+  fails in one sentence; a signal that comes while the main thread waits on a call ends the wait (Interrupted);
 - a URL names one prefix however it is typed (normal: doubled and trailing slashes, the scheme's case), and
   [ ] * ? in it are names, never patterns (fsspec's glob and rm would expand them).
 Endpoints and credentials come only from the standard places: AWS_ENDPOINT_URL, the other AWS_* variables or
@@ -21,10 +23,12 @@ import builtins
 import contextlib
 import functools
 import importlib.util
+import json
 import os
 import random
 import re
 import shutil
+import socket
 import sys
 import threading
 import time
@@ -37,11 +41,15 @@ BACKOFF = 0.25  # seconds before the first retry, doubled before each next one (
 # endpoint that is down, or that takes connections and never answers, would otherwise hold each attempt for the
 # clients' own timeouts times their own retries (s3fs x botocore: ~7 minutes; gcsfs: longer).
 FIRST_CONTACT = 30  # seconds: a run's first look at a bucket (check_bucket): a mistyped endpoint said at once
-PATIENCE = 300  # seconds: any later one (an outage mid-run is waited out this long, then said)
+SLOWEST_RATE = 2**20  # bytes/s: the slowest transfer a deadline still waits for (a big object's share of it)
 
 
 class StorageError(OSError):
     """A bucket path that cannot work as given: said in one sentence (the programs print it and stop)."""
+
+
+class Interrupted(StorageError):
+    """A signal came while the main thread waited on storage: the wait was abandoned (the handler raised this)."""
 
 
 def is_url(path):
@@ -88,6 +96,45 @@ STALL_S = 60.0  # a request (a part of an upload included) with no answer this l
 # from storage_stall_s)
 
 
+def deadline(nbytes=0):
+    """The most one operation may take, its attempts and the clients' own retries together: one request left
+    unanswered for STALL_S and one more try, plus the bytes it moves at SLOWEST_RATE. Without it, a frozen endpoint
+    held a lease refresh for 20 minutes (s3fs's retries x botocore's x ours, each waiting out a read timeout)."""
+    return 2 * STALL_S + nbytes / SLOWEST_RATE
+
+
+# Per thread: the latest moment any call may still wait until (within()), and whether the main thread is in a call
+# now (a signal handler asks waiting_now(): train.py's raises Interrupted there, so that a signal always wins)
+LIMITS, WAITS = threading.local(), [0]
+
+
+@contextlib.contextmanager
+def within(seconds):
+    """Every call made inside takes at most `seconds` from now, all together (a run that is ending: its lease removed,
+    its last words written, however the storage answers)."""
+    before = getattr(LIMITS, "until", None)
+    LIMITS.until = min(before or float("inf"), time.monotonic() + seconds)
+    try:
+        yield
+    finally:
+        LIMITS.until = before
+
+
+@contextlib.contextmanager
+def waiting():
+    main = threading.current_thread() is threading.main_thread()
+    WAITS[0] += main
+    try:
+        yield
+    finally:
+        WAITS[0] -= main
+
+
+def waiting_now():
+    """Whether the main thread is waiting on storage at this moment (asked from a signal handler)."""
+    return WAITS[0] > 0
+
+
 def options(url, one_attempt=False):
     """fsspec options for url's filesystem (also what DCP's FsspecWriter/Reader take): credentials, and each
     request's wait bounded by STALL_S. one_attempt (uploads: write_bytes and upload, retried by call(); a
@@ -132,6 +179,7 @@ def filesystem(url, one_attempt=False):
         raise StorageError(f"{url}: unknown storage scheme '{kind}://': use a local path, s3://bucket/... or "
                            f"gs://bucket/...")
     package = PACKAGES[kind]
+    check_endpoint_form(url)
     if importlib.util.find_spec(package) is None:
         raise StorageError(f"{url}: {kind}:// paths need the {package} package: pip install {package}")
     if package == "gcsfs" and os.environ.get("STORAGE_EMULATOR_HOST"):
@@ -179,6 +227,16 @@ def bucket(url):
 def key(url):
     """The path within the filesystem, as fsspec names it: bucket/key."""
     return normal(url).split("://", 1)[1]
+
+
+def check_key(url):
+    """A StorageError when url's key cannot be addressed as named. Every other character a bucket key may hold works
+    (:: spaces # ? % [ ] = + and unicode: fsspec's URL parsing is never asked, its patterns are escaped), but s3fs
+    cuts a key at ?versionId= (the rest is an object version to it, whatever version_aware says)."""
+    if scheme(url) == "s3" and "?versionId=" in key(url):
+        cut = key(url).partition("?versionId=")[0]
+        raise StorageError(f"{url}: s3fs reads ?versionId= in a key as an object version, so this one would be read "
+                           f"and written as s3://{cut}; name it without ?versionId=")
 
 
 # -----------------------------------------------------------------------------
@@ -230,6 +288,16 @@ def plain_error(e, path):
         return StorageError(f"{path}: the Google credentials were refused ({google['RefreshError']}): a key revoked "
                             f"or of another project? Check GOOGLE_APPLICATION_CREDENTIALS, or run `gcloud auth "
                             f"application-default login` again")
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    named = f"AWS_REGION={region}" if os.environ.get("AWS_REGION") else f"AWS_DEFAULT_REGION={region}" if region else \
+        "the default region"
+    if "InvalidRegionError" in google:
+        return StorageError(f"{path}: {named} is not a region name ({google['InvalidRegionError']})")
+    if m := re.search(r"AuthorizationHeaderMalformed.*?expecting '([\w-]+)'|PermanentRedirect|IllegalLocationConstraint"
+                      r"|\b301\b|x-amz-bucket-region: ([\w-]+)", text):
+        there = next((g for g in m.groups() if g), None)
+        return StorageError(f"{path}: bucket '{bucket(path)}' is in {f'region {there}' if there else 'another region'}, "
+                            f"not {named}: set AWS_REGION={there or '<its region>'}")
     if re.search(r"NoSuchBucket|specified bucket does not exist", text):
         return StorageError(f"{path}: bucket '{bucket(path)}' does not exist (create it first, or check its name)")
     if re.search(r"InvalidAccessKeyId|SignatureDoesNotMatch|AccessDenied|\b403\b|Forbidden", text):
@@ -238,21 +306,29 @@ def plain_error(e, path):
     return None
 
 
-def call(path, fn, *args, seconds=None, **kwargs):
+def call(path, fn, *args, seconds, **kwargs):
     """fn(*args, **kwargs), retried with exponential backoff while it fails transiently; an error the user can fix
     becomes a StorageError that says how. seconds: the most its attempts may take together (fn: a method of an
-    fsspec async filesystem, whose sync wrapper takes a timeout and cancels the request when it is up)."""
+    fsspec async filesystem, whose sync wrapper takes a timeout and cancels the request when it is up); None for
+    opening a stream (no such wrapper; each request is still bounded by STALL_S)."""
     t0, said = time.monotonic(), None
+    until = getattr(LIMITS, "until", None)
+    if until is not None and seconds is not None:
+        seconds = max(min(seconds, until - t0), 0.1)
     for attempt in range(RETRIES):
         left = None if seconds is None else seconds - (time.monotonic() - t0)
         try:
-            return fn(*args, **kwargs) if left is None else fn(*args, **kwargs, timeout=max(left, 0.1))
+            with waiting():
+                return fn(*args, **kwargs) if left is None else fn(*args, **kwargs, timeout=max(left, 0.1))
+        except Interrupted:
+            raise
         except Exception as e:  # noqa: BLE001  whatever the filesystem raises: sorted below
             said = e if str(e) or said is None else said  # fsspec's timeout says nothing: the error before it does
             pause = BACKOFF * 2**attempt * random.uniform(0.5, 1.0)
             in_time = seconds is None or time.monotonic() + pause - t0 < seconds - 1
             if attempt + 1 < RETRIES and transient(e) and in_time:
-                time.sleep(pause)
+                with waiting():
+                    time.sleep(pause)
                 continue
             if not is_url(path):
                 raise
@@ -273,11 +349,42 @@ def call(path, fn, *args, seconds=None, **kwargs):
 
 def endpoint(url):
     """Where url's requests go, and who said so: for a sentence."""
+    if found := endpoint_variable(url):
+        return f"{found[1]} ({found[0]})"
+    return "the S3 endpoint" if scheme(url) == "s3" else "storage.googleapis.com"
+
+
+def endpoint_variable(url):
+    """(name, value) of the variable that moves url's requests to another endpoint, or None."""
     names = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL") if scheme(url) == "s3" else ("STORAGE_EMULATOR_HOST",)
     named = next((name for name in names if os.environ.get(name)), None)
-    if named:
-        return f"{os.environ[named]} ({named})"
-    return "the S3 endpoint" if scheme(url) == "s3" else "storage.googleapis.com"
+    return (named, os.environ[named]) if named else None
+
+
+def check_endpoint_form(url):
+    """An endpoint variable that botocore or gcsfs would take apart later, in a traceback (botocore: 'Invalid
+    endpoint'), or silently read another way (gcsfs puts http:// before a bare host:port): said here, naming it."""
+    if not (found := endpoint_variable(url)):
+        return
+    name, value = found
+    if not re.match(r"https?://", value, re.IGNORECASE):
+        bare = re.sub(r"^[A-Za-z][A-Za-z0-9+.-]*:/*", "", value) if re.match(r"[A-Za-z]+:/", value) else value
+        raise StorageError(f"{name}={value}: an endpoint needs its scheme: set {name}=http://{bare} (or https://...)")
+    if not re.fullmatch(r"https?://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._~-]+)(:\d{1,5})?(/\S*)?", value, re.IGNORECASE):
+        raise StorageError(f"{name}={value}: not an endpoint URL (expected http(s)://host[:port][/path])")
+
+
+def check_endpoint_host(url):
+    """An endpoint whose host does not resolve: said at start (the clients would retry it as a dropped connection)."""
+    if not (found := endpoint_variable(url)):
+        return
+    name, value = found
+    host = re.match(r"https?://(\[[^]]+\]|[^:/]+)", value, re.IGNORECASE).group(1).strip("[]")
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError) as e:
+        raise StorageError(f"{name}={value}: unknown host '{host}' ({e.strerror if hasattr(e, 'strerror') else e})") \
+            from None
 
 
 def bucket_exists(url):
@@ -304,6 +411,8 @@ def check_google_credentials(url):
 
 def check_bucket(url):
     """Stop early, in one sentence, when url's bucket is not there or these credentials cannot reach it."""
+    check_endpoint_form(url)
+    check_endpoint_host(url)
     if PACKAGES.get(scheme(url)) == "gcsfs" and not os.environ.get("STORAGE_EMULATOR_HOST"):
         filesystem(url)  # the package there, first
         check_google_credentials(url)
@@ -322,7 +431,7 @@ def exists(path):
         return Path(path).exists()
     fs = filesystem(path)
     fs.invalidate_cache(key(path))  # another process (a rank, a host) may have written it since we looked
-    return call(path, fs.exists, key(path), seconds=PATIENCE)
+    return call(path, fs.exists, key(path), seconds=deadline())
 
 
 def is_object(path):
@@ -332,7 +441,7 @@ def is_object(path):
         return Path(path).is_file()
     fs = filesystem(path)
     fs.invalidate_cache(key(path))
-    return call(path, fs.isfile, key(path), seconds=PATIENCE)
+    return call(path, fs.isfile, key(path), seconds=deadline())
 
 
 def refuse_object(path, what):
@@ -344,7 +453,7 @@ def refuse_object(path, what):
 
 def size(path):
     return Path(path).stat().st_size if not is_url(path) else call(path, filesystem(path).size, key(path),
-                                                                   seconds=PATIENCE)
+                                                                   seconds=deadline())
 
 
 def ls(path):
@@ -354,7 +463,7 @@ def ls(path):
     fs = filesystem(path)
     fs.invalidate_cache(key(path))
     try:
-        found = call(path, fs.ls, key(path), detail=False, seconds=PATIENCE)
+        found = call(path, fs.ls, key(path), detail=False, seconds=deadline())
     except FileNotFoundError:
         return []
     return sorted({name(p) for p in found if p.rstrip("/") != key(path)})  # S3: an object and a prefix may share one
@@ -368,7 +477,7 @@ def file_sizes(path):
     fs = filesystem(path)
     fs.invalidate_cache(key(path))
     try:
-        found = call(path, fs.ls, key(path), detail=True, seconds=PATIENCE)
+        found = call(path, fs.ls, key(path), detail=True, seconds=deadline())
     except FileNotFoundError:
         return {}
     return {name(e["name"]): e["size"] for e in found if e["type"] == "file" and e["name"].rstrip("/") != key(path)}
@@ -381,7 +490,8 @@ def glob(path, pattern):
     fs = filesystem(path)
     fs.invalidate_cache(key(path))
     prefix = key(path) + "/"
-    found = call(path, fs.glob, escape_glob(prefix) + pattern, seconds=PATIENCE)  # a prefix is a name, even with [ * ? in it
+    # a prefix is a name, even with [ * ? in it
+    found = call(path, fs.glob, escape_glob(prefix) + pattern, seconds=deadline())
     return [join(path, p[len(prefix):]) for p in sorted(found)]
 
 
@@ -409,7 +519,7 @@ def rm(path, recursive=False):
         return
     fs = filesystem(path)
     try:  # fsspec's rm expands [ * ? as a pattern: removing data[1] would remove data1
-        call(path, fs.rm, escape_glob(key(path)), recursive=recursive)
+        call(path, fs.rm, escape_glob(key(path)), recursive=recursive, seconds=deadline())
     except FileNotFoundError:
         pass
     fs.invalidate_cache(key(path))
@@ -422,17 +532,18 @@ def open(path, mode="rb"):  # noqa: A001  the storage layer's open: callers writ
         if "r" not in mode:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         return builtins.open(path, mode)
-    return call(path, filesystem(path).open, key(path), mode)
+    return call(path, filesystem(path).open, key(path), mode, seconds=None)  # a stream: each request bounded by STALL_S
 
 
-def read_bytes(path, start=None, end=None):
-    """The bytes [start, end) of a file or object (one ranged request on a bucket), or all of them."""
+def read_bytes(path, start=None, end=None, big=False):
+    """The bytes [start, end) of a file or object (one ranged request on a bucket), or all of them. big: a whole
+    object that may be large (weights, a shard): its deadline allows for its size, asked first."""
     if not is_url(path):
         with builtins.open(path, "rb") as f:
             f.seek(start or 0)
             return f.read() if end is None else f.read(end - (start or 0))
-    small = end is not None  # a range (the loader's requests), not a whole file of any size
-    return call(path, filesystem(path).cat_file, key(path), start=start, end=end, seconds=PATIENCE if small else None)
+    nbytes = end - (start or 0) if end is not None else size(path) if big else 0
+    return call(path, filesystem(path).cat_file, key(path), start=start, end=end, seconds=deadline(nbytes))
 
 
 def read_text(path):
@@ -478,7 +589,7 @@ def write_bytes(path, data):
     folder that refuses renames and overwrites (check_renames), the old file is deleted and the new one created in
     place, as an object in a bucket is."""
     if is_url(path):
-        call(path, filesystem(path, one_attempt=True).pipe_file, key(path), bytes(data))
+        call(path, filesystem(path, one_attempt=True).pipe_file, key(path), bytes(data), seconds=deadline(len(data)))
         return written(path)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)  # as on a bucket, where a key needs no folder
@@ -507,6 +618,126 @@ def write_text(path, text):
 def upload(local_file, path):
     """Copy a local file to path (an object appears whole, a local copy is replaced atomically)."""
     if is_url(path):
-        call(path, filesystem(path, one_attempt=True).put_file, str(local_file), key(path))
+        call(path, filesystem(path, one_attempt=True).put_file, str(local_file), key(path),
+             seconds=deadline(Path(local_file).stat().st_size))
         return written(path)
     write_bytes(path, Path(local_file).read_bytes())
+
+
+# -----------------------------------------------------------------------------
+# conditional writes (out_dir's lease, lease.py): an object written only if it is still the version read, or only if
+# there is none; bucket URLs only (a local lease is written under a lock). What the servers do with the conditions, as
+# conditions() asks them (tests/test_lease.py runs it on each): AWS S3 and moto 5.2.5 honour If-None-Match: * and
+# If-Match on a PUT, and If-Match on a DELETE; GCS honours ifGenerationMatch on every request, fake-gcs-server 1.54
+# only on a multipart upload (not on a media or resumable one, nor on a delete: so the writes here are multipart);
+# gcp-storage-emulator ignores it everywhere, and its downloads name no generation.
+
+
+def object_key(url):
+    """url's key within its bucket (the name the S3 and GCS APIs take; key() is fsspec's bucket/key)."""
+    return key(url).split("/", 1)[1]
+
+
+def precondition_failed(e):
+    """The object was not at the version named: 412 (gcsfs raises FileExistsError, s3fs an OSError caused by a
+    PreconditionFailed), 409 (S3: another conditional write to it in progress), or 404 (a version named, none there)."""
+    for err in causes(e):
+        if isinstance(err, (FileExistsError, FileNotFoundError)):
+            return True
+        answer = getattr(err, "response", None) or {}
+        if answer.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict", "NoSuchKey") or \
+                answer.get("ResponseMetadata", {}).get("HTTPStatusCode") in (409, 412):
+            return True
+    return False
+
+
+async def s3_get(fs, bucket_name, object_name):
+    answer = await fs._call_s3("get_object", Bucket=bucket_name, Key=object_name)
+    try:
+        return await answer["Body"].read(), answer["ETag"]
+    finally:
+        answer["Body"].close()
+
+
+def read_versioned(url):
+    """(bytes, version) of the object url from one request, the version that of those bytes (S3: its ETag, GCS: its
+    generation; None from a server that does not say it). FileNotFoundError when there is none."""
+    fs = filesystem(url)
+    if scheme(url) == "s3":
+        from fsspec.asyn import sync
+
+        return call(url, sync, fs.loop, s3_get, fs, bucket(url), object_key(url), seconds=deadline())
+    headers, data = call(url, fs.call, "GET", fs.url(key(url)), seconds=deadline())
+    return data, headers.get("X-Goog-Generation")
+
+
+def write_if(url, data, version):
+    """Write the object url only if it is at `version` (None: only if there is none), in one request: its new version,
+    or None when it was not (another writer's since, or gone). A retry of ours whose first attempt landed is refused
+    too: the caller reads the object to tell."""
+    data, fs = bytes(data), filesystem(url, one_attempt=True)
+    try:
+        if scheme(url) == "s3":
+            condition = {"IfNoneMatch": "*"} if version is None else {"IfMatch": version}
+            answer = call(url, fs.call_s3, "put_object", Bucket=bucket(url), Key=object_key(url), Body=data,
+                          **condition, seconds=deadline(len(data)))
+            new = answer["ETag"]
+        else:  # gcsfs's own simple upload, with the generation: the multipart form fake-gcs-server checks it on
+            head = json.dumps({"name": object_key(url)})
+            body = (f"--==0==\nContent-Type: application/json; charset=UTF-8\n\n{head}\n--==0==\nContent-Type: "
+                    f"application/octet-stream\n\n").encode() + data + b"\n--==0==--"
+            answer = call(url, fs.call, "POST", f"{fs._location}/upload/storage/v1/b/{bucket(url)}/o",
+                          uploadType="multipart", ifGenerationMatch=str(version or 0), data=body, json_out=True,
+                          headers={"Content-Type": 'multipart/related; boundary="==0=="'}, seconds=deadline(len(data)))
+            new = str(answer["generation"])
+    except OSError as e:
+        if isinstance(e, StorageError) or not precondition_failed(e):
+            raise
+        return None
+    finally:
+        written(url)
+    return new
+
+
+def rm_if(url, version):
+    """Remove the object url only if it is at `version`: whether it was removed."""
+    fs = filesystem(url, one_attempt=True)
+    try:
+        if scheme(url) == "s3":
+            call(url, fs.call_s3, "delete_object", Bucket=bucket(url), Key=object_key(url), IfMatch=version,
+                 seconds=deadline())
+        else:
+            call(url, fs.call, "DELETE", "b/{}/o/{}", bucket(url), object_key(url), ifGenerationMatch=str(version),
+                 seconds=deadline())
+    except OSError as e:
+        if isinstance(e, StorageError) or not precondition_failed(e):
+            raise
+        return False
+    finally:
+        written(url)
+    return True
+
+
+def conditions(folder):
+    """The conditions the server of folder (a bucket URL) honours, asked of a probe object written there and removed:
+    "create" (write_if(.., None) refuses an object that is there), "replace" (write_if refuses another version and
+    takes the object's own), "delete" (rm_if likewise). A server may ignore one (and write anyway) or refuse it."""
+    probe, honoured = join(folder, f".llavax-conditions-{os.getpid()}-{random.getrandbits(48):012x}"), set()
+    wrong = '"00000000000000000000000000000000"' if scheme(folder) == "s3" else "1"  # no object's: GCS counts in µs
+    try:
+        if write_if(probe, b"1", None) is not None and write_if(probe, b"2", None) is None:
+            honoured.add("create")
+        version = read_versioned(probe)[1]
+        if version is not None and write_if(probe, b"3", wrong) is None and \
+                (version := write_if(probe, b"4", version)) is not None:
+            honoured.add("replace")
+            if not rm_if(probe, wrong) and rm_if(probe, version):
+                honoured.add("delete")
+    except StorageError:
+        raise
+    except Exception:  # noqa: BLE001  a server that refuses a condition (400, 501): what it honoured so far
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            rm(probe)
+    return honoured

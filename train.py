@@ -12,7 +12,6 @@ stage 0 trains everything, stage 1 the projector only, stage 2 the projector and
 import json
 import math
 import os
-import re
 import signal
 import sys
 import tempfile
@@ -167,11 +166,9 @@ def prepare_out_dir(folders, cfg, env, lease):
     the config stored and logged; refused if one holds another run's checkpoints and this one is not resuming it, or
     another live run holds the lease."""
     out = folders[0]
-    if storage.is_url(out) and re.search(r"[][*?]", storage.key(out)):  # DCP renames .metadata.tmp with fsspec's mv
-        raise SystemExit(f"out_dir {out}: torch's checkpoint writer reads [ ] * ? in a bucket path as a pattern (a "
-                         f"step's index would land elsewhere or nowhere); name the run without them")
     if storage.is_url(out):
         try:
+            storage.check_key(out)
             storage.check_bucket(out)
             storage.refuse_object(out, "out_dir")
         except storage.StorageError as e:
@@ -190,6 +187,7 @@ def prepare_out_dir(folders, cfg, env, lease):
                 if not storage.is_url(folder) and storage.check_renames(folder):
                     print0(env, f"{folder}: refuses renames and overwrites (a Mountpoint for S3 mount?): every file "
                                 "there is written once, in place, as in a bucket")
+            wait_for_stop_writer(out)  # a stopped run's writer reads its lease until it commits: not taken from it
             lease.acquire(cfg["take_over"])  # before anything in out_dir is touched
             if len(folders) > 1:  # the local tier says whose it is
                 storage.write_text(Path(folders[1], "OUT_DIR"), checkpoint.run_key(out) + "\n")
@@ -201,7 +199,6 @@ def prepare_out_dir(folders, cfg, env, lease):
         raise SystemExit(refused or "out_dir is in use by another run (rank 0 says which)")
     if env.master:
         try:
-            wait_for_stop_writer(out)
             for stale in [p for folder in folders for p in unfinished_steps(folder)]:  # a write that was killed
                 print0(env, f"removing {stale}: its write did not finish (no manifest)")
                 remove_step(stale)
@@ -356,12 +353,19 @@ def make_loaders(raw, cfg, env, rows_per_host, pairs):
 
 
 def stop_on_signal(env):
-    """Preemption: SIGTERM or SIGINT sets stop['requested']; the loop finishes the step, checkpoints, exits 0."""
-    stop = {"requested": False}
+    """Preemption: SIGTERM or SIGINT sets stop['requested']; the loop finishes the step, checkpoints, exits 0. The stop
+    must end within storage_stall_s of the signal (stop['until']): the scheduler's SIGKILL follows. A signal that comes
+    while the main thread waits on storage (a bucket that stopped answering) ends that wait at once."""
+    stop, here = {"requested": False, "until": None}, os.getpid()
 
-    def on_signal(signum, frame):
+    def on_signal(signum, frame):  # (a loader worker forked from this process inherits it: only here is it the run's)
+        first = not stop["requested"]
         stop["requested"] = True
-        print(f"rank {env.rank}: got signal {signum}; stopping after this step", flush=True)
+        if first:
+            stop["until"] = time.monotonic() + storage.STALL_S
+            print(f"rank {env.rank}: got signal {signum}; stopping after this step", flush=True)
+        if storage.waiting_now() and os.getpid() == here:
+            raise storage.Interrupted(f"got signal {signum} while waiting on storage")
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -387,8 +391,10 @@ def open_log(out, cfg, env, lease):
         if env.master:
             log_file.write(json.dumps(event) + "\n")
             log_file.flush()
-            if lease.refresh():
-                storage.upload(log_file.name, shared)
+            try:  # a lease that cannot be refreshed in time stops the run: it can no longer show that out_dir is its
+                lease.refresh(lambda: storage.upload(log_file.name, shared))  # the log written under the lease
+            except storage.Interrupted as e:  # the loop stops at this step's end; the next upload carries this event
+                print(f"step {event['step']}: {e}: the log in out_dir is behind", flush=True)
             if cfg["wandb_log"]:
                 wandb.log(event, step=event["step"])
 
@@ -588,7 +594,8 @@ def run(cfg):
         train(cfg, env, out, lease)
     finally:  # however the run ends; a SIGKILLed one's lease goes stale
         if lease is not None:
-            lease.release()
+            with storage.within(storage.STALL_S):  # a storage that stopped answering does not hold the exit
+                lease.release()
 
 
 def train(cfg, env, out, lease):
@@ -665,7 +672,7 @@ def train(cfg, env, out, lease):
             elif persist or local:
                 step_dir, t0 = storage.join(folders[0] if persist else folders[1], f"step-{it:06d}"), time.perf_counter()
                 loader.fold_tokens(env)  # the state saved holds every rank's counts
-                checkpointer.save(step_dir, model, raw, optimizer, loader, it, stop=stopping,
+                checkpointer.save(step_dir, model, raw, optimizer, loader, it, stop=stopping, until=stop["until"],
                                   own=steps.in_flight(it), value=value)  # grpo, ppo: the rollouts the next step uses
                 print0(env, f"step {it}: checkpoint {step_dir}" + ("" if stopping else " (writing)"))
                 if persist and not stopping:
@@ -678,12 +685,12 @@ def train(cfg, env, out, lease):
         checkpointer.finish()
         back = "the shard is back (restored, or the dataset re-packed)" if isinstance(e, VanishedShard) else \
             "the bucket answers"
-        raise SystemExit(f"stopping at step {it}: {e}; the last checkpoint is {last_checkpoint(out)}: resume with "
-                         f"--resume=True once {back}") from None
+        raise SystemExit(f"stopping at step {it}: {e}; the last checkpoint is {checkpointer.last_committed()}: "
+                         f"resume with --resume=True once {back}") from None
     except BaseException:  # a run stopped by an error lets the checkpoint in flight commit first
         checkpointer.finish()
         raise
-    checkpointer.wait()  # the last checkpoint committed before anything reads it
+    checkpointer.wait(final=True)  # the last checkpoint committed before anything reads it, or no DONE
 
     if it >= cfg["max_iters"] and int(meter.empty_run):
         raise SystemExit(f"step {it}: the last {int(meter.empty_run)} batch(es) had no supervised token (every sample "
@@ -692,8 +699,10 @@ def train(cfg, env, out, lease):
         if cfg["final_accuracy_samples"] and val_loaders and objective.answers:
             streams = {name: val_loader.stream for name, val_loader in val_loaders.items()}
             log({"step": it} | final_accuracy(raw, streams, stream_args, env, cfg))
-        if env.master:
-            storage.write_text(storage.join(out, "DONE"), json.dumps({"step": it}))  # the babysitter's completion marker
+        done = storage.join(out, "DONE")  # the babysitter's completion marker, written only while the lease is ours
+        if env.master and not lease.fenced(done, lambda: storage.write_text(done, json.dumps({"step": it}))):
+            raise SystemExit(f"step {it}: out_dir was taken over by {lease.lost}; this run writes nothing more there "
+                             f"(it is not marked DONE)")
     if log_file:
         log_file.close()
     if env.distributed:

@@ -71,14 +71,14 @@ def read_weights(directory):
                 # a pickle: weights_only=True refuses anything but tensors and plain containers
                 say(f"{f} is a pickle; loading it with torch.load(weights_only=True)")
                 try:
-                    state |= torch.load(io.BytesIO(storage.read_bytes(f)) if storage.is_url(f) else f,
+                    state |= torch.load(io.BytesIO(storage.read_bytes(f, big=True)) if storage.is_url(f) else f,
                                         map_location="cpu", weights_only=True)
                 except Exception as e:
                     raise ConversionError(f"{f}: cannot load as a weights-only torch file ({e})") from None
             else:
                 try:
                     if storage.is_url(f):
-                        state |= load_safetensors(storage.read_bytes(f))
+                        state |= load_safetensors(storage.read_bytes(f, big=True))
                     else:
                         with safe_open(f, framework="pt") as sf:
                             state |= {k: sf.get_tensor(k) for k in sf.keys()}

@@ -228,12 +228,12 @@ def test_wrong_credentials_are_named(s3_bucket, tmp_path, monkeypatch):
 def test_an_endpoint_that_refuses_or_never_answers_fails_in_bounded_time(monkeypatch):
     """AWS_ENDPOINT_URL or STORAGE_EMULATOR_HOST naming a port nothing listens on, or a server that takes connections
     and never answers (a wedged proxy; each attempt would wait out the clients' read timeouts times their own retries,
-    ~7 minutes on S3): the first call gives up within FIRST_CONTACT seconds, a ranged read within PATIENCE, each in
-    one sentence that names the endpoint."""
+    ~7 minutes on S3): the first call gives up within FIRST_CONTACT seconds, a ranged read within its deadline (twice
+    storage_stall_s), each in one sentence that names the endpoint."""
     for k, v in S3_ENV.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(storage, "FIRST_CONTACT", 0.5)
-    monkeypatch.setattr(storage, "PATIENCE", 0.5)
+    monkeypatch.setattr(storage, "STALL_S", 0.25)
     wedged = socket.create_server(("127.0.0.1", 0), backlog=64)  # the kernel accepts; nobody answers
     with socket.create_server(("127.0.0.1", 0)) as s:
         dead = s.getsockname()[1]
@@ -304,3 +304,78 @@ def test_throttling_stays_transient_after_dcp_pickles_a_ranks_failure():
         except OSError as e:
             seen = pickle.loads(pickle.dumps(e))
         assert seen.__cause__ is None and storage.transient(seen) is retried, (code, repr(seen))
+
+
+def answering_every_request(status, body):
+    """An HTTP server that answers every request with status and an S3 error body (what AWS sends a client that
+    signs for the wrong region), and the header AWS adds naming the bucket's region."""
+    class Answer(http.server.BaseHTTPRequestHandler):
+        def reply(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(status)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("x-amz-bucket-region", "eu-west-1")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_PUT = do_HEAD = do_POST = reply
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+WRONG_REGION = (b"<Error><Code>AuthorizationHeaderMalformed</Code><Message>The authorization header is malformed; the "
+                b"region 'us-east-1' is wrong; expecting 'eu-west-1'</Message><Region>eu-west-1</Region></Error>")
+
+
+def test_configuration_errors_are_one_sentence_naming_the_variable(s3_bucket, shapes_data, monkeypatch):
+    """What a user mistypes in the environment: an endpoint without its scheme (botocore's 63-line 'Invalid endpoint'
+    traceback once), a malformed one, a host that does not resolve, STORAGE_EMULATOR_HOST without a scheme, a region
+    that is no region name, a bucket in another region than the one configured: each is one sentence naming the
+    variable, said by the first look at the bucket (and by train.py at start, before anything is written)."""
+    port = int(os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
+    wrong_region = answering_every_request(400, WRONG_REGION)
+    cases = [
+        ({"AWS_ENDPOINT_URL": f"127.0.0.1:{port}"}, "s3",
+         rf"AWS_ENDPOINT_URL=127.0.0.1:{port}: an endpoint needs its scheme: set AWS_ENDPOINT_URL=http://127.0.0.1:{port} "
+         r"\(or https://...\)"),
+        ({"AWS_ENDPOINT_URL_S3": "localhost:9000"}, "s3", r"AWS_ENDPOINT_URL_S3=localhost:9000: an endpoint needs its"),
+        ({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}/ x"}, "s3", r"AWS_ENDPOINT_URL=.*: not an endpoint URL"),
+        ({"AWS_ENDPOINT_URL": f"http://no-such-host.invalid:{port}"}, "s3",
+         r"AWS_ENDPOINT_URL=http://no-such-host.invalid:\d+: unknown host 'no-such-host.invalid'"),
+        ({"STORAGE_EMULATOR_HOST": "127.0.0.1:4443"}, "gs",
+         r"STORAGE_EMULATOR_HOST=127.0.0.1:4443: an endpoint needs its scheme: set STORAGE_EMULATOR_HOST=http://"),
+        ({"AWS_DEFAULT_REGION": "us east 1"}, "s3", r"AWS_DEFAULT_REGION=us east 1 is not a region name"),
+        ({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{wrong_region.server_address[1]}"}, "s3",
+         r"bucket 'llavax-b' is in region eu-west-1, not AWS_DEFAULT_REGION=us-east-1: set AWS_REGION=eu-west-1"),
+    ]
+    try:
+        for env, kind, said in cases:
+            with monkeypatch.context() as mp:
+                for k, v in env.items():
+                    mp.setenv(k, v)
+                forget_filesystems()
+                t0 = time.monotonic()
+                with pytest.raises(storage.StorageError) as e:
+                    storage.check_bucket(f"{kind}://llavax-b/run")
+                assert re.search(said, str(e.value)) and "\n" not in str(e.value), (env, str(e.value))
+                assert time.monotonic() - t0 < 20, (env, time.monotonic() - t0)
+        with monkeypatch.context() as mp:  # train.py: before out_dir is taken or anything written
+            mp.setenv("AWS_ENDPOINT_URL", f"127.0.0.1:{port}")
+            forget_filesystems()
+            import train
+
+            with pytest.raises(SystemExit) as e:
+                shapes = shapes_data(n=200, seed=3, val_fraction=0.1)
+                train.main(["configs/debug.py", f"--out_dir={s3_bucket}/run", f"--data_dir={shapes / 'shards'}",
+                            f"--tokenizer={shapes / 'tokenizer.model'}"])
+            assert re.fullmatch(r".*AWS_ENDPOINT_URL=127\.0\.0\.1:\d+: an endpoint needs its scheme: .*", str(e.value))
+    finally:
+        wrong_region.shutdown()
+        forget_filesystems()
+    assert storage.ls(s3_bucket) == []
