@@ -10,10 +10,11 @@ pure functions of dicts, where every HF config field name lives.
 
 import json
 import re
+from dataclasses import replace
 
 import storage
 from model_config import VIT_ACTIVATIONS, LlamaConfig, ViTConfig, VLMConfig, vlm_preset
-from weight_files import ConversionError
+from weight_files import ConversionError, say
 
 LLAMA_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=None, head_dim=None, rms_norm_eps=1e-6,
@@ -31,10 +32,12 @@ ROPE_TYPES = ("default", "linear", "llama3")  # what model.rope_frequencies impl
 
 
 def llama_config(hf, where):
+    if hf.get("model_type") in FAMILIES:
+        return family_config(hf, where)
     family = LLM_TYPES.get(hf.get("model_type"))
     if family is None:
         raise ConversionError(f"{where}: LLM model_type {hf.get('model_type')!r} is not supported; llavax converts "
-                              "llama, mistral and qwen2 decoders")
+                              f"{', '.join(sorted(set(LLM_TYPES.values()) | set(FAMILIES)))} decoders")
     c = LLAMA_DEFAULTS | {k: v for k, v in hf.items() if v is not None}
     rope = dict(c.get("rope_parameters") or {})  # transformers 5 folds rope_theta/rope_scaling in here
     theta = rope.pop("rope_theta", c["rope_theta"])
@@ -53,6 +56,111 @@ def llama_config(hf, where):
                        ffn_dim=c["intermediate_size"], norm_eps=c["rms_norm_eps"], rope_theta=float(theta),
                        rope_scaling=scaling, max_seq_len=c["max_position_embeddings"], qkv_bias=qwen,
                        tie_embeddings=c["tie_word_embeddings"], sliding_window=window, sliding_layers=window_layers)
+
+
+# the newer families, read through transformers' own config class (its defaults, its legacy fields, its derived
+# layer_types and per-layer RoPE), then mapped onto LlamaConfig's switches. Fields that cannot change the numbers:
+HARMLESS = {"_name_or_path", "architectures", "bos_token_id", "eos_token_id", "pad_token_id", "dtype", "torch_dtype",
+            "transformers_version", "use_cache", "initializer_range", "attention_dropout", "chunk_size_feed_forward",
+            "id2label", "label2id", "is_encoder_decoder", "output_attentions", "output_hidden_states", "problem_type",
+            "return_dict", "max_window_layers", "use_sliding_window", "no_rope_layer_interval", "_sliding_window_pattern",
+            "cache_implementation", "model_type"}
+READ = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "rope_parameters",
+        "tie_word_embeddings", "layer_types", "sliding_window", "query_pre_attn_scalar", "attn_logit_softcapping",
+        "final_logit_softcapping", "no_rope_layers", "hidden_act", "hidden_activation"}
+FAMILIES = {"qwen3": "silu", "gemma2": "gelu_pytorch_tanh", "gemma3_text": "gelu_pytorch_tanh", "smollm3": "silu"}
+
+
+def family_config(hf, where):
+    """Qwen3, Gemma 2, Gemma 3 (text) and SmolLM3 as transformers reads their config.json; a field llavax does not
+    implement that is not at its default (an o_proj bias, bidirectional attention, a RoPE it lacks) is refused."""
+    from transformers import AutoConfig
+
+    kind = hf["model_type"]
+    given = {k: v for k, v in hf.items() if k != "model_type"}
+    try:
+        t, default = AutoConfig.for_model(kind, **given).to_dict(), AutoConfig.for_model(kind).to_dict()
+    except (ValueError, TypeError) as e:
+        raise ConversionError(f"{where}: transformers refuses this {kind} config ({' '.join(str(e).split())[:200]})") \
+            from None
+    odd = sorted(k for k in t if k not in READ | HARMLESS and t[k] != default.get(k))
+    if odd:
+        raise ConversionError(f"{where}: {kind} config field(s) {', '.join(f'{k}={t[k]!r}' for k in odd)} change the "
+                              f"numbers and llavax does not implement them")
+    act = t.get("hidden_activation") or t.get("hidden_act")
+    if act != FAMILIES[kind]:
+        raise ConversionError(f"{where}: {kind} with hidden activation {act!r} is not implemented (llavax has "
+                              f"{FAMILIES[kind]!r} for it)")
+    gemma = kind.startswith("gemma")
+    rope = t["rope_parameters"]
+    full, local = (rope["full_attention"], rope["sliding_attention"]) if "full_attention" in rope else (rope, None)
+    for kind_rope in (full, local):
+        if kind_rope and kind_rope.get("rope_type", "default") not in ROPE_TYPES:
+            raise ConversionError(f"{where}: rope type {kind_rope['rope_type']!r} is not implemented (llavax has "
+                                  f"{', '.join(ROPE_TYPES)}); converting it would give different logits")
+    if local and local.get("rope_type", "default") != "default":
+        raise ConversionError(f"{where}: scaled RoPE in the sliding-window layers is not implemented")
+    scaling = {k: v for k, v in full.items() if k != "rope_theta"}
+    windowed = [i for i, kind_of in enumerate(t["layer_types"]) if kind_of == "sliding_attention"]
+    window = t["sliding_window"] if windowed and t.get("sliding_window") else None
+    unroped = [i for i, has in enumerate(t.get("no_rope_layers") or []) if not has]
+    n_layers = t["num_hidden_layers"]
+    return LlamaConfig(
+        vocab_size=t["vocab_size"], dim=t["hidden_size"], n_layers=n_layers, n_heads=t["num_attention_heads"],
+        n_kv_heads=t["num_key_value_heads"], head_dim=t.get("head_dim"), ffn_dim=t["intermediate_size"],
+        norm_eps=t["rms_norm_eps"], rope_theta=float(full["rope_theta"]),
+        rope_scaling=scaling if scaling.get("rope_type", "default") != "default" else None,
+        max_seq_len=t["max_position_embeddings"], tie_embeddings=t["tie_word_embeddings"],
+        sliding_window=window, sliding_layers=(windowed if len(windowed) < n_layers else None) if window else None,
+        qk_norm=kind in ("qwen3", "gemma3_text"), norm_offset=1.0 if gemma else 0.0, sandwich_norms=gemma,
+        mlp_act="gelu_tanh" if gemma else "silu", embed_scale=gemma,
+        query_scale=t["query_pre_attn_scalar"] ** -0.5 if gemma else None,
+        # transformers' Gemma 3 attention never reads attn_logit_softcapping: neither do we
+        attn_softcap=t.get("attn_logit_softcapping") if kind == "gemma2" else None,
+        final_softcap=t.get("final_logit_softcapping"),
+        local_rope_theta=float(local["rope_theta"]) if local and local["rope_theta"] != full["rope_theta"] or
+        local and scaling.get("rope_type", "default") != "default" else None,
+        no_rope_layers=unroped or None)
+
+
+def family_of(cfg: LlamaConfig):
+    """The HF model_type whose decoder cfg is, from its switches."""
+    if cfg.norm_offset:
+        return "gemma3_text" if cfg.qk_norm else "gemma2"
+    if cfg.qk_norm:
+        return "qwen3"
+    if cfg.no_rope_layers:
+        return "smollm3"
+    return "qwen2" if cfg.qkv_bias else "mistral" if cfg.sliding_window and cfg.sliding_layers is None else "llama"
+
+
+def family_hf_config(cfg: LlamaConfig, kind):
+    """config.json's text fields for a decoder of the newer families (family_config's inverse)."""
+    gemma = kind.startswith("gemma")
+    types = ["sliding_attention" if cfg.sliding_window and (cfg.sliding_layers is None or i in cfg.sliding_layers)
+             else "full_attention" for i in range(cfg.n_layers)]
+    full = {"rope_type": "default", "rope_theta": cfg.rope_theta, **(cfg.rope_scaling or {})}
+    out = dict(model_type=kind, vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
+               num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
+               head_dim=cfg.head_dim, rms_norm_eps=cfg.norm_eps, max_position_embeddings=cfg.max_seq_len,
+               tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, layer_types=types,
+               sliding_window=cfg.sliding_window, rope_parameters=full)
+    if gemma:
+        scalar = round(cfg.query_scale**-2, 6)
+        out |= dict(hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=cfg.final_softcap,
+                    query_pre_attn_scalar=int(scalar) if scalar.is_integer() else scalar)
+        out["attn_logit_softcapping"] = cfg.attn_softcap if kind == "gemma2" else None
+        if kind == "gemma3_text":
+            out["rope_parameters"] = {"full_attention": full, "sliding_attention": {
+                "rope_type": "default", "rope_theta": cfg.local_rope_theta or cfg.rope_theta}}
+    else:
+        out |= dict(hidden_act="silu", use_sliding_window=cfg.sliding_window is not None)
+    if kind == "smollm3":  # its class's special ids (128000, 128001, 128004), where the vocabulary holds them
+        ids = {"bos_token_id": 128000, "eos_token_id": 128001, "pad_token_id": 128004}
+        out |= {k: v if v < cfg.vocab_size else None for k, v in ids.items()}
+        out |= dict(mlp_bias=False, no_rope_layers=[int(i not in cfg.no_rope_layers) for i in range(cfg.n_layers)])
+    return out
 
 
 def sliding_window(hf, family, n_layers):
@@ -85,6 +193,8 @@ def vit_config(hf, where="vision config"):
 
 
 def llama_hf_config(cfg: LlamaConfig):
+    if (kind := family_of(cfg)) in FAMILIES:
+        return family_hf_config(cfg, kind)
     out = dict(model_type="llama", vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
                num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
                head_dim=cfg.head_dim, rms_norm_eps=cfg.norm_eps, max_position_embeddings=cfg.max_seq_len,
@@ -128,6 +238,9 @@ def hf_model_type(cfg: VLMConfig):
 
 def llava_hf_config(cfg: VLMConfig):
     kind = hf_model_type(cfg)
+    if cfg.llm.final_softcap:
+        say(f"final_softcap={cfg.llm.final_softcap:g}: transformers' {HF_ARCHITECTURES[kind]} does not soft-cap the "
+            f"logits, so the export's logits are uncapped (the greedy tokens are the same)")
     out = {"architectures": [HF_ARCHITECTURES[kind]], "model_type": kind, "image_token_index": cfg.image_token_id,
            "projector_hidden_act": "gelu", "multimodal_projector_bias": True,
            "vision_feature_layer": cfg.vision_layer,
@@ -185,6 +298,10 @@ def llava_config(hf, hf_dir):
         raise ConversionError(f"{hf_dir}: unsupported projector (projector_hidden_act={act}, bias={bias})")
     tied = hf.get("tie_word_embeddings", hf.get("text_config", {}).get("tie_word_embeddings", False))
     llm = llama_config(hf.get("text_config", {}) | {"tie_word_embeddings": tied}, hf_dir)
+    if llm.final_softcap:  # read as transformers runs it: its LLaVA classes never soft-cap the logits
+        say(f"{hf_dir}: final_logit_softcapping={llm.final_softcap:g} is not applied, as transformers' "
+            f"{HF_ARCHITECTURES[kind]} does not apply it")
+        llm = replace(llm, final_softcap=None)
     onevision = kind == "llava_onevision"  # its class defaults differ: layer -1, "full", <image> 151646
     select = hf.get("vision_feature_select_strategy", "full" if onevision else "default")
     if select not in ("default", "full"):

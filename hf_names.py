@@ -41,6 +41,11 @@ def llama_table(cfg: LlamaConfig, prefix, head):
              "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
              "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w2": "mlp.down_proj",
              "feed_forward.w3": "mlp.up_proj"}
+    if cfg.sandwich_norms:  # Gemma's four: its post_attention_layernorm is the one after attention, not before the MLP
+        block |= {"attention_post_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                  "ffn_post_norm": "post_feedforward_layernorm"}
+    if cfg.qk_norm:
+        block |= {"attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm"}
     for i in range(cfg.n_layers):
         t |= {f"llm.layers.{i}.{ours}.weight": f"layers.{i}.{theirs}.weight" for ours, theirs in block.items()}
         if cfg.qkv_bias:

@@ -9,6 +9,7 @@ attention (what Llama.attention_kernel may run in place of SDPA) in attention.py
 """
 
 import math
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -18,7 +19,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from torch.utils.checkpoint import checkpoint
 
 from lora import LoRALinear, apply_lora
-from model_config import VIT_ACTIVATIONS, LlamaConfig, ViTConfig, VLMConfig, projector_depth
+from model_config import MLP_ACTIVATIONS, VIT_ACTIVATIONS, LlamaConfig, ViTConfig, VLMConfig, projector_depth
 
 # -----------------------------------------------------------------------------
 # the CLIP vision tower
@@ -136,16 +137,17 @@ class Projector(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim, eps):
+    def __init__(self, dim, eps, offset=0.0):
         super().__init__()
-        self.eps = eps
+        self.eps, self.offset = eps, offset  # offset: scale by (offset + w) (Gemma's, stored as w)
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x):
-        # normalise in fp32, then cast back before the scale, as HF and Meta do
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        if self.offset:  # Gemma scales in fp32, then casts
+            return (xf * (self.offset + self.weight.float())).to(x.dtype)
+        return self.weight * xf.to(x.dtype)  # Llama casts back before the scale, as HF and Meta do
 
 
 def rope_frequencies(cfg: LlamaConfig):
@@ -193,23 +195,36 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        if cfg.qk_norm:  # over each head's features (Qwen3, Gemma 3)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_offset)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_offset)
         in_window = cfg.sliding_layers is None or layer_id in cfg.sliding_layers
         self.window = cfg.sliding_window if in_window else None
+        self.rope = layer_id not in (cfg.no_rope_layers or ())
+        self.scale, self.softcap = cfg.query_scale or cfg.head_dim**-0.5, cfg.attn_softcap
 
     def forward(self, x, cos, sin, cache=None, start_pos=0, mask=None):
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, hd)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, Hkv, hd)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, hd), (B, Hkv, T, hd)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
-        # RoPE in the tables' precision, as HF; then back to v's dtype (autocast on XLA does not cast SDPA's inputs)
-        q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)
+        if self.rope:  # in the tables' precision, as HF; then v's dtype (XLA's autocast does not cast SDPA's inputs)
+            q, k = apply_rope(q, cos, sin).to(v.dtype), apply_rope(k, cos, sin).to(v.dtype)
         if isinstance(mask, BlockMask):  # packed rows on CUDA: FlexAttention skips the masked blocks
             if self.window:
                 raise ValueError("FlexAttention packing with a sliding window is not implemented; train unpacked")
-            y = flex_attention(q, k, v, block_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads)
+            cap = self.softcap
+            capped = (lambda score, b, h, q_at, kv_at: cap * torch.tanh(score / cap)) if cap else None
+            y = flex_attention(q, k, v, score_mod=capped, block_mask=mask, scale=self.scale,
+                               enable_gqa=self.n_heads != self.n_kv_heads)
             return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, D)
         if callable(mask):  # the backend's attention (Llama.attention_kernel), each row's segment ids bound in
-            y = mask(q, k, v, window=self.window)
+            # scale and softcap only where a family sets them: a kernel of (q, k, v, segments, window) still fits
+            extra = {"scale": self.scale} if self.scale != self.head_dim**-0.5 else {}
+            y = mask(q, k, v, window=self.window, **extra | ({"softcap": self.softcap} if self.softcap else {}))
             return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, D)
         causal = mask is None
         static = torch.is_tensor(start_pos)  # a decode step at the slot a (1,) tensor holds: one graph for every step
@@ -236,8 +251,24 @@ class Attention(nn.Module):
         rep = self.n_heads // self.n_kv_heads
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, H, S, hd)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        if self.softcap:
+            y = capped_attention(q, k, v, mask, causal, self.scale, self.softcap)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, D)
+
+
+def capped_attention(q, k, v, mask, causal, scale, cap):
+    """SDPA with the scores soft-capped, cap * tanh(scores / cap), before the mask (Gemma 2), as HF's eager path: the
+    probabilities in fp32, then q's dtype. mask (..., T, S) True where a query sees a key."""
+    scores = q @ k.transpose(-1, -2) * scale  # (B, H, T, S)
+    scores = cap * torch.tanh(scores / cap)
+    if causal:  # the last T of S positions are the queries
+        T, S = scores.shape[-2:]
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v  # (B, H, T, hd)
 
 
 class FeedForward(nn.Module):
@@ -246,22 +277,28 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # gate
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)  # down
         self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)  # up
+        self.act = MLP_ACTIVATIONS[cfg.mlp_act]
 
     def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.act(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer_id):
         super().__init__()
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_offset)
         self.attention = Attention(cfg, layer_id)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_offset)
         self.feed_forward = FeedForward(cfg)
+        if cfg.sandwich_norms:  # Gemma: each branch's output normed too, before its residual add
+            self.attention_post_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_offset)
+            self.ffn_post_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_offset)
 
     def forward(self, x, cos, sin, cache=None, start_pos=0, mask=None):
-        x = x + self.attention(self.attention_norm(x), cos, sin, cache, start_pos, mask)
-        return x + self.feed_forward(self.ffn_norm(x))
+        h = self.attention(self.attention_norm(x), cos, sin, cache, start_pos, mask)
+        x = x + (self.attention_post_norm(h) if hasattr(self, "attention_post_norm") else h)
+        h = self.feed_forward(self.ffn_norm(x))
+        return x + (self.ffn_post_norm(h) if hasattr(self, "ffn_post_norm") else h)
 
 
 class Llama(nn.Module):
@@ -270,13 +307,16 @@ class Llama(nn.Module):
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.norm_offset)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         # real cos/sin tables (no complex dtypes: XLA handles them poorly); rebuilt by init_buffers
         self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
+        if cfg.local_rope_theta:  # the sliding-window layers' own tables (Gemma 3: base 10k, unscaled)
+            self.register_buffer("local_cos", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
+            self.register_buffer("local_sin", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
         self.checkpoint = None  # checkpoint(fn, *args): recompute each block in backward (train.py sets torch's or XLA's)
         self.flex_attention = False  # packed rows through FlexAttention (CUDA, compiled blocks) rather than a dense mask
         # f(q, k, v, segments, window) -> (B, H, T, hd) in place of SDPA outside generation: the backend's bounded-memory
@@ -284,12 +324,26 @@ class Llama(nn.Module):
         self.attention_kernel = None
 
     def init_buffers(self):
-        inv_freq = rope_frequencies(self.cfg).to(self.rope_cos.device)
-        t = torch.arange(self.cfg.max_seq_len, dtype=torch.float32, device=inv_freq.device)
-        freqs = torch.outer(t, inv_freq)  # (max_seq_len, head_dim / 2)
-        emb = torch.cat([freqs, freqs], dim=-1)  # (max_seq_len, head_dim)
-        self.rope_cos.copy_(emb.cos())
-        self.rope_sin.copy_(emb.sin())
+        tables = [(rope_frequencies(self.cfg), self.rope_cos, self.rope_sin)]
+        if self.cfg.local_rope_theta:
+            local = rope_frequencies(replace(self.cfg, rope_theta=self.cfg.local_rope_theta, rope_scaling=None))
+            tables.append((local, self.local_cos, self.local_sin))
+        for inv_freq, cos, sin in tables:
+            t = torch.arange(self.cfg.max_seq_len, dtype=torch.float32, device=cos.device)
+            freqs = torch.outer(t, inv_freq.to(cos.device))  # (max_seq_len, head_dim / 2)
+            emb = torch.cat([freqs, freqs], dim=-1)  # (max_seq_len, head_dim)
+            cos.copy_(emb.cos())
+            sin.copy_(emb.sin())
+
+    def embed_tokens(self, ids):
+        h = self.tok_embeddings(ids)
+        # Gemma: times sqrt(dim) rounded to the embeddings' dtype, as HF's scaled embedding (image features are not)
+        return h * torch.tensor(self.cfg.dim**0.5, dtype=h.dtype) if self.cfg.embed_scale else h
+
+    def logits(self, h):
+        logits = self.output(h)
+        cap = self.cfg.final_softcap
+        return cap * torch.tanh(logits / cap) if cap else logits
 
     def forward(self, h, cache=None, start_pos=0, position_ids=None, pad=None):
         """Embeddings (B, T, D) in, final-normed hidden states (B, T, D) out; self.output makes logits.
@@ -306,27 +360,27 @@ class Llama(nn.Module):
         if pad is not None:
             positions = ((~pad).long().cumsum(dim=1) - 1).clamp(min=0)
             positions = positions.index_select(1, start_pos) if static else positions[:, start_pos:]  # (B, T)
-            cos = self.rope_cos[positions].to(h.dtype)[:, None]  # (B, 1, T, hd)
-            sin = self.rope_sin[positions].to(h.dtype)[:, None]
+            at = lambda table: table[positions].to(h.dtype)[:, None]  # noqa: E731  (B, 1, T, hd)
             # causal; a padded query sees only itself (a row with every key masked would make SDPA return NaN)
             key_at = torch.arange(pad.shape[1], device=h.device)
             query_at = (start_pos if static else torch.arange(start_pos, start_pos + T, device=h.device))[:, None]
             mask = ((~pad[:, None, None, :]) | (key_at == query_at)) & (key_at <= query_at)  # (B, 1, T, start_pos + T)
         elif position_ids is None:
-            cos = self.rope_cos[start_pos : start_pos + T].to(h.dtype)  # (T, hd)
-            sin = self.rope_sin[start_pos : start_pos + T].to(h.dtype)
+            at = lambda table: table[start_pos : start_pos + T].to(h.dtype)  # noqa: E731  (T, hd)
         else:
-            cos = self.rope_cos[position_ids].to(h.dtype)[:, None]  # (B, 1, T, hd)
-            sin = self.rope_sin[position_ids].to(h.dtype)[:, None]
+            at = lambda table: table[position_ids].to(h.dtype)[:, None]  # noqa: E731  (B, 1, T, hd)
             doc = (position_ids == 0).cumsum(dim=1)  # (B, T) numbers the samples along each row
             mask = doc if kernel else self.document_mask(doc)
         if kernel:
             mask = partial(kernel, segments=mask)
+        cos, sin = at(self.rope_cos), at(self.rope_sin)
+        local = (at(self.local_cos), at(self.local_sin)) if self.cfg.local_rope_theta else (cos, sin)
         for layer in self.layers:
+            c, s = local if layer.attention.window else (cos, sin)
             if self.checkpoint and self.training:
-                h = self.checkpoint(layer, h, cos, sin, None, 0, mask)
+                h = self.checkpoint(layer, h, c, s, None, 0, mask)
             else:
-                h = layer(h, cos, sin, cache, start_pos, mask)
+                h = layer(h, c, s, cache, start_pos, mask)
         return self.norm(h)
 
     def document_mask(self, doc):
@@ -339,21 +393,22 @@ class Llama(nn.Module):
         return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]  # (B, 1, T, T): static, XLA compiles it
 
 
-def chunked_cross_entropy(h, weight, targets, chunk, recompute, per_row=False):
+def chunked_cross_entropy(h, weight, targets, chunk, recompute, per_row=False, softcap=None):
     """Summed token losses of logits = h @ weight.T, about `chunk` positions at a time: the same span of every row,
     so a batch-sharded h stays sharded (XLA all-gathered a slice of the flattened batch). Each chunk's logits are
     recomputed in backward, so the full fp32 (B*T, vocab) logits never exist (2.1 GB at 8 x 2048 x 32k).
-    per_row: each row's sum (B,), as DPO's sequence log-probs want."""
+    per_row: each row's sum (B,), as DPO's sequence log-probs want. softcap: the logits' (Llama.logits)."""
     span = max(1, chunk // h.shape[0])
     total = h.new_zeros(h.shape[0] if per_row else (), dtype=torch.float32)
     for i in range(0, h.shape[1], span):
-        total = total + recompute(partial(_chunk_loss, per_row=per_row), h[:, i : i + span], weight,
+        total = total + recompute(partial(_chunk_loss, per_row=per_row, softcap=softcap), h[:, i : i + span], weight,
                                   targets[:, i : i + span])
     return total
 
 
-def _chunk_loss(h, weight, targets, per_row=False):
-    logits = F.linear(h, weight).float().flatten(0, 1)  # (B * span, vocab)
+def _chunk_loss(h, weight, targets, per_row=False, softcap=None):
+    logits = F.linear(h, weight)
+    logits = (softcap * torch.tanh(logits / softcap) if softcap else logits).float().flatten(0, 1)  # (B * span, vocab)
     loss = F.cross_entropy(logits, targets.flatten(), ignore_index=-100, reduction="none" if per_row else "sum")
     return loss.view(targets.shape).sum(dim=1) if per_row else loss
 
@@ -393,7 +448,7 @@ class VLM(nn.Module):
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, std=0.02, generator=gen)
             elif isinstance(module, (nn.LayerNorm, RMSNorm)):
-                nn.init.ones_(module.weight)
+                nn.init.constant_(module.weight, 1.0 - getattr(module, "offset", 0.0))  # a scale of 1
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
         # GPT-2's scaled init for the projections that write into a residual stream
@@ -429,7 +484,7 @@ class VLM(nn.Module):
         the flattened batch (HF's convention), unused images at the end. Slots come from a cumulative count,
         so shapes stay static: no boolean-mask assignment, no loop over the batch."""
         is_image = input_ids == self.cfg.image_token_id
-        h = self.llm.tok_embeddings(torch.where(is_image, 0, input_ids))  # the image id may lie outside the vocab
+        h = self.llm.embed_tokens(torch.where(is_image, 0, input_ids))  # the image id may lie outside the vocab
         if pixel_values is None:
             return h
         B, T, D = h.shape
@@ -450,7 +505,7 @@ class VLM(nn.Module):
         is_image = input_ids == self.cfg.image_token_id
         if self.cfg.video_token_id is not None:
             is_image = is_image | (input_ids == self.cfg.video_token_id)
-        h = self.llm.tok_embeddings(torch.where(is_image, 0, input_ids))  # (B, T, D)
+        h = self.llm.embed_tokens(torch.where(is_image, 0, input_ids))  # (B, T, D)
         B, T, D = h.shape
         features = h.new_zeros(B, 0, D) if pixel_values is None else self.encode_images(pixel_values).to(h.dtype)
         features = pair_rows(features, B)
@@ -486,14 +541,14 @@ class VLM(nn.Module):
         if values:
             return None, self.read_values(h[:, -logits_to_keep:] if logits_to_keep else h)
         if labels is None:
-            return self.llm.output(h[:, -logits_to_keep:] if logits_to_keep else h), None
+            return self.llm.logits(h[:, -logits_to_keep:] if logits_to_keep else h), None
         targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # (B, T): position t predicts token t + 1
         if packed:  # the last token of a sample does not predict the first of the next
             targets = targets.masked_fill(F.pad(position_ids[:, 1:], (0, 1), value=0) == 0, -100)
         if self.loss_chunk and loss_reduction in ("sum", "row"):
             return None, chunked_cross_entropy(h, self.llm.output.weight, targets, self.loss_chunk, self.recompute,
-                                               per_row=loss_reduction == "row")
-        logits = self.llm.output(h)
+                                               per_row=loss_reduction == "row", softcap=self.cfg.llm.final_softcap)
+        logits = self.llm.logits(h)
         reduction = "none" if loss_reduction == "row" else loss_reduction
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction=reduction)
         if loss_reduction == "row":
@@ -552,7 +607,7 @@ class VLM(nn.Module):
         if static and temperature > 0:
             seed = torch.randint(2**31 - 1, (), generator=generator, device=generator.device if generator else "cpu")
             seed = seed.to(input_ids.device)
-        logits = self.llm.output(self.llm(h, cache, 0, pad=None if pad is None else pad[:, :T])[:, -1])  # (B, vocab)
+        logits = self.llm.logits(self.llm(h, cache, 0, pad=None if pad is None else pad[:, :T])[:, -1])  # (B, vocab)
         if after_token:
             after_token()
         out = []
@@ -567,9 +622,9 @@ class VLM(nn.Module):
             out.append(token)
             if (not static and eos_id is not None and bool(done.all())) or i == max_new_tokens - 1:
                 break
-            h = self.llm.tok_embeddings(token[:, None])  # (B, 1, D)
+            h = self.llm.embed_tokens(token[:, None])  # (B, 1, D)
             seen = pad if static or pad is None else pad[:, : slot + 1]
-            logits = self.llm.output(self.llm(h, cache, slot, pad=seen)[:, -1])
+            logits = self.llm.logits(self.llm(h, cache, slot, pad=seen)[:, -1])
             slot = slot + 1
             if after_token:
                 after_token()

@@ -22,6 +22,10 @@ VIT_ACTIVATIONS = {"quick_gelu": quick_gelu, "gelu": F.gelu, "gelu_pytorch_tanh"
                    "gelu_new": partial(F.gelu, approximate="tanh")}
 
 
+# the decoder MLP's gate activation (SwiGLU's, GeGLU's with the tanh approximation as Gemma's gelu_pytorch_tanh)
+MLP_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tanh")}
+
+
 # per-channel image mean and std of each tower kind's pretraining (CLIP's; SigLIP's are 0.5)
 IMAGE_STATS = {"clip": ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)),
                "siglip": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))}
@@ -82,12 +86,28 @@ class LlamaConfig:
     # in the layers listed in sliding_layers (None: every layer)
     sliding_window: int | None = None
     sliding_layers: list | None = None
+    # the switches of the other families (docs/model.md's table says which family sets which), as litgpt's Config:
+    qk_norm: bool = False  # an RMSNorm over each head's q and k, before RoPE (Qwen3, Gemma 3)
+    norm_offset: float = 0.0  # every RMSNorm scales by (offset + w), in fp32 (Gemma: 1.0, its weights stored as w)
+    sandwich_norms: bool = False  # a norm after attention and after the MLP too, before each residual add (Gemma)
+    mlp_act: str = "silu"  # the gate's activation: "silu" (SwiGLU) or "gelu_tanh" (Gemma's GeGLU)
+    embed_scale: bool = False  # token embeddings times sqrt(dim) (Gemma; image features are not scaled, as in HF)
+    query_scale: float | None = None  # scores times this; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    attn_softcap: float | None = None  # attention scores -> cap * tanh(scores / cap) before the mask (Gemma 2)
+    final_softcap: float | None = None  # the logits likewise (Gemma 2)
+    local_rope_theta: float | None = None  # the sliding-window layers' RoPE base, unscaled (Gemma 3); None: the global
+    no_rope_layers: list | None = None  # layers that apply no RoPE (SmolLM3)
 
     def __post_init__(self):
         self.n_kv_heads = self.n_kv_heads or self.n_heads
         self.head_dim = self.head_dim or self.dim // self.n_heads
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.mlp_act not in MLP_ACTIVATIONS:
+            raise ValueError(f"mlp_act {self.mlp_act!r} is not one of {sorted(MLP_ACTIVATIONS)}")
+        for name in ("attn_softcap", "final_softcap", "query_scale", "local_rope_theta"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive or None, got {getattr(self, name)!r}")
 
 
 @dataclass

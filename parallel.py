@@ -335,10 +335,11 @@ def pallas_refusal(kind, device):
             f"VM), not on {device}: use attention='blockwise' (bounded memory on every device) or 'dense'")
 
 
-def attention_kernel(kind, block, env, window=None):
-    """f(q, k, v, segments, window) -> (B, H, T, hd) for Llama.attention_kernel, or None for SDPA ('dense': packed
-    rows get a (B, 1, T, T) mask, or FlexAttention on CUDA with compiled blocks). window: the model's sliding window
-    where it is shorter than the rows (torch_xla's flash kernel has none)."""
+def attention_kernel(kind, block, env, window=None, softcap=None):
+    """f(q, k, v, segments, window, scale, softcap) -> (B, H, T, hd) for Llama.attention_kernel, or None for SDPA
+    ('dense': packed rows get a (B, 1, T, T) mask, or FlexAttention on CUDA with compiled blocks). window: the model's
+    sliding window where it is shorter than the rows (torch_xla's flash kernel has none); softcap: its attention
+    soft-cap (Gemma 2's; torch_xla's Pallas kernels have none)."""
     if kind == "bounded":  # the recipes' default: bounded memory wherever they run, the fastest kernel that has it
         kind = "splash" if on_tpu(env) and importlib.util.find_spec("jax") is not None else "blockwise"
         print0(env, f"attention='bounded': {kind} ({'a TPU' if kind == 'splash' else 'no TPU with Pallas here'})")
@@ -356,6 +357,9 @@ def attention_kernel(kind, block, env, window=None):
     if importlib.util.find_spec("jax") is None:  # found, not imported: torch_xla must hold the TPU before JAX does
         raise SystemExit(f"config: attention={kind!r} needs torch_xla's Pallas extra (the kernels are JAX's): pip "
                          f"install 'torch_xla[pallas]' (jax, jaxlib)")
+    if softcap:
+        raise SystemExit(f"config: attention={kind!r} (torch_xla's Pallas kernel) cannot soft-cap the scores, and this "
+                         f"model's attn_softcap is {softcap:g}: use attention='blockwise'")
     if kind == "flash" and window:
         raise SystemExit(f"config: attention='flash' has no sliding window, and this model's is {window} tokens, "
                          f"shorter than its rows: use attention='splash' or 'blockwise'")
@@ -377,7 +381,7 @@ def _xla_scan(fn, init, xs):
     return scan(fn, init, xs, is_fn_pure=True)
 
 
-def _flash_attention(q, k, v, segments=None, window=None, mesh=None):
+def _flash_attention(q, k, v, segments=None, window=None, scale=None, softcap=None, mesh=None):
     # as torchprime calls it: q scaled here, K/V repeated to every head (the kernel has no GQA), segment ids for packed
     # rows; batch over the data axes and heads over tp, each device running the kernel on its part
     from torch_xla.experimental.custom_kernel import flash_attention
@@ -385,11 +389,11 @@ def _flash_attention(q, k, v, segments=None, window=None, mesh=None):
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, H, T, hd)
     ids = None if segments is None else segments.to(torch.int32)
-    return flash_attention(q * q.shape[-1] ** -0.5, k, v, causal=True, q_segment_ids=ids, kv_segment_ids=ids,
+    return flash_attention(q * (scale or q.shape[-1] ** -0.5), k, v, causal=True, q_segment_ids=ids, kv_segment_ids=ids,
                            sm_scale=1.0, partition_spec=(BATCH, "tp", None, None), mesh=mesh)
 
 
-def _splash_attention(q, k, v, segments=None, window=None, mesh=None):
+def _splash_attention(q, k, v, segments=None, window=None, scale=None, softcap=None, mesh=None):
     # GQA natively; torch_xla's wrapper wants the data axes named 'data' and 'fsdp', and takes its settings as JSON.
     # Its local mask sees `window` keys on each side: window - 1 back and the diagonal is Qwen2's (HF: kv > q - window)
     import torch_xla.distributed.spmd as xs
@@ -401,7 +405,8 @@ def _splash_attention(q, k, v, segments=None, window=None, mesh=None):
                                    attentiontype_local_sliding=bool(window),
                                    slide_window_size=window - 1 if window else None)
     ids = None if segments is None else segments.to(torch.int32)
-    return splash_attention(q * q.shape[-1] ** -0.5, k, v, config.to_json(), decoder_segment_ids=ids, causal=True)
+    return splash_attention(q * (scale or q.shape[-1] ** -0.5), k, v, config.to_json(), decoder_segment_ids=ids,
+                            causal=True)
 
 
 def shard(model, env):

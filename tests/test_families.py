@@ -1,0 +1,160 @@
+"""The language models researchers start from now, against transformers' own models with tiny random weights built
+offline: Qwen3, Qwen2.5, Gemma 2, Gemma 3 (text), SmolLM2 and SmolLM3, each converted from its published layout
+(config.json as transformers writes it, safetensors), logits within 1e-5 in fp32 past a sliding window, with
+soft-caps, per-layer RoPE, no-RoPE layers and tied embeddings exercised; the same decoders inside a LLaVA, from-hf
+and to-hf, the export loading in transformers with the same logits."""
+
+import json
+
+import pytest
+import torch
+from conftest import image_batch
+
+import convert
+import hf_names
+import model_config
+import model_files
+from model import build_model
+from model_config import vlm_preset
+from weight_files import ConversionError
+
+TINY = dict(vocab_size=300, hidden_size=64, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=256)
+# each family as its published configs set it, shrunk: windows of 8 tokens (the tests run 60), caps that bite on
+# tiny random logits, an explicit head_dim other than hidden / heads
+FAMILIES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_hidden_layers=3, head_dim=24, tie_word_embeddings=True,
+                                                      use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                                                      rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    "qwen2.5": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_hidden_layers=2, tie_word_embeddings=True,
+                                                        rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=24,
+                                                         sliding_window=8, attn_logit_softcapping=2.0,
+                                                         final_logit_softcapping=3.0)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=24, sliding_window=8, final_logit_softcapping=None,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    "smollm2": ("LlamaConfig", "LlamaForCausalLM", dict(num_hidden_layers=2, tie_word_embeddings=True,
+                                                       rope_parameters={"rope_type": "default", "rope_theta": 1e5})),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(num_hidden_layers=4, no_rope_layer_interval=2,
+                                                           tie_word_embeddings=True, pad_token_id=0, bos_token_id=1,
+                                                           eos_token_id=2)),
+}
+
+
+def perturbed(model, seed=0):
+    """Norms (Gemma's start at 0) and biases moved off their init, so that a mixed-up key cannot hide."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.3 * torch.randn_like(p))
+    return model.eval()
+
+
+def tiny_causal_lm(family, path, **extra):
+    import transformers
+
+    cfg_cls, cls, settings = FAMILIES[family]
+    torch.manual_seed(0)
+    cfg = getattr(transformers, cfg_cls)(**TINY | settings | extra)
+    model = perturbed(getattr(transformers, cls)(cfg))
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_family_converts_with_transformers_logits(family, tmp_path):
+    hf = tiny_causal_lm(family, tmp_path)
+    state, cfg = convert.llm_from_hf(tmp_path)
+    model = build_model(model_config.VLMConfig(vision=vlm_preset("debug").vision, llm=cfg), init=False).eval()
+    model.load_state_dict(state, strict=False)
+    assert not {k for k in hf_names.expected_shapes(model.cfg) if k.startswith("llm.")} - set(state)
+    ids = torch.randint(0, 300, (2, 60), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, theirs = model(ids)[0], hf(ids).logits
+    assert (ours - theirs).abs().max().item() <= 1e-5, (ours - theirs).abs().max().item()
+    # the switches each family must set: a converter that dropped one would still load
+    switches = {"qwen3": dict(qk_norm=True, head_dim=24, sliding_layers=[1, 2], tie_embeddings=True),
+                "gemma2": dict(norm_offset=1.0, sandwich_norms=True, attn_softcap=2.0, final_softcap=3.0,
+                               sliding_layers=[0, 2], embed_scale=True),
+                "gemma3": dict(qk_norm=True, norm_offset=1.0, local_rope_theta=10000.0, sliding_layers=[0, 1],
+                               rope_scaling={"rope_type": "linear", "factor": 8.0}),
+                "smollm3": dict(no_rope_layers=[1, 3], tie_embeddings=True)}.get(family, {})
+    assert {k: getattr(cfg, k) for k in switches} == switches
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3", "smollm3"])
+def test_generation_with_a_cache_equals_transformers_greedy(family, tmp_path):
+    """The KV-cache path (per-layer windows, soft-caps and tables in the decode step): greedy tokens as HF's past the
+    window, from left-padded prompts."""
+    hf = tiny_causal_lm(family, tmp_path)
+    state, cfg = convert.llm_from_hf(tmp_path)
+    model = build_model(model_config.VLMConfig(vision=vlm_preset("debug").vision, llm=cfg), init=False).eval()
+    model.load_state_dict(state, strict=False)
+    ids = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    ours = model.generate(ids, attention_mask=mask, max_new_tokens=10)
+    hf.generation_config.eos_token_id = None  # ten tokens whatever they are, as ours without eos_id
+    theirs = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)[:, 12:]
+    assert torch.equal(ours, theirs), (ours, theirs)
+
+
+def tiny_llava(family, **extra):
+    """A LlavaForConditionalGeneration whose text_config is the family's (a SigLIP tower at 42 px)."""
+    import transformers
+    from transformers import LlavaConfig, LlavaForConditionalGeneration, SiglipVisionConfig
+
+    cfg_cls, _, settings = FAMILIES[family]
+    torch.manual_seed(0)
+    vision = SiglipVisionConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                image_size=42, patch_size=14, vision_use_head=False)
+    text = getattr(transformers, cfg_cls)(**TINY | {"vocab_size": 512} | settings | extra)
+    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=511, image_seq_length=9,
+                      vision_feature_layer=-1, vision_feature_select_strategy="full",
+                      tie_word_embeddings=text.tie_word_embeddings)
+    return perturbed(LlavaForConditionalGeneration(cfg))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", pytest.param("gemma2", marks=pytest.mark.full),
+                                    pytest.param("smollm3", marks=pytest.mark.full)])
+def test_a_llava_of_each_family_converts_both_ways(family, tmp_path, capsys):
+    from transformers import LlavaForConditionalGeneration
+
+    hf = tiny_llava(family)
+    hf.save_pretrained(tmp_path / "src")
+    convert.main(["from-hf", "--llava", str(tmp_path / "src"), "--out", str(tmp_path / "ours")])
+    if family == "gemma2":  # transformers' LLaVA classes never apply final_logit_softcapping: read as they run it
+        assert "final_logit_softcapping=3 is not applied" in capsys.readouterr().err
+    convert.main(["to-hf", "--ckpt", str(tmp_path / "ours"), "--out", str(tmp_path / "back")])
+    back, info = LlavaForConditionalGeneration.from_pretrained(tmp_path / "back", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    text = json.loads((tmp_path / "back/config.json").read_text())["text_config"]
+    assert text["model_type"] == hf.config.text_config.model_type
+    assert back.config.text_config.layer_types == hf.config.text_config.layer_types
+    ours = model_files.load_model(tmp_path / "ours").eval()
+    ids, pixels, _ = image_batch(9, 511, 512, seq=40, image_size=42)  # past the 8-token window
+    with torch.no_grad():
+        expect = hf(input_ids=ids, pixel_values=pixels).logits
+        assert (back.eval()(input_ids=ids, pixel_values=pixels).logits - expect).abs().max() == 0.0
+        assert (ours(ids, pixels)[0] - expect).abs().max() <= 1e-5
+    src, out = hf.state_dict(), back.state_dict()
+    assert set(src) == set(out) and all(torch.equal(src[k], out[k]) for k in src)
+
+
+def test_a_field_that_changes_the_numbers_is_refused_in_one_sentence(tmp_path):
+    """What transformers would compute and llavax does not implement: refused, naming the field, never ignored."""
+    cases = [("qwen3", dict(attention_bias=True), "attention_bias=True"),
+             ("gemma3", dict(use_bidirectional_attention=True), "use_bidirectional_attention=True"),
+             ("gemma2", dict(hidden_activation="gelu"), "hidden activation 'gelu'"),
+             ("qwen3", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                             "original_max_position_embeddings": 64}), "rope type 'yarn'")]
+    for family, change, said in cases:
+        folder = tmp_path / f"{family}-{len(list(tmp_path.iterdir()))}"
+        tiny_causal_lm(family, folder, **change)
+        with pytest.raises(ConversionError, match=f"{folder}: .*{said}") as e:
+            convert.llm_from_hf(folder)
+        assert "\n" not in str(e.value)
