@@ -177,12 +177,17 @@ def sliding_window(hf, family, n_layers):
     return (hf["sliding_window"], layers) if layers else (None, None)
 
 
+NAFLEX = ("; SigLIP2's NaFlex tower (siglip2) takes a variable number of patches with its own position interpolation "
+          "and attention mask, which no transformers LLaVA class feeds: use a fixed-resolution SigLIP2 (google/siglip2-"
+          "*-patchN-R, a SiglipModel), or add a tower input of (patches, mask, shapes) and a NaFlex processor")
+
+
 def vit_config(hf, where="vision config"):
     c = hf.get("vision_config", hf)  # a CLIPModel / SiglipModel config nests the tower
     kind = VISION_TYPES.get(c.get("model_type"))
     if kind is None:
         raise ConversionError(f"{where}: vision tower model_type {c.get('model_type')!r} is not supported; llavax has "
-                              "CLIP and SigLIP towers (SigLIP2's NaFlex towers are siglip2_vision_model: not supported)")
+                              "CLIP and SigLIP towers" + (NAFLEX if c.get("model_type", "").startswith("siglip2") else ""))
     c = (CLIP_DEFAULTS if kind == "clip" else SIGLIP_DEFAULTS) | c
     if c["hidden_act"] not in VIT_ACTIVATIONS:
         raise ConversionError(f"{where}: vision hidden_act {c['hidden_act']!r} is not implemented (llavax has "

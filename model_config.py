@@ -214,7 +214,43 @@ VIT_PRESETS = {
                                            ffn_dim=4304, norm_eps=1e-6, act="gelu_pytorch_tanh", kind="siglip"),
     "siglip2-so400m-patch14-384": ViTConfig(image_size=384, patch_size=14, dim=1152, n_layers=27, n_heads=16,
                                             ffn_dim=4304, norm_eps=1e-6, act="gelu_pytorch_tanh", kind="siglip"),
+    # google/siglip2-base-patch16-{224,256,384,512}: SiglipModel towers at fixed resolution (not NaFlex's siglip2)
+    **{f"siglip2-base-patch16-{side}": ViTConfig(image_size=side, patch_size=16, dim=768, n_layers=12, n_heads=12,
+                                                 ffn_dim=3072, norm_eps=1e-6, act="gelu_pytorch_tanh", kind="siglip")
+       for side in (224, 256, 384, 512)},
 }
+
+
+def qwen3(dim, n_layers, n_heads, ffn_dim, tied):
+    """Qwen3 dense (Qwen/Qwen3-*'s config.json): head_dim 128, 8 KV heads, q/k norm, no bias, RoPE base 1e6."""
+    return LlamaConfig(vocab_size=151936, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=8, head_dim=128,
+                       ffn_dim=ffn_dim, norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960, qk_norm=True,
+                       tie_embeddings=tied)
+
+
+def qwen25(vocab, dim, n_layers, n_heads, n_kv_heads, ffn_dim, tied):
+    """Qwen2.5 (Qwen/Qwen2.5-*): Qwen2's layout, qkv bias, RoPE base 1e6."""
+    return LlamaConfig(vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                       ffn_dim=ffn_dim, norm_eps=1e-6, rope_theta=1e6, max_seq_len=32768, qkv_bias=True,
+                       tie_embeddings=tied)
+
+
+def gemma3(vocab, dim, n_layers, n_heads, n_kv_heads, ffn_dim, window, scaled):
+    """Gemma 3 text (google/gemma-3-*): five sliding-window layers in six (base 10k), the sixth global (base 1M,
+    linear x8 from 4B up), q/k norm, four (1 + w) norms a layer, GeGLU, embeddings x sqrt(dim). RoPE tables for 8k
+    positions (the published 32k-128k would hold 0.1-0.5 GB of tables): raise max_seq_len with model_overrides."""
+    return LlamaConfig(vocab_size=vocab, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                       head_dim=256, ffn_dim=ffn_dim, norm_eps=1e-6, rope_theta=1e6, max_seq_len=8192,
+                       rope_scaling={"rope_type": "linear", "factor": 8.0} if scaled else None, tie_embeddings=True,
+                       sliding_window=window, sliding_layers=[i for i in range(n_layers) if (i + 1) % 6],
+                       qk_norm=True, norm_offset=1.0, sandwich_norms=True, mlp_act="gelu_tanh", embed_scale=True,
+                       query_scale=256**-0.5, local_rope_theta=1e4)
+
+
+def smollm2(dim, n_layers, n_heads, n_kv_heads, ffn_dim, rope_theta):
+    """SmolLM2 (HuggingFaceTB/SmolLM2-*): Llama, tied, a 49152-token vocabulary."""
+    return LlamaConfig(vocab_size=49152, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                       ffn_dim=ffn_dim, rope_theta=rope_theta, max_seq_len=8192, tie_embeddings=True)
 LLM_PRESETS = {
     "debug": LlamaConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192, max_seq_len=512),
     "vicuna-7b": LlamaConfig(),  # LLaMA-2 7B shapes; vicuna-7b-v1.5
@@ -229,6 +265,24 @@ LLM_PRESETS = {
                               norm_eps=1e-6, rope_theta=1e6, max_seq_len=32768, qkv_bias=True, tie_embeddings=True),
     "qwen2-7b": LlamaConfig(vocab_size=152064, dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, ffn_dim=18944,
                             norm_eps=1e-6, rope_theta=1e6, max_seq_len=32768, qkv_bias=True),
+    "qwen3-0.6b": qwen3(1024, 28, 16, 3072, tied=True),
+    "qwen3-1.7b": qwen3(2048, 28, 16, 6144, tied=True),
+    "qwen3-4b": qwen3(2560, 36, 32, 9728, tied=True),
+    "qwen3-8b": qwen3(4096, 36, 32, 12288, tied=False),
+    "qwen2.5-0.5b": qwen25(151936, 896, 24, 14, 2, 4864, tied=True),
+    "qwen2.5-1.5b": qwen25(151936, 1536, 28, 12, 2, 8960, tied=True),
+    "qwen2.5-3b": qwen25(151936, 2048, 36, 16, 2, 11008, tied=True),
+    "qwen2.5-7b": qwen25(152064, 3584, 28, 28, 4, 18944, tied=False),
+    "gemma-3-1b": gemma3(262144, 1152, 26, 4, 1, 6912, window=512, scaled=False),
+    "gemma-3-4b": gemma3(262208, 2560, 34, 8, 4, 10240, window=1024, scaled=True),
+    "gemma-3-12b": gemma3(262208, 3840, 48, 16, 8, 15360, window=1024, scaled=True),
+    "smollm2-135m": smollm2(576, 30, 9, 3, 1536, rope_theta=1e5),
+    "smollm2-360m": smollm2(960, 32, 15, 5, 2560, rope_theta=1e5),
+    "smollm2-1.7b": smollm2(2048, 24, 32, 32, 8192, rope_theta=130000.0),
+    # HuggingFaceTB/SmolLM3-3B: Llama with GQA 4, tied, and every fourth layer without RoPE (NoPE)
+    "smollm3-3b": LlamaConfig(vocab_size=128256, dim=2048, n_layers=36, n_heads=16, n_kv_heads=4, ffn_dim=11008,
+                              norm_eps=1e-6, rope_theta=5e6, max_seq_len=65536, tie_embeddings=True,
+                              no_rope_layers=[i for i in range(36) if (i + 1) % 4 == 0]),
 }
 
 
@@ -273,9 +327,25 @@ def vlm_preset(name):
         return VLMConfig(vision=vision, llm=llm, vision_layer=-1, vision_select="cls_patch", image_token_id=151646,
                          video_token_id=151647, anyres="anyres_max_9",
                          grid_pinpoints=[[h, w] for h in sides for w in sides])
+    if name == "nanovlm-460m":
+        # nanoVLM's sizes (huggingface/nanoVLM models/config.py): SigLIP2-base-512 + SmolLM2-360M-Instruct, tied, the
+        # image token after the 49152 text tokens (vocab padded to 64). nanoVLM's projector pixel-shuffles 4 x 4
+        # patches into one token (64 a 512 px image) and maps them with one Linear(12288, 960); LLaVA's mlp2x_gelu
+        # here keeps all 1024 patches (its parameters: docs/model.md)
+        llm = LlamaConfig(**{**asdict(LLM_PRESETS["smollm2-360m"]), "vocab_size": 49216})
+        return VLMConfig(vision=VIT_PRESETS["siglip2-base-patch16-512"], llm=llm, vision_layer=-1,
+                         vision_select="cls_patch", image_token_id=49152)
+    if name == "onevision-qwen3-8b":
+        # LLaVA-OneVision's recipe on Qwen3-8B and SigLIP2-so400m (its last layer dropped, as OneVision's SigLIP):
+        # Qwen3's own <|image_pad|> and <|video_pad|> (151655, 151656) as the placeholders, inside its vocabulary
+        vision = ViTConfig(**{**asdict(VIT_PRESETS["siglip2-so400m-patch14-384"]), "n_layers": 26})
+        sides = range(384, 2305, 384)
+        return VLMConfig(vision=vision, llm=replace(LLM_PRESETS["qwen3-8b"]), vision_layer=-1,
+                         vision_select="cls_patch", image_token_id=151655, video_token_id=151656,
+                         anyres="anyres_max_9", grid_pinpoints=[[h, w] for h in sides for w in sides])
     if name == "bench":  # TinyLlama-shaped LLM + ViT-L/14-336, the target of bench.py
         llm = LlamaConfig(**{**asdict(LLM_PRESETS["tinyllama-1.1b"]), "vocab_size": 32064})
         return VLMConfig(vision=VIT_PRESETS["clip-vit-l-336"], llm=llm, image_token_id=32000)
     raise ValueError(f"unknown VLM preset {name!r}; known: debug, llava-1.5-7b, llava-1.5-13b, llava-llama3-8b, "
                      "llava-interleave-qwen-0.5b, llava-next-vicuna-7b, llava-next-mistral-7b, "
-                     "llava-onevision-qwen2-7b, llava-onevision-qwen2-0.5b, bench")
+                     "llava-onevision-qwen2-7b, llava-onevision-qwen2-0.5b, nanovlm-460m, onevision-qwen3-8b, bench")

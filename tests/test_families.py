@@ -14,7 +14,7 @@ import convert
 import hf_names
 import model_config
 import model_files
-from model import build_model
+from model import VLM, build_model
 from model_config import vlm_preset
 from weight_files import ConversionError
 
@@ -158,3 +158,30 @@ def test_a_field_that_changes_the_numbers_is_refused_in_one_sentence(tmp_path):
         with pytest.raises(ConversionError, match=f"{folder}: .*{said}") as e:
             convert.llm_from_hf(folder)
         assert "\n" not in str(e.value)
+
+
+# published sizes (the model cards: 1.7B for Qwen3-1.7B, 1.4B of it outside the tied embeddings; and so on)
+PUBLISHED = {"qwen3-0.6b": 0.596e9, "qwen3-1.7b": 1.72e9, "qwen3-4b": 4.02e9, "qwen3-8b": 8.19e9,
+             "qwen2.5-0.5b": 0.494e9, "qwen2.5-1.5b": 1.54e9, "qwen2.5-3b": 3.09e9, "qwen2.5-7b": 7.62e9,
+             "gemma-3-1b": 1.0e9, "gemma-3-4b": 3.88e9, "gemma-3-12b": 11.77e9, "smollm2-135m": 134.5e6,
+             "smollm2-360m": 361.8e6, "smollm2-1.7b": 1.71e9, "smollm3-3b": 3.08e9}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_presets_have_the_published_shapes(name):
+    """Each preset, exported as config.json and built by transformers (on the meta device), has our parameters one
+    for one, and the published total within 2%."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import hf_config
+    from model_config import LLM_PRESETS
+
+    cfg = LLM_PRESETS[name]
+    text = hf_config.llama_hf_config(cfg)
+    with torch.device("meta"):
+        ours = VLM(model_config.VLMConfig(vision=vlm_preset("debug").vision, llm=cfg)).llm
+        theirs = AutoModelForCausalLM.from_config(AutoConfig.for_model(**text))
+    n = sum(p.numel() for p in ours.parameters())
+    assert n == sum(p.numel() for p in theirs.parameters()), name
+    assert abs(n - PUBLISHED[name]) / PUBLISHED[name] < 0.02, (name, n)
+    assert hf_config.llama_config(text, name) == cfg  # and read back

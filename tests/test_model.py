@@ -240,14 +240,16 @@ def tiny_hf_siglip_qwen_llava(strategy="full", vision_layer=-1, image_size=42, u
     return model
 
 
-@pytest.mark.parametrize("image_size", [384, 224])
-def test_siglip_hidden_states_match_transformers(tmp_path, image_size):
-    """SiglipVisionModel at real so400m-style resolutions (27 x 27 and 16 x 16 patches of 14 px), narrow and shallow."""
+@pytest.mark.parametrize("image_size,patch_size", [(384, 14), (224, 14), (256, 16), (512, 16)])
+def test_siglip_hidden_states_match_transformers(tmp_path, image_size, patch_size):
+    """SiglipVisionModel at real so400m-style resolutions (27 x 27 and 16 x 16 patches of 14 px) and the fixed-
+    resolution SigLIP2-base ones (16 x 16 and 32 x 32 patches of 16 px: a SiglipModel too), narrow and shallow."""
     from transformers import SiglipVisionConfig, SiglipVisionModel
 
     torch.manual_seed(0)
     hf = SiglipVisionModel(SiglipVisionConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                                              num_attention_heads=4, image_size=image_size, patch_size=14)).eval()
+                                              num_attention_heads=4, image_size=image_size,
+                                              patch_size=patch_size)).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if "norm" in name or name.endswith("bias"):
