@@ -368,6 +368,9 @@ def main(argv=None):
     if args.cmd == "from-hf" and args.lora and not args.llava:
         p.error("from-hf --lora needs --llava, the HF model the adapter was trained on")
     try:
+        for url in [getattr(args, n, None) for n in ("llava", "llm", "vision", "lora", "ckpt", "out")]:
+            if storage.is_url(url or ""):
+                storage.check_key(url)  # before anything is read or written
         if args.cmd == "to-hf" and args.lora_only:
             out = lora_to_peft(args.ckpt, args.out)
         elif args.cmd == "to-hf":

@@ -24,7 +24,7 @@ from shards import ShardReader, Skips, log
 
 NUMBERED_IMAGE_RE = re.compile(r"(f?)(\d+)\.(?:jpg|jpeg|png|webp)")  # KEY.0.jpg: image 0 of several; KEY.f0.jpg: frame 0
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
-STORAGE_ERROR = "storage_error"  # the key of the one-entry "batch" a DataLoader worker hands back for a StorageError
+STORAGE_ERROR = "storage_error"  # the key of the one-entry "batch" that carries a DataLoader worker's StorageError
 
 
 # -----------------------------------------------------------------------------
@@ -396,9 +396,10 @@ class ShardStream(torch.utils.data.IterableDataset):
         except storage.StorageError as e:
             if info is None:
                 raise
-            # a worker's exception reaches the main process with its whole traceback as the message: its sentence
-            # travels as the batch instead, and Loader raises it there
-            yield {STORAGE_ERROR: str(e)}
+            # a worker's exception reaches the main process with its whole traceback as the message, and as another
+            # class: the exception itself travels as the batch instead (pickled: its sentence and its class, which
+            # says what to wait for: a shard restored, or a bucket that answers), and Loader raises it there
+            yield {STORAGE_ERROR: e}
         finally:  # the consumer stopped (an evaluation's few batches): its requests ahead are not waited for
             self.reader.forget()
 
@@ -494,8 +495,8 @@ class Loader:
         # shifted the dropout masks (LoRA's) of a resumed run, whose loader starts after the RNG state is restored
         for batch in torch.utils.data.DataLoader(self.stream, batch_size=None, num_workers=self.num_workers,
                                                  generator=torch.Generator(), **kw):
-            if STORAGE_ERROR in batch:  # a bucket that stayed unreachable in a worker (ShardStream.__iter__)
-                raise storage.StorageError(batch[STORAGE_ERROR])
+            if STORAGE_ERROR in batch:  # a bucket unreachable, or a shard gone, in a worker (ShardStream.__iter__)
+                raise batch[STORAGE_ERROR]
             self.position += self.stream.samples_per_batch
             self.tokens += torch.bincount(batch["source"], batch["tokens"], minlength=len(self.tokens)).long()
             yield batch

@@ -59,6 +59,7 @@ def main(argv=None):
     ckpt = args.ckpt if storage.is_url(args.ckpt) else Path(args.ckpt)  # a folder, or a prefix in a bucket
     try:
         if storage.is_url(ckpt):
+            storage.check_key(ckpt)
             storage.check_bucket(ckpt)
         elif not ckpt.is_dir():
             sys.exit(f"sample: --ckpt {ckpt}: not a directory")

@@ -88,6 +88,7 @@ def shard_files(paths, split="train"):
     out = {}
     for p in [paths] if isinstance(paths, (str, Path)) else paths:
         if storage.is_url(p):
+            storage.check_key(p)
             storage.check_bucket(p)  # a bucket that is not there, or credentials that cannot reach it: said so
             out |= {str(p): None} if str(p).endswith(".tar") else dataset_shards(str(p).rstrip("/"), split)
         else:

@@ -255,14 +255,18 @@ def test_shapes_out_to_a_bucket_packs_its_shards_there(s3_bucket, tmp_path):
 # data that vanishes mid-run: a storage failure that stops the run, never empty batches trained on
 
 
-@pytest.mark.parametrize("where,fault", [("s3", "deleted"), pytest.param("s3", "truncated", marks=pytest.mark.full),
-                                         pytest.param("gs", "deleted", marks=pytest.mark.full), ("gs", "truncated"),
-                                         ("local", "truncated")])
-def test_a_shard_deleted_or_truncated_mid_run_stops_it_and_nothing_is_committed_after(where, fault, shapes, tmp_path,
-                                                                                     request, monkeypatch):
+@pytest.mark.parametrize("where,fault,workers", [("s3", "deleted", 1),
+                                                 pytest.param("s3", "truncated", 0, marks=pytest.mark.full),
+                                                 pytest.param("gs", "deleted", 0, marks=pytest.mark.full),
+                                                 ("gs", "truncated", 0), ("local", "truncated", 0),
+                                                 ("local", "truncated", 1)])
+def test_a_shard_deleted_or_truncated_mid_run_stops_it_and_nothing_is_committed_after(where, fault, workers, shapes,
+                                                                                     tmp_path, request, monkeypatch):
     """The shards were whole when the run indexed them; at step 4 one is deleted (or cut to half) under it: the run
-    reads it again, then stops in one sentence naming the shard, the step and the last committed checkpoint; every
-    committed step was trained on real data (its interval's loss finite, nothing dropped), and there is no DONE."""
+    reads it again, then stops in one sentence naming the shard, the step and the last committed checkpoint, read in
+    the main process or in a DataLoader worker (whose exception crosses to the main process as what it is: a shard
+    gone, not a bucket that stopped answering; a local shard's hint names no bucket); every committed step was
+    trained on real data (its interval's loss finite, nothing dropped), and there is no DONE."""
     import threading
 
     bucket = {"s3": "s3_bucket", "gs": "gcs_bucket"}.get(where)
@@ -285,12 +289,13 @@ def test_a_shard_deleted_or_truncated_mid_run_stops_it_and_nothing_is_committed_
     threading.Thread(target=break_the_shard, daemon=True).start()
     with pytest.raises(SystemExit) as e:
         train.main(args(shapes, out, f"--data_dir={url}", "--max_iters=200", "--ckpt_interval=2", "--keep_last=50",
-                        "--log_interval=1"))
+                        "--log_interval=1", f"--num_workers={workers}"))
     said = str(e.value)
     problem = "gone (deleted since the run started)" if fault == "deleted" else "truncated since the run started"
     assert re.fullmatch(rf"stopping at step (\d+): shard {re.escape(victim)} is {re.escape(problem)}.*, after 3 reads; "
                         rf"the last checkpoint is \S+/step-(\d+): resume with --resume=True once the shard is back "
                         r"\(restored, or the dataset re-packed\)", said) and "\n" not in said, said
+    assert where != "local" or "bucket" not in said.replace(victim, ""), said
     steps = checkpoint.checkpoints(out)
     assert f"the last checkpoint is {steps[-1]}:" in said and not (out / "DONE").exists()
     assert all(checkpoint.verify_checkpoint(p) is None for p in steps)

@@ -212,8 +212,8 @@ def test_bad_bucket_inputs_get_one_sentence_and_overwrite_nothing(shapes, step, 
                                                           "scheme 'hdfs://'",
         ("init_from", empty): f"init_from '{empty}': cannot load the model ({empty}: no config.json; not a llavax or HF "
                               f"LLaVA checkpoint directory)",
-        ("out_dir", f"{s3_bucket}/runs/lr[1e-4]"): f"out_dir {s3_bucket}/runs/lr[1e-4]: torch's checkpoint writer "
-                                                   f"reads [ ] * ? in a bucket path as a pattern",
+        ("out_dir", f"{s3_bucket}/runs/lr?versionId=1"): f"out_dir {s3_bucket}/runs/lr?versionId=1: s3fs reads "
+                                                         f"?versionId= in a key as an object version",
     }
     for (key, url), said in train_cases.items():
         with pytest.raises(SystemExit) as e:

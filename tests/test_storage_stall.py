@@ -108,8 +108,10 @@ def one_sentence_naming_a_commit(err, out):
     return named.group(1)
 
 
-@pytest.mark.parametrize("own_server", ["s3", "gs"], indirect=True)
-@pytest.mark.parametrize("how", ["waits", pytest.param("sigterm", marks=pytest.mark.full)])
+@pytest.mark.parametrize("own_server,how", [("s3", "waits"), ("gs", "sigterm"),
+                                            pytest.param("gs", "waits", marks=pytest.mark.full),
+                                            pytest.param("s3", "sigterm", marks=pytest.mark.full)],
+                         indirect=["own_server"])
 def test_a_frozen_endpoint_ends_the_run_in_bounded_time_and_one_sentence(shapes, own_server, how):
     """Left alone, the run stops at its next lease refresh, within storage_stall_s x 4 + 60 s of the freeze (it once
     waited 20 minutes and more, a lease read retried without end); SIGTERMed 1 s into the freeze (the scheduler's
@@ -128,7 +130,8 @@ def test_a_frozen_endpoint_ends_the_run_in_bounded_time_and_one_sentence(shapes,
         _, err = proc.communicate(timeout=4 * STALL + 60)
     except subprocess.TimeoutExpired:
         proc.kill()
-        raise AssertionError(f"still running {4 * STALL + 60:.0f} s after the freeze: {proc.communicate()[1][-3000:]}")
+        raise AssertionError(f"still running {4 * STALL + 60:.0f} s after the freeze: "
+                             f"{proc.communicate()[1][-3000:]}") from None
     ended = time.monotonic()
     server.send_signal(signal.SIGCONT)
     assert proc.returncode != 0, err[-3000:]
