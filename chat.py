@@ -1,7 +1,7 @@
 """
 The text side of data.py: the tokenizer wrapper (sentencepiece tokenizer.model, or an HF tokenizer.json) and the
-chat templates (plain, vicuna_v1, llama_2, llama_3, chatml) that turn a LLaVA conversation into ids and labels, with
-the image placeholders expanded. Split from data.py (over its budget), which re-exports every name here.
+chat templates (plain, vicuna_v1, llama_2, llama_3, chatml, qwen3, gemma3) that turn a LLaVA conversation into ids and
+labels, with the image placeholders expanded. Split from data.py (over its budget), which re-exports every name here.
 """
 
 import json
@@ -53,9 +53,10 @@ class Tokenizer:
             self.vocab_size = self.sp.get_piece_size()
             self.bos_id, self.eos_id = self.sp.bos_id(), self.sp.eos_id()
             self.pad_id = self.sp.pad_id() if self.sp.pad_id() >= 0 else 0
-            # BOS/EOS and chat markers such as <|eot_id|> map straight to their ids
+            # BOS/EOS and chat markers such as <|eot_id|> or Gemma's <start_of_turn> map straight to their ids
             pieces = {self.sp.id_to_piece(i): i for i in range(self.vocab_size)}
-            self.specials = {p: i for p, i in pieces.items() if re.fullmatch(r"</?s>|<\|[a-z_]+\|>", p)}
+            markers = r"</?s>|<\|[a-z_]+\|>|<(?:start|end)_of_turn>"
+            self.specials = {p: i for p, i in pieces.items() if re.fullmatch(markers, p)}
             self.specials |= {self.sp.id_to_piece(i): i for i in (self.bos_id, self.eos_id) if i >= 0}
             self.unk_len = len(self.sp.encode(self.sp.id_to_piece(self.sp.unk_id())))
         else:
@@ -201,11 +202,61 @@ def template_chatml(conv, system=None, bos="", eos="</s>"):
     return pieces
 
 
+def template_qwen3(conv, system=None, bos="", eos="</s>"):
+    # Qwen3's jinja (the hybrid-thinking models, 0.6B to 235B): ChatML with no default system prompt. An answer's
+    # <think>...</think> is cut from the turns before the last user message; the turns after it show a think block,
+    # empty in the last one when the answer has none. That empty block is what the enable_thinking=False prompt
+    # writes, so it is prompt, not target (the model answers after it at inference); written reasoning is trained.
+    ts = turns(conv)
+    sys_text = next((t for r, t in ts if r == "system"), system)
+    ts = [t for t in ts if t[0] != "system"]
+    # the jinja skips user messages that only carry a tool's response when it looks for the last query
+    last_query = max((i for i, (r, t) in enumerate(ts) if r == "user" and
+                      not (t.startswith("<tool_response>") and t.endswith("</tool_response>"))), default=len(ts))
+    pieces = [] if sys_text is None else [(f"<|im_start|>system\n{sys_text}<|im_end|>\n", False)]
+    for i, (role, text) in enumerate(ts):
+        if role == "user":
+            pieces.append((f"<|im_start|>user\n{text}<|im_end|>\n", False))
+            continue
+        reasoning = ""
+        if "</think>" in text:  # the jinja's split, string for string
+            reasoning = text.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+            text = text.split("</think>")[-1].lstrip("\n")
+        head = "<|im_start|>assistant\n"
+        if i > last_query and (i == len(ts) - 1 or reasoning):
+            think = f"<think>\n{reasoning}\n</think>\n\n"  # reasoning has no "\n" left at either end to strip
+            head, text = (head, think + text.lstrip("\n")) if reasoning else (head + think, text.lstrip("\n"))
+        pieces += [(head, False), (f"{text}<|im_end|>", True), ("\n", False)]
+    return pieces
+
+
+def template_gemma3(conv, system=None, bos="<bos>", eos="<eos>"):
+    # Gemma 3's jinja: BOS, no system turn (its text and a blank line open the first turn), messages trimmed, the
+    # assistant's role written "model"
+    ts = turns(conv)
+    sys_text = next((t for r, t in ts if r == "system"), system)
+    prefix = "" if sys_text is None else sys_text + "\n\n"
+    pieces = [(bos, False)]
+    for i, (role, text) in enumerate(t for t in ts if t[0] != "system"):
+        first = prefix if i == 0 else ""
+        if role == "user":
+            pieces.append((f"<start_of_turn>user\n{first}{text.strip()}<end_of_turn>\n", False))
+        else:
+            pieces += [(f"<start_of_turn>model\n{first}", False), (f"{text.strip()}<end_of_turn>", True), ("\n", False)]
+    return pieces
+
+
 TEMPLATES = {"plain": template_plain, "vicuna_v1": template_vicuna_v1, "llama_2": template_llama_2,
-             "llama_3": template_llama_3, "chatml": template_chatml}
-# the markers a template writes that must be single special tokens of the tokenizer
+             "llama_3": template_llama_3, "chatml": template_chatml, "qwen3": template_qwen3,
+             "gemma3": template_gemma3}
+# the markers a template writes that must be single special tokens of the tokenizer (Qwen3's <think> and </think>
+# are added tokens, not special ones, yet a tokenizer without them would spell them out)
 TEMPLATE_SPECIALS = {"llama_3": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
-                     "chatml": ("<|im_start|>", "<|im_end|>")}
+                     "chatml": ("<|im_start|>", "<|im_end|>"),
+                     "qwen3": ("<|im_start|>", "<|im_end|>", "<think>", "</think>"),
+                     "gemma3": ("<start_of_turn>", "<end_of_turn>")}
+# the token that ends an assistant turn, where it is not the EOS
+END_OF_TURN = {"llama_3": "<|eot_id|>", "chatml": "<|im_end|>", "qwen3": "<|im_end|>", "gemma3": "<end_of_turn>"}
 
 
 def check_template(template, tok):
@@ -215,6 +266,8 @@ def check_template(template, tok):
     missing = [m for m in TEMPLATE_SPECIALS.get(template, ()) if m not in tok.specials]
     if template in ("vicuna_v1", "llama_2") and tok.eos is None:
         missing.append("an EOS token")
+    if template == "gemma3" and tok.bos is None:  # Gemma's jinja writes it, and Gemma degrades without it
+        missing.append("a BOS token")
     if missing:
         raise ValueError(f"template {template!r} needs {', '.join(missing)} as special tokens, and tokenizer "
                          f"{tok.path} has none: pick the template the tokenizer was made for")
@@ -319,7 +372,7 @@ def prompt_and_answer(conv, has_image, template, tok, image_token_id, n_image_to
 
 def stop_token_id(template, tok):
     """The token that ends an assistant turn in `template`."""
-    marker = {"llama_3": "<|eot_id|>", "chatml": "<|im_end|>"}.get(template)
+    marker = END_OF_TURN.get(template)
     ids = tok.encode(marker) if marker else []
     return ids[-1] if len(ids) and tok.decode(ids[-1:]) == marker else tok.eos_id
 

@@ -51,9 +51,10 @@ def chat_template(template, bos=None, eos=None, bos_added=False, after_tag=""):
     tags = "" if not after_tag else "".join(f" | replace({json.dumps(t)}, {json.dumps(t + after_tag)})"
                                             for t in (chat.IMAGE_TAG, VIDEO_TAG))
     lead = lambda rest: "" if bos_added or not bos else bos + (after_tag if rest else "")  # noqa: E731
-    # llama_2 and llama_3 trim every message; LLaVA's preprocessing trims a message around its one image
-    probe = "".join(t for t, _ in chat.TEMPLATES[template]([{"from": "human", "value": "\n\x02\n"},
-                                                             {"from": "gpt", "value": "\n\x03\n"}]))
+    # llama_2 and llama_3 trim every message; LLaVA's preprocessing trims a message around its one image. The probed
+    # answer is not the last: qwen3 strips newlines before the last answer only
+    probe = [("human", "\n\x02\n"), ("gpt", "\n\x03\n"), ("human", "q"), ("gpt", "a")]
+    probe = "".join(t for t, _ in chat.TEMPLATES[template]([{"from": r, "value": v} for r, v in probe]))
     trim = " | trim" if "\n\x03\n" not in probe else ""
     one_tag = "(m.content | selectattr('type', 'in', ['image', 'video']) | list | length) == 1"
     content = ("{% if m.content is string %}{{ m.content" + trim + tags + " }}{% else %}{% for c in m.content %}"
@@ -69,9 +70,12 @@ def chat_template(template, bos=None, eos=None, bos_added=False, after_tag=""):
     conv = [{"from": r, "value": m} for r, m in zip(["human", "gpt"] * 2, marks)]
     text = "".join(t for t, _ in chat.TEMPLATES[template](conv, bos=bos, eos=eos))
     cuts = [text.index(m) for m in marks]
-    first, user_end, turn_sep, _, last = [text[a:b] for a, b in zip([0] + [c + len(m) for c, m in zip(cuts, marks)],
-                                                                      cuts + [len(text)])]
-    generation = text[: text.index(marks[1])].rstrip(" ")  # data.generation_prompt's cut
+    first, user_end, turn_sep, last_user_end, last = [text[a:b] for a, b in zip([0] + [c + len(m) for c, m in
+                                                                                     zip(cuts, marks)], cuts + [len(text)])]
+    # qwen3 opens the last answer alone with an empty think block, as its enable_thinking=False prompt does
+    answer_start = lit(user_end) if last_user_end == user_end else \
+        "{% if loop.last %}" + lit(last_user_end) + "{% else %}" + lit(user_end) + "{% endif %}"
+    generation = last_user_end.rstrip(" ")  # data.generation_prompt's cut
     # a system message: its text in place of the template's default (cut from a rendering with a system marker)
     with_system = "".join(t for t, _ in chat.TEMPLATES[template]([{"from": "system", "value": "\x01S\x01"}] + conv,
                                                                  bos=bos, eos=eos))
@@ -86,8 +90,8 @@ def chat_template(template, bos=None, eos=None, bos_added=False, after_tag=""):
     return ("{% set ns = namespace(first=true) %}{% for m in messages %}{% if m.role == 'user' %}{% if ns.first %}"
             "{% if messages | selectattr('role', 'equalto', 'system') | list %}" + lit(before_system) + system_text
             + lit(after_system) + "{% else %}" + lit(first) + "{% endif %}{% set ns.first = false %}{% else %}"
-            + lit(turn_sep) + "{% endif %}" + content + "{% elif m.role == 'assistant' %}" + lit(user_end) + content
-            + "{% endif %}{% endfor %}{% if add_generation_prompt %}" + lit(generation.split(marks[0])[1])
+            + lit(turn_sep) + "{% endif %}" + content + "{% elif m.role == 'assistant' %}" + answer_start + content
+            + "{% endif %}{% endfor %}{% if add_generation_prompt %}" + lit(generation)
             + "{% else %}" + lit(last) + "{% endif %}")
 
 

@@ -311,6 +311,8 @@ def call(path, fn, *args, seconds, **kwargs):
     becomes a StorageError that says how. seconds: the most its attempts may take together (fn: a method of an
     fsspec async filesystem, whose sync wrapper takes a timeout and cancels the request when it is up); None for
     opening a stream (no such wrapper; each request is still bounded by STALL_S)."""
+    if is_url(path):  # whatever the operation (a tokenizer read too): never an object other than the one named
+        check_key(path)
     t0, said = time.monotonic(), None
     until = getattr(LIMITS, "until", None)
     if until is not None and seconds is not None:
@@ -626,11 +628,11 @@ def upload(local_file, path):
 
 # -----------------------------------------------------------------------------
 # conditional writes (out_dir's lease, lease.py): an object written only if it is still the version read, or only if
-# there is none; bucket URLs only (a local lease is written under a lock). What the servers do with the conditions, as
-# conditions() asks them (tests/test_lease.py runs it on each): AWS S3 and moto 5.2.5 honour If-None-Match: * and
-# If-Match on a PUT, and If-Match on a DELETE; GCS honours ifGenerationMatch on every request, fake-gcs-server 1.54
-# only on a multipart upload (not on a media or resumable one, nor on a delete: so the writes here are multipart);
-# gcp-storage-emulator ignores it everywhere, and its downloads name no generation.
+# there is none; bucket URLs only (a local lease is written under a lock). S3 documents If-None-Match: * and If-Match
+# on a PUT (and If-Match on a DELETE), GCS ifGenerationMatch on every request; the servers the tests run do less, as
+# conditions() finds (tests/test_lease.py asks each): moto 5.2.5 honours all three; fake-gcs-server 1.54 honours
+# ifGenerationMatch only on a multipart upload (not on a media or resumable one, a copy or a delete: so the writes
+# here are multipart); gcp-storage-emulator 2026.7.19 ignores it everywhere, and its downloads name no generation.
 
 
 def object_key(url):

@@ -215,3 +215,34 @@ def test_xla_gradients_equal_cpu_eager_for_qwen3_and_gemma(tmp_path):
         scale = torch.cat([cpu[n].flatten() for n in trained]).norm()
         for n in trained:
             assert (xla[n] - cpu[n]).norm() <= 2e-4 * cpu[n].norm() + 1e-6 * scale, (key, n)
+
+
+# the debug model's LLM with a family's switches (--model_overrides merges them into configs/debug.py's)
+OVERRIDES = {
+    "qwen3": {"qk_norm": True, "head_dim": 24, "sliding_window": 8, "sliding_layers": [1], "tie_embeddings": True},
+    "gemma3": {"qk_norm": True, "norm_offset": 1.0, "sandwich_norms": True, "mlp_act": "gelu_tanh",
+               "embed_scale": True, "query_scale": 24**-0.5, "sliding_window": 8, "sliding_layers": [0],
+               "rope_theta": 1e6, "local_rope_theta": 1e4, "tie_embeddings": True},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma3", pytest.param("qwen3", marks=pytest.mark.full)])
+def test_fsdp2_stop_and_resume_is_exact_for_the_family(family, shapes_data, tmp_path):
+    """Two FSDP2 ranks (gloo, real torchrun processes): 10 steps straight, and 5 then a resume to 10, give the same
+    weights and moments bit for bit."""
+    from conftest import checkpoint_bytes
+    from test_train import args, run
+
+    shapes = shapes_data(n=200, seed=3, val_fraction=0.1)
+    llm = {"vocab_size": 576} | OVERRIDES[family]
+    common = ["--parallel=fsdp", "--micro_batch_size=4", "--ckpt_interval=5", "--eval_interval=0",
+              f"--model_overrides={{'vision': {{'image_size': 28, 'patch_size': 14}}, 'llm': {llm!r}, "
+              f"'image_token_id': 512}}"]
+    run(args(shapes, tmp_path / "a", "--max_iters=10", *common), nproc=2)
+    run(args(shapes, tmp_path / "b", "--max_iters=5", *common), nproc=2)
+    run(args(shapes, tmp_path / "b", "--max_iters=10", "--init_from=resume", *common), nproc=2)
+    saved = json.loads((tmp_path / "a/step-000010/config.json").read_text())["llm"]
+    assert {k: saved[k] for k in OVERRIDES[family]} == OVERRIDES[family]
+    for prefix in ("model.", "optim."):
+        assert checkpoint_bytes(tmp_path / "b/step-000010", prefix) == checkpoint_bytes(tmp_path / "a/step-000010", prefix)

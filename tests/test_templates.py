@@ -4,6 +4,7 @@ haotian-liu/LLaVA's preprocess_multimodal / preprocess_v1 / preprocess_plain (ll
 llava/conversation.py, llava/mm_utils.py tokenizer_image_token) run with transformers tokenizers."""
 
 import json
+import re
 
 import pytest
 
@@ -78,6 +79,58 @@ def llama3(tmp_path_factory):
 def qwen2(tmp_path_factory):
     d = bpe_dir(tmp_path_factory.mktemp("qwen2"), QWEN2_SPECIALS)
     return hf_fast(d, eos_token="<|im_end|>", pad_token="<|endoftext|>"), chat.Tokenizer(d)
+
+
+# text where Qwen3's and Gemma's templates put a label boundary, after "\n\n" (the empty think block) and after
+# "model\n", so that the tokenizers learn merges there and a boundary in the wrong place changes the ids
+CHAT_CORPUS = CORPUS + ["user\nmodel\nThe user asks about the image\n\nA black cat\n\n\nTwo dogs, left.\n\n"] * 30
+# Qwen2's split regex, which Qwen2.5 and Qwen3 ship: "\n\n" stays one piece before a word, where GPT-2's splits it
+QWEN_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """A tokenizer.json laid out as Qwen3's (NFC, Qwen's split then byte-level BPE, <think> and </think> added but not
+    special) and its published tokenizer_config.json, which transformers reads as Qwen2Tokenizer."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import AutoTokenizer
+
+    d = tmp_path_factory.mktemp("qwen3")
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CHAT_CORPUS, trainers.BpeTrainer(vocab_size=400, special_tokens=QWEN2_SPECIALS,
+                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>")])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+         "errors": "replace", "split_special_tokens": False}))
+    return AutoTokenizer.from_pretrained(d), chat.Tokenizer(d)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    """A sentencepiece model laid out as Gemma 3's (BPE, byte fallback, no dummy prefix, whitespace kept, <pad> <eos>
+    <bos> <unk> at 0-3, the turn markers user-defined pieces): transformers converts it as GemmaTokenizer, chat.Tokenizer
+    reads it with sentencepiece, as it reads the tokenizer.model a Gemma 3 checkpoint ships."""
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    d = tmp_path_factory.mktemp("gemma3")
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(CHAT_CORPUS), model_prefix=str(d / "tokenizer"), vocab_size=420,
+                                   model_type="bpe", byte_fallback=True, add_dummy_prefix=False,
+                                   remove_extra_whitespaces=False, normalization_rule_name="identity",
+                                   allow_whitespace_only_pieces=True, split_digits=True, character_coverage=1.0,
+                                   pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>",
+                                   bos_piece="<bos>", unk_piece="<unk>",
+                                   user_defined_symbols=["<start_of_turn>", "<end_of_turn>"], num_threads=1, minloglevel=2)
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "GemmaTokenizer", "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
+         "unk_token": "<unk>", "add_bos_token": True, "add_eos_token": False, "spaces_between_special_tokens": False}))
+    return AutoTokenizer.from_pretrained(d), chat.Tokenizer(d / "tokenizer.model")
 
 
 # conversations as they occur in llava_v1_5_mix665k and ShareGPT-style data: the image after the question,
@@ -253,34 +306,276 @@ QWEN2_JINJA = ("{% for message in messages %}{% if loop.first and messages[0]['r
                "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
                "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
                "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+# Qwen3-0.6B's and Qwen3-1.7B's tokenizer_config.json chat_template (the hybrid-thinking release; the 2507 models
+# ship others), verbatim, tools branches included
+QWEN3_JINJA = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\n\n' }}
+    {%- endif %}
+    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.content is string %}
+        {%- set content = message.content %}
+    {%- else %}
+        {%- set content = '' %}
+    {%- endif %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in content %}
+                {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+                {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}
+                    {{- '\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}"""  # noqa: E501
+# google/gemma-3-*-it's chat_template, verbatim: its newlines inside quotes are real ones, as the JSON decodes them
+GEMMA3_JINJA = r"""{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '
+
+' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '
+
+' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '
+' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>
+' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model
+'}}
+{%- endif -%}"""  # noqa: E501
 SYSTEM = " You are a helpful language and vision assistant.\n"
 DATED = "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n"
 
 CASES = [("llama_3", LLAMA3_JINJA, "llama3", None), ("llama_3", LLAMA3_JINJA, "llama3", SYSTEM),
          ("llama_3", LLAMA31_JINJA, "llama3", SYSTEM), ("chatml", QWEN2_JINJA, "qwen2", None),
-         ("chatml", QWEN2_JINJA, "qwen2", SYSTEM), ("llama_2", LLAMA2_JINJA, "sentencepiece", SYSTEM)]
+         ("chatml", QWEN2_JINJA, "qwen2", SYSTEM), ("llama_2", LLAMA2_JINJA, "sentencepiece", SYSTEM),
+         ("qwen3", QWEN3_JINJA, "qwen3", None), ("qwen3", QWEN3_JINJA, "qwen3", SYSTEM),
+         ("gemma3", GEMMA3_JINJA, "gemma3", None), ("gemma3", GEMMA3_JINJA, "gemma3", SYSTEM)]
+# Qwen3 answers with reasoning, as distilled data writes them: in an earlier turn (the jinja cuts it) and in the last
+# (kept), an empty block, newlines around the reasoning and after </think>, a </think> without its <think>; two answers
+# after the last question (the first keeps its reasoning too), a tool's response (not a question), no question at all
+THINKING = [
+    [("human", "<image>\nWhat is it?"), ("gpt", "<think>\nA cat on a sofa.\n</think>\n\nA black cat.")],
+    [("human", "Describe it.\n<image>"), ("gpt", "<think>\n\nTwo dogs, left.\n\n</think>\n\n\nThere are two dogs."),
+     ("human", "What color?"), ("gpt", "<think>\n\n</think>\n\nBlack.")],
+    [("human", "Where is it?"), ("gpt", "It is here.</think>\n\nOn the left."), ("human", "<image>\nAnd now?"),
+     ("gpt", "<think>\nLook right.\n</think>\nOn the right.  ")],
+    [("human", "<image>\nCount the cups."), ("gpt", "<think>\nOne, two, three.\n</think>\n\n3 cups."), ("human", "Sure?"),
+     ("gpt", " Yes.")],
+    [("human", "<image>\nWhat is it?"), ("gpt", "<think>\nA cat.\n</think>\n\nA cat."),
+     ("gpt", "<think>\nIt is black.\n</think>\n\nBlack.")],
+    [("human", "How many cups?"), ("gpt", "<think>\nCount them.\n</think>\n\nLet me count."),
+     ("human", "<tool_response>\n3\n</tool_response>"), ("gpt", "3 cups.")],
+    [("gpt", "<think>\nGreet.\n</think>\n\nHello.")],
+]
+EMPTY_THINK = "<think>\n\n</think>\n\n"
+
+
+def qwen3_answers(rendered):
+    """Each assistant turn of Qwen3's rendering with its <|im_end|>, less an empty think block: what training supervises."""
+    return [a.removeprefix(EMPTY_THINK) for a in re.findall(r"<\|im_start\|>assistant\n(.*?<\|im_end\|>)", rendered, re.S)]
+
+
+def runs(ids, labels):
+    """The supervised stretches of a tokenized conversation, each a list of ids."""
+    out, previous = [], -100
+    for token, label in zip(ids, labels):
+        if label != -100:
+            if previous == -100:
+                out.append([])
+            out[-1].append(token)
+        previous = label
+    return out
 
 
 @pytest.mark.parametrize("template,jinja,family,system", CASES)
-def test_template_equals_published_jinja_in_text_and_ids(sp_dir, llama3, qwen2, template, jinja, family, system):
-    hf, tok = {"sentencepiece": hf_llama(sp_dir, True), "llama3": llama3, "qwen2": qwen2}[family]
-    for turns in CONVERSATIONS:
+def test_template_equals_published_jinja_in_text_and_ids(sp_dir, llama3, qwen2, qwen3, gemma3, template, jinja, family,
+                                                         system):
+    hf, tok = {"sentencepiece": hf_llama(sp_dir, True), "llama3": llama3, "qwen2": qwen2, "qwen3": qwen3,
+               "gemma3": gemma3}[family]
+    for turns in CONVERSATIONS + (THINKING if template == "qwen3" else []):
         turns = llava_multimodal(turns)  # LLaVA's data pipeline moves <image> first for every template
         want = hf.apply_chat_template(as_messages(turns, system), chat_template=jinja, tokenize=False)
         our_system = DATED + system.strip() if jinja is LLAMA31_JINJA else system
         pieces = chat.render(template, as_conv(turns), tok, system=our_system)
         assert "".join(t for t, _ in pieces) == want
         text_only = [(r, v.replace("<image>", "")) for r, v in turns]
-        want_ids = hf(hf.apply_chat_template(as_messages(text_only, system), chat_template=jinja, tokenize=False),
-                      add_special_tokens=False).input_ids
+        want_text = hf.apply_chat_template(as_messages(text_only, system), chat_template=jinja, tokenize=False)
+        want_ids = hf(want_text, add_special_tokens=False).input_ids
         ids, labels = chat.tokenize(chat.render(template, as_conv(text_only), tok, system=our_system), tok, -1, 0)
         assert ids == want_ids
         answers = [v.strip() if template != "chatml" else v for r, v in text_only if r == "gpt"]
-        end = {"llama_3": "<|eot_id|>", "chatml": "<|im_end|>", "llama_2": tok.eos}[template]
+        if template == "qwen3":  # reasoning cut or kept, as the jinja shows each answer
+            answers = [a.removesuffix("<|im_end|>") for a in qwen3_answers(want_text)]
+        end = {"llama_3": "<|eot_id|>", "chatml": "<|im_end|>", "llama_2": tok.eos, "qwen3": "<|im_end|>",
+               "gemma3": "<end_of_turn>"}[template]
         supervised = [i for i in labels if i != -100]
         assert supervised.count(tok.specials[end]) == len(answers)  # each turn's end is trained: the model stops
         assert tok.decode([i for i in supervised if i != tok.specials[end]]).replace(" ", "") == \
             "".join(answers).replace(" ", "")
+
+
+@pytest.mark.parametrize("system", [None, SYSTEM])
+def test_qwen3_trains_each_answer_as_its_jinja_shows_it_and_prompts_the_empty_think_block(qwen3, system):
+    hf, tok = qwen3
+    trained = []
+    for turns in THINKING + CONVERSATIONS:
+        turns = [(r, v.replace("<image>", "")) for r, v in llava_multimodal(turns)]
+        want = hf.apply_chat_template(as_messages(turns, system), chat_template=QWEN3_JINJA, tokenize=False)
+        ids, labels = chat.tokenize(chat.render("qwen3", as_conv(turns), tok, system=system), tok, -1, 0)
+        assert ids == hf(want, add_special_tokens=False).input_ids
+        trained.append([tok.decode(run) for run in runs(ids, labels)])
+        assert trained[-1] == qwen3_answers(want)  # one run a turn: its answer and <|im_end|>, and nothing else
+    # the branches the jinja takes, on THINKING: reasoning before the last question is cut, the last answer's kept and
+    # trained; an answer without reasoning (a written empty block too) starts after the empty block, untrained
+    assert trained[0] == ["<think>\nA cat on a sofa.\n</think>\n\nA black cat.<|im_end|>"]
+    assert trained[1] == ["There are two dogs.<|im_end|>", "Black.<|im_end|>"]
+    assert trained[2] == ["On the left.<|im_end|>", "<think>\nLook right.\n</think>\n\nOn the right.  <|im_end|>"]
+    assert trained[3] == ["3 cups.<|im_end|>", " Yes.<|im_end|>"]
+    assert trained[4] == ["<think>\nA cat.\n</think>\n\nA cat.<|im_end|>",
+                          "<think>\nIt is black.\n</think>\n\nBlack.<|im_end|>"]
+    assert trained[5] == ["<think>\nCount them.\n</think>\n\nLet me count.<|im_end|>", "3 cups.<|im_end|>"]
+    assert trained[6] == ["Hello.<|im_end|>"]
+    assert trained[7] == ["A black cat sits on a red sofa.<|im_end|>"]
+
+
+GENERATION = [("llama_3", LLAMA3_JINJA, "llama3"), ("chatml", QWEN2_JINJA, "qwen2"), ("qwen3", QWEN3_JINJA, "qwen3"),
+              ("gemma3", GEMMA3_JINJA, "gemma3")]
+END_OF_TURN = {"llama_3": "<|eot_id|>", "chatml": "<|im_end|>", "qwen3": "<|im_end|>", "gemma3": "<end_of_turn>"}
+
+
+@pytest.mark.parametrize("template,jinja,family", GENERATION)
+def test_generation_prompt_equals_published_jinja_and_the_training_prompt(llama3, qwen2, qwen3, gemma3, template, jinja,
+                                                                          family):
+    """sample.py's prompt is the jinja's add_generation_prompt (Qwen3's with enable_thinking=False, whose empty think
+    block training puts before the last answer), token for token the ids training puts before that answer, and what
+    the chat template an export writes renders; the sampler stops at the token that ends each trained answer."""
+    import processor
+
+    hf, tok = {"llama3": llama3, "qwen2": qwen2, "qwen3": qwen3, "gemma3": gemma3}[family]
+    exported = processor.chat_template(template, **processor.template_strings((tok, False)))
+    for question in ["<image>\nWhat is shown in this image?", " Where is it? ", "<image>\n<image>\nWhich is red?"]:
+        messages = [{"role": "user", "content": question}]
+        want = hf.apply_chat_template(messages, chat_template=jinja, tokenize=False, add_generation_prompt=True,
+                                      enable_thinking=False)
+        prompt = chat.generation_prompt(template, question, tok)
+        assert prompt == want
+        assert hf.apply_chat_template(messages, chat_template=exported, tokenize=False, add_generation_prompt=True) == want
+        history = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}] + messages
+        assert hf.apply_chat_template(history, chat_template=exported, tokenize=False, add_generation_prompt=True) == \
+            hf.apply_chat_template(history, chat_template=jinja, tokenize=False, add_generation_prompt=True,
+                                   enable_thinking=False)
+        conv = [{"from": "human", "value": question}, {"from": "gpt", "value": "A black cat."}]
+        ids, _ = chat.tokenize([(prompt, False)], tok, -1, 2)
+        assert ids == chat.prompt_and_answer(conv, True, template, tok, -1, 2)[0]
+        text = want.replace("<image>", "")
+        assert chat.tokenize([(text, False)], tok, -1, 0)[0] == hf(text, add_special_tokens=False).input_ids
+    stop = chat.stop_token_id(template, tok)
+    assert stop == hf.convert_tokens_to_ids(END_OF_TURN[template])  # Gemma's is not its EOS
+    _, labels, _ = chat.encode_conversation(as_conv(CONVERSATIONS[1]), True, template, tok, 4096, -1, 1)
+    assert [run[-1] for run in runs(labels, labels)] == [stop] * 3
 
 
 # -----------------------------------------------------------------------------
@@ -313,3 +608,15 @@ def test_a_template_the_tokenizer_cannot_write_is_refused(sp_dir, qwen2):
     with pytest.raises(ValueError, match="'llama_3' needs <.start_header_id.>"):
         chat.check_template("llama_3", qwen2[1])
     chat.check_template("chatml", qwen2[1])
+
+
+def test_qwen3_and_gemma3_need_their_own_tokenizers(llama3, qwen2, qwen3, gemma3):
+    with pytest.raises(ValueError, match="'qwen3' needs <think>, </think> as special tokens"):
+        chat.check_template("qwen3", qwen2[1])  # Qwen2.5's has ChatML's markers, not the think block's
+    with pytest.raises(ValueError, match="'gemma3' needs <start_of_turn>, <end_of_turn>, a BOS token"):
+        chat.check_template("gemma3", qwen3[1])
+    with pytest.raises(ValueError, match="'gemma3' needs <start_of_turn>, <end_of_turn> as"):
+        chat.check_template("gemma3", llama3[1])
+    chat.check_template("qwen3", qwen3[1])
+    chat.check_template("gemma3", gemma3[1])
+    assert (gemma3[1].bos, gemma3[1].eos) == ("<bos>", "<eos>")  # read from the sentencepiece model
