@@ -693,7 +693,8 @@ def print_attention_memory():
 # the TPU recipe configs as written, each on the pod docs/recipes.md runs it on, and the model its init_from holds
 TPU_RECIPES = {"configs/tpu_pretrain.py": ("v4-64", "llava-1.5-7b"),
                "configs/llava_next_7b.py": ("v4-64", "llava-next-vicuna-7b"),
-               "configs/onevision_qwen2_7b.py": ("v5p-128", "llava-onevision-qwen2-7b")}
+               "configs/onevision_qwen2_7b.py": ("v5p-128", "llava-onevision-qwen2-7b"),
+               "configs/onevision_qwen3_8b.py": ("v5p-128", "onevision-qwen3-8b")}
 
 
 def recipe_memory(config_file, attention=None):
