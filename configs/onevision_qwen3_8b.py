@@ -2,8 +2,8 @@
 # SigLIP2-so400m-384 less its last layer, anyres_max_9, several images a sample, video frames pooled 2x, the qwen3
 # template. Qwen3's own <|image_pad|> / <|video_pad|> are the placeholders (preset onevision-qwen3-8b), so the
 # vocabulary needs no new rows. Stages as OneVision's (stage 1 projector only, 1.5, 2, then this file's), on a
-# v5p-128: `python bench.py xla` computes 13.4 GiB a chip of its 95 (109.6 with dense attention; tests/test_speed_levers.py fails if it does
-# not fit).
+# v5p-128: `python bench.py xla` computes 13.4 GiB a chip of its 95 (109.6 with dense attention;
+# tests/test_speed_levers.py fails if it does not fit).
 #   python convert.py from-hf --llm Qwen3-8B --vision siglip2-so400m-patch14-384 --vision-layer -2 \
 #       --vision-select cls_patch --out ckpt/ovq3                # 27 layers, penultimate = OneVision's 26, last
 #   python train.py configs/pretrain.py --init_from=ckpt/ovq3 --tokenizer=ckpt/ovq3/tokenizer.json \
