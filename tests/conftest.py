@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from buckets import gcs_bucket, gcs_proxy, gcs_server, s3_bucket, s3_proxy, s3_server  # noqa: F401  the servers' fixtures
+from buckets import (gcs_bucket, gcs_proxy, gcs_server, s3_bucket, s3_proxy, s3_server,  # noqa: F401  the servers' fixtures
+                     unconditional_gcs_bucket, unconditional_gcs_server)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))

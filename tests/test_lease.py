@@ -1,11 +1,14 @@
 """One writer per out_dir (lease.py), on a local folder and against the S3 and GCS servers: two runs started together,
 one trains; a SIGKILLed run's lease goes stale and is taken over, the resume bit for bit; a zombie continued after
-its successor took over commits nothing."""
+its successor took over commits nothing, even one stopped between its look at the lease and its write (a lock on a
+folder, conditional writes in a bucket: which conditions each server honours)."""
 
+import contextlib
 import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -137,15 +140,19 @@ def test_a_restart_of_the_same_run_takes_its_lease_at_once(shapes, tmp_path):
 
 
 @pytest.mark.parametrize("where", ["local", pytest.param("gs", marks=pytest.mark.full)])
-def test_a_zombie_continued_after_its_successor_took_over_commits_nothing(shapes, place):
+def test_a_zombie_continued_after_its_successor_took_over_commits_nothing(shapes, place, where):
     out = place("zombie")
     zombie = start(shapes, out, "--max_iters=400", "--log_interval=1")
     # paused mid-step, after step 3's checkpoint and step 4's log line. Not right as the manifest appears: the run then
-    # logs the checkpoint, and a pause between its lease check and its log upload (a few ms) lets it replace the
-    # successor's log when it comes back (a race of check-then-write that only a conditional write would close)
+    # logs the checkpoint, and in a bucket a pause between the lease's conditional rewrite and its log upload (one
+    # request) lets it replace the successor's log when it comes back (locally the upload is inside LEASE.lock: lease.py)
     wait_for(lambda: storage.exists(f"{out}/step-000003/manifest.json") and storage.exists(f"{out}/log.jsonl")
              and '"step": 4, "loss"' in storage.read_text(f"{out}/log.jsonl"), zombie, what="step 4")
-    zombie.send_signal(signal.SIGSTOP)  # a host that hangs (or a VM paused), then comes back
+    # a host that hangs (or a VM paused), then comes back; locally not inside LEASE.lock (held here meanwhile), where
+    # its successor would wait for it (test_a_run_paused_at_its_commit_commits_nothing_after_its_successor)
+    with lease.locked(Path(out, lease.LOCK)) if where == "local" else contextlib.nullcontext():
+        zombie.send_signal(signal.SIGSTOP)
+        wait_for(lambda: stopped(zombie.pid), zombie, what="the stop")
     try:
         code, stdout, err = finish(start(shapes, out, "--max_iters=12", "--resume=True", "--take_over=True"))
         assert code == 0 and "--take_over=True" in stdout, err[-2000:]
@@ -180,3 +187,187 @@ def test_the_lease_names_its_owner_and_a_bad_one_is_taken(tmp_path):
     assert Path(out / "LEASE.json").exists()  # not the first's to remove
     other.release()
     assert not Path(out / "LEASE.json").exists()
+
+
+# -----------------------------------------------------------------------------
+# a look, then a write: what a process paused between the two may still do (lease.py's lock and conditional writes)
+
+# what each server does with the conditions lease.py writes with (storage.conditions asks them)
+HONOURED = {"s3": {"create", "replace", "delete"}, "gs": {"create", "replace"}, "gcp-storage-emulator": set()}
+
+
+@pytest.mark.parametrize("server", list(HONOURED))
+def test_the_conditions_each_server_honours(server, request):
+    """moto honours If-None-Match: * and If-Match on a PUT and If-Match on a DELETE; fake-gcs-server ifGenerationMatch
+    on an upload but not on a delete; gcp-storage-emulator none (its leases are read back). Where a write is
+    conditional, a stale version (a zombie's) is refused and the object left as it was."""
+    bucket = request.getfixturevalue({"s3": "s3_bucket", "gs": "gcs_bucket"}.get(server, "unconditional_gcs_bucket"))
+    assert storage.conditions(f"{bucket}/run") == HONOURED[server]
+    assert storage.ls(f"{bucket}/run") == []  # the probe is gone
+    if not HONOURED[server]:
+        return
+    url = f"{bucket}/run/object"
+    first = storage.write_if(url, b"one", None)
+    assert first is not None and storage.write_if(url, b"two", None) is None
+    assert storage.read_versioned(url) == (b"one", first)
+    second = storage.write_if(url, b"three", first)
+    assert second not in (None, first) and storage.read_versioned(url) == (b"three", second)
+    assert storage.write_if(url, b"four", first) is None and storage.read_bytes(url) == b"three"
+    if "delete" in HONOURED[server]:
+        assert not storage.rm_if(url, first) and storage.read_bytes(url) == b"three"
+        assert storage.rm_if(url, second) and not storage.exists(url)
+    storage.rm(url)
+    assert storage.write_if(url, b"five", second) is None and not storage.exists(url)  # a version of one gone
+
+
+ZOMBIE = """
+import sys
+import threading
+
+import lease
+import storage
+
+out = sys.argv[1]
+mine = lease.Lease(out, 300)
+mine.acquire(take_over=False)
+manifest = storage.join(out, "manifest.json")
+wrote = mine.refresh() and mine.fenced(manifest, lambda: storage.write_text(manifest, mine.token))
+print("wrote" if wrote else f"lost to {mine.lost}", flush=True)
+"""
+
+
+def stopped(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def snapshot(out):
+    return {name: storage.read_bytes(storage.join(out, name)) for name in storage.ls(out)}
+
+
+@pytest.mark.parametrize("where", ["local", "s3", "gs"])
+@pytest.mark.parametrize("pause", ["LEASE.json", pytest.param("manifest.json", marks=pytest.mark.full)])
+def test_a_zombie_paused_between_its_look_and_its_write_writes_nothing_after_its_successor(place, where, pause,
+                                                                                         capsys):
+    """A process stopped right after its look at the lease (LLAVAX_TEST_PAUSE_BEFORE_LEASE_WRITE: a host that hangs)
+    while a successor takes out_dir over writes nothing once it comes back: neither the lease (a refresh) nor a file
+    under it (a manifest). In a bucket its write is refused (If-Match, ifGenerationMatch: the version it wrote is
+    gone); locally it stopped inside LEASE.lock, so the successor waits for it, and its write comes before the
+    takeover."""
+    out = place("paused")
+    storage.makedirs(out)
+    zombie = forkserver.spawn([sys.executable, "-c", ZOMBIE, out], os.environ | {
+        "OMP_NUM_THREADS": "1", "LLAVAX_TEST_PAUSE_BEFORE_LEASE_WRITE": pause})
+    wait_for(lambda: stopped(zombie.pid), zombie, timeout=60, what="pause")
+    successor = lease.Lease(out, 300)
+    taking = threading.Thread(target=successor.acquire, args=(True,))
+    taking.start()
+    if where == "local":
+        taking.join(timeout=1.5)
+        assert taking.is_alive() and "lease: waiting for" in capsys.readouterr().out  # on the paused zombie's lock
+        zombie.send_signal(signal.SIGCONT)
+    taking.join(timeout=60)
+    assert successor.acquired
+    taken = snapshot(out)
+    zombie.send_signal(signal.SIGCONT)
+    code, stdout, err = finish(zombie)
+    assert code == 0, err
+    assert snapshot(out) == taken and json.loads(taken["LEASE.json"])["token"] == successor.token
+    if where != "local":
+        assert stdout.startswith("lost to run without a run id") and f"pid {os.getpid()}," in stdout, stdout
+        assert "manifest.json" not in taken
+
+
+@pytest.mark.parametrize("where", [pytest.param("local", marks=pytest.mark.full), "gs"])
+def test_a_run_paused_at_its_commit_commits_nothing_after_its_successor(shapes, place, where):
+    """train.py stopped right before its first checkpoint's commit (the manifest, written under the lease), while a
+    successor takes out_dir over: continued, it commits nothing more. In a bucket the successor trains to the end
+    meanwhile and the zombie's commit is refused; locally the zombie stopped inside LEASE.lock, so the successor
+    waits, and the commit comes before the takeover (the successor resumes from it)."""
+    out = place("paused_commit")
+    zombie = start(shapes, out, "--max_iters=400", "--log_interval=1",
+                   env={"LLAVAX_TEST_PAUSE_BEFORE_LEASE_WRITE": "manifest.json"})
+    wait_for(lambda: stopped(zombie.pid), zombie, what="the pause at step 3's commit")
+    successor = start(shapes, out, "--max_iters=6", "--resume=True", "--take_over=True")
+    try:
+        if where == "local":
+            time.sleep(1.5)
+            assert successor.poll() is None  # waits for the lock the zombie holds
+            zombie.send_signal(signal.SIGCONT)
+        code, stdout, err = finish(successor)
+        assert code == 0 and "--take_over=True" in stdout, err[-2000:]
+        after = {name: storage.read_text(f"{out}/{name}/manifest.json") for name in committed(out)}
+        log = storage.read_text(f"{out}/log.jsonl")
+    finally:
+        zombie.send_signal(signal.SIGCONT)
+    code, _, err = finish(zombie)
+    assert code == 1 and "out_dir was taken over by" in err and "writes nothing more there" in err, err[-2000:]
+    assert {name: storage.read_text(f"{out}/{name}/manifest.json") for name in committed(out)} == after
+    assert all(checkpoint.verify_checkpoint(storage.join(out, name)) is None for name in after)
+    assert storage.read_text(f"{out}/log.jsonl") == log and storage.exists(f"{out}/DONE")
+    assert ("lease: waiting for" in stdout) == (where == "local") and list(after) == ["step-000003", "step-000006"]
+
+
+@pytest.mark.full
+def test_a_lease_lock_held_by_a_stopped_process_is_said(tmp_path):
+    """A process stopped inside LEASE.lock (its write under the lease not done) holds every other run's look: a
+    successor stops after LOCK_WAIT_S in one sentence, and the stopped one, continued, still writes (it held the
+    lease)."""
+    out = str(tmp_path / "held")
+    zombie = forkserver.spawn([sys.executable, "-c", ZOMBIE, out], os.environ | {
+        "OMP_NUM_THREADS": "1", "LLAVAX_TEST_PAUSE_BEFORE_LEASE_WRITE": "manifest.json"})
+    wait_for(lambda: stopped(zombie.pid), zombie, timeout=60, what="pause")
+    wait = lease.LOCK_WAIT_S
+    try:
+        lease.LOCK_WAIT_S = 1.0
+        with pytest.raises(SystemExit, match=r"^out_dir's lease lock .*/held/LEASE.lock has been held by another "
+                                             r"process for 1 s \(one stopped while it wrote the lease\?\): end that "
+                                             r"process, then start this run again$"):
+            lease.Lease(out, 300).acquire(take_over=True)
+    finally:
+        lease.LOCK_WAIT_S = wait
+        zombie.send_signal(signal.SIGCONT)
+    code, stdout, err = finish(zombie)
+    assert (code, stdout) == (0, "wrote\n"), err
+
+
+def test_a_child_forked_while_the_lock_is_held_does_not_hold_it(tmp_path):
+    """A flock belongs to the open file, which a fork shares: a stop checkpoint's writer or a loader worker forked
+    while a thread holds LEASE.lock would hold it for as long as it lives. The child closes its copy."""
+    path = tmp_path / lease.LOCK
+    with lease.locked(path):
+        child = os.fork()
+        if child == 0:
+            time.sleep(3)
+            os._exit(0)
+    try:
+        t0 = time.monotonic()
+        with lease.locked(path):
+            assert time.monotonic() - t0 < 0.5  # at once, the child still there
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+
+
+def test_a_server_that_ignores_conditions_gets_the_look_then_write(unconditional_gcs_bucket, capsys):
+    """gcp-storage-emulator writes whatever ifGenerationMatch says: said in one line at the start, and the lease is
+    read back as before, a second run refused while it is fresh, a run taken over told at its next refresh."""
+    out = f"{unconditional_gcs_bucket}/run"
+    first = lease.Lease(out, 300)
+    first.acquire(take_over=False)
+    assert first.mode == "read-back" and first.refresh() and first.refresh()
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("lease:")]
+    assert said == [f"lease: {os.environ['STORAGE_EMULATOR_HOST']} (STORAGE_EMULATOR_HOST) does not honour "
+                    f"ifGenerationMatch on a write: the lease is read back before each write instead, and a run paused "
+                    f"between that look and its write could write once over a run that took out_dir over meanwhile"]
+    with pytest.raises(SystemExit, match="is in use by run without a run id"):
+        lease.Lease(out, 300).acquire(take_over=False)
+    second = lease.Lease(out, 300)
+    second.acquire(take_over=True)
+    done = f"{out}/DONE"
+    assert not first.refresh() and "run without a run id" in first.lost
+    assert not first.fenced(done, lambda: storage.write_text(done, "")) and not storage.exists(done)
+    first.release()
+    assert json.loads(storage.read_text(f"{out}/LEASE.json"))["token"] == second.token
+    second.release()
+    assert not storage.exists(f"{out}/LEASE.json")
