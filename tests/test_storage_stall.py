@@ -16,7 +16,7 @@ import forkserver
 import pytest
 from buckets import S3_ENV, forget_filesystems
 from conftest import ROOT
-from test_train import args, run
+from test_train import args
 
 import checkpoint
 import storage
@@ -153,15 +153,19 @@ def test_a_frozen_endpoint_ends_the_run_in_bounded_time_and_one_sentence(shapes,
     assert not storage.exists(f"{out}/DONE")
 
 
-def test_a_final_checkpoint_that_fails_is_not_marked_done(shapes, s3_bucket, s3_proxy):
+def test_a_final_checkpoint_that_fails_is_not_marked_done(shapes, s3_bucket, s3_proxy, monkeypatch, capsys):
     """The last step's checkpoint fails (503 through every retry): the run exits non-zero in one sentence naming the
     last committed step, writes no DONE (a babysitter would delete the VM), and never says that training goes on."""
+    import train
+
     out, bucket = f"{s3_bucket}/final", storage.bucket(s3_bucket)
     s3_proxy.inject(rf"^PUT /{bucket}/final/step-000006/__0_0\.distcp", 503, 10**6)
-    r = run(args(shapes, out, "--max_iters=6", "--ckpt_interval=3", "--keep_last=5"), check=False)
-    last = r.stderr.strip().splitlines()[-1]
-    assert r.returncode == 1 and f"checkpoint {out}/step-000006 not committed" in last, r.stderr[-3000:]
+    monkeypatch.setattr(storage, "BACKOFF", 0.01)  # the retries, without their waits
+    with pytest.raises(SystemExit) as e:
+        train.main(args(shapes, out, "--max_iters=6", "--ckpt_interval=3", "--keep_last=5"))
+    last, err = str(e.value), capsys.readouterr().err
+    assert f"checkpoint {out}/step-000006 not committed" in last and "\n" not in last, last
     assert f"the last committed step is {out}/step-000003" in last and "not marked DONE" in last, last
-    assert "training goes on" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "training goes on" not in err + last and "Traceback" not in err, err[-3000:]
     assert [storage.name(p) for p in checkpoint.checkpoints(out)] == ["step-000003"]
     assert not storage.exists(f"{out}/DONE")
