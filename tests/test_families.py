@@ -107,20 +107,21 @@ def test_generation_with_a_cache_equals_transformers_greedy(family, tmp_path):
     assert torch.equal(ours, theirs), (ours, theirs)
 
 
-def tiny_llava(family, **extra):
-    """A LlavaForConditionalGeneration whose text_config is the family's (a SigLIP tower at 42 px)."""
+def tiny_llava(family, image_size=42, seed=0, **extra):
+    """A LlavaForConditionalGeneration whose text_config is the family's (a SigLIP tower, 42 px: 9 image tokens)."""
     import transformers
     from transformers import LlavaConfig, LlavaForConditionalGeneration, SiglipVisionConfig
 
     cfg_cls, _, settings = FAMILIES[family]
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     vision = SiglipVisionConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                                image_size=42, patch_size=14, vision_use_head=False)
+                                image_size=image_size, patch_size=14, vision_use_head=False)
     text = getattr(transformers, cfg_cls)(**TINY | {"vocab_size": 512} | settings | extra)
-    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=511, image_seq_length=9,
+    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=511,
+                      image_seq_length=(image_size // 14) ** 2,
                       vision_feature_layer=-1, vision_feature_select_strategy="full",
                       tie_word_embeddings=text.tie_word_embeddings)
-    return perturbed(LlavaForConditionalGeneration(cfg))
+    return perturbed(LlavaForConditionalGeneration(cfg), seed)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3", pytest.param("gemma2", marks=pytest.mark.full),
@@ -227,6 +228,9 @@ OVERRIDES = {
     "gemma3": {"qk_norm": True, "norm_offset": 1.0, "sandwich_norms": True, "mlp_act": "gelu_tanh",
                "embed_scale": True, "query_scale": 24**-0.5, "sliding_window": 8, "sliding_layers": [0],
                "rope_theta": 1e6, "local_rope_theta": 1e4, "tie_embeddings": True},
+    "gemma2": {"norm_offset": 1.0, "sandwich_norms": True, "mlp_act": "gelu_tanh", "embed_scale": True,
+               "query_scale": 24**-0.5, "sliding_window": 8, "sliding_layers": [0], "attn_softcap": 2.0,
+               "final_softcap": 3.0, "tie_embeddings": True},
 }
 
 
@@ -276,3 +280,31 @@ def test_blockwise_attention_equals_dense_on_packed_rows(family, tmp_path):
     (dense, grads), (blockwise, their_grads) = results
     assert abs(dense - blockwise) <= 1e-5 * abs(dense) and grads.keys() == their_grads.keys()
     assert all((grads[n] - their_grads[n]).abs().max() <= 1e-5 * (1 + grads[n].abs().max()) for n in grads)
+
+
+@pytest.mark.parametrize("family", ["qwen3", pytest.param("gemma3", marks=pytest.mark.full)])
+def test_a_onevision_of_the_family_converts_with_transformers_logits(family, tmp_path):
+    """LlavaOnevisionForConditionalGeneration whose text_config is the family's: from-hf, then an image that selects a
+    reduced grid and a video, as transformers computes them; to-hf loads back with every weight."""
+    import transformers as tf
+    from test_convert import TINY_PINPOINTS, anyres_logits
+
+    cfg_cls, _, settings = FAMILIES[family]
+    torch.manual_seed(0)
+    vision = tf.SiglipVisionConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                   image_size=28, patch_size=14, vision_use_head=False)
+    text = getattr(tf, cfg_cls)(**TINY | {"vocab_size": 512} | settings)
+    hf = perturbed(tf.LlavaOnevisionForConditionalGeneration(tf.LlavaOnevisionConfig(
+        vision_config=vision, text_config=text, image_token_index=509, video_token_index=510,
+        image_grid_pinpoints=TINY_PINPOINTS, vision_aspect_ratio="anyres_max_2", tie_word_embeddings=True)))
+    hf.save_pretrained(tmp_path / "src")
+    convert.main(["from-hf", "--llava", str(tmp_path / "src"), "--out", str(tmp_path / "ours")])
+    ours = model_files.load_model(tmp_path / "ours").eval()
+    for size, frames in (((56, 56), 0), ((28, 84), 0), ((28, 28), 3)):
+        theirs, mine = anyres_logits(hf, ours, size, video_frames=frames)
+        assert (theirs - mine).abs().max() <= 1e-5, (size, frames)
+    convert.main(["to-hf", "--ckpt", str(tmp_path / "ours"), "--out", str(tmp_path / "back")])
+    back, info = tf.LlavaOnevisionForConditionalGeneration.from_pretrained(tmp_path / "back", output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    src, out = hf.state_dict(), back.state_dict()
+    assert all(torch.equal(src[k], out[k]) for k in src)
