@@ -27,11 +27,20 @@ IMAGE, EOS, PAD = 511, 2, 0
 N_IMAGE_TOKENS = 4  # 28 px, 14 px patches
 
 
+def hf_llava(family, seed=0):
+    """transformers' tiny random LLaVA at 28 px (4 image tokens): Llama and CLIP, or a family's decoder and SigLIP."""
+    if family == "llama":
+        return tiny_hf_llava(seed=seed)
+    from test_families import tiny_llava
+
+    return tiny_llava(family, image_size=28, seed=seed)
+
+
 def our_model(hf, tmp_path, name):
     hf.save_pretrained(tmp_path / name)
     state, cfg = hf_names.llava_from_hf(tmp_path / name)
     model = build_model(cfg, init=False)
-    model.load_state_dict(state)
+    model.load_state_dict(state, strict=not cfg.llm.tie_embeddings)  # tied: no output.weight of its own
     return model, cfg
 
 
@@ -104,10 +113,13 @@ def trl_trainer(policy, ref, loss_type, beta, tmp_path, loss_weights=None):
                       data_collator=lambda examples: examples)
 
 
-@pytest.mark.parametrize("loss_type,sft_weight", [("sigmoid", 0.0), ("hinge", 0.0), ("ipo", 0.0), ("sigmoid", 0.5)])
-def test_dpo_loss_metrics_and_gradients_match_trl(tmp_path, loss_type, sft_weight):
+@pytest.mark.parametrize("loss_type,sft_weight,family", [("sigmoid", 0.0, "llama"), ("hinge", 0.0, "llama"),
+                                                         ("ipo", 0.0, "llama"), ("sigmoid", 0.5, "llama"),
+                                                         ("sigmoid", 0.5, "qwen3"), ("ipo", 0.0, "gemma3")])
+def test_dpo_loss_metrics_and_gradients_match_trl(tmp_path, loss_type, sft_weight, family):
+    """Qwen3 and Gemma 3: tests/test_families.py's decoders (windows past 8 tokens, q/k norms, Gemma's norms)."""
     beta = 0.5 if loss_type == "ipo" else 0.1
-    hf_policy, hf_ref = tiny_hf_llava(seed=0), tiny_hf_llava(seed=1)  # a reference unlike the policy: nonzero rewards
+    hf_policy, hf_ref = hf_llava(family, 0), hf_llava(family, 1)  # a reference unlike the policy: nonzero rewards
     policy, cfg = our_model(hf_policy, tmp_path, "policy")
     ref, _ = our_model(hf_ref, tmp_path, "ref")
     pairs, pixels = preference_pairs()

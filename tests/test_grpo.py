@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 from conftest import run_log, tiny_hf_llava
-from test_dpo import EOS, IMAGE, N_IMAGE_TOKENS, PAD, our_model, shapes_pairs, word_level_processor  # noqa: F401
+from test_dpo import EOS, IMAGE, N_IMAGE_TOKENS, PAD, hf_llava, our_model, shapes_pairs, word_level_processor  # noqa: F401
 
 import chat
 import config
@@ -57,14 +57,16 @@ def rollout(seed=0):
     return prompts, completions, completion_mask, rewards, pixels, g
 
 
-@pytest.mark.parametrize("loss_type,beta,epsilon_high", [("grpo", 0.0, None), ("dapo", 0.0, None), ("grpo", 0.04, None),
-                                                         ("dapo", 0.1, None), ("dr_grpo", 0.04, None),
-                                                         ("dapo", 0.0, 0.28), ("grpo", 0.04, 0.25)])
-def test_grpo_loss_matches_trl_compute_loss(tmp_path, loss_type, beta, epsilon_high):
-    """epsilon_high: DAPO's clip-higher, TRL's epsilon_high, reached through the config key grpo_epsilon_high."""
+@pytest.mark.parametrize("loss_type,beta,epsilon_high,family", [
+    ("grpo", 0.0, None, "llama"), ("dapo", 0.0, None, "llama"), ("grpo", 0.04, None, "llama"),
+    ("dapo", 0.1, None, "llama"), ("dr_grpo", 0.04, None, "llama"), ("dapo", 0.0, 0.28, "llama"),
+    ("grpo", 0.04, 0.25, "llama"), ("dapo", 0.04, None, "qwen3"), ("dapo", 0.04, None, "gemma3")])
+def test_grpo_loss_matches_trl_compute_loss(tmp_path, loss_type, beta, epsilon_high, family):
+    """epsilon_high: DAPO's clip-higher, TRL's epsilon_high, reached through the config key grpo_epsilon_high. Qwen3
+    and Gemma 3: tests/test_families.py's decoders, the 15-token rows past their 8-token windows."""
     from trl.trainer.utils import nanstd
 
-    hf = tiny_hf_llava(seed=0)
+    hf = hf_llava(family)
     policy, _ = our_model(hf, tmp_path, "policy")
     prompts, completions, completion_mask, rewards, pixels, g = rollout()
     ids = torch.cat([prompts, completions], 1)

@@ -267,11 +267,15 @@ def lora_checkpoint(hf, tmp_path, targets, seed=0):
     return ours.eval()
 
 
-def test_llava_exports_load_in_transformers_and_peft_with_equal_logits(tmp_path):
+@pytest.mark.parametrize("family", ["llama", "gemma3", pytest.param("qwen3", marks=pytest.mark.full)])
+def test_llava_exports_load_in_transformers_and_peft_with_equal_logits(tmp_path, family):
+    """Llama, or tests/test_families.py's Qwen3 and Gemma 3 decoders (q/k norms, Gemma's sandwich norms: in the
+    merged export, never adapted) behind a SigLIP tower."""
     from peft import PeftModel
+    from test_families import tiny_llava
     from transformers import LlavaForConditionalGeneration
 
-    ours = lora_checkpoint(tiny_hf_llava(), tmp_path, ["llm"])
+    ours = lora_checkpoint(tiny_hf_llava() if family == "llama" else tiny_llava(family, image_size=28), tmp_path, ["llm"])
     with pytest.raises(SystemExit, match="holds LoRA adapters.*--merge-lora.*--lora-only"):
         convert.main(["to-hf", "--ckpt", str(tmp_path / "ours"), "--out", str(tmp_path / "plain")])
     convert.main(["to-hf", "--ckpt", str(tmp_path / "ours"), "--merge-lora", "--out", str(tmp_path / "merged")])
