@@ -901,8 +901,9 @@ def check_resume_config(path, cfg, env):
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"{storage.join(path, 'state.json')}: unreadable ({type(e).__name__}: {e})") from None
     now = json.loads(json.dumps(cfg | {"world": env.world}))  # tuples become lists, as in the saved one
+    # init_from and resume say how this start was made, not what it trains
     changed = {k: (saved[k], now[k]) for k in now if k in saved and same_path(saved[k]) != same_path(now[k])
-               and k != "init_from"}
+               and k not in ("init_from", "resume")}
     refused = [k for k in changed if k in FIXED_ON_RESUME and k not in cfg["allow_config_change"]]
     for k, (a, b) in changed.items():
         verdict = "refused" if k in refused else "allowed by allow_config_change" if k in FIXED_ON_RESUME else "allowed"

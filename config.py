@@ -7,9 +7,13 @@ checked (check), each objective's keys by its module (rl.check_config for GRPO).
 
 import ast
 import builtins
+import contextlib
+import difflib
 import json
 import math
+import re
 import traceback
+from dataclasses import fields
 from hashlib import sha256
 from pathlib import Path
 
@@ -30,7 +34,7 @@ from shards import DatasetError, parse_members, sample_offsets, shard_files
 # -----------------------------------------------------------------------------
 # a run's typed defaults; configs/*.py and --key=value may change only these keys
 # I/O
-out_dir = "out/shapes"
+out_dir = "out/shapes"  # where checkpoints, config.json, log.jsonl and DONE go: a folder, or gs://... / s3://...
 init_from = "scratch"  # 'scratch', 'resume' (newest checkpoint in out_dir) or a convert.py checkpoint directory
 resume = False  # True: the newest good checkpoint in out_dir when there is one, else init_from (the launch scripts pass it)
 model = "debug"  # the VLM preset when init_from='scratch'
@@ -41,54 +45,54 @@ model_overrides = {  # merged into the preset; these make the shapes demo's 1.8M
     "image_token_id": 512,  # the shapes tokenizer holds at most 512 pieces; the vocab is padded to 576
 }
 # the commands that make this config's inputs (data_dir, init_from) from other runs: listed when one is missing
-prepare = []
+prepare = []  # shell commands printed when an input is missing (the demos' earlier steps)
 # data
 data_dir = "data/shapes/shards"  # one packed dataset, or a mixture: a list of sources or a YAML file (mixture.py)
-tokenizer = "data/shapes/tokenizer.model"
-template = "llama_3"
+tokenizer = "data/shapes/tokenizer.model"  # a sentencepiece tokenizer.model or an HF tokenizer.json (or their folder)
+template = "llama_3"  # the chat template (chat.TEMPLATES): plain, vicuna_v1, llama_2, llama_3, chatml, qwen3, gemma3
 seq_len = 36  # the demo's samples are 30-34 tokens (9 image tokens, llama_3); padding past them is compute
 pack = 0  # > 0: each micro-batch reads pack x rows samples and packs them into its rows (no padding waste)
 max_tiles = 0  # > 0: static ViT tile slots a row, shared by its images and their anyres tiles; 0: one image a row
-image_mode = "pad"
+image_mode = "pad"  # 'pad' to square in the tower's mean colour (LLaVA-1.5), or 'resize' (squash)
 fast_images = False  # True: JPEG draft decoding + torch's bicubic, ~2x faster, up to ~12 levels off (README)
-num_workers = 1
-shuffle_block = 1000
+num_workers = 1  # DataLoader worker processes a rank
+shuffle_block = 1000  # samples shuffled together, a block at a time (the exact-resume order)
 # what to train, and how
 stage = 0  # 0 everything, 1 the projector, 2 the projector and the LLM
 batch_size = 64  # global: across ranks and accumulation micro-steps
 micro_batch_size = 64  # per rank per micro-step
 max_iters = 1500  # the demo: 94.2-95.0% held-out at 1500 steps, 86.4-91.8% at 1200, 96.8-97.6% at 2000 (BENCHMARKS.md)
-lr = 3e-4
-min_lr = 5e-5
-warmup_iters = 100
+lr = 3e-4  # peak learning rate (lr_scale multiplies it per module)
+min_lr = 5e-5  # the cosine schedule's floor
+warmup_iters = 100  # linear warmup steps
 lr_decay_iters = 0  # 0: max_iters
 lr_scale = {"vision": 1.0, "projector": 1.0, "llm": 1.0}  # per-module multipliers
 lora = {}  # {} off; else LoRA adapters {"r", "alpha", "dropout", "targets", "rslora"} (docs/training.md "LoRA")
-weight_decay = 0.01
-beta1 = 0.9
-beta2 = 0.95
-grad_clip = 1.0
+weight_decay = 0.01  # AdamW's, on weights of two or more dimensions (never norms or biases)
+beta1 = 0.9  # AdamW
+beta2 = 0.95  # AdamW
+grad_clip = 1.0  # global gradient norm clip; 0 turns it off
 max_nonfinite_steps = 5  # an update with a non-finite loss or gradient is skipped; this many in a row stop the run
 skip_steps = []  # [(first, end), ...]: iterations whose batches are consumed but not trained on
 # evaluation, logging, checkpoints
-eval_interval = 500
-eval_iters = 4
-log_interval = 50
-ckpt_interval = 500
+eval_interval = 500  # steps between held-out evaluations; 0 turns them off
+eval_iters = 4  # held-out batches an evaluation reads
+log_interval = 50  # steps between log lines (and lease refreshes)
+ckpt_interval = 500  # steps between checkpoints in out_dir; 0: only the last (and a stop's)
 keep_last = 2  # in out_dir, and in local_ckpt_dir
 # multi-tier (Orbax's): also checkpoint every local_ckpt_interval steps to a folder on this host's disk, which is fast;
 # resume takes the newest step that verifies in either. One host only (another host's disk holds its ranks' shards)
-local_ckpt_dir = ""
-local_ckpt_interval = 0
+local_ckpt_dir = ""  # a folder on this host's disk for the frequent tier; '' turns it off
+local_ckpt_interval = 0  # steps between checkpoints in local_ckpt_dir
 storage_stall_s = 60.0  # a bucket request (an upload's included) that makes no progress this long is abandoned
 max_failed_checkpoints = 3  # checkpoints in a row whose write failed (an outage) before the run stops
 take_over = False  # True: take out_dir's lease from the run that holds it (one that is dead: lease.py)
 lease_stale_s = 300.0  # a lease not refreshed for this long (and 10 log intervals) is a dead run's, taken over
 allow_config_change = []  # keys that may differ from the checkpoint's config on resume (see FIXED_ON_RESUME)
 final_accuracy_samples = 500  # > 0: exact-match accuracy of generated answers on that many val samples
-wandb_log = False
-wandb_project = "llavax"
-wandb_run_name = ""
+wandb_log = False  # log to Weights & Biases too
+wandb_project = "llavax"  # its project
+wandb_run_name = ""  # its run name ('' lets wandb choose)
 # backend
 device = ""  # '' picks cuda when available, else cpu; 'xla' is torch_xla SPMD (TPU, or CPU devices in tests)
 parallel = "ddp"  # under torchrun: 'ddp' or 'fsdp'
@@ -96,8 +100,8 @@ compile_cache_dir = ""  # xla: programs kept for restarts; '' = ~/.cache/llavax/
 mesh = [1, -1, 1]  # xla: devices as (dp, fsdp, tp); one -1 takes what the others leave
 dcn_mesh = [1, 1, 1]  # xla: slices as (dp, fsdp, tp) for multi-slice pods (dp across slices is usual)
 dtype = "float32"  # 'bfloat16': bf16 compute with fp32 master weights
-compile = False
-activation_checkpointing = False
+compile = False  # torch.compile each block (CUDA)
+activation_checkpointing = False  # recompute each block in backward
 checkpoint_policy = "full"  # 'selective': keep the matmul and attention outputs, recompute a block's elementwise ops
 checkpoint_every = 1  # k: checkpoint blocks 0, k, 2k, ... of each tower; the others keep all their activations
 frozen_dtype = "float32"  # 'bfloat16' (with dtype='bfloat16'): frozen Linear/Conv weights stored in bf16, never cast
@@ -106,13 +110,13 @@ loss_chunk = 0  # > 0: cross-entropy over this many positions at a time, never t
 # softmax over key blocks, memory linear in seq_len on every device (XLA: one compiled loop); 'flash', 'splash':
 # torch_xla's Pallas kernels (TPU only, not verified in llavax's tests); 'bounded' (the long recipes'): 'splash' on a
 # TPU, 'blockwise' elsewhere, resolved once at set-up and printed
-attention = "dense"
+attention = "dense"  # 'dense', 'blockwise', 'flash', 'splash' or 'bounded' (above)
 attention_block = 512  # keys a step of attention='blockwise'
 peak_flops = 0.0  # per device, for MFU; 0 uses the bf16 dense peak of a known GPU
-seed = 0
+seed = 0  # model init, data order and sampling
 # preference training (docs/post-training.md "DPO"): rows of chosen and rejected answers from preference shards
 objective = "sft"  # 'sft' (next-token loss), 'dpo' (against a frozen reference), 'reward', 'grpo' or 'ppo' (below)
-dpo_beta = 0.1
+dpo_beta = 0.1  # DPO's beta (the implicit reward's scale)
 dpo_loss = "sigmoid"  # 'sigmoid' (DPO), 'ipo' (length-normalised, as TRL), 'hinge'
 dpo_sft_weight = 0.0  # + this x the chosen answers' token NLL (LLaVA-NeXT's gamma; TRL's "sft" loss)
 dpo_end_of_turn = True  # False: an answer's log-prob leaves out its end-of-turn token (its last supervised one)
@@ -128,59 +132,80 @@ grpo_epsilon = 0.2  # the ratio is clipped to [1 - epsilon, 1 + epsilon_high]
 grpo_epsilon_high = 0.0  # DAPO's clip-higher (0.28 in its paper); 0: grpo_epsilon
 grpo_scale_rewards = "group"  # r - group mean divided by the group's std, the generation batch's ('batch') or 1 ('none')
 grpo_iterations = 1  # optimisation steps on each generation batch (TRL's num_iterations); > 1 uses the importance ratio
-grpo_max_new_tokens = 8
-grpo_temperature = 1.0
-grpo_top_p = 1.0
+grpo_max_new_tokens = 8  # tokens a completion may have
+grpo_temperature = 1.0  # sampling temperature of the rollouts
+grpo_top_p = 1.0  # nucleus sampling of the rollouts
 grpo_reward = "exact_match"  # 'exact_match', 'module:function' (completions, answers) -> floats, or a reward-model dir
-grpo_reference = ""
+grpo_reference = ""  # the KL reference: a checkpoint; '' = init_from
 grpo_static = False  # static-shape rollouts (always under XLA): prompts left-padded to grpo_prompt_len, hashed draws
 grpo_prompt_len = 0  # static rollouts' prompt bucket (0: seq_len - grpo_max_new_tokens); a longer prompt is skipped
 # FSDP2: True keeps every block gathered from the first decoding step to the last (TRL's ds3_gather_for_generation, on
 # by default there): fast, but the whole model on each rank. False gathers each block again at every step (less memory)
-grpo_gather_for_generation = False
+grpo_gather_for_generation = False  # (above)
 # objective='ppo' (EasyLM's llama_train_ppo; TRL <= 1.12's defaults): rollouts as GRPO's grpo_* keys make them
 ppo_value_init = ""  # the value model: a reward-model checkpoint, its head read at every token; '' = grpo_reward's
 ppo_kl_coef = 0.05  # per-token reward -kl_coef x KL(policy || reference), the score added at the last token
 ppo_kl_estimator = "k1"  # 'k1' logp - ref_logp, 'k3' (rho - 1) - log rho
 ppo_reward_gain = 1.0  # score = gain x reward + bias - ppo_missing_end_penalty when a completion has no end of turn
-ppo_reward_bias = 0.0
-ppo_missing_end_penalty = 0.0
+ppo_reward_bias = 0.0  # (see ppo_reward_gain)
+ppo_missing_end_penalty = 0.0  # (see ppo_reward_gain)
 ppo_gamma = 1.0  # GAE
-ppo_lam = 0.95
-ppo_whiten_rewards = False
+ppo_lam = 0.95  # GAE's lambda
+ppo_whiten_rewards = False  # whiten the per-token rewards of a batch
 ppo_epochs = 4  # passes over each rollout batch (batch_size prompts)
 ppo_mini_batch_size = 0  # prompts an optimizer step; 0: the whole rollout batch
-ppo_clip = 0.2
-ppo_clip_value = 0.2
-ppo_vf_coef = 0.1
+ppo_clip = 0.2  # the policy ratio's clip
+ppo_clip_value = 0.2  # the value's clip around its old estimate
+ppo_vf_coef = 0.1  # the value loss's weight
 ppo_value_lr = 0.0  # the value model's peak learning rate (on the same schedule); 0: lr, as TRL's one optimizer
 DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, list, dict))}
 
 
 def parse(argv, defaults):
-    """defaults updated by argv (config files and --key=value, in order), each value of its default's type."""
-    cfg = dict(defaults)
-    for arg in argv:
+    """defaults updated by argv (config files and --key=value or --key value, in order), each value of its default's
+    type."""
+    cfg, args = dict(defaults), list(argv)
+    while args:
+        arg = args.pop(0)
         if arg.startswith("--"):
             key, eq, raw = arg[2:].partition("=")
-            if not eq:
-                raise SystemExit(f"config: expected --key=value, got {arg!r}")
+            if not eq and args and not args[0].startswith("--"):  # --key value, as argparse users type it
+                raw = args.pop(0)
+                arg = f"--{key}={raw}"
+            elif not eq:
+                raise SystemExit(f"config: expected --key=value (or --key value), got {arg!r} with no value")
             if key not in cfg:
-                raise SystemExit(f"config: unknown key {key!r} (from {arg!r})")
-            try:
-                value = ast.literal_eval(raw)
-            except (ValueError, SyntaxError):
-                value = raw  # a bare string
-            cfg[key] = _typed(key, value, defaults[key])
+                raise SystemExit(f"config: unknown key {key!r} (from {arg!r}){nearest(key, cfg)}")
+            cfg[key] = _typed(key, literal(raw, defaults[key]), defaults[key])
         else:
             ns = run_config_file(arg)
             for key, value in ns.items():
                 if key.startswith("_") or callable(value) or type(value).__name__ == "module":
                     continue
                 if key not in cfg:
-                    raise SystemExit(f"config: unknown key {key!r} in {arg}")
+                    raise SystemExit(f"config: unknown key {key!r} in {arg}{nearest(key, cfg)}")
                 cfg[key] = _typed(key, value, defaults[key])
     return cfg
+
+
+BOOLEANS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+
+
+def literal(raw, default):
+    """A command-line value as Python reads it; a bare word is a string; a boolean key also takes true/false,
+    yes/no, on/off and 1/0 in any case."""
+    if isinstance(default, bool) and raw.strip().lower() in BOOLEANS:
+        return BOOLEANS[raw.strip().lower()]
+    try:
+        return ast.literal_eval(raw)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return raw  # a bare string
+
+
+def nearest(name, known):
+    """': did you mean a or b?' naming the known names closest to a mistyped one, or ''."""
+    close = difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)
+    return f": did you mean {' or '.join(close)}?" if close else ""
 
 
 def _typed(key, value, default):
@@ -231,6 +256,8 @@ NON_NEGATIVE = ("eval_interval", "eval_iters", "ckpt_interval", "local_ckpt_inte
 
 def check(cfg):
     """cfg (what parse read) with every value checked: one sentence for the first that is wrong."""
+    if cfg["init_from"] == "scratch":  # a model_overrides field that is no model's: said now, not after the data
+        model_config(cfg)
     for key in POSITIVE + NON_NEGATIVE:
         if cfg[key] < 0 or (cfg[key] == 0 and key in POSITIVE):
             raise SystemExit(f"config: {key} must be {'> 0' if key in POSITIVE else '>= 0'}, got {cfg[key]}")
@@ -320,6 +347,10 @@ def model_config(cfg):
 
 
 def lora_config(cfg):
+    known = [f.name for f in fields(LoRAConfig)]
+    if isinstance(cfg["lora"], dict) and (unknown := [k for k in cfg["lora"] if k not in known]):
+        raise SystemExit(f"config: lora has no field {unknown[0]!r}{nearest(unknown[0], known)} (its fields: "
+                         f"{', '.join(known)})")
     try:
         return LoRAConfig(**cfg["lora"]) if cfg["lora"] else None
     except (TypeError, ValueError) as e:
@@ -327,7 +358,46 @@ def lora_config(cfg):
 
 
 def load_config(argv):
+    if "--help" in argv or "-h" in argv:
+        with contextlib.suppress(BrokenPipeError):  # `train.py --help | head`
+            print(help_text([a for a in argv if a not in ("--help", "-h")]))
+        raise SystemExit(0)
     return check(parse(argv, DEFAULTS))
+
+
+def described_keys():
+    """[(group, key, its comment's first line)] in this file's order, a group being the first line of the comment
+    that opens a block of keys (up to its colon or parenthesis)."""
+    source = Path(__file__).read_text()
+    block = source[source.index("# a run's typed defaults"):source.index("\nDEFAULTS = ")].splitlines()[1:]
+    group, after_code, found = "", False, []
+    for line in block:
+        if line.startswith("# ") and after_code or not found and line.startswith("# "):
+            group = re.split(r"[:(]", line[2:])[0].strip()
+        if m := re.match(r"(\w+) = .*?(?:  # (.*))?$", line):
+            found.append((group, m.group(1), m.group(2) or ""))
+        after_code = bool(line) and not line.startswith("#")
+    return found
+
+
+def help_text(argv):
+    """Every key, grouped as this file groups them, with its default (or the value argv's config files and flags
+    give it, marked * where they change it), its type and what it is."""
+    cfg = parse(argv, DEFAULTS)
+    lines = ["usage: python train.py [CONFIG.py ...] [--key=value | --key value ...]",
+             "Config files (Python files of `key = value` lines, configs/*.py) and flags apply in order; each value keeps "
+             "its default's type (booleans also take true/false/yes/no/1/0). The keys, from config.py"
+             + (f", as {' '.join(argv)} sets them (* changed):" if argv else ":")]
+    group = None
+    for where, key, comment in described_keys():
+        if where != group:
+            group = where
+            lines.append(f"\n{where}")
+        shown = repr(cfg[key])
+        shown = shown if len(shown) <= 48 else shown[:45] + "..."
+        mark = "*" if argv and cfg[key] != DEFAULTS[key] else " "
+        lines.append(f" {mark}{key} = {shown}  ({type(DEFAULTS[key]).__name__})" + (f"  {comment}" if comment else ""))
+    return "\n".join(lines)
 
 
 def check_tiles(vlm, max_tiles):

@@ -4,6 +4,7 @@ checked when built), and the named presets (vlm_preset) that train.py's `model` 
 budget), which builds the modules from them and re-exports every name here.
 """
 
+import difflib
 from dataclasses import asdict, dataclass, field, fields, replace
 from functools import partial
 
@@ -192,7 +193,9 @@ def _from_dict(cls, d, where):
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(d) - known)
     if unknown:
-        raise ValueError(f"{where}: unknown {cls.__name__} keys {unknown}; known keys are {sorted(known)}")
+        close = difflib.get_close_matches(unknown[0], sorted(known), n=3)
+        guess = f" (did you mean {' or '.join(close)}?)" if close else ""
+        raise ValueError(f"{where}: unknown {cls.__name__} keys {unknown}{guess}; known keys are {sorted(known)}")
     return cls(**d)
 
 
