@@ -796,8 +796,8 @@ class Checkpointer:
                              f"{len(missing)} tensors missing ({', '.join(missing[:3])}), {len(extra)} not in this run "
                              f"({', '.join(extra[:3])}), {len(wrong)} of another shape ({', '.join(wrong[:3])}); "
                              f"{len(state['param_groups'])} optimizer groups saved, {len(groups)} now")
-        dcp.load(tensors, storage_reader=dcp_reader(path), planner=planners(env)[1],
-                 process_group=self.group)
+        with quiet():  # 'torch.distributed is disabled' on every single-process resume
+            dcp.load(tensors, storage_reader=dcp_reader(path), planner=planners(env)[1], process_group=self.group)
         weights = {k[6:]: v for k, v in tensors.items() if k.startswith("model.")}
         value_weights = {k.removeprefix(VALUE): v for k, v in tensors.items() if k.startswith(VALUE)}
         moments = {}
