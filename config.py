@@ -38,7 +38,7 @@ out_dir = "out/shapes"  # where checkpoints, config.json, log.jsonl and DONE go:
 init_from = "scratch"  # 'scratch', 'resume' (newest checkpoint in out_dir) or a convert.py checkpoint directory
 resume = False  # True: the newest good checkpoint in out_dir when there is one, else init_from (the launch scripts pass it)
 model = "debug"  # the VLM preset when init_from='scratch'
-model_overrides = {  # merged into the preset; these make the shapes demo's 1.8M-parameter VLM
+model_overrides = {  # merged into the preset; these make the shapes demo's 1.93M-parameter VLM
     "vision": {"image_size": 48, "patch_size": 16, "dim": 128, "n_layers": 4, "n_heads": 4, "ffn_dim": 512},
     "llm": {"vocab_size": 576, "dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 4, "ffn_dim": 384, "max_seq_len": 64},
     "vision_layer": -1,

@@ -205,7 +205,8 @@ def prepare_out_dir(folders, cfg, env, lease):
             storage.write_text(storage.join(out, "config.json"), json.dumps(cfg, indent=2))
         except OSError as e:
             raise SystemExit(f"out_dir {str(out)!r}: cannot write there ({e.strerror or e})") from None
-        print0(env, "config:", json.dumps(cfg))
+        changed = {k: v for k, v in cfg.items() if v != config.DEFAULTS.get(k)}  # the whole is in out_dir/config.json
+        print0(env, "config (what differs from config.py's defaults):", json.dumps(changed))
     if dist.is_initialized():  # every rank looks for checkpoints after a previous stop's writer is done
         dist.barrier()
 
