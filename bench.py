@@ -5,6 +5,8 @@ Benchmarks. Figures go to BENCHMARKS.md with the command, date and machine.
     python bench.py train --config configs/bench_7b_stage1.py --variant bf16:frozen_dtype=bfloat16 ...
     python bench.py train [--size bench|debug] [--stage 1|2] [--peer hf] [--pack] [--compile] [--loss-chunk N]
     python bench.py data [--shards DIR]        # decode + preprocess images/s per core, ours vs webdataset + PIL
+    python bench.py pack [--n 2000] [--workers 1 2]   # pack throughput: JPEG records from JSON, and as parquet rows
+    python bench.py video [--seconds 20]       # pack on MP4 files; the loader on video shards against image shards
     python bench.py loader [--latency_ms 50]   # the loader from local files and from S3 (moto) behind latency
     python bench.py loader --computed          # computed: ranged reads from a real bucket, by streams and request size
     python bench.py xla                        # computed per-device memory of the 7B recipes on TPU pods
@@ -50,8 +52,9 @@ from images import CLIP_MEAN, CLIP_STD, load_image, normalize_images
 from loader import pack_rows, packed_batch
 from model import build_model
 from model_config import vlm_preset
-from pack import pack
+from pack import pack, pack_source
 from shards import read_members, sample_offsets, shard_files
+from sources import JsonRecords, ParquetRows
 
 SIZES = {  # (preset, seq_len, micro batch, real tokens per sample)
     "bench": ("bench", 2048, 8, 680),  # TinyLlama-1.1B-shaped LLM + CLIP ViT-L/14-336; 576 image + ~100 text tokens
@@ -365,6 +368,13 @@ def bench_train(args):
 
 def make_bench_shards(out, n=400, width=640, height=480, seed=0, shard_size=100):
     """Photo-like 640x480 JPEGs (smooth gradients plus noise), packed."""
+    bench_records(out, n, width, height, seed)
+    pack(Path(out) / "bench.json", Path(out) / "images", Path(out) / "shards", shard_size=shard_size, overwrite=True)
+    return Path(out) / "shards"
+
+
+def bench_records(out, n=400, width=640, height=480, seed=0):
+    """n records of photo-like JPEGs (smooth gradients plus noise): OUT/images/I.jpg and OUT/bench.json."""
     out = Path(out)
     (out / "images").mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -377,8 +387,39 @@ def make_bench_shards(out, n=400, width=640, height=480, seed=0, shard_size=100)
         records.append({"id": i, "image": f"{i}.jpg", "conversations": [
             {"from": "human", "value": f"{IMAGE_TAG}\nDescribe the image."}, {"from": "gpt", "value": "Waves."}]})
     (out / "bench.json").write_text(json.dumps(records))
-    pack(out / "bench.json", out / "images", out / "shards", shard_size=shard_size, overwrite=True)
-    return out / "shards"
+    return records
+
+
+def bench_pack(args):
+    """Pack the same JPEG records from a JSON file and its image folder, and from parquet rows (row groups of 100,
+    the images inside), alternating, --rounds times each; the fastest of each is reported."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    work = Path(args.workdir)
+    if not (work / "bench.json").exists() or len(json.loads((work / "bench.json").read_text())) != args.n:
+        bench_records(work, args.n, args.width, args.height)
+    records = json.loads((work / "bench.json").read_text())
+    image_bytes = sum((work / "images" / r["image"]).stat().st_size for r in records)
+    rows = [{"id": r["id"], "image": {"bytes": (work / "images" / r["image"]).read_bytes(), "path": r["image"]},
+             "conversations": r["conversations"]} for r in records]
+    (work / "parquet").mkdir(exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), work / "parquet/bench.parquet", row_group_size=100)
+    del rows
+    print(f"{args.n} records, {image_bytes / args.n / 1e3:.0f} KB JPEGs ({args.width}x{args.height}), "
+          f"{image_bytes / 1e6:.0f} MB of images; parquet file {(work / 'parquet/bench.parquet').stat().st_size / 1e6:.0f} "
+          "MB\n| source | workers | seconds | samples/s | MB/s of images |\n|---|---|---|---|---|")
+    for workers in args.workers:
+        best = {}
+        for _ in range(args.rounds):
+            for kind in ("JSON + image folder", "parquet rows"):
+                source = JsonRecords(work / "bench.json", work / "images") if kind.startswith("JSON") else \
+                    ParquetRows(work / "parquet/bench.parquet")
+                t0 = time.perf_counter()
+                pack_source(source, work / "out", shard_size=1000, workers=workers, overwrite=True)
+                best[kind] = min(best.get(kind, float("inf")), time.perf_counter() - t0)
+        for kind, seconds in best.items():
+            print(f"| {kind} | {workers} | {seconds:.2f} | {args.n / seconds:.0f} | {image_bytes / 1e6 / seconds:.1f} |")
 
 
 def bench_images(shards, size=336, repeats=2):
@@ -601,6 +642,144 @@ def bench_loader(args):
     shards.AHEAD = ahead
     print("| source | samples/s | waiting on data |\n|---|---|---|\n" + "\n".join(
         f"| {name} | {rate:.1f} | {waiting:.0%} |" for name, (rate, waiting) in best.items()))
+
+
+# -----------------------------------------------------------------------------
+# video: pack throughput on MP4 files; the loader on video shards against image shards, and against decoding the
+# video bytes at load time (the storage pack does not choose)
+
+
+def scene(width, height, n_frames, seed):
+    """n_frames RGB frames of a camera panning over a photo-like scene (smooth colour fields, fine texture, discs)
+    while a red block crosses it."""
+    rng = np.random.default_rng(seed)
+    big_h, big_w = height + 200, width + 400
+    world = np.full((big_h, big_w, 3), 128.0, np.float32)
+    for scale, amp in ((64, 90), (16, 40), (4, 6)):
+        field = rng.normal(0, 1, (big_h // scale + 2, big_w // scale + 2, 3)).astype(np.float32)
+        field = np.kron(field, np.ones((scale, scale, 1), np.float32))[:big_h, :big_w]
+        k = max(1, scale // 2)  # a box blur of the blocks
+        world += amp * (field + np.roll(field, k, 0) + np.roll(field, k, 1) + np.roll(field, (k, k), (0, 1))) / 4
+    yy, xx = np.mgrid[0:big_h, 0:big_w]
+    for _ in range(25):
+        cx, cy, r = rng.integers(0, big_w), rng.integers(0, big_h), rng.integers(10, 80)
+        world[(xx - cx) ** 2 + (yy - cy) ** 2 < r * r] = rng.integers(0, 256, 3)
+    world = np.clip(world, 0, 255).astype(np.uint8)
+    for t in range(n_frames):
+        x, y = int(200 + 180 * np.sin(t / 90)), int(100 + 90 * np.cos(t / 70))
+        frame = world[y : y + height, x : x + width].copy()
+        left = (t * 6) % width
+        frame[height // 3 : height // 3 + 60, max(0, left - 30) : left + 30] = (240, 30, 30)
+        yield frame
+
+
+def bench_video_files(work, sizes, seconds, fps=30):
+    """H.264 MP4s (x264's defaults: CRF 23, preset medium) of `scene`, one a size, kept in work/videos; the JSON of
+    their records, and of image records (one JPEG a sample, a frame of the same size, quality 95) beside it."""
+    import av
+
+    folder = work / "videos"
+    folder.mkdir(parents=True, exist_ok=True)
+    videos, pictures = [], []
+    for i, (w, h) in enumerate(sizes):
+        name = f"{i}_{w}x{h}_{seconds}s.mp4"
+        if not (folder / name).exists():
+            with av.open(str(folder / f"tmp-{name}"), "w") as c:
+                s = c.add_stream("libx264", rate=fps)
+                s.width, s.height, s.pix_fmt = w, h, "yuv420p"
+                for frame in scene(w, h, int(seconds * fps), seed=i):
+                    for packet in s.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                        c.mux(packet)
+                for packet in s.encode():
+                    c.mux(packet)
+            os.replace(folder / f"tmp-{name}", folder / name)
+            Image.fromarray(next(scene(w, h, 1, seed=i))).save(folder / f"{i}.jpg", quality=95)
+        turns = [{"from": "human", "value": "<video>\nWhat moves?"}, {"from": "gpt", "value": "A red block."}]
+        videos.append({"id": i, "video": name, "conversations": turns})
+        pictures.append({"id": i, "image": f"{i}.jpg", "conversations": [{"from": "human", "value": "<image>\nWhat?"},
+                                                                          turns[1]]})
+    (work / "videos.json").write_text(json.dumps(videos))
+    (work / "images.json").write_text(json.dumps(pictures))
+    return folder, videos
+
+
+def tiles_from_video_bytes(data, settings, size):
+    """What a loader would do with the video bytes in the shard: LLaVA-NeXT's frames decoded and squashed to
+    size x size (the storage pack does not choose; timed here only)."""
+    from video import count_packets, frame_indices, open_container, video_stream
+
+    total, fps, _ = count_packets(data, settings)
+    indices, _ = frame_indices(total, float(fps), settings)
+    wanted, found = set(indices), {}
+    with open_container(data) as container:
+        for i, frame in enumerate(container.decode(video_stream(container, settings))):
+            if i in wanted:
+                found[i] = torch.from_numpy(np.array(frame.to_image().resize((size, size), Image.BICUBIC)))
+            if i >= max(indices):
+                break
+    return torch.stack([found[i] for i in indices]).permute(0, 3, 1, 2)  # (n, 3, size, size)
+
+
+def samples_per_second(work_fn, n, rounds):
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for i in range(n):
+            work_fn(i)
+        best = min(best, time.perf_counter() - t0)
+    return n / best
+
+
+def bench_video(args):
+    """pack on MP4 records (samples/s, MB/s of video), then one process's loader samples/s (a DataLoader worker's
+    rate, tiles squashed to 384 px as for LLaVA-OneVision) on the video shards, on the same shards with PNG frames,
+    on image shards (one JPEG a sample, anyres tiles), and decoding the MP4 bytes at load time instead."""
+    from loader import ShardStream
+    from shapes import train_tokenizer
+    from sources import JsonRecords
+    from video import VideoSettings
+
+    work = Path(args.workdir)
+    sizes = [tuple(map(int, s.split("x"))) for s in args.sizes]
+    folder, videos = bench_video_files(work, sizes, args.seconds)
+    video_mb = sum((folder / r["video"]).stat().st_size for r in videos) / 1e6
+    n = len(videos)
+    print(f"{n} H.264 MP4s of {args.seconds} s at 30 fps ({', '.join(args.sizes)}), {video_mb:.1f} MB in all; "
+          f"LLaVA-OneVision's frame choice (--frames-upbound 32 --video-fps 1)\n"
+          "| pack | workers | seconds | samples/s | MB/s of video | bytes a sample in the shard |\n"
+          "|---|---|---|---|---|---|")
+    shards = {}
+    for frames in ("jpg", "png"):
+        for workers in args.workers:
+            out = work / f"shards-{frames}"
+            t0 = time.perf_counter()
+            pack_source(JsonRecords(work / "videos.json", folder), out, workers=workers, overwrite=True,
+                        video=VideoSettings(frame_format=frames))
+            seconds = time.perf_counter() - t0
+            per_sample = sum(f.stat().st_size for f in out.glob("*.tar")) / n
+            print(f"| {frames.upper()} frames | {workers} | {seconds:.2f} | {n / seconds:.2f} | {video_mb / seconds:.1f} | "
+                  f"{per_sample / 1e6:.2f} MB |")
+            shards[f"video shards, {frames.upper()} frames"] = out
+    pack_source(JsonRecords(work / "images.json", folder), work / "shards-images", overwrite=True)
+    shards["image shards, one JPEG a sample"] = work / "shards-images"
+    if not (work / "tokenizer.model").exists():
+        train_tokenizer(["What moves?", "A red block.", "What?"] * 50, work / "tokenizer", 320)
+    cfg = vlm_preset("llava-onevision-qwen2-0.5b")
+    size = cfg.vision.image_size
+    print(f"\n| loader, one process ({size} px tiles) | samples/s | tiles a sample | bytes a sample |\n|---|---|---|---|")
+    for name, where in shards.items():
+        stream = ShardStream(where, work / "tokenizer.model", batch_size=1, seq_len=16384, image_size=size,
+                             image_token_id=cfg.image_token_id, n_image_tokens=cfg.n_image_tokens, template="chatml",
+                             vlm=cfg, max_tiles=40, image_mean=cfg.vision.image_stats[0])
+        tiles = sum(len(stream.encode(i)[2]) for i in range(n)) / n
+        rate = samples_per_second(stream.encode, n, args.rounds)
+        per_sample = sum(f.stat().st_size for f in where.glob("*.tar")) / n
+        print(f"| {name} | {rate:.2f} | {tiles:.1f} | {per_sample / 1e6:.2f} MB |")
+    blobs = [(folder / r["video"]).read_bytes() for r in videos]
+    settings = VideoSettings()
+    rate = samples_per_second(lambda i: tiles_from_video_bytes(blobs[i], settings, size), n, args.rounds)
+    print(f"| the MP4 bytes decoded at load time (not stored so) | {rate:.2f} | "
+          f"{len(tiles_from_video_bytes(blobs[0], settings, size))} (first) | {video_mb / n:.2f} MB |")
 
 
 # -----------------------------------------------------------------------------
@@ -984,6 +1163,13 @@ def main(argv=None):
     d.add_argument("--workdir", default="out/bench-data")
     d.add_argument("--size", type=int, default=336)
     d.add_argument("--n", type=int, default=400)
+    pk = sub.add_parser("pack", help="pack throughput: JPEG records from a JSON file, and the same as parquet rows")
+    pk.add_argument("--n", type=int, default=2000)
+    pk.add_argument("--width", type=int, default=640)
+    pk.add_argument("--height", type=int, default=480)
+    pk.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    pk.add_argument("--rounds", type=int, default=2, help="packs of each source, alternating; the fastest is reported")
+    pk.add_argument("--workdir", default="out/bench-pack")
     ld = sub.add_parser("loader", help="the loader from local files and from an S3 server behind injected latency")
     ld.add_argument("--latency_ms", type=float, default=50, help="added to every request to the S3 server")
     ld.add_argument("--workers", type=int, default=1, help="DataLoader worker processes (train.py's num_workers)")
@@ -998,6 +1184,12 @@ def main(argv=None):
                                                            "equal datasets, equal weights")
     ld.add_argument("--start-sources", type=int, nargs="*", default=[],
                     help="instead: open mixtures of this many small datasets, and read 50 batches")
+    v = sub.add_parser("video", help="pack throughput on MP4 files; the loader on video shards against image shards")
+    v.add_argument("--sizes", nargs="+", default=["640x360", "1280x720", "640x360", "1280x720"], help="WxH a video")
+    v.add_argument("--seconds", type=float, default=20)
+    v.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    v.add_argument("--rounds", type=int, default=2, help="loader passes over the samples; the fastest is reported")
+    v.add_argument("--workdir", default="out/bench-video")
     sub.add_parser("xla", help="computed per-device memory of the LLaVA-1.5-7B TPU recipes (docs/recipes.md)")
     sub.add_parser("levers", help="computed memory and predicted speed of the speed levers for LLaVA-1.5-7B")
     sub.add_parser("attention", help="computed activation memory a chip of the long recipes: dense vs bounded attention")
@@ -1028,6 +1220,10 @@ def main(argv=None):
             bench_mixture_start(n, Path(args.workdir) / "start")
     elif args.cmd == "loader":
         print_bucket_reads() if args.computed else bench_loader(args)
+    elif args.cmd == "pack":
+        bench_pack(args)
+    elif args.cmd == "video":
+        bench_video(args)
     elif args.cmd == "data":
         shards = args.shards or make_bench_shards(args.workdir, args.n)
         r = bench_images(shards, args.size)

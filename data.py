@@ -3,11 +3,14 @@ Data for llavax: LLaVA conversations and images -> Energon-compatible tar shards
 
     python data.py pack --json llava_v1_5_mix665k.json --images DIR --out SHARDS [--shard-size 1000] [--val-ratio 0.01]
     python data.py pack ... --out s3://BUCKET/shards      # or gs://: each shard uploaded when complete, .nv-meta last
+    python data.py pack --parquet 'DIR/*.parquet' --out SHARDS [--columns image=img,conversations=messages]
+    python data.py pack --mixture configs/mixtures/onevision.yaml --raw RAW --workers 16   # every dataset it names
     python data.py shapes --out DIR [--n 20000] [--seed 0] [--tokenizer T]   # the synthetic demo dataset (shapes.py)
     python data.py audit SHARDS|JSON [--config configs/x.py] [--sheet F.png]   # what training would get (pack.py)
     python data.py audit MIX.yaml --config configs/x.py   # a mixture (or --config alone: its data_dir): by source
 
-Writing shards: pack.py; the demo data: shapes.py; reading them into batches: loader.py.
+Writing shards: pack.py (reading JSON and parquet: sources.py); the demo data: shapes.py; reading them into batches:
+loader.py.
 """
 
 import argparse
@@ -20,7 +23,9 @@ import config
 import shapes
 import storage
 from model_config import VLMConfig
-from pack import audit, audit_mixture, pack
+from pack import audit, audit_mixture, pack_mixture, pack_source
+from sources import JsonRecords, ParquetRows
+from video import VideoSettings
 
 
 def audit_arguments(a):
@@ -88,18 +93,77 @@ def audit_command(args):
                    args.progress, vlm=mcfg, max_tiles=max_tiles))
 
 
+def video_arguments(a):
+    d = VideoSettings()  # LLaVA-OneVision's; LLaVA-Video's: --frames-upbound 64 --force-sample --time-instruction
+    a.add_argument("--frames-upbound", type=int, default=d.frames_upbound, help="at most this many frames a video, "
+                   f"spread evenly (0: no bound; default {d.frames_upbound})")
+    a.add_argument("--video-fps", type=float, default=d.video_fps, help="frames a second to take while the bound "
+                   f"allows (default {d.video_fps:g})")
+    a.add_argument("--force-sample", action="store_true", help="always --frames-upbound frames, spread evenly")
+    a.add_argument("--time-instruction", action="store_true", help="LLaVA-Video's sentence on the duration and the "
+                   "frame times before the first question")
+    a.add_argument("--video-frames", choices=("jpg", "png"), default=d.frame_format, help="how frames are stored: "
+                   "JPEG quality 95 4:4:4 (default) or lossless PNG")
+    a.add_argument("--video-timeout", type=float, default=d.timeout_s, help="seconds to decode one file "
+                   f"(default {d.timeout_s:g})")
+    a.add_argument("--video-memory-mb", type=int, default=d.memory_mb, help="memory decoding one file may add "
+                   f"(default {d.memory_mb})")
+    a.add_argument("--video-max-pixels", type=int, default=d.max_decode_pixels, help="width x height x frames to "
+                   "decode before the last one taken (default: 10 minutes of 1080p at 30 fps)")
+
+
+def video_settings(args):
+    try:
+        return VideoSettings(args.frames_upbound, args.video_fps, args.force_sample, args.time_instruction,
+                             args.video_frames, args.video_timeout, args.video_memory_mb,
+                             max_decode_pixels=args.video_max_pixels)
+    except ValueError as e:
+        raise SystemExit(f"pack: {e}") from None
+
+
+def pack_command(args):
+    given = [flag for flag in ("json", "parquet", "mixture") if getattr(args, flag)]
+    if len(given) != 1:
+        raise SystemExit("pack: give one of --json (with --images), --parquet or --mixture (with --raw)")
+    if args.json and not args.images:
+        raise SystemExit("pack: --json needs --images, the folder its image names are relative to")
+    if args.columns and args.json:
+        raise SystemExit("pack: --columns maps parquet / Arrow columns; a JSON file's keys are LLaVA's")
+    options = {"shard_size": args.shard_size, "val_ratio": args.val_ratio, "strict": args.strict,
+               "video": video_settings(args)}
+    if args.mixture:
+        if not args.raw or args.out:
+            raise SystemExit("pack: --mixture needs --raw DIR (where each dataset's raw input is) and no --out (each "
+                             "dataset goes to the path the mixture file names)")
+        pack_mixture(args.mixture, args.raw, args.workers, args.images, args.columns, args.overwrite, **options)
+        return
+    if not args.out:
+        raise SystemExit("pack: --out is required (a folder, or s3:// / gs:// prefix)")
+    source = JsonRecords(args.json, args.images) if args.json else ParquetRows(args.parquet, args.columns)
+    pack_source(source, args.out, workers=args.workers, overwrite=args.overwrite, **options)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    a = sub.add_parser("pack", help="LLaVA JSON/JSONL + image folder -> tar shards with .nv-meta")
-    a.add_argument("--json", required=True)
-    a.add_argument("--images", required=True)
-    a.add_argument("--out", required=True)
+    a = sub.add_parser("pack", help="LLaVA JSON/JSONL + image folder, or parquet rows -> tar shards with .nv-meta; "
+                                    "or every dataset of a mixture file")
+    a.add_argument("--json", help="a LLaVA JSON or JSONL file (local or s3:// / gs://), with --images")
+    a.add_argument("--images", help="the local folder the JSON's image names are relative to (--mixture: default --raw)")
+    a.add_argument("--parquet", nargs="+", help="parquet or Arrow files, folders of them or glob patterns (local or "
+                                                "s3:// / gs://): rows of id, image {bytes, path}, conversations")
+    a.add_argument("--columns", help="other column names: image=COL,conversations=COL,id=COL (image= : text-only)")
+    a.add_argument("--mixture", help="a mixture file (Energon metadataset or LLaVA-NeXT data YAML): pack each dataset "
+                                     "it names into its path, from --raw")
+    a.add_argument("--raw", help="--mixture: the folder (or bucket prefix) with each dataset's raw input, NAME.json / "
+                                 "NAME.jsonl or NAME/*.parquet")
+    a.add_argument("--out")
     a.add_argument("--shard-size", type=int, default=1000)
     a.add_argument("--val-ratio", type=float, default=0.0)
-    a.add_argument("--workers", type=int, default=1)
+    a.add_argument("--workers", type=int, default=1, help="processes (--mixture: in all, across datasets)")
     a.add_argument("--strict", action="store_true", help="exit non-zero if any record was skipped")
     a.add_argument("--overwrite", action="store_true", help="replace the dataset already in --out (its shards first)")
+    video_arguments(a.add_argument_group("video files (\"video\": \"clip.mp4\"), decoded at pack time: video.py"))
     b = sub.add_parser("shapes", help="generate the synthetic shapes dataset, tokenizer and shards")
     b.add_argument("--out", required=True)
     b.add_argument("--n", type=int, default=20000)
@@ -117,8 +181,7 @@ def main(argv=None):
         if args.cmd == "audit":
             audit_command(args)
         elif args.cmd == "pack":
-            pack(args.json, args.images, args.out, args.shard_size, args.val_ratio, args.workers, args.strict,
-                 overwrite=args.overwrite)
+            pack_command(args)
         else:
             shapes.make_shapes(args.out, args.n, args.seed, image_size=args.image_size, turns=args.turns,
                                images=args.images, preference=args.preference, tokenizer=args.tokenizer)

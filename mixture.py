@@ -17,7 +17,7 @@ import os
 import re
 import zlib
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +44,7 @@ class Source:
     weight: float | None = None  # Energon's blend: drawn with probability weight / sum
     repeat: float | None = None  # blend_epochized: its kept samples repeat times a mixture epoch
     take: str = "all"  # all, first:N, end:N, random:N; N a count or a percentage (N%)
+    raw: str = ""  # the published file it is packed from, where the mixture names one (json_path beside path)
 
 
 # -----------------------------------------------------------------------------
@@ -226,7 +227,8 @@ def check_entry(at, e, allowed, what):
 
 def next_sources(path, doc, split):
     """LLaVA-NeXT's data YAML: `datasets:` a list of {json_path | path, sampling_strategy}; each path is the dataset
-    that `data.py pack` made of the JSON (LLaVA-NeXT reads the JSON itself; we read packed shards)."""
+    that `data.py pack` made of the JSON (LLaVA-NeXT reads the JSON itself; we read packed shards); a json_path beside
+    a path names the raw input `pack --mixture` packs it from."""
     entries = doc["datasets"]
     if not isinstance(entries, list):
         raise MixtureError(f"{path}: datasets must be a list of {{path, sampling_strategy}}")
@@ -240,8 +242,9 @@ def next_sources(path, doc, split):
         if str(where).endswith((".json", ".jsonl")):
             raise MixtureError(f"{at}: {where} is a LLaVA JSON, not a packed dataset: pack it with `python data.py "
                                f"pack --json {where} --images DIR --out DATASET` and give `path: DATASET`")
-        out.append(make_source(at, relative(path, where), e.get("name"), split, e.get("weight"), e.get("repeat"),
-                               str(e.get("sampling_strategy", "all")).strip()))
+        source = make_source(at, relative(path, where), e.get("name"), split, e.get("weight"), e.get("repeat"),
+                             str(e.get("sampling_strategy", "all")).strip())
+        out.append(replace(source, raw=str(e["json_path"])) if e.get("path") and e.get("json_path") else source)
     return check_modes(out, path)
 
 

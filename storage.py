@@ -21,6 +21,7 @@ a VM's service account) for GCS.
 
 import builtins
 import contextlib
+import errno
 import functools
 import importlib.util
 import json
@@ -513,7 +514,10 @@ def rm(path, recursive=False):
     if not is_url(path):
         p = Path(path)
         if p.is_dir() and not p.is_symlink() and recursive:
-            shutil.rmtree(p)
+            for _ in range(3):  # another process (a zombie still writing its step) may add or remove files meanwhile
+                shutil.rmtree(p, onerror=gone_or_refilled)
+                if not p.exists():
+                    break
         elif p.is_dir() and not p.is_symlink():
             p.rmdir()
         else:
@@ -525,6 +529,12 @@ def rm(path, recursive=False):
     except FileNotFoundError:
         pass
     fs.invalidate_cache(key(path))
+
+
+def gone_or_refilled(function, path, exc_info):
+    """rmtree's onerror: a file that vanished, or a folder that filled again, is not an error (the loop looks again)."""
+    if not isinstance(exc_info[1], FileNotFoundError) and getattr(exc_info[1], "errno", None) != errno.ENOTEMPTY:
+        raise exc_info[1]
 
 
 def open(path, mode="rb"):  # noqa: A001  the storage layer's open: callers write storage.open
