@@ -3,42 +3,53 @@ The writing side of llavax's data: LLaVA JSON/JSONL + images -> tar shards with 
 
     python data.py pack --json llava_v1_5_mix665k.json --images DIR --out SHARDS [--shard-size 1000] [--val-ratio 0.01]
     python data.py pack ... --out gs://BUCKET/SHARDS     # or s3://: each shard uploaded when complete, .nv-meta last
+    python data.py pack --parquet DIR/*.parquet --out SHARDS [--columns image=img,conversations=messages]
+    python data.py pack --mixture configs/mixtures/onevision.yaml --raw RAW [--workers 16]   # every source it names
     python data.py audit SHARDS|JSON [--images DIR] [--config configs/x.py] [--hf-tokenizer DIR] [--sheet sheet.png]
 
 A sample is KEY.jpg (image), KEY.txt (first answer) and KEY.json ({"question", "conversations", "id"}),
 the layout of Megatron-Energon's VQA datasets (several images: KEY.0.jpg, KEY.1.png... in tag order; a video's
 frames: KEY.f0.jpg, KEY.f1.jpg...); .nv-meta/ and SHARD.tar.idx are written too, so
 `energon` reads the folder with no prepare step and webdataset reads the tars as they are.
-data.py reads the shards back.
+Reading the published sources (a JSON file and its images, parquet rows) is sources.py's; data.py reads the shards
+back.
 """
 
 import base64
-import codecs
+import ctypes
 import difflib
 import hashlib
 import io
 import json
+import multiprocessing
 import os
 import re
+import signal
 import struct
 import sys
 import tarfile
 import tempfile
 import textwrap
+import time
 from collections import Counter
-from multiprocessing import Pool
+from contextlib import nullcontext
+from itertools import islice
+from multiprocessing import Pool, Process, connection
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont, ImageOps
 from tqdm import tqdm
 
+import mixture
 import storage
 from chat import (IMAGE_TAG, ROLES, TEMPLATES, VIDEO_TAG, DropSample, Tokenizer, check_template, conversation_problem,
                   encode_conversation, place_image_tags, render, tokenize, turns)
 from images import image_hw, image_tiles, load_image, orientation
 from loader import image_layouts, pack_rows, sample_conversation, sample_images
 from shards import ShardReader, Skips, all_sample_offsets, log, shard_files
+from sources import JsonRecords, image_bytes, image_path, raw_source
+from video import VideoDropped, VideoSettings, read_video, time_instruction, video_conversation
 
 ENERGON_VERSION = "7.4.1"  # the megatron-energon release whose .nv-meta layout we write
 
@@ -46,60 +57,17 @@ ENERGON_VERSION = "7.4.1"  # the megatron-energon release whose .nv-meta layout 
 # packing LLaVA JSON into shards
 
 
-def read_text(path):
-    """The text of a JSON/JSONL file: UTF-8 with or without a BOM, or UTF-16/32 with a BOM; anything else exits."""
-    raw = Path(path).read_bytes()
-    boms = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"), (codecs.BOM_UTF8, "utf-8-sig"),
-            (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))  # UTF-32-LE's BOM starts like UTF-16-LE's
-    codec = next((codec for bom, codec in boms if raw.startswith(bom)), "utf-8")
-    if codec == "utf-8" and b"\x00" in raw[:4096]:
-        sys.exit(f"pack: {path}: NUL bytes: UTF-16/32 text without a byte-order mark? Convert it to UTF-8")
-    try:
-        return raw.decode(codec)
-    except UnicodeDecodeError as e:
-        sys.exit(f"pack: {path}: not valid {codec} text (byte {e.start}: {e.reason}); convert it to UTF-8")
-
-
-def read_records(path):
-    """Yield (record, None) or (None, (where, reason)) from a LLaVA JSON array or a JSONL file."""
-    text = read_text(path)
-    if text.lstrip().startswith("{"):  # JSONL, or one JSON object
-        try:
-            whole = json.loads(text)
-        except json.JSONDecodeError:
-            whole = None  # several lines of JSON: JSONL
-        if isinstance(whole, dict) and "conversations" not in whole:
-            sys.exit(f"pack: {path}: one JSON object (keys {', '.join(list(whole)[:5])}), not LLaVA data: a JSON array "
-                     "or JSONL of {\"id\", \"image\", \"conversations\"} records")
-        if isinstance(whole, dict):  # one record, perhaps over several lines
-            yield whole, None
-            return
-    if not text.lstrip().startswith("["):
-        for n, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    yield json.loads(line), None
-                except json.JSONDecodeError as e:
-                    yield None, (f"line {n}", "malformed_json")
-                    log(f"pack: {path} line {n}: malformed JSON ({e.msg}); skipped")
-        return
-    try:
-        records = json.loads(text)
-    except json.JSONDecodeError as e:  # one broken array cannot be read around
-        sys.exit(f"pack: {path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}")
-    yield from ((r, None) for r in records)
-
-
 def record_images(rec):
-    """("image" | "multi" | "video", [names]) of a record, or (None, reason). One image: "image": "a.jpg" (or a
-    one-element list); several: "image": [...], one <image> tag each, in tag order (LLaVA-OneVision's format);
-    a video: "video": [frame paths] (pre-extracted frames) with one <video> tag."""
+    """("image" | "multi" | "video" | "video_file", [names]) of a record, or (None, reason). One image: "image":
+    "a.jpg" (or a one-element list); several: "image": [...], one <image> tag each, in tag order (LLaVA-OneVision's
+    format); a video: "video": [frame paths] (pre-extracted frames), or "video": "clip.mp4" (a file pack decodes,
+    video.py), with one <video> tag (or LLaVA-NeXT's one <image>)."""
     image, video = rec.get("image"), rec.get("video")
     if image and video:
         return None, "image_and_video"
     if video:
         if isinstance(video, str):
-            return None, "video_file_not_frames"  # decoding video files is not pack's job: extract frames first
+            return "video_file", [video]
         return ("video", video) if isinstance(video, list) else (None, "malformed_video_field")
     if not image:
         return "image", []
@@ -118,8 +86,10 @@ def check_conversations(rec):
         return names
     n_tags = sum(t["value"].count(IMAGE_TAG) for t in conv)
     n_video_tags = sum(t["value"].count(VIDEO_TAG) for t in conv)
-    if kind == "video":
-        return "image_tag_in_video_sample" if n_tags else "video_tag_count_mismatch" if n_video_tags > 1 else None
+    if kind in ("video", "video_file"):  # LLaVA-NeXT's video data tags its video <image>: one alone is the video's
+        if n_tags and (n_video_tags or n_tags > 1):
+            return "image_tag_in_video_sample"
+        return "video_tag_count_mismatch" if n_video_tags > 1 else None
     if n_video_tags:
         return "video_tag_without_video"
     if n_tags and not names:
@@ -145,26 +115,11 @@ def preference_record(rec):
     return rec | {"conversations": conv + [{"from": "gpt", "value": chosen, "rejected": rejected}]}, None
 
 
-def image_path(images_dir, name):
-    """(path, None), or (None, reason) for a name that is not a plain relative path inside images_dir."""
-    name = name[0] if isinstance(name, list) and len(name) == 1 else name
-    if not isinstance(name, str) or "\x00" in name:
-        return None, "malformed_image_field"
-    root = Path(images_dir).resolve()
-    path = Path(root, name)
-    # a shared dataset JSON must not make pack read files elsewhere: absolute paths, ../ and symlinks out
-    try:
-        inside = not os.path.isabs(name) and path.resolve().is_relative_to(root)
-    except (OSError, RuntimeError):  # a symlink loop, a name too long
-        return None, "malformed_image_field"
-    if not inside:
-        return None, "image_outside_images_dir"
-    return path, None
-
-
 def prepare_record(args):
-    """One record -> (sample, None) or (None, reason). Runs in pool workers, so it returns instead of raising."""
-    index, rec, images_dir = args
+    """One record -> (sample, None) or (None, reason). Runs in pool workers, so it returns instead of raising.
+    images: where its image names are read (sources.image_bytes): its image folder, or a parquet row's {name: bytes}.
+    video: the VideoSettings a video file is read with (default: VideoSettings())."""
+    index, rec, images, video = args if len(args) == 4 else (*args, None)
     if not isinstance(rec, dict):
         return None, "malformed_record"
     preference = "chosen" in rec or "rejected" in rec
@@ -180,13 +135,21 @@ def prepare_record(args):
         conv[-1]["rejected"] = rec["conversations"][-1]["rejected"]
     kind, names = record_images(rec)
     stored = []  # (member extension, bytes): KEY.jpg alone; KEY.0.jpg, KEY.1.png... for several; KEY.f0.jpg... frames
-    for n, name in enumerate(names):
-        path, reason = image_path(images_dir, name)
+    video_info = None
+    if kind in ("video", "video_file"):
+        conv = video_conversation(conv)  # its tag as <video>
+    if kind == "video_file":  # decoded here; its frames are stored as extracted frames are
+        video = video or VideoSettings()
+        stored, video_info, reason = video_frames(images, names[0], video)
         if reason:
             return None, reason
-        if not path.is_file():
-            return None, "missing_video_frame" if kind == "video" else "missing_image"
-        data = path.read_bytes()
+        if video.time_instruction:
+            conv = video_conversation(conv, time_instruction(video_info["video_time"], video_info["frame_times"]))
+        kind, names = "video", []
+    for n, name in enumerate(names):
+        data, reason = image_bytes(images, name)
+        if reason:
+            return None, "missing_video_frame" if kind == "video" and reason == "missing_image" else reason
         try:
             img = Image.open(io.BytesIO(data))
             img.load()  # a full decode: truncated files pass Image.verify()
@@ -200,11 +163,33 @@ def prepare_record(args):
     answer = next(t["value"] for t in conv if ROLES[t["from"]] == "assistant")
     question = first_q.replace(IMAGE_TAG, "").replace(VIDEO_TAG, "").strip()
     meta = {"question": question, "conversations": conv, "id": rec.get("id", index)}
+    if video_info:  # which frames of which file, for a check against another loader
+        meta["video"] = {"file": rec["video"]} | {k: video_info[k] for k in VIDEO_META}
     try:
         text = json.dumps(meta, ensure_ascii=False).encode()
     except UnicodeEncodeError:  # a lone surrogate (JSON "\\ud800") has no UTF-8 form
         return None, "invalid_unicode"
     return dict(stored) | {"txt": answer.encode(), "json": text}, None
+
+
+VIDEO_META = ("total_frames", "fps", "frame_indices", "video_time")
+
+
+def video_frames(images, name, settings):
+    """(members [("f0.jpg", bytes), ...], video.read_video's info, None) of a record's video file, from its folder or
+    its row, or (None, None, reason)."""
+    if isinstance(images, dict):  # a row's own bytes
+        source, reason = image_bytes(images, name)
+    else:  # a path: a long video is not read into this process
+        source, reason = image_path(images, name)
+        reason = reason or (None if source.is_file() else "missing_image")
+    if reason:
+        return None, None, "missing_video" if reason == "missing_image" else reason
+    try:
+        frames, info = read_video(source, settings)
+    except VideoDropped as e:
+        return None, None, e.reason
+    return [(f"f{n}.{ext}", data) for n, (ext, data) in enumerate(frames)], info, None
 
 
 def stored_image(data, img):
@@ -341,20 +326,26 @@ def is_val(sample_id, val_ratio):
     return int(hashlib.md5(str(sample_id).encode()).hexdigest()[:8], 16) / 2**32 < val_ratio
 
 
-def pack(json_path, images_dir, out_dir, shard_size=1000, val_ratio=0.0, workers=1, strict=False, val_ids=None,
-         overwrite=False, tokenizer=None):
-    """Pack a LLaVA JSON/JSONL file into out_dir, a local folder or a bucket prefix (s3://, gs://: each shard
-    uploaded when it is complete, .nv-meta last); a record goes to val by a hash of its id (val_ratio) or by
-    val_ids(id). tokenizer: the tokenizer file the data is made for (its text was written for it, as the shapes
-    demo's is), recorded so that a run with another is refused (config.check_data)."""
+def pack(json_path, images_dir, out_dir, **options):
+    """Pack a LLaVA JSON/JSONL file and the image folder its names are relative to (pack_source's options)."""
+    return pack_source(JsonRecords(json_path, images_dir), out_dir, **options)
+
+
+def pack_source(source, out_dir, shard_size=1000, val_ratio=0.0, workers=1, strict=False, val_ids=None,
+                overwrite=False, tokenizer=None, position=None, video=None):
+    """Pack a source (sources.py: a JSON file and its images, parquet rows) into out_dir, a local folder or a bucket
+    prefix (s3://, gs://: each shard uploaded when it is complete, .nv-meta last); a record goes to val by a hash of
+    its id (val_ratio) or by val_ids(id). tokenizer: the tokenizer file the data is made for (its text was written for
+    it, as the shapes demo's is), recorded so that a run with another is refused (config.check_data). position: the
+    line of its progress bar among several (pack_mixture). video: how video files are read (video.VideoSettings)."""
     made_for = tokenizer_record(tokenizer) if tokenizer else None
     if storage.is_url(out_dir):
         storage.check_bucket(out_dir)  # a bucket that is not there, or no credentials: one sentence, before any work
         with tempfile.TemporaryDirectory(prefix="llavax-pack-") as staging:
-            return pack_into(json_path, images_dir, str(out_dir).rstrip("/"), shard_size, val_ratio, workers, strict,
-                             val_ids, overwrite, made_for, staging)
-    return pack_into(json_path, images_dir, Path(out_dir), shard_size, val_ratio, workers, strict, val_ids, overwrite,
-                     made_for)
+            return pack_into(source, str(out_dir).rstrip("/"), shard_size, val_ratio, workers, strict, val_ids,
+                             overwrite, made_for, staging, position, video)
+    return pack_into(source, Path(out_dir), shard_size, val_ratio, workers, strict, val_ids, overwrite, made_for,
+                     None, position, video)
 
 
 def tokenizer_record(path):
@@ -362,36 +353,51 @@ def tokenizer_record(path):
     return {"file": storage.name(path), "sha256": hashlib.sha256(storage.read_bytes(path, big=True)).hexdigest()}
 
 
-def pack_into(json_path, images_dir, out_dir, shard_size, val_ratio, workers, strict, val_ids, overwrite,
-              made_for=None, staging=None):
+def prepared(source, pool, workers, video=None, chunk=256):
+    """(sample id, sample, None) or (sample id or where, None, reason) for each entry of source, in order.
+    prepare_record runs on one chunk in the pool while the chunk before it is written: Pool.imap would read the whole
+    source ahead of the writer, and a parquet source's images would all come to sit in memory."""
+    entries, pending = enumerate(source), None
+    while True:
+        batch = list(islice(entries, chunk))
+        jobs = [(i, rec, images, video) for i, (rec, images) in batch if rec is not None]
+        results = pool.map_async(prepare_record, jobs, chunksize=max(1, len(jobs) // (4 * workers))) if pool else None
+        if pending:
+            done, outs = pending
+            outs = iter(outs.get()) if pool else map(prepare_record, ((*job, video) for job in done if job[1] is not None))
+            for i, rec, err in done:
+                if rec is None:  # an entry the source could not read: (where, reason)
+                    yield err[0], None, err[1]
+                    continue
+                sample, reason = next(outs)
+                yield (rec.get("id", i) if isinstance(rec, dict) else i), sample, reason  # the id prepare_record stores
+        if not batch:
+            return
+        pending = ([(i, rec, images) for i, (rec, images) in batch], results)
+
+
+def pack_into(source, out_dir, shard_size, val_ratio, workers, strict, val_ids, overwrite, made_for=None, staging=None,
+              position=None, video=None):
     clear_out_dir(out_dir, overwrite)
     skips = Skips()
-    records = list(read_records(json_path))
-    for where, reason in (err for _, err in records if err):
-        skips.add(reason, where)
-    indexed = [(i, rec) for i, (rec, _) in enumerate(records) if rec is not None]
-    jobs = ((i, rec, images_dir) for i, rec in indexed)
     # train and val stream into their own shards; keys count across both, so they stay unique
     writers = {split: ShardWriter(out_dir, shard_size, prefix, staging)
                for split, prefix in (("train", "shard"), ("val", "val"))}
-    pool = Pool(workers) if workers > 1 else None
-    results = pool.imap(prepare_record, jobs, chunksize=16) if pool else map(prepare_record, jobs)
     n = 0
-    for (i, rec), (sample, reason) in tqdm(zip(indexed, results), total=len(indexed), desc=f"packing {json_path}",
-                                           unit="rec"):
-        sample_id = rec.get("id", i) if isinstance(rec, dict) else i  # the same fallback prepare_record stores
-        if reason:
-            skips.add(reason, sample_id)
-            continue
-        members = list(sample.items())  # images in tag order, then txt and json
-        split = "val" if (val_ids(sample_id) if val_ids else val_ratio and is_val(sample_id, val_ratio)) else "train"
-        writers[split].add(f"sample{n:09d}", members)
-        n += 1
-    if pool:
-        pool.close()
+    with Pool(workers) if workers > 1 else nullcontext() as pool:
+        for sample_id, sample, reason in tqdm(prepared(source, pool, workers, video), total=source.count(), unit="rec",
+                                              desc=f"packing {source.name}", position=position, leave=position is None):
+            if reason:
+                skips.add(reason, sample_id)
+                continue
+            members = list(sample.items())  # images in tag order, then txt and json
+            split = "val" if (val_ids(sample_id) if val_ids else val_ratio and is_val(sample_id, val_ratio)) else \
+                "train"
+            writers[split].add(f"sample{n:09d}", members)
+            n += 1
     good = {split: w.close() for split, w in writers.items()}
     if n == 0:
-        sys.exit(f"pack: {json_path}: no record could be packed, so no dataset was written\npack: {skips.summary()}")
+        sys.exit(f"pack: {source.name}: no record could be packed, so no dataset was written\npack: {skips.summary()}")
     write_energon_meta(out_dir, good["train"], good["val"], skips, made_for)
     n_train, n_val = (sum(s[1] for s in good[split]) for split in ("train", "val"))
     log(f"pack: wrote {n_train} train and {n_val} val samples in {len(good['train']) + len(good['val'])} shards "
@@ -399,6 +405,111 @@ def pack_into(json_path, images_dir, out_dir, shard_size, val_ratio, workers, st
     if strict and skips.counts:
         sys.exit(f"pack: --strict: {sum(skips.counts.values())} records were skipped")
     return skips
+
+
+# -----------------------------------------------------------------------------
+# packing a mixture: every dataset a mixture file names, from its raw input, several at once, resumable
+
+
+def mixture_targets(yaml_path):
+    """[(packed dataset path, raw input name)] of every dataset a mixture file names (train and val splits), each once;
+    the raw name is the file name of a LLaVA-NeXT entry's json_path without .json/.jsonl, else the dataset folder's."""
+    targets = {}
+    for split in ("train", "val"):
+        try:
+            found = mixture.sources(yaml_path, split)
+        except mixture.MixtureError as e:
+            sys.exit(f"pack: --mixture: {e}")
+        for s in found:
+            if str(s.path).endswith(".tar"):
+                sys.exit(f"pack: --mixture {yaml_path}: source {s.name} is a .tar ({s.path}); pack writes folders")
+            raw = re.sub(r"\.jsonl?$", "", storage.name(s.raw)) if s.raw else storage.name(s.path)
+            out = storage.canonical(s.path)
+            if targets.setdefault(out, raw) != raw:
+                sys.exit(f"pack: --mixture {yaml_path}: {out} is named twice, packed from {targets[out]} and {raw}")
+    return list(targets.items())
+
+
+def finished(out_dir):
+    return storage.exists(storage.join(out_dir, ".nv-meta", ".info.json"))
+
+
+def pack_one(source, out_dir, options, position):
+    """One source of a mixture, in its own process: what a killed run left in out_dir (never a finished dataset:
+    those are skipped) is removed first. The process ends with its parent, so a killed pack leaves no writer behind."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+        if os.getppid() != multiprocessing.parent_process().pid:  # the parent died before that: no signal will come
+            os._exit(1)
+    try:
+        pack_source(source, out_dir, overwrite=True, position=position, **options)
+    except storage.StorageError as e:
+        sys.exit(f"pack: {storage.name(out_dir)}: {e}")
+
+
+def pack_mixture(yaml_path, raw_dir, workers=1, images_dir=None, columns=None, overwrite=False, **options):
+    """Pack every dataset a mixture file names into its path, each from its raw input under raw_dir
+    (sources.raw_source), up to `workers` at once (a pool of workers // at-once record workers each). Finished
+    datasets are skipped (overwrite: packed again); a dataset a killed run left unfinished is packed again from its
+    start. Prints a table of what each kept and dropped; returns its rows, or exits 1 when a source failed."""
+    targets, todo, rows, missing = mixture_targets(yaml_path), [], {}, []
+    for out, raw in targets:
+        if not overwrite and finished(out):
+            rows[out] = "already packed"
+            continue
+        source = raw_source(raw_dir, raw, images_dir, columns)
+        if source is None:
+            missing.append(raw)
+        todo.append((out, raw, source))
+    if missing:
+        sys.exit(f"pack: --mixture {yaml_path}: no raw input under {raw_dir} for {len(missing)} of its datasets: "
+                 f"{', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''} (each NAME is NAME.json or NAME.jsonl, "
+                 "its images under --images, or a folder NAME/ of .parquet / .arrow files)")
+    at_once = max(1, min(workers, len(todo)))
+    options |= {"workers": max(1, workers // at_once)}
+    each = f" with {options['workers']} workers each" if options["workers"] > 1 else ""
+    log(f"pack: {len(targets)} datasets in {yaml_path}: {len(rows)} already packed, {len(todo)} to pack, {at_once} at "
+        f"a time{each}")
+    tqdm.get_lock()  # made before the fork: the bars of all processes share it
+    running, free, queue = {}, list(range(at_once)), list(todo)
+    while queue or running:
+        while queue and free:
+            out, raw, source = queue.pop(0)
+            slot = free.pop(0)
+            proc = Process(target=pack_one, args=(source, out, options, slot), name=f"pack {raw}")
+            proc.start()
+            running[proc.sentinel] = (proc, out, raw, slot, time.monotonic())
+        for sentinel in connection.wait(list(running)):
+            proc, out, raw, slot, t0 = running.pop(sentinel)
+            proc.join()
+            free.append(slot)
+            rows[out] = "packed" if proc.exitcode == 0 else "packed, with skips (--strict)" if finished(out) else \
+                f"failed (exit {proc.exitcode})"
+            log(f"pack: {raw}: {rows[out]} in {time.monotonic() - t0:.0f} s")
+    return mixture_table(targets, rows)
+
+
+def mixture_table(targets, rows):
+    """Print each dataset's kept (train + val) and dropped samples from its .nv-meta/llavax.json; exit 1 if one failed."""
+    print("| dataset | raw input | status | kept train | kept val | dropped | drop reasons |\n|---|---|---|---|---|---|---|")
+    table, failed = [], []
+    for out, raw in targets:
+        kept, skipped = {"train": 0, "val": 0}, {}
+        if not rows[out].startswith("failed"):
+            meta = json.loads(storage.read_text(storage.join(out, ".nv-meta", "llavax.json")))
+            for name, shard in meta["shards"].items():
+                kept["val" if name.startswith("val-") else "train"] += shard["samples"]
+            skipped = meta["skipped"]
+        if rows[out] not in ("packed", "already packed"):
+            failed.append(raw)
+        reasons = ", ".join(f"{r} {n}" for r, n in sorted(skipped.items(), key=lambda x: -x[1]))
+        print(f"| {out} | {raw} | {rows[out]} | {kept['train']:,} | {kept['val']:,} | {sum(skipped.values()):,} | "
+              f"{reasons} |")
+        table.append({"path": out, "raw": raw, "status": rows[out], "kept": kept, "skipped": skipped})
+    if failed:
+        sys.exit(f"pack: {len(failed)} datasets failed ({', '.join(failed[:5])}): run the same command again to pack "
+                 "what is unfinished (finished ones are skipped)")
+    return table
 
 
 # -----------------------------------------------------------------------------
@@ -411,11 +522,11 @@ def audit_sources(source, images_dir, split):
     if not storage.is_url(source) and Path(source).is_file() and Path(source).suffix != ".tar":
         if images_dir is None or not Path(images_dir).is_dir():
             raise SystemExit(f"audit: {source} is a LLaVA JSON: --images must name its image folder (got {images_dir})")
-        for i, (rec, err) in enumerate(read_records(source)):
-            if err:
-                yield err
+        for i, (rec, images) in enumerate(JsonRecords(source, images_dir)):
+            if rec is None:  # (where, reason)
+                yield images
                 continue
-            sample, reason = prepare_record((i, rec, images_dir))
+            sample, reason = prepare_record((i, rec, images))
             where = str(rec.get("id", i)) if isinstance(rec, dict) else f"record {i}"
             yield where, reason or {ext: b for ext, b in sample.items() if b is not None}
         return
@@ -564,7 +675,8 @@ def audit(source, tokenizer, template, seq_len, image_size, n_image_tokens, imag
     out = out or sys.stdout
     color = out.isatty()
     p = lambda *a: print(*a, file=out)  # noqa: E731
-    p(f"audit: {source} ({split}), template {template}, seq_len {seq_len}, pack {pack} x {rows} rows, "
+    packing = f"packed {pack} samples a row into {rows} rows" if pack else "unpacked"
+    p(f"audit: {source} ({split}), template {template}, seq_len {seq_len}, {packing}, "
       f"images {image_size} px {image_mode}, {n_image_tokens} image tokens (id {image_token_id})")
     outcomes, skips, lengths, supervised, tiles, pairs = Counter(), Skips(), [], 0, [], 0
     mismatched, n_compared = [], 0

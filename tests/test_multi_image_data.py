@@ -37,7 +37,7 @@ def multi_json(tmp_path_factory):
         photo(w, h, seed=w).save(imgs / name, **({"quality": 90} if name.endswith("jpg") else {}))
     for i in range(3):
         photo(120, 90, seed=i).save(imgs / f"f{i}.jpg")
-    (imgs / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")
+    (imgs / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")  # an MP4 header and nothing after it
     good = [
         {"id": "two", "image": ["a.jpg", "b.png"], "conversations": conv("<image> or <image>: which has more?")},
         {"id": "three", "image": ["c.jpg", "a.jpg", "b.png"],
@@ -63,7 +63,7 @@ def multi_json(tmp_path_factory):
 
 def test_multi_image_and_video_records_pack_and_bad_ones_are_skipped_by_reason(multi_json):
     d, good, skips = multi_json
-    assert dict(skips.counts) == {"image_tag_count_mismatch": 2, "video_file_not_frames": 1, "missing_video_frame": 1,
+    assert dict(skips.counts) == {"image_tag_count_mismatch": 2, "video_unreadable": 1, "missing_video_frame": 1,
                                   "image_and_video": 1, "video_tag_without_video": 1, "missing_image": 1}
     names = [m.name for p in sorted((d / "out").glob("*.tar")) for m in tarfile.open(p)]
     # the documented naming: one member per image, numbered in tag order; frames with an f
