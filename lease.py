@@ -28,6 +28,7 @@ import json
 import os
 import signal
 import socket
+import threading
 import time
 import uuid
 
@@ -95,7 +96,9 @@ def pause_for_test(name):
     under the lease; in a bucket the stop comes before the lease's conditional rewrite that goes first)."""
     if os.environ.get("LLAVAX_TEST_PAUSE_BEFORE_LEASE_WRITE") == name and name not in PAUSED:
         PAUSED.add(name)
-        os.kill(os.getpid(), signal.SIGSTOP)
+        # to this thread, which then stops before the call returns (and the whole process with it); a stop sent to the
+        # process may be taken by its main thread while this one (the checkpoint writer's) runs on into its write
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
 
 # the locks this process holds (their fds): a process forked meanwhile (a stop checkpoint's writer, a loader worker)

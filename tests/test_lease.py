@@ -331,6 +331,41 @@ def test_a_lease_lock_held_by_a_stopped_process_is_said(tmp_path):
     assert (code, stdout) == (0, "wrote\n"), err
 
 
+PAUSED_THREAD = """
+import sys
+import threading
+import time
+
+import lease
+
+
+def commit():  # as the checkpoint writer's thread: the pause, then the write under the lease
+    lease.pause_for_test("manifest.json")
+    open(sys.argv[1], "w").close()
+
+
+threading.Thread(target=commit).start()
+time.sleep(120)  # the main thread, as the training loop's, is elsewhere
+"""
+
+
+def test_a_pause_stops_the_thread_that_asks_for_it_before_it_goes_on(tmp_path):
+    """The pause is asked for by the thread about to write (train.py's manifest: its checkpoint writer's, not the main
+    thread): it stops before it writes anything, not only once the stop has reached the other threads."""
+    written = tmp_path / "written"
+    paused = forkserver.spawn([sys.executable, "-c", PAUSED_THREAD, str(written)], os.environ | {
+        "OMP_NUM_THREADS": "1", "LLAVAX_TEST_PAUSE_BEFORE_LEASE_WRITE": "manifest.json"})
+    try:
+        wait_for(lambda: stopped(paused.pid), paused, timeout=60, what="pause")
+        time.sleep(0.5)
+        assert not written.exists()
+        paused.send_signal(signal.SIGCONT)
+        wait_for(written.exists, paused, timeout=60, what="the write once continued")
+    finally:
+        paused.kill()
+        paused.communicate()
+
+
 def test_a_child_forked_while_the_lock_is_held_does_not_hold_it(tmp_path):
     """A flock belongs to the open file, which a fork shares: a stop checkpoint's writer or a loader worker forked
     while a thread holds LEASE.lock would hold it for as long as it lives. The child closes its copy."""

@@ -109,6 +109,28 @@ def test_a_local_write_renames_only_a_file(tmp_path, monkeypatch):
     assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == ["a.json"]
 
 
+def test_a_local_folder_written_into_while_it_is_removed_is_removed(tmp_path, monkeypatch):
+    """A run that took out_dir over removes an unfinished step (checkpoint.remove_step) while the run it took it from
+    still writes there: between the removal's listing and its unlinks, a file it listed is renamed away (a put's
+    temporary file, storage.write_bytes) and another appears. The folder is removed all the same."""
+    step = tmp_path / "step-000012"
+    step.mkdir()
+    for name in ("__0_0.distcp", ".metadata", ".rng.safetensors.tmp-4242"):
+        (step / name).write_bytes(b"x")
+    real_unlink, zombie_wrote = os.unlink, []
+
+    def unlink(path, *args, **kwargs):
+        if not zombie_wrote:  # the zombie's writes land once the removal has listed the folder
+            os.replace(step / ".rng.safetensors.tmp-4242", step / "rng.safetensors")
+            (step / "tokenizer.model").write_bytes(b"x")
+            zombie_wrote.append(True)
+        real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    storage.rm(step, recursive=True)
+    assert zombie_wrote and not step.exists()
+
+
 def test_bad_paths_are_one_sentence(s3_server, gcs_server, monkeypatch):
     cases = [("ftp://host/x", "unknown storage scheme 'ftp://'"),
              ("s3://llavax-no-such-bucket/run", "bucket 'llavax-no-such-bucket' does not exist"),
