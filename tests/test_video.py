@@ -266,7 +266,8 @@ def packed(videos, tmp_path_factory):
     recs += [{"id": name, "video": name, "conversations": conv("<video>\nWhat?")} for name in broken]
     (d / "videos.json").write_text(json.dumps(recs))
     settings = VideoSettings(frames_upbound=6, video_fps=2, time_instruction=True)
-    skips = pack.pack(d / "videos.json", folder, d / "shards", video=settings, workers=2)
+    # one worker: this process has decoded with PyAV (FFmpeg threads alive), and a Pool forked from it can deadlock
+    skips = pack.pack(d / "videos.json", folder, d / "shards", video=settings, workers=1)
     return d, folder, recs, broken, skips, settings
 
 
