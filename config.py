@@ -349,8 +349,8 @@ def model_config(cfg):
 def lora_config(cfg):
     known = [f.name for f in fields(LoRAConfig)]
     if isinstance(cfg["lora"], dict) and (unknown := [k for k in cfg["lora"] if k not in known]):
-        raise SystemExit(f"config: lora has no field {unknown[0]!r}{nearest(unknown[0], known)} (its fields: "
-                         f"{', '.join(known)})")
+        raise SystemExit(f"config: lora={cfg['lora']!r}: no field {unknown[0]!r}{nearest(unknown[0], known)} (its "
+                         f"fields: {', '.join(known)})")
     try:
         return LoRAConfig(**cfg["lora"]) if cfg["lora"] else None
     except (TypeError, ValueError) as e:

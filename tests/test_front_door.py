@@ -61,7 +61,7 @@ def test_flags_as_people_type_them(argv, key, value):
     (["--max_iters"], "config: expected --key=value (or --key value), got '--max_iters' with no value"),
     (["--max_iters=ten"], "config: max_iters must be int, got 'ten' (str)"),
     (["--resume=maybe"], "config: resume must be bool, got 'maybe' (str)"),
-    (["--lora={'alpah': 3}"], "config: lora has no field 'alpah': did you mean alpha?"),
+    (["--lora={'alpah': 3}"], "config: lora={'alpah': 3}: no field 'alpah': did you mean alpha?"),
     (["--model_overrides={'llm': {'n_layer': 3}}"], "did you mean n_layers"),
 ])
 def test_a_typo_is_one_sentence_naming_the_nearest_key(argv, said):
