@@ -4,6 +4,7 @@ drop reason, never a crash or a hang; packed video samples read by the loader as
 number painted into each frame, transformers' PyAV video reader (load_video), SigLIP's PIL image processor."""
 
 import fractions
+import gc
 import io
 import json
 import os
@@ -163,6 +164,8 @@ def test_each_codec_gives_the_frames_the_rule_names_equal_to_transformers_pyav_r
         assert [frame_number(f) for f in got] == want  # the frames painted with those numbers
         unique = sorted(set(want))
         ref, _ = load_video(str(videos[name]), backend="pyav", sample_indices_fn=lambda unique=unique, **_: np.array(unique))
+        gc.collect()  # load_video leaves its container open: its FFmpeg threads live until collected, and a process
+        # forked while they do (a later test's Pool, under xdist) deadlocks
         for index, frame in zip(want, got):
             diff = np.abs(frame.astype(int) - ref[unique.index(index)])
             if settings.frame_format == "png":
@@ -330,6 +333,7 @@ def test_a_packed_video_sample_reaches_the_loader_as_its_frames(packed):
         indices = meta["video"]["frame_indices"]
         ref, _ = load_video(str(folder / meta["video"]["file"]), backend="pyav",
                             sample_indices_fn=lambda indices=indices, **_: np.array(indices))
+        gc.collect()  # its FFmpeg threads, as above
         frames = [members[f"f{i}.jpg"] for i in range(len(indices))]
         tiles = b["pixel_values"][row, : len(indices)]
         assert torch.equal(tiles, torch.cat([images.image_tiles(f, cfg, "video") for f in frames]))
