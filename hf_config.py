@@ -102,6 +102,9 @@ def family_config(hf, where):
     if local and local.get("rope_type", "default") != "default":
         raise ConversionError(f"{where}: scaled RoPE in the sliding-window layers is not implemented")
     scaling = {k: v for k, v in full.items() if k != "rope_theta"}
+    scaling = scaling if scaling.get("rope_type", "default") != "default" else None
+    # the sliding layers' own tables only where they differ from the global ones
+    local_theta = local and (local["rope_theta"] != full["rope_theta"] or scaling) and float(local["rope_theta"])
     windowed = [i for i, kind_of in enumerate(t["layer_types"]) if kind_of == "sliding_attention"]
     window = t["sliding_window"] if windowed and t.get("sliding_window") else None
     unroped = [i for i, has in enumerate(t.get("no_rope_layers") or []) if not has]
@@ -110,7 +113,7 @@ def family_config(hf, where):
         vocab_size=t["vocab_size"], dim=t["hidden_size"], n_layers=n_layers, n_heads=t["num_attention_heads"],
         n_kv_heads=t["num_key_value_heads"], head_dim=t.get("head_dim"), ffn_dim=t["intermediate_size"],
         norm_eps=t["rms_norm_eps"], rope_theta=float(full["rope_theta"]),
-        rope_scaling=scaling if scaling.get("rope_type", "default") != "default" else None,
+        rope_scaling=scaling,
         max_seq_len=t["max_position_embeddings"], tie_embeddings=t["tie_word_embeddings"],
         sliding_window=window, sliding_layers=(windowed if len(windowed) < n_layers else None) if window else None,
         qk_norm=kind in ("qwen3", "gemma3_text"), norm_offset=1.0 if gemma else 0.0, sandwich_norms=gemma,
@@ -119,8 +122,7 @@ def family_config(hf, where):
         # transformers' Gemma 3 attention never reads attn_logit_softcapping: neither do we
         attn_softcap=t.get("attn_logit_softcapping") if kind == "gemma2" else None,
         final_softcap=t.get("final_logit_softcapping"),
-        local_rope_theta=float(local["rope_theta"]) if local and local["rope_theta"] != full["rope_theta"] or
-        local and scaling.get("rope_type", "default") != "default" else None,
+        local_rope_theta=local_theta or None,
         no_rope_layers=unroped or None)
 
 
