@@ -6,7 +6,7 @@ Data for llavax: LLaVA conversations and images -> Energon-compatible tar shards
     python data.py pack --parquet 'DIR/*.parquet' --out SHARDS [--columns image=img,conversations=messages]
     python data.py pack --mixture configs/mixtures/onevision.yaml --raw RAW --workers 16   # every dataset it names
     python data.py shapes --out DIR [--n 20000] [--seed 0] [--tokenizer T]   # the synthetic demo dataset (shapes.py)
-    python data.py audit SHARDS|JSON [--config configs/x.py] [--sheet F.png]   # what training would get (pack.py)
+    python data.py audit SHARDS|JSON [--config configs/x.py] [--sheet F.png]   # what training would get (audit.py)
     python data.py audit MIX.yaml --config configs/x.py   # a mixture (or --config alone: its data_dir): by source
 
 Writing shards: pack.py (reading JSON and parquet: sources.py); the demo data: shapes.py; reading them into batches:
@@ -23,7 +23,8 @@ import config
 import shapes
 import storage
 from model_config import VLMConfig
-from pack import audit, audit_mixture, pack_mixture, pack_source
+from audit import audit, audit_mixture
+from pack import pack_mixture, pack_source
 from sources import JsonRecords, ParquetRows
 from video import VideoSettings
 

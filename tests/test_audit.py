@@ -73,7 +73,7 @@ def test_shapes_counts_prompts_and_contact_sheet(shapes, capsys, tmp_path):
         assert f"⟦{s['txt'].decode()}<|eot_id|>⟧" in out
     assert out.count("⟨<image> = tokens 4..12⟩") == 3  # 9 image tokens after the BOS and the user header
     # one tile per shown sample, each holding that sample's own image (the PNG it was drawn as)
-    from pack import sheet_layout
+    from audit import sheet_layout
 
     scale, tile_w, tile_h, margin = sheet_layout(48)
     img = np.asarray(Image.open(sheet).convert("RGB")).astype(int)
@@ -197,7 +197,7 @@ def test_mixed_llava_json_every_record_accounted_for(mixed_json, capsys, tmp_pat
     assert "chat template: 4 of 4 samples render as" in out  # no difference from the published template
     html = (tmp_path / "s.html").read_text()
     assert html.startswith('<img src="data:image/png;base64,')
-    from pack import sheet_layout
+    from audit import sheet_layout
 
     embedded = Image.open(io.BytesIO(base64.b64decode(html.split(",", 1)[1].split('"')[0])))
     assert embedded.size[1] == len(records) * sheet_layout(28)[2]  # one tile per shown record, dropped ones too

@@ -19,6 +19,7 @@ from test_train import args
 
 import checkpoint
 import data
+import audit
 import pack
 import shards
 import storage
@@ -131,7 +132,7 @@ def test_ranged_reads_are_retried_on_gcs(shapes, local, gcs_bucket, gcs_proxy):
 
 
 def audit_text(source, shapes, capsys):
-    status = pack.audit(source, shapes / "tokenizer.model", "plain", 64, 28, 4, 512, show=2, progress=0)
+    status = audit.audit(source, shapes / "tokenizer.model", "plain", 64, 28, 4, 512, show=2, progress=0)
     return status, capsys.readouterr().out.replace(str(source), "SOURCE")
 
 

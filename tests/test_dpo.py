@@ -211,7 +211,7 @@ def test_preference_records_pack_audit_and_load_as_pair_rows(tmp_path, tok, caps
     assert short.skips.counts["truncated_not_dropped"] == 1  # pair0: its prompt fits, its answers are cut
     assert (b["labels"][b["dropped"].repeat(2)] == -100).all()
 
-    from pack import audit
+    from audit import audit
     assert audit(tmp_path / "out", tok, "vicuna_v1", 200, 28, 4, 999, show=2) == 0
     out = capsys.readouterr().out
     assert "rejected: 'A cat on a sofa, sleeping.'" in out and "preference pairs (chosen and rejected" in out

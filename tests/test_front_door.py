@@ -85,11 +85,11 @@ def test_a_start_says_what_this_run_changes_and_a_resume_no_flag_it_was_given(sh
 
 
 def test_the_audit_header_says_whether_rows_are_packed(shapes_data, capsys):
-    import pack
+    import audit
 
     shapes = shapes_data(n=200, seed=3, val_fraction=0.1)
     for packing, said in ((0, "unpacked,"), (2, "packed 2 samples a row into 8 rows,")):
-        pack.audit(shapes / "shards", shapes / "tokenizer.model", "llama_3", 64, 28, 4, 512, pack=packing, rows=8,
+        audit.audit(shapes / "shards", shapes / "tokenizer.model", "llama_3", 64, 28, 4, 512, pack=packing, rows=8,
                    show=0, progress=0, limit=5)
         header = capsys.readouterr().out.splitlines()[0]
         assert said in header and "pack 0" not in header, header

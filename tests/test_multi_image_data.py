@@ -16,6 +16,7 @@ import chat
 import images
 import loader
 import model_files
+import audit
 import pack
 
 # -----------------------------------------------------------------------------
@@ -415,8 +416,8 @@ def test_audit_counts_what_the_tiled_and_the_one_image_loaders_would_drop(multi_
     cfg = tiny_onevision_config(tok)
     args = (d / "out", tok, "chatml", 200, 28, cfg.n_image_tokens, cfg.image_token_id)
     tiled, single = io.StringIO(), io.StringIO()
-    assert pack.audit(*args, show=0, out=tiled, vlm=cfg, max_tiles=12) == 0
-    pack.audit(*args, show=0, out=single)
+    assert audit.audit(*args, show=0, out=tiled, vlm=cfg, max_tiles=12) == 0
+    audit.audit(*args, show=0, out=single)
     # the 1920 x 1080 photo needs a base view and a 3x4 grid of 28 px tiles (pinpoint 84 x 112): 13
     assert "kept: 4" in tiled.getvalue() and "dropped, too_many_tiles: 1" in tiled.getvalue()
     assert "dropped, multi_needs_max_tiles: 2" in single.getvalue()

@@ -21,6 +21,7 @@ from test_multi_image_data import chat_tokenizer, conv, levels, tiny_onevision_c
 
 import images
 import loader
+import audit
 import pack
 import video
 from video import VideoDropped, VideoSettings, frame_indices, read_video, time_instruction, video_conversation
@@ -304,7 +305,7 @@ def test_pack_stores_the_frames_and_counts_every_bad_video_by_reason(packed, cap
     tok = chat_tokenizer(d / "tok")
     cfg = tiny_onevision_config(tok)
     out = io.StringIO()
-    pack.audit(d / "videos.json", tok, "chatml", 400, 28, cfg.n_image_tokens, cfg.image_token_id, images_dir=folder,
+    audit.audit(d / "videos.json", tok, "chatml", 400, 28, cfg.n_image_tokens, cfg.image_token_id, images_dir=folder,
                show=0, progress=0, out=out, vlm=cfg, max_tiles=8)
     text = out.getvalue()
     for reason, n in want.items():
