@@ -6,10 +6,10 @@ PY := $(VENV)/bin/python
 
 .PHONY: setup test test-full demo lint clean
 
+# pip is upgraded only in a new .venv: with every requirement satisfied, setup asks no package index (offline works)
 $(VENV)/.installed: requirements.txt requirements-dev.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt
+	test -x $(PY) || { $(PYTHON) -m venv $(VENV) && $(PY) -m pip install --quiet --upgrade pip; }
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt -r requirements-dev.txt
 	touch $@
 
 setup: $(VENV)/.installed

@@ -8,6 +8,7 @@ a LLaVA JSON as pack would write it) sample by sample, or a mixture's sources ag
 import base64
 import difflib
 import io
+import json
 import os
 import sys
 import textwrap
@@ -21,9 +22,10 @@ import storage
 from chat import (IMAGE_TAG, TEMPLATES, DropSample, Tokenizer, check_template, conversation_problem,
                   encode_conversation, render, tokenize, turns)
 from images import image_hw, image_tiles, load_image
-from loader import ShardStream, image_layouts, pack_rows, sample_conversation, sample_images
+from loader import ShardStream, image_layouts, pack_rows, sample_conversation, sample_images, supervised_tokens
 from pack import prepare_record
-from shards import ShardReader, Skips, all_sample_offsets, log, shard_files
+from progress import progress as progress_bar
+from shards import ShardReader, Skips, all_sample_offsets, shard_files
 from sources import JsonRecords
 
 
@@ -32,19 +34,13 @@ from sources import JsonRecords
 
 
 def audit_sources(source, images_dir, split):
-    """Yield (where, members) or (where, drop reason) in source order: shards as the loader reads them (from a local
-    folder or tar, or from a bucket), a LLaVA JSON/JSONL as pack would write it."""
+    """(how many, an iterator of (where, members) or (where, drop reason) in source order): shards as the loader reads
+    them (from a local folder or tar, or from a bucket), a LLaVA JSON/JSONL as pack would write it."""
     if not storage.is_url(source) and Path(source).is_file() and Path(source).suffix != ".tar":
         if images_dir is None or not Path(images_dir).is_dir():
             raise SystemExit(f"audit: {source} is a LLaVA JSON: --images must name its image folder (got {images_dir})")
-        for i, (rec, images) in enumerate(JsonRecords(source, images_dir)):
-            if rec is None:  # (where, reason)
-                yield images
-                continue
-            sample, reason = prepare_record((i, rec, images))
-            where = str(rec.get("id", i)) if isinstance(rec, dict) else f"record {i}"
-            yield where, reason or {ext: b for ext, b in sample.items() if b is not None}
-        return
+        records = JsonRecords(source, images_dir)
+        return records.count(), json_samples(records)
     if not storage.is_url(source) and not Path(source).exists():
         raise SystemExit(f"audit: {source}: no such shard folder, tar or JSON file")
     try:  # an unfinished or inconsistent folder is refused as the loader refuses it
@@ -52,8 +48,22 @@ def audit_sources(source, images_dir, split):
         offsets = all_sample_offsets(files)
     except (FileNotFoundError, ValueError, storage.StorageError) as e:
         raise SystemExit(f"audit: {e}") from None
-    names = [storage.name(path) for path in files]
     index = [(i, start, end) for i, path in enumerate(files) for start, end in offsets[path]]
+    return len(index), shard_samples(files, index)
+
+
+def json_samples(records):
+    for i, (rec, images) in enumerate(records):
+        if rec is None:  # (where, reason)
+            yield images
+            continue
+        sample, reason = prepare_record((i, rec, images))
+        where = str(rec.get("id", i)) if isinstance(rec, dict) else f"record {i}"
+        yield where, reason or {ext: b for ext, b in sample.items() if b is not None}
+
+
+def shard_samples(files, index):
+    names = [storage.name(path) for path in files]
     reader = ShardReader(list(files), index)  # a bucket's samples fetched ahead, by byte range
     reader.ahead(range(len(index)))
     try:
@@ -62,6 +72,17 @@ def audit_sources(source, images_dir, split):
             yield f"{names[shard]}:{key}", members
     finally:
         reader.forget()
+
+
+def pack_time_skips(source):
+    """{reason: (count, first ids)} of the records pack refused when it wrote the shard folder `source`, as its
+    .nv-meta/llavax.json records them; {} for a JSON source, a bare tar, or a folder that records none."""
+    meta = storage.join(source, ".nv-meta", "llavax.json")
+    if str(source).endswith((".tar", ".json", ".jsonl")) or not storage.exists(meta):
+        return {}
+    recorded = json.loads(storage.read_text(meta))
+    first = recorded.get("skipped_first", {})
+    return {reason: (n, first.get(reason, [])) for reason, n in recorded.get("skipped", {}).items()}
 
 
 def hf_chat_tokenizer(directory):
@@ -173,7 +194,7 @@ def padding_share(lengths, seq_len, rows, pack):
 
 def audit(source, tokenizer, template, seq_len, image_size, n_image_tokens, image_token_id, image_mode="pad",
           images_dir=None, split="train", pack=0, rows=8, show=4, limit=0, sheet=None, hf_tokenizer=None,
-          progress=1000, out=None, vlm=None, max_tiles=0):
+          progress=5.0, out=None, vlm=None, max_tiles=0):
     """Print what training would get from `source`; returns the exit status (1: samples with no supervised tokens,
     or a template that disagrees with the HF chat template)."""
     if template not in TEMPLATES:
@@ -195,11 +216,11 @@ def audit(source, tokenizer, template, seq_len, image_size, n_image_tokens, imag
       f"images {image_size} px {image_mode}, {n_image_tokens} image tokens (id {image_token_id})")
     outcomes, skips, lengths, supervised, tiles, pairs = Counter(), Skips(), [], 0, [], 0
     mismatched, n_compared = [], 0
-    for n, (where, members) in enumerate(audit_sources(source, images_dir, split)):
+    total, samples = audit_sources(source, images_dir, split)
+    samples = progress_bar(samples, min(total, limit or total), "audit", "sample", disable=not progress, every_s=progress)
+    for n, (where, members) in enumerate(samples):
         if limit and n >= limit:
             break
-        if progress and n and n % progress == 0:
-            log(f"audit: {n} samples")
         shown, pieces, pixels, qa, outcome = n < show, None, None, [], "kept"
         try:
             if isinstance(members, str):  # refused at pack time: the loader never sees it
@@ -263,12 +284,15 @@ def audit(source, tokenizer, template, seq_len, image_size, n_image_tokens, imag
         if shown:
             tiles.append((f"{where}: {outcome}", pixels, qa))
     kept = [x for x in lengths if x]
-    total = sum(outcomes.values()) - outcomes["truncated"]
+    at_pack = pack_time_skips(source)  # not in the shards: the whole dataset's, either split
+    total = sum(outcomes.values()) - outcomes["truncated"] + (0 if limit else sum(n for n, _ in at_pack.values()))
     p(f"\nsamples: {total}\n  kept: {outcomes['kept']} (truncated to seq_len: {outcomes['truncated']})")
     if pairs:
         p(f"  preference pairs (chosen and rejected answers, objective='dpo'): {pairs} of the kept")
     for reason in sorted(set(outcomes) - {"kept", "truncated"}):
         p(f"  dropped, {reason}: {outcomes[reason]} (first: {', '.join(skips.examples[reason])})")
+    for reason, (n, first) in sorted(at_pack.items()):
+        p(f"  dropped at pack time, {reason}: {n}" + (f" (first: {', '.join(first)})" if first else ""))
     if kept:
         pct = np.percentile(kept, [0, 50, 90, 99, 100])
         p("lengths (tokens): " + "  ".join(f"{k} {v:.0f}" for k, v in zip(("min", "p50", "p90", "p99", "max"), pct))
@@ -304,56 +328,106 @@ def audit(source, tokenizer, template, seq_len, image_size, n_image_tokens, imag
 # auditing a mixture: each source's share of the samples against its share of the tokens
 
 
-def audit_mixture(data_dir, stream_args, steps, batch_size, limit=0, progress=1000, seed=0, out=None, split="train"):
-    """Print a table of data_dir's sources (mixture.py): samples kept and left out by take rules, tokens, supervised
-    tokens, images and tiles (encoded as the loader encodes them: the first `limit` kept samples of each, scaled up),
-    each source's share of the samples drawn against its share of the tokens, and the epochs of it that `steps` steps
-    of batch_size samples take. Returns the exit status (1: a source whose audited samples all drop)."""
+def sample_figures(stream, sample):
+    """(drop reason or None, tokens, image tiles, supervised tokens, images) of one sample as the loader encodes it."""
+    try:
+        e = stream.encode(sample)
+    except DropSample as why:
+        return str(why).split(" ")[0], 0, 0, 0, 0
+    images = (len(e[3]) if stream.max_tiles else 1) if e[2] is not None else 0
+    tiles = len(e[2]) if stream.max_tiles and e[2] is not None else images  # one a row's image without tile slots
+    return None, len(e[0][0] if stream.preference else e[0]), tiles, supervised_tokens(e, stream.preference), images
+
+
+def simulate_run(stream, batches, world_size, progress=5.0):
+    """{source index: Counter(drawn, trained, tokens, supervised, images, and a count for each drop reason)} of
+    each rank's first `batches` batches, built as the loader builds them: rank r's batch k reads the global positions
+    (k N + i) W + r (N samples a batch), and with pack its samples go into its rows first-fit (loader.pack_rows), the
+    ones that find no room dropped (no_room_in_pack). Each sample is encoded once."""
+    mix, n, cache = stream.mixture, stream.samples_per_batch, {}
+    figures = {i: Counter() for i in range(len(mix.sources))}
+    for k in progress_bar(range(batches), desc="audit", unit="batch", disable=not progress, every_s=progress):
+        for rank in range(world_size):
+            ids = [mix.sample_at((k * n + i) * world_size + rank) for i in range(n)]
+            for sample in ids:
+                if sample not in cache:
+                    cache[sample] = sample_figures(stream, sample)
+            fates = [cache[sample][0] for sample in ids]
+            if stream.pack:  # the packer's drops: the samples left once the rows are full
+                kept = [i for i, why in enumerate(fates) if why is None]
+                where, _ = pack_rows([cache[ids[i]][1] for i in kept], stream.batch_size, stream.seq_len,
+                                     [cache[ids[i]][2] for i in kept] if stream.max_tiles else None, stream.max_tiles)
+                for i, w in zip(kept, where):
+                    fates[i] = "no_room_in_pack" if w is None else None
+            for sample, why in zip(ids, fates):
+                f = figures[mix.source_of(sample)]
+                f["drawn"] += 1
+                if why is not None:
+                    f[why] += 1
+                    continue
+                _, tokens, tiles, supervised, images = cache[sample]
+                f.update(trained=1, tokens=tokens, supervised=supervised, images=images, tiles=tiles)
+    return figures
+
+
+RUN_FIGURES = ("drawn", "trained", "tokens", "supervised", "images", "tiles")
+
+
+def audit_mixture(data_dir, stream_args, steps, batch_size, limit=0, progress=5.0, seed=0, out=None, split="train",
+                  world_size=1):
+    """Print a table of data_dir's sources (mixture.py) as a run of `steps` steps of batch_size rows (global) reads
+    them: stream_args as train.py gives its loader (batch_size: the rows of one rank's batch, pack, seq_len,
+    max_tiles), world_size ranks. Per source: samples kept and left out by take rules, and of the run's draws (its
+    batches simulated, the packer's drops included) the samples drawn, trained and dropped, their tokens, supervised
+    tokens (what train.py logs as tokens/NAME), images and tiles, and the epochs of what it keeps; limit > 0 simulates
+    only the batches that hold the run's first `limit` samples and scales the figures. Returns the exit status (1: a
+    source that trains none of the samples it draws)."""
     p = lambda *a: print(*a, file=out or sys.stdout)  # noqa: E731
+    rows, pack = stream_args["batch_size"], stream_args.get("pack", 0)
+    if batch_size % (rows * world_size):
+        raise SystemExit(f"audit: batch_size={batch_size} is not a multiple of micro_batch_size x ranks = {rows} x "
+                         f"{world_size}, as train.py requires")
     try:
         stream = ShardStream(data_dir, split=split, seed=seed, **stream_args)
     except (OSError, ValueError) as e:
         raise SystemExit(f"audit: {e}") from None
-    mix, rows, status = stream.mixture, [], 0
-    for i, source in enumerate(mix.sources):
-        kept = mix.orders[i].kept
-        audited = kept[:limit] if limit else kept
-        sums = Counter()
-        for n, local in enumerate(audited.tolist()):
-            if progress and n and n % progress == 0:
-                log(f"audit: {source.name}: {n} samples")
-            e = stream.encode_or_drop(mix.bases[i] + local)
-            if e is None:
-                sums["dropped"] += 1
-                continue
-            images = (len(e[3]) if stream.max_tiles else 1) if e[2] is not None else 0
-            sums.update(tokens=len(e[0]), supervised=sum(x != -100 for x in e[1][1:]), images=images,
-                        tiles=len(e[2]) if stream.max_tiles and e[2] is not None else images)
-        scale = len(kept) / max(1, len(audited))
-        total = int(mix.ends[i] - mix.bases[i])
-        rows.append((source, len(kept), total - len(kept), {k: v * scale for k, v in sums.items()}))
-        status |= sums["dropped"] == len(audited)
-    shares = mix.shares()
-    token_weight = [share * row[3].get("tokens", 0) / max(1, row[1]) for share, row in zip(shares, rows)]
+    mix, status = stream.mixture, 0
+    batches = steps * batch_size // (rows * world_size)  # each rank's: steps x micro-steps
+    simulated = min(batches, -(-limit // (stream.samples_per_batch * world_size))) if limit else batches
+    figures = simulate_run(stream, simulated, world_size, progress)
+    scale = batches / max(1, simulated)
+    total = steps * batch_size * max(1, pack)
     rule = "weights" if mix.sources[0].weight is not None else "repeats" if split == "train" else f"{split} splits"
-    p(f"audit: a mixture of {len(rows)} sources ({rule}), "
-      f"{steps} steps x {batch_size} samples = {steps * batch_size:,} samples drawn"
-      + (f"; each source's first {limit} kept samples audited, the figures scaled to all it keeps" if limit else ""))
-    p("| source | rule | samples kept | left out by take | tokens | supervised | images | tiles | dropped | "
-      "share of samples | share of tokens | epochs |")
-    p("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for (source, n_kept, left_out, s), share, tw in zip(rows, shares, token_weight):
+    p(f"audit: a mixture of {len(mix.sources)} sources ({rule}), {steps} steps x {batch_size} rows"
+      + (f" x pack {pack}" if pack else "") + f" = {total:,} samples drawn, by {world_size} rank(s) in batches of "
+      f"{rows} rows (seq_len {stream.seq_len}, max_tiles {stream.max_tiles})"
+      + (f"; the first {simulated} of each rank's {batches} batches simulated, the figures scaled to all"
+         if simulated < batches else ""))
+    p("| source | rule | samples kept | left out by take | drawn | trained | dropped | tokens | supervised | images | "
+      "tiles | share of samples | share of tokens | epochs |")
+    p("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    all_tokens = sum(f["tokens"] for f in figures.values())
+    rows_out, reasons_out = [], []
+    for i, source in enumerate(mix.sources):
+        f, n_kept = figures[i], len(mix.orders[i].kept)
+        left_out = int(mix.ends[i] - mix.bases[i]) - n_kept
+        reasons = {k: v for k, v in f.items() if k not in RUN_FIGURES}
+        dropped = sum(reasons.values())
         rule = f"weight {source.weight:g}" if source.weight is not None else f"repeat {source.repeat:g}" \
             if source.repeat is not None else "held out"
         rule += f", take {source.take}" if source.take != "all" else ""
-        p(f"| {source.name} | {rule} | {n_kept:,} | {left_out:,} | {s.get('tokens', 0):,.0f} | "
-          f"{s.get('supervised', 0):,.0f} | {s.get('images', 0):,.0f} | {s.get('tiles', 0):,.0f} | "
-          f"{s.get('dropped', 0):,.0f} | {share:.1%} | {tw / max(sum(token_weight), 1e-12):.1%} | "
-          f"{steps * batch_size * share / n_kept:.2f} |")
-    left = sum(r[2] for r in rows)
-    p(f"take rules leave out {left:,} of {sum(r[1] + r[2] for r in rows):,} samples")
-    for source, _, _, s in rows:
-        if s.get("dropped"):
-            p(f"  {source.name}: {s['dropped']:,.0f} samples would drop (run `python data.py audit {source.path}` "
-              f"for the reasons)")
+        p(f"| {source.name} | {rule} | {n_kept:,} | {left_out:,} | {f['drawn'] * scale:,.0f} | "
+          f"{f['trained'] * scale:,.0f} | {dropped * scale:,.0f} | {f['tokens'] * scale:,.0f} | "
+          f"{f['supervised'] * scale:,.0f} | {f['images'] * scale:,.0f} | {f['tiles'] * scale:,.0f} | "
+          f"{f['drawn'] / max(1, sum(g['drawn'] for g in figures.values())):.1%} | "
+          f"{f['tokens'] / max(1, all_tokens):.1%} | {f['drawn'] * scale / n_kept:.2f} |")
+        status |= bool(f["drawn"]) and not f["trained"]
+        if dropped:
+            reasons_out.append(f"  {source.name}: {dropped * scale:,.0f} of its {f['drawn'] * scale:,.0f} samples drawn "
+                               "drop (" + ", ".join(f"{r} {k * scale:,.0f}" for r, k in sorted(reasons.items())) + ")")
+        rows_out.append(n_kept + left_out)
+    p(f"take rules leave out {sum(rows_out) - sum(mix.kept_sizes):,} of {sum(rows_out):,} samples")
+    for line in reasons_out:
+        p(line)
+    p("drawn, trained, dropped and supervised are what train.py logs as samples/, trained/, dropped/ and tokens/NAME")
     return status

@@ -523,6 +523,7 @@ class Checkpointer:
         self.committed = None  # the newest step this run knows committed (its resume point, then its own): named when
         # a write fails, without asking a storage that may be what failed
         self.lease = lease  # rank 0's: out_dir's lease (lease.py), looked at before a step is written and committed
+        self.background_s = 0.0  # the last committed write's time after save() returned: what a run's end waits for
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
 
     def last_committed(self):
@@ -664,6 +665,7 @@ class Checkpointer:
                               f"next checkpoint tries again", file=sys.stderr, flush=True)
                     print(f"checkpoint {path}: {shards / 2**30:.2f} GiB from {len(every)} rank(s); training blocked "
                           f"{blocked:.2f} s, written in {time.perf_counter() - t0:.2f} s", flush=True)
+                    self.background_s = time.perf_counter() - t0 - blocked
             if self.group is not None:
                 dist.barrier(group=self.group)  # every rank knows the step is committed before the next save
         except BaseException as e:  # noqa: BLE001  named on the next wait(), in the loop's thread
@@ -878,7 +880,8 @@ def wait_for_stop_writer(out):
 # allow_config_change (the model itself always comes from the checkpoint). Every other key may change: the world
 # size and micro_batch_size among them (the global batch and the sample order are what must hold).
 FIXED_ON_RESUME = ("seed", "batch_size", "pack", "max_tiles", "seq_len", "data_dir", "tokenizer", "template",
-                   "image_mode", "shuffle_block", "stage", "model", "model_overrides")  # lora: add_lora refuses a change
+                   "image_mode", "shuffle_block", "group_by_modality_length", "stage", "model",
+                   "model_overrides")  # lora: add_lora refuses a change
 
 
 def same_path(value):

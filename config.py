@@ -57,6 +57,7 @@ image_mode = "pad"  # 'pad' to square in the tower's mean colour (LLaVA-1.5), or
 fast_images = False  # True: JPEG draft decoding + torch's bicubic, ~2x faster, up to ~12 levels off (README)
 num_workers = 1  # DataLoader worker processes a rank
 shuffle_block = 1000  # samples shuffled together, a block at a time (the exact-resume order)
+group_by_modality_length = False  # True: each step's samples all with an image/video or all text (LLaVA-NeXT's)
 # what to train, and how
 stage = 0  # 0 everything, 1 the projector, 2 the projector and the LLM
 batch_size = 64  # global: across ranks and accumulation micro-steps
@@ -89,10 +90,20 @@ max_failed_checkpoints = 3  # checkpoints in a row whose write failed (an outage
 take_over = False  # True: take out_dir's lease from the run that holds it (one that is dead: lease.py)
 lease_stale_s = 300.0  # a lease not refreshed for this long (and 10 log intervals) is a dead run's, taken over
 allow_config_change = []  # keys that may differ from the checkpoint's config on resume (see FIXED_ON_RESUME)
+# a resume on another mixture (allow_config_change=['data_dir']): 'continue' reads it from the saved position (the
+# log says per source how many samples of the epoch under way repeat or are skipped); 'restart_epoch' starts its epoch
+mixture_change = "continue"  # 'continue' or 'restart_epoch' (above)
 final_accuracy_samples = 500  # > 0: exact-match accuracy of generated answers on that many val samples
 wandb_log = False  # log to Weights & Biases too
 wandb_project = "llavax"  # its project
 wandb_run_name = ""  # its run name ('' lets wandb choose)
+tensorboard_log = False  # True: TensorBoard event files in out_dir/tensorboard too (pip install tensorboard)
+# benchmarks (docs/training.md "Benchmarks"): lmms-eval's tasks on greedy answers, at benchmark_interval and the end
+benchmarks = []  # task names (benchmarks.TASKS: mme, pope, scienceqa_img, mmbench_en_dev, mmstar, chartqa), or NAME=PATH
+benchmark_dir = "data/benchmarks"  # where each benchmark lies as the Hub download puts it (benchmark_dir/MME/data/...)
+benchmark_interval = 0  # steps between benchmark runs; 0: only at the end of the run
+benchmark_limit = 0  # > 0: the first this many questions of each benchmark (lmms-eval's --limit)
+benchmark_batch_size = 8  # questions answered together (a rank's; under XLA the global batch)
 # backend
 device = ""  # '' picks cuda when available, else cpu; 'xla' is torch_xla SPMD (TPU, or CPU devices in tests)
 parallel = "ddp"  # under torchrun: 'ddp' or 'fsdp'
@@ -176,7 +187,7 @@ def parse(argv, defaults):
                 raise SystemExit(f"config: expected --key=value (or --key value), got {arg!r} with no value")
             if key not in cfg:
                 raise SystemExit(f"config: unknown key {key!r} (from {arg!r}){nearest(key, cfg)}")
-            cfg[key] = _typed(key, literal(raw, defaults[key]), defaults[key])
+            cfg[key] = _typed(key, literal(raw, defaults[key], key), defaults[key])
         else:
             ns = run_config_file(arg)
             for key, value in ns.items():
@@ -191,14 +202,19 @@ def parse(argv, defaults):
 BOOLEANS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
 
 
-def literal(raw, default):
+def literal(raw, default, key="value"):
     """A command-line value as Python reads it; a bare word is a string; a boolean key also takes true/false,
-    yes/no, on/off and 1/0 in any case."""
+    yes/no, on/off and 1/0 in any case. A list, dict or tuple that is not a literal is refused: read as a string it
+    would become one path."""
     if isinstance(default, bool) and raw.strip().lower() in BOOLEANS:
         return BOOLEANS[raw.strip().lower()]
     try:
         return ast.literal_eval(raw)
     except (ValueError, SyntaxError, MemoryError, RecursionError):
+        if raw.lstrip()[:1] in ("[", "{", "("):
+            raise SystemExit(f"config: --{key}={raw} is a list or dict that Python's literal_eval cannot read: only "
+                             "numbers, strings, lists, dicts, True, False and None, no calls such as float('inf') "
+                             "(write 1e999 for infinity)") from None
         return raw  # a bare string
 
 
@@ -248,10 +264,11 @@ def run_config_file(arg):
 # the values checked
 
 POSITIVE = ("batch_size", "micro_batch_size", "max_iters", "seq_len", "log_interval", "shuffle_block",
-            "max_nonfinite_steps", "checkpoint_every", "attention_block", "storage_stall_s", "max_failed_checkpoints")
+            "max_nonfinite_steps", "checkpoint_every", "attention_block", "storage_stall_s", "max_failed_checkpoints",
+            "benchmark_batch_size")
 NON_NEGATIVE = ("eval_interval", "eval_iters", "ckpt_interval", "local_ckpt_interval", "keep_last", "num_workers", "pack",
                 "warmup_iters", "lr_decay_iters", "max_tiles", "final_accuracy_samples", "lr", "min_lr", "weight_decay",
-                "grad_clip", "loss_chunk", "peak_flops", "lease_stale_s")
+                "grad_clip", "loss_chunk", "peak_flops", "lease_stale_s", "benchmark_interval", "benchmark_limit")
 
 
 def check(cfg):
@@ -280,6 +297,8 @@ def check(cfg):
         raise SystemExit(f"config: stage must be 0, 1 or 2, got {cfg['stage']}")
     if cfg["parallel"] not in ("ddp", "fsdp"):
         raise SystemExit(f"config: parallel must be 'ddp' or 'fsdp', got {cfg['parallel']!r}")
+    if cfg["mixture_change"] not in ("continue", "restart_epoch"):
+        raise SystemExit(f"config: mixture_change must be 'continue' or 'restart_epoch', got {cfg['mixture_change']!r}")
     if cfg["dtype"] not in ("float32", "bfloat16"):
         raise SystemExit(f"config: dtype must be 'float32' or 'bfloat16', got {cfg['dtype']!r}")
     check_objective(cfg)
@@ -471,7 +490,11 @@ def check_data(data_dir, objective, seed, tokenizer, steps=""):
         if None in counts.values():
             kinds[source.name] = first_sample_kind(counts)
             continue
-        kept = len(mixture.take_indices(source.take, sum(counts.values()), source.name, seed))
+        try:  # a LLaVA-NeXT rule counts the records of the file packed, where pack recorded them
+            records = mixture.packed_records(source.path, list(counts)) if source.take != "all" else None
+            kept = len(mixture.take_indices(source.take, sum(counts.values()), source.name, seed, records))
+        except MixtureError as e:
+            raise SystemExit(f"{where}: {e}") from None
         if not kept:
             raise SystemExit(f"{where}: take {source.take!r} keeps none of its {sum(counts.values())} samples")
         if source.repeat is not None and int(kept * source.repeat) == 0:

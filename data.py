@@ -5,7 +5,7 @@ Data for llavax: LLaVA conversations and images -> Energon-compatible tar shards
     python data.py pack ... --out s3://BUCKET/shards      # or gs://: each shard uploaded when complete, .nv-meta last
     python data.py pack --parquet 'DIR/*.parquet' --out SHARDS [--columns image=img,conversations=messages]
     python data.py pack --mixture configs/mixtures/onevision.yaml --raw RAW --workers 16   # every dataset it names
-    python data.py shapes --out DIR [--n 20000] [--seed 0] [--tokenizer T]   # the synthetic demo dataset (shapes.py)
+    python data.py shapes --out DIR [--n 20000] [--seed 0] [--tokenizer T] [--overwrite]   # the demo data (shapes.py)
     python data.py audit SHARDS|JSON [--config configs/x.py] [--sheet F.png]   # what training would get (audit.py)
     python data.py audit MIX.yaml --config configs/x.py   # a mixture (or --config alone: its data_dir): by source
 
@@ -45,11 +45,14 @@ def audit_arguments(a):
     a.add_argument("--n-image-tokens", type=int)
     a.add_argument("--image-token-id", type=int)
     a.add_argument("--max-tiles", type=int, help="tile slots a row (train.py's max_tiles): anyres, several images")
+    a.add_argument("--world-size", type=int, default=1, help="a mixture: the run's ranks (torchrun's processes), each "
+                                                           "reading --rows rows a batch")
     a.add_argument("--show", type=int, default=4, help="print the first N samples in full")
     a.add_argument("--limit", type=int, default=0, help="audit only the first N samples (0: all)")
     a.add_argument("--sheet", help="write a contact sheet of the shown samples here (.png or .html)")
     a.add_argument("--hf-tokenizer", help="a folder with tokenizer_config.json holding a chat_template: compare")
-    a.add_argument("--progress", type=int, default=1000, help="print a count to stderr every N samples")
+    a.add_argument("--progress", type=float, default=5.0, help="a progress bar on stderr (a terminal), else a line "
+                   "every N seconds at first, then further apart; 0: none")
 
 
 def audit_command(args):
@@ -76,16 +79,22 @@ def audit_command(args):
     config.check_tiles(mcfg, max_tiles)  # what train.py refuses (an anyres model without room for one image) is refused here
     source = cfg["data_dir"] if args.source is None else args.source
     if isinstance(source, list) or str(source).endswith((".yaml", ".yml")):  # a mixture: a table of its sources
-        stream_args = {"tokenizer": given(args.tokenizer, cfg["tokenizer"]), "batch_size": 1,
+        stream_args = {"tokenizer": given(args.tokenizer, cfg["tokenizer"]),
+                       "batch_size": given(args.rows, cfg["micro_batch_size"]), "pack": given(args.pack, cfg["pack"]),
                        "seq_len": given(args.seq_len, cfg["seq_len"]), "image_size": given(args.image_size,
                                                                                           mcfg.vision.image_size),
                        "image_token_id": given(args.image_token_id, mcfg.image_token_id),
                        "n_image_tokens": given(args.n_image_tokens, mcfg.n_image_tokens),
                        "template": given(args.template, cfg["template"]),
-                       "image_mode": given(args.image_mode, cfg["image_mode"]), "image_mean": mcfg.vision.image_stats[0]}
+                       "image_mode": given(args.image_mode, cfg["image_mode"]), "image_mean": mcfg.vision.image_stats[0],
+                       "shuffle_block": cfg["shuffle_block"],  # the run's order, which the audit reads as it will
+                       "group": cfg["batch_size"] * max(given(args.pack, cfg["pack"]), 1)
+                       if cfg["group_by_modality_length"] else 0}  # a step's samples of one modality, as train.py
         stream_args |= {"vlm": mcfg, "max_tiles": max_tiles} if max_tiles else {}
+        if args.world_size < 1:
+            raise SystemExit(f"audit: --world-size must be >= 1, got {args.world_size}")
         sys.exit(audit_mixture(source, stream_args, cfg["max_iters"], cfg["batch_size"], args.limit, args.progress,
-                               cfg["seed"], split=args.split))
+                               cfg["seed"], split=args.split, world_size=args.world_size))
     sys.exit(audit(source, given(args.tokenizer, cfg["tokenizer"]), given(args.template, cfg["template"]),
                    given(args.seq_len, cfg["seq_len"]), given(args.image_size, mcfg.vision.image_size),
                    given(args.n_image_tokens, mcfg.n_image_tokens), given(args.image_token_id, mcfg.image_token_id),
@@ -175,6 +184,7 @@ def main(argv=None):
     b.add_argument("--preference", action="store_true", help="also right/wrong answer pairs in OUT/preference (DPO)")
     b.add_argument("--tokenizer", help="use this tokenizer.model (another shapes dataset's) instead of training one: "
                                        "the two can then be mixed in one run")
+    b.add_argument("--overwrite", action="store_true", help="replace the shapes dataset already in --out")
     audit_arguments(sub.add_parser("audit", help="what training would get from a dataset: counts, lengths, prompts, "
                                                  "images, the chat template"))
     args = p.parse_args(argv)
@@ -185,7 +195,8 @@ def main(argv=None):
             pack_command(args)
         else:
             shapes.make_shapes(args.out, args.n, args.seed, image_size=args.image_size, turns=args.turns,
-                               images=args.images, preference=args.preference, tokenizer=args.tokenizer)
+                               images=args.images, preference=args.preference, tokenizer=args.tokenizer,
+                               overwrite=args.overwrite)
     except storage.StorageError as e:  # a bucket that is not there, no credentials, an outage: one sentence
         raise SystemExit(f"{args.cmd}: {e}") from None
 

@@ -5,7 +5,8 @@ reference, each row's completion log-prob, the pair losses and their held-out pa
 rejected...], one image a pair) is data.ShardStream(preference=True). And a program: on-policy pairs, the model's
 own wrong answers as the rejected side (docs/post-training.md "DPO"):
 
-    python dpo.py pairs --ckpt out/shapes-sft-250/step-000250 --data data/shapes/preference --out data/shapes/onpolicy
+    python dpo.py pairs --ckpt out/shapes-dpo-sft-250/step-000250 --data data/shapes-dpo/preference \\
+        --out data/shapes-dpo/onpolicy
 """
 
 import argparse
@@ -171,7 +172,8 @@ def reward_pairs(model, b, cfg):
 
 # -----------------------------------------------------------------------------
 # on-policy pairs (OneVision-Chat's iterative DPO): the rejected answer is the model's own mistake
-#   python dpo.py pairs --ckpt out/shapes-sft-250/step-000250 --data data/shapes/preference --out data/shapes/onpolicy
+#   python dpo.py pairs --ckpt out/shapes-dpo-sft-250/step-000250 --data data/shapes-dpo/preference \
+#       --out data/shapes-dpo/onpolicy
 
 
 def answer_prompt(conv, has_image, template, tok, image_token_id, n_image_tokens):

@@ -19,12 +19,20 @@ from chat import (IMAGE_TAG, IMAGE_TAG_RE, TAGS_RE, VIDEO_TAG, DropSample, Token
                   conversation_problem, encode_conversation, encode_preference, generation_prompt, place_image_tags,
                   tokenize)
 from images import CLIP_MEAN, image_hw, image_tiles, load_image
-from mixture import Mixture
+from mixture import Mixture, Source
 from shards import ShardReader, Skips, log
 
 NUMBERED_IMAGE_RE = re.compile(r"(f?)(\d+)\.(?:jpg|jpeg|png|webp)")  # KEY.0.jpg: image 0 of several; KEY.f0.jpg: frame 0
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
 STORAGE_ERROR = "storage_error"  # the key of the one-entry "batch" that carries a DataLoader worker's StorageError
+# why a sample dropped, as a batch's drop_reason codes carry it (1 + index; 0: not dropped): a fixed table, so that
+# every rank's counts by source and reason add up in one collective. The first word of a DropSample's sentence
+DROP_REASONS = ("no_room_in_pack", "too_many_tiles", "multi_needs_max_tiles", "video_needs_max_tiles",
+                "image_beyond_seq_len", "answer_beyond_seq_len", "no_supervised_tokens", "image_tag_count_mismatch",
+                "image_tag_mismatch", "plain_template_without_image", "video_without_video_token",
+                "not_a_preference_pair", "image_and_video", "unreadable_sample", "malformed_conversations",
+                "unknown_role", "non_text_value", "invalid_unicode", "no_gpt_turn", "empty_answer",
+                "skip_steps", "other")  # skip_steps: read by a step that trains nothing (train.py's skip_steps)
 
 
 # -----------------------------------------------------------------------------
@@ -121,7 +129,7 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     def __init__(self, paths, tokenizer, batch_size, seq_len, image_size, image_token_id, n_image_tokens,
                  template="plain", image_mode="pad", split="train", seed=0, rank=0, world_size=1, shuffle_block=1000,
-                 pack=0, fast_images=False, image_mean=CLIP_MEAN, vlm=None, max_tiles=0, preference=False):
+                 pack=0, fast_images=False, image_mean=CLIP_MEAN, vlm=None, max_tiles=0, preference=False, group=0):
         if not isinstance(max_tiles, int) or max_tiles < 0:
             raise ValueError(f"ShardStream: max_tiles must be an integer >= 0 (tile slots a row), got {max_tiles!r}")
         if max_tiles and vlm is None:
@@ -131,7 +139,10 @@ class ShardStream(torch.utils.data.IterableDataset):
         if preference and pack:
             raise ValueError("ShardStream: preference pairs (DPO) are read one pair a row pair: pack must be 0")
         self.preference = preference  # batches of 2B rows [chosen..., rejected...], one image a pair (pair_batch)
-        self.mixture = Mixture(paths, split, seed, shuffle_block)  # one dataset is a mixture of one source
+        # group > 0: every `group` global positions (a step's samples) of one modality, LLaVA-NeXT's
+        # group_by_modality_length; longest first only unpacked (packed, long samples together would not fit)
+        self.group = group if split == "train" else 0
+        self.mixture = Mixture(paths, split, seed, shuffle_block, self.group, by_length=not pack)
         self.files, self.index = self.mixture.files, self.mixture.index
         self.tok = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer(tokenizer)
         check_template(template, self.tok)
@@ -143,6 +154,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.image_mean = image_mean  # the pad colour: the tower's mean
         self.seed, self.rank, self.world_size, self.shuffle_block = seed, rank, world_size, shuffle_block
         self.start = 0  # sample position in this rank's stream; set by Loader
+        self.origin = 0  # the global position where the mixture's position 0 lies: a changed mixture restarted there
         self.skips = Skips()
         self.reader = ShardReader(self.files, self.index)  # plain reads from a disk, ranged requests from a bucket
 
@@ -155,7 +167,7 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     def sample_at(self, position):
         """The sample index at `position` of this rank's stream: global position position * W + rank."""
-        return self.mixture.sample_at(position * self.world_size + self.rank)
+        return self.mixture.sample_at(position * self.world_size + self.rank - self.origin)
 
     def read(self, sample):
         """(key, {ext: bytes}) of one sample."""
@@ -238,21 +250,24 @@ class ShardStream(torch.utils.data.IterableDataset):
             raise DropSample(f"unreadable_sample ({type(e).__name__}: {e})") from None
         return *encoded, tiles, layouts
 
-    def encode_or_drop(self, sample):
+    def encode_or_drop(self, sample, at=None):
         """encode(sample), or None for a sample that cannot be trained on: counted, and the first few printed."""
         try:
             return self.encode(sample)
         except DropSample as e:
-            self.drop(sample, str(e))
+            self.drop(sample, str(e), at)
             return None
 
-    def drop(self, sample, why):
+    def drop(self, sample, why, at=None):
+        """Count a dropped sample (at: its place in the batch being built, whose drop_reason codes say why)."""
         shard, _, _ = self.index[sample]
         source = self.mixture.source_of(sample)  # a mixture's samples are named within their source
         where = storage.name(self.files[shard]) if len(self.mixture.sources) == 1 else \
             f"{storage.name(self.files[shard])} of source {self.mixture.sources[source].name}"
         number = sample - self.mixture.bases[source]
         reason = why.split(" ")[0]
+        if at is not None:
+            self.reasons[at] = 1 + DROP_REASONS.index(reason if reason in DROP_REASONS else "other")
         self.skips.add(reason, f"{where}#{number}")
         if self.skips.counts[reason] <= 3:
             log(f"data: dropped sample {number} of {where}: {why}")
@@ -262,20 +277,20 @@ class ShardStream(torch.utils.data.IterableDataset):
         sample_ids = torch.tensor([self.sample_at(k * N + i) for i in range(N)])
         if not self.reader.planned():  # a batch asked for by itself (evaluation): its samples fetched together
             self.reader.ahead(sample_ids.tolist())
-        encoded = [self.encode_or_drop(sample) for sample in sample_ids.tolist()]
+        self.reasons = torch.zeros(N, dtype=torch.uint8)
+        encoded = [self.encode_or_drop(sample, at) for at, sample in enumerate(sample_ids.tolist())]
         # a dropped sample keeps its place as padding with no labels: shapes are static, the position arithmetic holds
         dropped = torch.tensor([e is None for e in encoded])
         rows = self.pair_batch if self.preference else self.tiled_batch if self.max_tiles else self.single_batch
         batch = rows(sample_ids, encoded, dropped)  # marks in `dropped` the samples its rows had no room for
-        return batch | self.by_source(sample_ids, encoded, dropped)
+        return batch | self.by_source(sample_ids, encoded, dropped) | {"drop_reason": self.reasons}
 
     def by_source(self, sample_ids, encoded, dropped):
         """Each sample's source (its index in the mixture) and supervised tokens, 0 for a dropped one: the figures
         per source that train.py logs."""
-        labels = [[] if gone else [x for _, lab in e[:2] for x in lab] if self.preference else e[1]
-                  for e, gone in zip(encoded, dropped.tolist())]
         return {"source": torch.from_numpy(np.searchsorted(self.mixture.ends, sample_ids.numpy(), side="right")),
-                "tokens": torch.tensor([sum(x != -100 for x in lab) for lab in labels])}
+                "tokens": torch.tensor([0 if gone else supervised_tokens(e, self.preference)
+                                        for e, gone in zip(encoded, dropped.tolist())])}
 
     def single_batch(self, sample_ids, encoded, dropped):
         """One image a row: pixel_values (N, 3, S, S) uint8; with pack, several samples a row (packed_batch)."""
@@ -287,7 +302,7 @@ class ShardStream(torch.utils.data.IterableDataset):
             b = packed_batch([encoded[i][:2] for i in kept], B, T, self.tok.pad_id)
             for i, where in zip(kept, b["where"]):
                 if where is None:  # no room left in this batch's rows: lower `pack` if this is frequent
-                    self.drop(int(sample_ids[i]), f"no_room_in_pack ({len(encoded[i][0])} tokens)")
+                    self.drop(int(sample_ids[i]), f"no_room_in_pack ({len(encoded[i][0])} tokens)", i)
                     dropped[i] = True
             with_image = [kept[j] for j in b["order"] if encoded[kept[j]][2] is not None]
             for slot, i in enumerate(with_image):  # in placeholder order, as the model's packed convention wants
@@ -358,7 +373,7 @@ class ShardStream(torch.utils.data.IterableDataset):
             for i, where in zip(kept, b["where"]):
                 if where is None:  # no room (tokens or tile slots) left in this batch's rows: lower `pack`
                     self.drop(int(sample_ids[i]), f"no_room_in_pack ({len(encoded[i][0])} tokens, "
-                                                  f"{n_tiles[kept.index(i)]} tiles)")
+                                                  f"{n_tiles[kept.index(i)]} tiles)", i)
                     dropped[i], has_image[i] = True, False
             rows = [[kept[j] for j in members] for members in b["rows"]]
             input_ids, labels, extra = b["input_ids"], b["labels"], {"position_ids": b["position_ids"]}
@@ -402,6 +417,13 @@ class ShardStream(torch.utils.data.IterableDataset):
             yield {STORAGE_ERROR: e}
         finally:  # the consumer stopped (an evaluation's few batches): its requests ahead are not waited for
             self.reader.forget()
+
+
+def supervised_tokens(encoded, preference=False):
+    """The supervised tokens of an encoded sample (both answers of a preference pair): what it adds to the loss's
+    units when it trains."""
+    labels = [x for _, lab in encoded[:2] for x in lab] if preference else encoded[1]
+    return sum(x != -100 for x in labels)
 
 
 def pack_rows(lengths, n_rows, seq_len, tiles=None, max_tiles=0):
@@ -456,6 +478,53 @@ def mixture_change(saved, now, n_samples):
     return "; ".join(said) or "the order of the sources"
 
 
+def change_effects(saved, mix, old_position, new_position, **grouping):
+    """{name: (repeats, skips, kept)}: for each source of `mix`, read from its position new_position on after a run
+    that read the mixture `saved` (Mixture.describe()) up to old_position, the samples of its pass under way that it
+    will show a second time, and those it will not show at all (a source is the same one by its path and split)."""
+    shuffle_block = mix.orders[0].shuffle_block
+    old = Mixture([Source(x["name"], x["path"], x["part"], x["weight"], x["repeat"], x["take"]) for x in saved],
+                  "train", mix.seed, shuffle_block, **grouping)  # grouping: the same (a resume cannot change it)
+    before = {(storage.canonical(x.path), x.part): j for j, x in enumerate(old.sources)}
+    drawn_old, drawn_new = old.counts_before(old_position), mix.counts_before(new_position)
+    def split(order, drawn):  # (drawn, ahead) of the pass under way; one that just ended is under way, none ahead
+        n_pass = max(int(drawn) - 1, 0) // len(order.kept)
+        at = int(drawn) - n_pass * len(order.kept)
+        return set(order.order(n_pass)[:at].tolist()), set(order.order(n_pass)[at:].tolist())
+
+    out = {}
+    for i, source in enumerate(mix.sources):
+        k, j = len(mix.orders[i].kept), before.get((storage.canonical(source.path), source.part))
+        ahead = split(mix.orders[i], drawn_new[i])[1]
+        seen = split(old.orders[j], drawn_old[j])[0] if j is not None else set()  # in the saved run's own order
+        out[source.name] = (len(ahead & seen), k - len(ahead | (seen & set(mix.orders[i].kept.tolist()))), k)
+    return out
+
+
+PROBE = 32  # samples of each source encoded before the model is built, spread over what it keeps
+
+
+def untrainable_sources(stream, n=PROBE):
+    """[(source, {reason: samples}, samples probed)] for each source none of whose probed samples can train (n of
+    them spread evenly over what it keeps, encoded as batches encode them): e.g. two-image records and max_tiles = 0.
+    A source stops being probed at its first sample that encodes."""
+    mix, out = stream.mixture, []
+    for i, source in enumerate(mix.sources):
+        kept = mix.orders[i].kept
+        probed = np.unique(kept[np.linspace(0, len(kept) - 1, min(n, len(kept))).round().astype(int)])
+        reasons = {}
+        for local in probed.tolist():
+            try:
+                stream.encode(mix.bases[i] + local)
+                break
+            except DropSample as e:
+                reason = str(e).split(" ")[0]
+                reasons[reason] = reasons.get(reason, 0) + 1
+        else:
+            out.append((source, reasons, len(probed)))
+    return out
+
+
 def _survive_group_signals(worker_id):
     """DataLoader worker init. Schedulers signal the whole process group (VM shutdown, SLURM, systemd, kill -- -PGID):
     a worker that died of it would make the main process raise before its stop checkpoint. SIGINT is ignored;
@@ -477,20 +546,27 @@ def _survive_group_signals(worker_id):
 
 
 class Loader:
-    """Wraps ShardStream in a DataLoader and counts what it hands out; state_dict() is that position."""
+    """Wraps ShardStream in a DataLoader and counts what it hands out; state_dict() is that position.
+    mixture_change: what a resume on another mixture (allow_config_change=['data_dir']) does: 'continue' reads it
+    from the saved position, 'restart_epoch' from its own start, so that each kept sample is read once an epoch."""
 
-    def __init__(self, stream, num_workers=0, prefetch_factor=4):
+    def __init__(self, stream, num_workers=0, prefetch_factor=4, mixture_change="continue"):
         self.stream, self.num_workers, self.prefetch_factor = stream, num_workers, prefetch_factor
-        self.position = 0
-        # supervised tokens per source: this rank's since the last fold, and every rank's before it
-        self.tokens, self.tokens_total = (torch.zeros(len(stream.mixture.sources), dtype=torch.long) for _ in range(2))
+        self.position, self.mixture_change = 0, mixture_change
+        # per source, its supervised tokens and its dropped samples by reason (DROP_REASONS): this rank's since the
+        # last fold, and every rank's before it
+        n = len(stream.mixture.sources)
+        self.tokens, self.tokens_total = (torch.zeros(n, dtype=torch.long) for _ in range(2))
+        self.dropped, self.dropped_total = (torch.zeros((n, len(DROP_REASONS)), dtype=torch.long) for _ in range(2))
         # a resumed run's figures by source name as saved, and the global position they were saved at
-        self.carried, self.since = {"samples": {}, "tokens": {}}, 0
+        self.carried, self.since = {"samples": {}, "tokens": {}, "dropped": {}}, 0
+        self.said = None  # the totals at the last quiet_sources()
 
     def __iter__(self):
         self.stream.start = self.position
         kw = {"prefetch_factor": self.prefetch_factor, "persistent_workers": False,
               "worker_init_fn": _survive_group_signals} if self.num_workers else {}
+        n, n_reasons = self.dropped.shape
         # its base seed from a generator of its own: a DataLoader draws it from the global RNG when it starts, which
         # shifted the dropout masks (LoRA's) of a resumed run, whose loader starts after the RNG state is restored
         for batch in torch.utils.data.DataLoader(self.stream, batch_size=None, num_workers=self.num_workers,
@@ -498,57 +574,122 @@ class Loader:
             if STORAGE_ERROR in batch:  # a bucket unreachable, or a shard gone, in a worker (ShardStream.__iter__)
                 raise batch[STORAGE_ERROR]
             self.position += self.stream.samples_per_batch
-            self.tokens += torch.bincount(batch["source"], batch["tokens"], minlength=len(self.tokens)).long()
+            self.tokens += torch.bincount(batch["source"], batch["tokens"], minlength=n).long()
+            code = batch["drop_reason"].long()
+            gone = code > 0
+            self.dropped += torch.bincount(batch["source"][gone] * n_reasons + code[gone] - 1,
+                                           minlength=n * n_reasons).view(n, n_reasons)
             yield batch
 
+    def skipped(self, batches):
+        """Batches a step read and did not train on (skip_steps): their samples count as dropped, their tokens as
+        not trained."""
+        n, n_reasons = self.dropped.shape
+        for b in batches:
+            self.tokens -= torch.bincount(b["source"], b["tokens"], minlength=n).long()
+            self.dropped[:, DROP_REASONS.index("skip_steps")] += torch.bincount(b["source"][b["drop_reason"] == 0],
+                                                                                minlength=n)
+
     def fold_tokens(self, env):
-        """Every rank's supervised tokens per source since the last fold into the run's totals (a collective over
-        the ranks of a mixture: every rank calls it at the same step)."""
-        if len(self.tokens) > 1:
-            self.tokens_total += env.host_sum(self.tokens.clone())
+        """Every rank's supervised tokens and dropped samples per source since the last fold into the run's totals
+        (a collective over the ranks: every rank calls it at the same step)."""
+        both = env.host_sum(torch.cat([self.tokens, self.dropped.flatten()]))
+        self.tokens_total += both[: len(self.tokens)]
+        self.dropped_total += both[len(self.tokens) :].view_as(self.dropped)
         self.tokens.zero_()
+        self.dropped.zero_()
 
     def totals(self):
-        """{"samples": {name: samples drawn by all ranks}, "tokens": {name: their supervised tokens, as of the last
-        fold_tokens}} of the run so far: what it drew before a resume (by name, of sources it may no longer read) and
-        since."""
-        blend, now = self.stream.mixture.blend, self.position * self.stream.world_size
-        drawn = blend.counts_before(now) - blend.counts_before(self.since)
-        out = {kind: dict(carried) for kind, carried in self.carried.items()}
-        for name, n, t in zip(self.stream.mixture.names(), drawn.tolist(), self.tokens_total.tolist()):
-            out["samples"][name] = out["samples"].get(name, 0) + int(n)
-            out["tokens"][name] = out["tokens"].get(name, 0) + int(t)
+        """{"samples": {name: samples drawn by all ranks}, "tokens": {name: supervised tokens trained},
+        "dropped": {name: {reason: samples}}} of the run so far, as of the last fold_tokens: what it drew before a
+        resume (by name, of sources it may no longer read) and since."""
+        s = self.stream
+        mix, now = s.mixture, self.position * s.world_size - s.origin
+        drawn = mix.counts_before(now) - mix.counts_before(self.since - s.origin)
+        out = {kind: {name: dict(v) if isinstance(v, dict) else v for name, v in self.carried.get(kind, {}).items()}
+               for kind in ("samples", "tokens", "dropped")}
+        for i, name in enumerate(s.mixture.names()):
+            out["samples"][name] = out["samples"].get(name, 0) + int(drawn[i])
+            out["tokens"][name] = out["tokens"].get(name, 0) + int(self.tokens_total[i])
+            reasons = out["dropped"].setdefault(name, {})
+            for reason, k in zip(DROP_REASONS, self.dropped_total[i].tolist()):
+                if k:
+                    reasons[reason] = reasons.get(reason, 0) + k
         return out
 
     def figures(self):
-        """{samples/NAME, tokens/NAME} of a run on a mixture (totals()); {} for one dataset."""
+        """{samples/NAME (drawn), trained/NAME, dropped/NAME, dropped/NAME/REASON, tokens/NAME (supervised tokens
+        trained)} of a run on a mixture (totals()); {} for one dataset."""
         totals = self.totals()
         if len(totals["samples"]) == 1:
             return {}
-        return {f"{kind}/{name}": n for kind in ("samples", "tokens") for name, n in totals[kind].items()}
+        out = {}
+        for name, drawn in totals["samples"].items():
+            reasons = totals["dropped"].get(name, {})
+            out |= {f"samples/{name}": drawn, f"trained/{name}": drawn - sum(reasons.values()),
+                    f"dropped/{name}": sum(reasons.values()), f"tokens/{name}": totals["tokens"].get(name, 0)}
+            out |= {f"dropped/{name}/{reason}": k for reason, k in sorted(reasons.items())}
+        return out
+
+    def quiet_sources(self):
+        """A sentence for each source that drew samples since the last call (or the start) but trained no token:
+        every one of them dropped (the reasons counted), or none had a supervised token."""
+        now, before, said = self.totals(), self.said or self.carried, []
+        self.said = now
+        for name, drawn in now["samples"].items():
+            drawn -= before["samples"].get(name, 0)
+            if not drawn or now["tokens"][name] != before["tokens"].get(name, 0):
+                continue
+            was = before.get("dropped", {}).get(name, {})
+            reasons = {r: k - was.get(r, 0) for r, k in now["dropped"][name].items() if k > was.get(r, 0)}
+            gone = sum(reasons.values())
+            why = ", ".join(f"{r} {k}" for r, k in sorted(reasons.items()))
+            said.append(f"source {name} trained no token in this log interval: "
+                        + (f"{f'all {drawn} samples' if drawn > 1 else 'the one sample'} it drew dropped ({why})"
+                           if gone == drawn else
+                           f"{gone} of the {drawn} samples it drew dropped{f' ({why})' if why else ''}, the others "
+                           "had no supervised token"))
+        return said
+
+    def summary(self):
+        """A line for each source the run drew from: samples drawn, trained and dropped (by reason), supervised
+        tokens trained, and the epochs of what it keeps (for the sources read now)."""
+        totals, mix = self.totals(), self.stream.mixture
+        kept = dict(zip(mix.names(), mix.kept_sizes))
+        lines = []
+        for name, drawn in totals["samples"].items():
+            reasons = totals["dropped"].get(name, {})
+            gone = sum(reasons.values())
+            lines.append(f"data: source {name}: {drawn:,} samples drawn, {drawn - gone:,} trained, {gone:,} dropped"
+                         + (f" ({', '.join(f'{r} {k:,}' for r, k in sorted(reasons.items()))})" if gone else "")
+                         + f", {totals['tokens'].get(name, 0):,} supervised tokens"
+                         + (f", {drawn / kept[name]:.2f} epochs of the {kept[name]:,} samples it keeps"
+                            if name in kept else ""))
+        return lines
 
     def state_dict(self):
         s = self.stream
         # every rank is at the same position of its own stream, so one state serves all ranks; global_position
-        # (samples consumed by all ranks together) is what a resume on another world size continues from
+        # (samples consumed by all ranks together) is what a resume on another world size continues from; origin:
+        # the global position where this mixture's position 0 lies (mixture_change='restart_epoch')
         return {"position": self.position, "global_position": self.position * s.world_size, "seed": s.seed,
                 "n_samples": len(s), "world_size": s.world_size, "batch_size": s.batch_size, "pack": s.pack,
-                "sources": s.mixture.describe(), "by_source": self.totals()}
+                "sources": s.mixture.describe(), "by_source": self.totals(), "origin": s.origin, "group": s.group}
 
     def load_state_dict(self, state, allow_new_data=False):
         """The saved position. A saved mixture (data_dir) unlike this run's is refused, unless allow_new_data
-        (allow_config_change=['data_dir']): then this mixture's order goes on from the saved global position."""
-        s, state = self.stream, {"pack": 0} | state  # states from before packing existed
-        mine = {"seed": s.seed, "n_samples": len(s), "pack": s.pack}
+        (allow_config_change=['data_dir']): then this mixture goes on from the saved global position, or starts an
+        epoch there (mixture_change)."""
+        s, state = self.stream, {"pack": 0, "group": 0} | state  # states from before packing, grouping existed
+        mine = {"seed": s.seed, "n_samples": len(s), "pack": s.pack, "group": s.group}
         if "sources" in state:  # states from before mixtures: one dataset, its sample count
             mine["sources"] = s.mixture.describe()
         differ = {k: (state.get(k), v) for k, v in mine.items() if state.get(k) != v}
+        consumed = state["position"] * state.get("world_size", 1)  # global: every rank is at the same position
+        s.origin = state.get("origin", 0)
         if allow_new_data and set(differ) <= {"n_samples", "sources"}:
             if differ:
-                was = ", ".join(x["name"] for x in state.get("sources", [])) or f"{state['n_samples']} samples"
-                log(f"resume: the data changed (allowed by allow_config_change): from {was} to "
-                    f"{', '.join(s.mixture.names())}; the new mixture is read from global position "
-                    f"{state['position'] * state.get('world_size', 1)}")
+                self.changed(state, consumed)
             differ = {}
         if "sources" in differ or ("n_samples" in differ and len(s.mixture.sources) > 1):
             raise ValueError(f"the checkpoint's run read other data than this data_dir names "
@@ -557,12 +698,34 @@ class Loader:
                              f"this one from the saved position")
         if differ:
             raise ValueError(f"data loader state does not match this run (saved, now): {differ}")
-        consumed = state["position"] * state.get("world_size", 1)  # global: every rank is at the same position
         if consumed % (s.samples_per_batch * s.world_size):  # the global batch changed with the world size
             raise ValueError(f"the checkpoint's loader stopped after {consumed} samples, which is not a whole number "
                              f"of this run's global batches ({s.world_size} ranks x {s.samples_per_batch} samples): "
                              f"keep the global batch (batch_size) the same across the change")
         self.position = consumed // s.world_size
         if "by_source" in state:  # the run's figures so far, by name; this run's draws are counted from here
-            self.carried, self.since = state["by_source"], consumed
+            self.carried, self.since = {"dropped": {}} | state["by_source"], consumed
         self.tokens_total.zero_()
+        self.dropped_total.zero_()
+
+    def changed(self, state, consumed):
+        """Say what a mixture change does to the epoch under way, per source; with mixture_change='restart_epoch'
+        the new mixture starts at its own position 0 here."""
+        s = self.stream
+        was = ", ".join(x["name"] for x in state.get("sources", [])) or f"{state['n_samples']} samples"
+        head = f"resume: the data changed (allowed by allow_config_change): from {was} to {', '.join(s.mixture.names())}"
+        if self.mixture_change == "restart_epoch":
+            s.origin = consumed
+            log(f"{head}; mixture_change='restart_epoch': the new mixture starts its first epoch at global position "
+                f"{consumed}, so that each sample it keeps is read once an epoch from here (nothing repeated or "
+                f"skipped in it)")
+            return
+        try:
+            effects = change_effects(state["sources"], s.mixture, consumed - state.get("origin", 0), consumed - s.origin,
+                                     group=s.group, by_length=not s.pack)
+            said = "; in the pass over its samples under way, " + ", ".join(
+                f"{name} will repeat {rep} and skip {skip} of its {k}" for name, (rep, skip, k) in effects.items())
+        except (KeyError, OSError, ValueError) as e:  # the saved mixture's files gone: what it read is not known
+            said = f"; what the saved mixture read cannot be known now ({e})"
+        log(f"{head}; the new mixture is read from global position {consumed}{said} (mixture_change='restart_epoch' "
+            f"starts an epoch here instead, so that once-each holds)")

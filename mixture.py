@@ -12,8 +12,11 @@ holds each kept sample of source i repeat_i times, the sources interleaved at ra
 position is a function of (seed, position): a resume needs only the position.
 """
 
+import functools
+import json
 import math
 import os
+import random
 import re
 import zlib
 from collections import OrderedDict
@@ -27,7 +30,9 @@ from shards import all_sample_offsets, shard_files
 
 BLOCK = 1 << 14  # positions whose sources are drawn together: their counts, then their arrangement
 CUM_EVERY = 64  # blocks between the per-source counts kept, so that any position is reached without a replay
-TAKE_RE = re.compile(r"^(first|end|random):(\d+(?:\.\d+)?)(%?)$")
+# LLaVA-NeXT's rule: split(":"), then int(N) (whitespace around N allowed), N% as ceil(N x records / 100)
+TAKE_RE = re.compile(r"^(first|end|random):\s*(\d+)\s*(%?)\s*$")
+GROUP_CYCLE = 1 << 16  # groups whose modalities are drawn together: each modality's share of them exact over a cycle
 
 
 class MixtureError(ValueError):
@@ -148,7 +153,7 @@ def make_source(at, path, name, split, weight, repeat, take):
     for key, value in (("weight", weight), ("repeat", repeat)):
         if value is not None and not positive(value):
             raise MixtureError(f"{at}: {key} must be a number > 0, got {value!r}")
-    check_take(at, take)
+    take = parse_take(at, take)
     if split != "train":  # held out: each source's val part, whole, unweighted
         return Source(name or dataset_name(path), path, split)
     return Source(name or dataset_name(path), path, split, None if weight is None else float(weight),
@@ -173,10 +178,29 @@ def check_modes(found, where):
     return found
 
 
-def check_take(at, take):
-    if not isinstance(take, str) or not (take == "all" or TAKE_RE.match(take.strip())):
-        raise MixtureError(f"{at}: take (sampling_strategy) must be 'all', 'first:N', 'end:N' or 'random:N' with N a "
-                           f"count or a percentage like 10%, got {take!r}")
+def parse_take(at, take):
+    """A take rule as LLaVA-NeXT's LazySupervisedDataset reads a sampling_strategy, written without its spaces
+    ('first: 10%' -> 'first:10%'). Where LLaVA-NeXT's reading is an accident (it keeps every record of a rule it
+    does not know, and of end:0, whose slice [-0:] is the whole list), the rule is refused instead."""
+    if take == "all":
+        return take
+    m = TAKE_RE.match(take) if isinstance(take, str) else None
+    if m and m[1] == "end" and int(m[2]) == 0:
+        raise MixtureError(f"{at}: take {take!r} keeps every record in LLaVA-NeXT (its slice records[-0:] is the whole "
+                           "list), which cannot be what is meant: write 'all', or leave the source out")
+    if m:
+        return f"{m[1]}:{int(m[2])}{m[3]}"
+    near = re.match(r"^\s*(first|end|random)\s*:\s*([^%]*?)\s*%?\s*$", take) if isinstance(take, str) else None
+    if near and not re.fullmatch(r"\d+", near[2]):
+        raise MixtureError(f"{at}: take {take!r}: N must be a whole number of records or a whole percentage like 10% "
+                           f"(LLaVA-NeXT reads N with int(), which fails on {near[2]!r} or, when it is negative, slices "
+                           "from the other end)")
+    if near:
+        raise MixtureError(f"{at}: take {take!r}: LLaVA-NeXT reads {take.split(':')[0]!r} (the text before the colon) "
+                           f"as no rule and keeps every record: write it without spaces there, like '{near[1]}:10%'")
+    raise MixtureError(f"{at}: take (sampling_strategy) must be 'all', 'first:N', 'end:N' or 'random:N' with N a "
+                       f"count or a percentage like 10%, got {take!r} (LLaVA-NeXT keeps every record of a rule it "
+                       "does not know)")
 
 
 def load_yaml(path):
@@ -243,7 +267,7 @@ def next_sources(path, doc, split):
             raise MixtureError(f"{at}: {where} is a LLaVA JSON, not a packed dataset: pack it with `python data.py "
                                f"pack --json {where} --images DIR --out DATASET` and give `path: DATASET`")
         source = make_source(at, relative(path, where), e.get("name"), split, e.get("weight"), e.get("repeat"),
-                             str(e.get("sampling_strategy", "all")).strip())
+                             str(e.get("sampling_strategy", "all")))
         out.append(replace(source, raw=str(e["json_path"])) if e.get("path") and e.get("json_path") else source)
     return check_modes(out, path)
 
@@ -254,20 +278,44 @@ ENERGON_SPLIT = {"path", "blend", "blend_epochized", "split_part", "subflavors",
 # what an entry may hold besides its weight or repetitions; subflavors, dataset_config (field maps) and
 # shuffle_over_epochs_multiplier change how Energon decodes or shuffles, not which samples a run reads
 ENERGON_ENTRY = {"path", "split_part", "subflavors", "subset", "dataset_config", "shuffle_over_epochs_multiplier"}
+# a V1 metadataset (__class__: Metadataset): each split a `datasets:` list, blended by weight; no subsets
+ENERGON_V1_ENTRY = {"path", "split_part", "subflavor", "subflavors", "dataset_config", "shuffle_over_epochs_multiplier",
+                    "weight"}
 
 
-def energon_sources(path, doc, split, amount=1.0, mode=None, want=None):
-    """Megatron-Energon's MetadatasetV2 for `split`, read as Energon 7.4 reads it: `path`, `blend` (weights, default
-    1, normalised at each level and multiplied down nested metadatasets) or `blend_epochized` (repetitions, default 1,
-    multiplied down); paths relative to the file; an entry's split_part defaults to the split read, and names the
-    split of a nested metadataset read. want: 'train' or 'val', what the run builds (val sources are unweighted)."""
-    want = want or split
+def energon_class(path, doc):
+    """'MetadatasetV2' or 'Metadataset' (V1): what Energon's load_config builds of a metadataset file (V1 when it
+    names no class)."""
     unknown = sorted(set(doc) - ENERGON_TOP)
     if unknown:
         raise MixtureError(f"{path}: unknown key {unknown[0]!r} in an Energon metadataset (expected {sorted(ENERGON_TOP)})")
-    if doc.get("__module__") != "megatron.energon" or doc.get("__class__") != "MetadatasetV2":
+    module, cls = doc.get("__module__", "megatron.energon"), doc.get("__class__", "Metadataset")
+    if module != "megatron.energon" or cls not in ("MetadatasetV2", "Metadataset"):
         raise MixtureError(f"{path}: __module__: megatron.energon and __class__: MetadatasetV2 expected, got "
-                           f"{doc.get('__module__')!r} / {doc.get('__class__')!r}")
+                           f"{doc.get('__module__')!r} / {doc.get('__class__')!r} (Energon also reads V1's Metadataset)")
+    return cls
+
+
+def in_chain(path, chain):
+    """chain + (path,), or one sentence when path is already in it: a metadataset that names itself, directly or
+    through others (Energon recurses until Python's stack runs out)."""
+    key = path if storage.is_url(path) else os.path.realpath(path)
+    names = [p for p, _ in chain] + [path]
+    if key in [k for _, k in chain]:
+        what = "names itself" if chain[-1][1] == key else f"names {path}, which leads back to it"
+        raise MixtureError(f"{chain[-1][0]}: {what} ({' -> '.join(names)}): nested metadatasets in a cycle have no "
+                           "end; name each file once")
+    return chain + ((path, key),)
+
+
+def energon_sources(path, doc, split, amount=1.0, mode=None, want=None, chain=()):
+    """Megatron-Energon's metadataset (MetadatasetV2, or V1's Metadataset) for `split`, read as Energon 7.4 reads it:
+    `path`, `blend` (weights, default 1, normalised at each level and multiplied down nested metadatasets),
+    `blend_epochized` (repetitions, default 1, multiplied down) or V1's `datasets` (a blend); paths relative to the
+    file; an entry's split_part defaults to the split read, and names the split of a nested metadataset read.
+    want: 'train' or 'val', what the run builds (val sources are unweighted). chain: the files that led here."""
+    want, chain = want or split, in_chain(path, chain)
+    v1 = energon_class(path, doc) == "Metadataset"
     splits = doc.get("splits")
     if not isinstance(splits, dict) or (want == "train" and split not in splits):
         raise MixtureError(f"{path}: no splits: {split}: in the metadataset")
@@ -276,41 +324,49 @@ def energon_sources(path, doc, split, amount=1.0, mode=None, want=None):
     spec, at = splits[split], f"{path}: splits.{split}"
     if not isinstance(spec, dict):
         raise MixtureError(f"{at}: expected a mapping (path, blend or blend_epochized)")
+    if v1 and set(spec) != {"datasets"}:
+        named = "" if "__class__" in doc else ", which Energon reads a file that names no class as"
+        raise MixtureError(f"{at}: a V1 metadataset (__class__: Metadataset{named}) has splits of `datasets:` only, "
+                           f"got {sorted(spec)}")
     if "join" in spec:
         raise MixtureError(f"{at}: join (samples of several datasets zipped into one) is not something llavax reads; "
                            "give each dataset as a source of a blend")
-    unknown = sorted(set(spec) - ENERGON_SPLIT)
+    unknown = sorted(set(spec) - ENERGON_SPLIT - ({"datasets"} if v1 else set()))
     if unknown:
         raise MixtureError(f"{at}: unknown key {unknown[0]!r} (expected one of {sorted(ENERGON_SPLIT)})")
-    kinds = [k for k in ("path", "blend", "blend_epochized") if k in spec]
+    kinds = [k for k in ("path", "blend", "blend_epochized", "datasets") if k in spec]
     if len(kinds) != 1:
         raise MixtureError(f"{at}: needs exactly one of path, blend, blend_epochized; has {kinds or 'none'}")
-    if kinds[0] == "path":
-        return energon_entry(path, at, spec, split, amount, mode or "weight", want)
+    if kinds[0] == "path":  # a nested file keeps its own blend mode, as Energon's DatasetReference passes it on
+        return energon_entry(path, at, spec, split, amount, mode, want, chain)
     if "subset" in spec:
         raise MixtureError(f"{at}: a subset of a whole blend is not read here; give each entry its own subset")
-    new_mode = "weight" if kinds[0] == "blend" else "repeat"
+    return energon_blend(path, f"{at}.{kinds[0]}", spec[kinds[0]], kinds[0], split, amount, mode, want, chain)
+
+
+def energon_blend(path, at, entries, kind, split, amount, mode, want, chain):
+    """The entries of a blend (or V1's datasets), each with its share of `amount`."""
+    new_mode = "repeat" if kind == "blend_epochized" else "weight"
     if mode not in (None, new_mode):
-        raise MixtureError(f"{at}: a {kinds[0]} inside a {'blend' if mode == 'weight' else 'blend_epochized'}: Energon "
+        raise MixtureError(f"{at}: a {kind} inside a {'blend' if mode == 'weight' else 'blend_epochized'}: Energon "
                            "can only blend datasets of the same blend mode")
-    entries, key = spec[kinds[0]], "weight" if new_mode == "weight" else "repetitions"
+    key = "weight" if new_mode == "weight" else "repetitions"
     if not isinstance(entries, list) or not entries:
-        raise MixtureError(f"{at}.{kinds[0]}: expected a non-empty list of datasets")
+        raise MixtureError(f"{at}: expected a non-empty list of datasets")
     values = []
     for i, e in enumerate(entries):
-        e_at = f"{at}.{kinds[0]}[{i}]"
-        check_entry(e_at, e, ENERGON_ENTRY | {key}, "a mapping")
+        check_entry(f"{at}[{i}]", e, ENERGON_V1_ENTRY if kind == "datasets" else ENERGON_ENTRY | {key}, "a mapping")
         value = number(e.get(key, 1.0))
         if not positive(value):
-            raise MixtureError(f"{e_at}: {key} must be a number > 0, got {value!r}")
+            raise MixtureError(f"{at}[{i}]: {key} must be a number > 0, got {value!r}")
         values.append(value)
     total = sum(values) if new_mode == "weight" else 1.0
     out = [s for i, (e, v) in enumerate(zip(entries, values))
-           for s in energon_entry(path, f"{at}.{kinds[0]}[{i}]", e, split, amount * v / total, new_mode, want)]
+           for s in energon_entry(path, f"{at}[{i}]", e, split, amount * v / total, new_mode, want, chain)]
     return check_modes(out, path) if want == "train" else out
 
 
-def energon_entry(path, at, e, split, amount, mode, want):
+def energon_entry(path, at, e, split, amount, mode, want, chain=()):
     if "path" not in e:
         raise MixtureError(f"{at}: no path")
     target, part = relative(path, e["path"]), e.get("split_part") or split
@@ -319,53 +375,142 @@ def energon_entry(path, at, e, split, amount, mode, want):
     if str(target).endswith(".yaml"):  # a nested metadataset: its split `part`, inside this entry's share
         if "subset" in e:
             raise MixtureError(f"{at}: a subset of a nested metadataset is not read here; give its entries subsets")
-        return energon_sources(target, load_yaml(target), part, amount, mode, want)
+        in_chain(target, chain)  # before reading it: a file that names itself is said so, not read again
+        return energon_sources(target, load_yaml(target), part, amount, mode, want, chain)
     take = energon_subset(at, e.get("subset"))
     if want != "train":
         return [Source(dataset_name(target), target, part)]
-    return [Source(dataset_name(target), target, part, amount if mode == "weight" else None,
+    return [Source(dataset_name(target), target, part, amount if mode != "repeat" else None,
                    amount if mode == "repeat" else None, take)]
 
 
 def energon_subset(at, subset):
-    """Energon's `subset: {range: [start, end]}`: sample indices (end may be 'end'), or both percentages ('10%'), as
-    a take rule."""
+    """Energon's `subset: {range: [start, end]}`: sample indices (end may be 'end'; past the split's samples it is
+    refused when the split is read), or two percentages ('10%') with 0 <= start <= end <= 100, as a take rule; what
+    Energon refuses is refused."""
     if subset is None:
         return "all"
     bounds = subset.get("range") if isinstance(subset, dict) and set(subset) == {"range"} else None
     if not isinstance(bounds, list) or len(bounds) != 2:
         raise MixtureError(f"{at}: subset must be {{range: [start, end]}}, got {subset!r}")
-    pct = [isinstance(b, str) and b.strip().endswith("%") for b in bounds]
-    ok = all(pct) and all(0 <= float(b.strip()[:-1]) <= 100 for b in bounds) if any(pct) else \
-        isinstance(bounds[0], int) and (isinstance(bounds[1], int) or bounds[1] == "end")
-    if not ok:
+    if all(type(b) is int or (b == "end" and k == 1) for k, b in enumerate(bounds)):
+        if bounds[0] < 0 or (bounds[1] != "end" and bounds[1] < bounds[0]):
+            raise MixtureError(f"{at}: subset range {bounds!r}: Energon needs 0 <= start <= end")
+        return f"range:{bounds[0]},{bounds[1]}"
+    pct = [percentage(b) for b in bounds]
+    if None in pct:
         raise MixtureError(f"{at}: subset range {bounds!r}: give two sample indices ([0, 1000], the end may be "
                            f"'end') or two percentages (['0%', '25%'])")
-    return "range:" + ",".join(str(b).strip() for b in bounds)
+    if not 0 <= pct[0] <= pct[1] <= 100:
+        raise MixtureError(f"{at}: subset range {bounds!r}: Energon needs 0% <= start <= end <= 100%")
+    return "range:" + ",".join(b.strip() for b in bounds)
+
+
+def percentage(bound):
+    """A subset bound like '25%' as a number (25.0), or None."""
+    if not isinstance(bound, str) or not bound.strip().endswith("%"):
+        return None
+    try:
+        value = float(bound.strip()[:-1])
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
 
 
 # -----------------------------------------------------------------------------
 # what each source keeps (take), and its own order of passes over them
 
 
-def take_indices(rule, n, name, seed):
-    """The sample indices (sorted) of a source of n samples that rule keeps: LLaVA-NeXT's sampling_strategy on the
-    packed order (first:N, end:N, random:N; N% is ceil(N% of n), as LLaVA-NeXT rounds), or Energon's range."""
+@dataclass(frozen=True)
+class Records:
+    """What pack recorded of a dataset's samples (.nv-meta/llavax.json): the records of the file it was packed from,
+    the record each sample of the part read was packed from, the records packed into its other shards (val), and each
+    sample's length as LLaVA-NeXT's modality_lengths has it (words; > 0 with an image or video, < 0 text only)."""
+
+    count: int
+    train: np.ndarray
+    elsewhere: np.ndarray
+    lengths: np.ndarray
+
+
+def runs(pairs):
+    """[[first, count], ...] -> the record indices they hold."""
+    return np.concatenate([np.arange(a, a + k) for a, k in pairs] or [np.zeros(0, dtype=np.int64)])
+
+
+def packed_records(path, tars):
+    """Records of a dataset folder's shards `tars` (in their order), or None where pack recorded none (a lone .tar,
+    a dataset from `energon prepare` or an older pack)."""
+    meta_path = storage.join(path, ".nv-meta", "llavax.json")
+    if str(path).endswith(".tar") or not storage.exists(meta_path):
+        return None
+    meta = json.loads(storage.read_text(meta_path))
+    shards, names = meta.get("shards", {}), [storage.name(t) for t in tars]
+    mine = [shards.get(name, {}) for name in names]
+    if "records" not in meta or any("records" not in s for s in mine):
+        return None
+    others = [runs(s["records"]) for name, s in shards.items() if name not in names and "records" in s]
+    return Records(meta["records"], np.concatenate([runs(s["records"]) for s in mine]),
+                   np.concatenate(others or [np.zeros(0, dtype=np.int64)]),
+                   np.concatenate([np.asarray(s["lengths"], dtype=np.int64) for s in mine]))
+
+
+@functools.lru_cache(maxsize=64)
+def chosen_records(rule, count, name, seed):
+    """The record indices (sorted) of a file of `count` records that a LLaVA-NeXT rule selects: first:N, end:N, or
+    random:N (N% is ceil(N x count / 100), as LLaVA-NeXT rounds). random shuffles the record list with Python's
+    random, as LLaVA-NeXT does, seeded by (seed, source name) so that every rank and resume selects the same."""
+    how, number, pct = TAKE_RE.match(rule).groups()
+    k = math.ceil(int(number) * count / 100) if pct else int(number)
+    if how == "first":
+        return np.arange(min(k, count))
+    if how == "end":
+        return np.arange(max(count - k, 0), count)
+    order = list(range(count))
+    random.Random(f"{seed}:{name}").shuffle(order)
+    return np.sort(np.array(order[:k], dtype=np.int64))
+
+
+def take_indices(rule, n, name, seed, records=None):
+    """The sample indices (sorted) of a source of n samples that rule keeps. LLaVA-NeXT's rules select records of
+    the file the source was packed from (records: what pack recorded) and keep the samples packed from them; without
+    a record of that, the packed samples are counted instead. Energon's range counts the split's samples, as Energon
+    does."""
     if rule == "all":
         return np.arange(n)
-    if rule.startswith("range:"):  # Energon's subset: indices, or percentages truncated to indices
-        bounds = [n if x == "end" else int(n * (float(x[:-1]) / 100.0)) if x.endswith("%") else int(x)
-                  for x in rule[6:].split(",")]
-        start, end = (min(max(b, 0), n) for b in bounds)
-        return np.arange(start, end)
-    how, number, pct = TAKE_RE.match(rule.strip()).groups()
-    count = min(n, math.ceil(float(number) * n / 100) if pct else int(float(number)))
+    if rule.startswith("range:"):
+        return subset_indices(rule, n, name)
+    if records is not None:
+        return np.flatnonzero(np.isin(records.train, chosen_records(rule, records.count, name, seed)))
+    how, number, pct = TAKE_RE.match(rule).groups()
+    count = min(n, math.ceil(int(number) * n / 100) if pct else int(number))
     if how == "first":
         return np.arange(count)
     if how == "end":
         return np.arange(n - count, n)
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])  # the same subset whatever the sources' order
     return np.sort(rng.permutation(n)[:count])
+
+
+def subset_indices(rule, n, name):
+    """Energon's subset: sample indices ('end': n) or percentages truncated to indices; a range past the n samples
+    is refused, as Energon refuses it."""
+    bounds = [n if x == "end" else int(n * (float(x[:-1]) / 100.0)) if x.endswith("%") else int(x)
+              for x in rule[6:].split(",")]
+    if bounds[1] > n:
+        raise MixtureError(f"source {name}: subset range [{rule[6:]}] ends past its {n} samples (Energon refuses "
+                           "such a range too): end it at 'end' or below")
+    return np.arange(*bounds)
+
+
+def take_counts(rule, records, name, seed, kept):
+    """{records, train, val, dropped} of a LLaVA-NeXT rule on a source pack recorded: the records it selects, and
+    of them those this split trains on, those pack held out for val, and those pack dropped (counted apart)."""
+    if records is None or rule == "all" or rule.startswith("range:"):
+        return None
+    chosen = chosen_records(rule, records.count, name, seed)
+    val = int(np.isin(chosen, records.elsewhere).sum())
+    return {"records": len(chosen), "train": len(kept), "val": val, "dropped": len(chosen) - len(kept) - val}
 
 
 class SourceOrder:
@@ -502,10 +647,13 @@ class Blend:
 
 class Mixture:
     """The sources of data_dir for a split, their tars and samples (`files`, `index` of (tar, start, end) over all of
-    them, each source a range of it), and sample_at(position): the index entry a global position reads."""
+    them, each source a range of it), and sample_at(position): the index entry a global position reads.
+    group > 0: LLaVA-NeXT's group_by_modality_length, each `group` positions (a step's samples) of one modality
+    (ModalityGroups), by_length: longest first within a group."""
 
-    def __init__(self, data_dir, split="train", seed=0, shuffle_block=1000):
+    def __init__(self, data_dir, split="train", seed=0, shuffle_block=1000, group=0, by_length=True):
         self.sources, self.seed = sources(data_dir, split), seed
+        self.records, self.taken, self.shard_starts = [], [], []  # per source: what pack recorded, take_counts
         shards = [shard_files(s.path, s.part) for s in self.sources]  # FileNotFoundError: no such split
         offsets = all_sample_offsets({f: c for found in shards for f, c in found.items()})
         self.files, self.index, self.bases, self.orders, self.kept_sizes = [], [], [], [], []
@@ -518,7 +666,14 @@ class Mixture:
             n = len(self.index) - base
             if not n:
                 raise MixtureError(f"source {source.name} ({source.path}): its {source.part} split holds no samples")
-            kept = take_indices(source.take, n, source.name, seed)
+            records = packed_records(source.path, list(found)) if source.take != "all" or group else None
+            try:
+                kept = take_indices(source.take, n, source.name, seed, records)
+            except MixtureError as e:
+                raise MixtureError(f"source {source.name} ({source.path}): {e}") from None
+            self.records.append(records)
+            self.taken.append(take_counts(source.take, records, source.name, seed, kept))
+            self.shard_starts.append(np.array(starts))
             if not len(kept):
                 raise MixtureError(f"source {source.name} ({source.path}): take {source.take!r} keeps none of its "
                                    f"{n} samples")
@@ -533,10 +688,29 @@ class Mixture:
         if empty:
             raise MixtureError(f"source {empty[0]}: its repeat count leaves it no sample an epoch")
         self.ends = np.array(self.bases[1:] + [len(self.index)])
+        self.grouped = ModalityGroups(self, group, by_length) if group and split == "train" else None
 
     def sample_at(self, position):
+        if self.grouped:
+            return self.grouped.sample_at(position)
         source, draw = self.blend.locate(position)
         return self.bases[source] + int(self.orders[source].at(draw))
+
+    def take_summary(self):
+        """One line on the records LLaVA-NeXT's take rules select that this split does not train on (held out for
+        val, dropped by pack), counted apart; None when it trains on every one."""
+        apart = [(s.name, t) for s, t in zip(self.sources, self.taken) if t and (t["val"] or t["dropped"])]
+        if not apart:
+            return None
+        total = {k: sum(t[k] for _, t in apart) for k in ("records", "train", "val", "dropped")}
+        each = "; ".join(f"{name}: {t['val']} val, {t['dropped']} dropped" for name, t in apart[:5])
+        return (f"take: the take rules of {len(apart)} source(s) select {total['records']:,} records of the files "
+                f"packed: {total['train']:,} train, {total['val']:,} are held out for val and {total['dropped']:,} "
+                f"were dropped by pack ({each}{'; ...' if len(apart) > 5 else ''})")
+
+    def counts_before(self, position):
+        """Each source's draws at global positions [0, position)."""
+        return self.grouped.counts_before(position) if self.grouped else self.blend.counts_before(position)
 
     def source_of(self, sample):
         return int(np.searchsorted(self.ends, sample, side="right"))
@@ -555,3 +729,93 @@ class Mixture:
         return [{"name": s.name, "path": storage.canonical(s.path), "part": s.part,
                  "weight": s.weight, "repeat": s.repeat, "take": s.take, "samples": int(self.ends[i] - self.bases[i])}
                 for i, s in enumerate(self.sources)]
+
+
+# -----------------------------------------------------------------------------
+# group_by_modality_length: each step's samples of one modality
+
+
+class ModalityGroups:
+    """LLaVA-NeXT's group_by_modality_length (LengthGroupedSampler with group_by_modality: image-or-video samples and
+    text-only ones in megabatches of their own, each a step's samples, longest first) as a function of (seed,
+    position): positions go in groups of `size`, each group of one modality. A modality's samples come from a blend of
+    its own, each source's samples of that modality drawn as the mixture draws the source (its weight times the
+    modality's fraction of it, or its repeat count), so that each modality stream visits its samples in passes. Which
+    modality a group holds is drawn so that every GROUP_CYCLE groups hold each modality's share of the mixture's
+    samples: a source's share of a long window is the mixture's. Unlike LLaVA-NeXT's, no group mixes the modalities."""
+
+    def __init__(self, mix, size, by_length=True):
+        self.mix, self.size, self.by_length, self.groups = mix, size, by_length, OrderedDict()
+        missing = [s for s, r in zip(mix.sources, mix.records) if r is None]
+        if missing:
+            raise MixtureError(f"group_by_modality_length: source {missing[0].name} ({missing[0].path}) has no record of "
+                               "its samples' modalities and lengths (a dataset from `energon prepare`, a lone .tar or "
+                               "an older pack): pack it again with `python data.py pack`, or set "
+                               "group_by_modality_length = False")
+        self.length_of = np.concatenate([r.lengths for r in mix.records])  # signed, LLaVA-NeXT's modality_lengths
+        self.streams = [self.stream(modality) for modality in (0, 1)]  # image or video; text only
+        shares = [0.0 if st is None else st[3] for st in self.streams]
+        if 0.0 in shares:
+            self.cycle = None  # one modality: every group holds it
+        else:
+            first = min(max(round(shares[0] / sum(shares) * GROUP_CYCLE), 1), GROUP_CYCLE - 1)
+            self.cycle = Blend([first, GROUP_CYCLE - first], repeats=[1.0, 1.0], seed=mix.seed * 4 + 3)
+
+    def stream(self, modality):
+        """(sources, Blend, [SourceOrder], share of the mixture's draws) of one modality, or None if none has it."""
+        mix, members, orders, sizes, weights, repeats = self.mix, [], [], [], [], []
+        for i, order in enumerate(mix.orders):
+            signs = self.length_of[mix.bases[i] + order.kept]
+            part = order.kept[signs > 0 if modality == 0 else signs < 0]
+            if not len(part):
+                continue
+            members.append(i)
+            orders.append(SourceOrder(part, mix.shard_starts[i], mix.seed, 1 + 2 * i + modality, order.shuffle_block))
+            sizes.append(len(part))
+            if mix.blend.per_epoch is None:
+                weights.append(mix.blend.p[i] * len(part) / len(order.kept))
+            repeats.append(mix.sources[i].repeat or 1.0)
+        if not members:
+            return None
+        blend = Blend(sizes, weights or None, repeats, mix.seed * 4 + 1 + modality)
+        share = sum(weights) if weights else blend.epoch_len / mix.blend.epoch_len
+        return members, blend, orders, share
+
+    def which(self, g):
+        """(modality of group g, groups of that modality before it)."""
+        if self.cycle is None:
+            return (0 if self.streams[0] else 1), g
+        return self.cycle.locate(g)
+
+    def group(self, g):
+        """The samples of group g, in position order."""
+        if g not in self.groups:
+            modality, before = self.which(g)
+            members, blend, orders, _ = self.streams[modality]
+            samples = []
+            for q in range(before * self.size, (before + 1) * self.size):
+                sub, draw = blend.locate(q)
+                samples.append(self.mix.bases[members[sub]] + int(orders[sub].at(draw)))
+            samples = np.array(samples)
+            if self.by_length:  # LLaVA-NeXT sorts each megabatch longest first (stable: ties keep their draw order)
+                samples = samples[np.argsort(-np.abs(self.length_of[samples]), kind="stable")]
+            self.groups[g] = samples
+            if len(self.groups) > 8:  # a rank's workers each read a group or two ahead
+                self.groups.popitem(last=False)
+        return self.groups[g]
+
+    def sample_at(self, position):
+        g, offset = divmod(position, self.size)
+        return int(self.group(g)[offset])
+
+    def counts_before(self, position):
+        g, offset = divmod(position, self.size)
+        before = [g] if self.cycle is None else self.cycle.counts_before(g)
+        counts = np.zeros(len(self.mix.sources), dtype=np.int64)
+        for stream, n in zip([st for st in self.streams if st is not None], before):
+            members, blend, _, _ = stream
+            counts[members] += blend.counts_before(int(n) * self.size)
+        if offset:
+            counts += np.bincount(np.searchsorted(self.mix.ends, self.group(g)[:offset], side="right"),
+                                  minlength=len(counts))
+        return counts

@@ -40,6 +40,7 @@ import storage
 from chat import (IMAGE_TAG, ROLES, VIDEO_TAG, conversation_problem,
                   place_image_tags)
 from images import orientation
+from progress import progress
 from shards import Skips, log
 from sources import JsonRecords, image_bytes, image_path, raw_source
 from video import VideoDropped, VideoSettings, read_video, time_instruction, video_conversation
@@ -267,10 +268,11 @@ def part_filter(part):
 '''
 
 
-def write_energon_meta(out_dir, train, val, skips, made_for=None):
+def write_energon_meta(out_dir, train, val, skips, made_for=None, refused="", facts=None):
     """.nv-meta as `energon prepare` writes it, with our sample loader, plus llavax.json (each shard's sample
-    count and byte size, what was skipped). .info.json goes last: a folder without it is not a dataset. Each file is
-    written whole (storage.write_text), on a disk or in a bucket."""
+    count and byte size, what was skipped and the first ids of each reason). .info.json goes last: a folder without
+    it is not a dataset. refused (--strict with skips): llavax.json says why, and .info.json is not written. Each
+    file is written whole (storage.write_text), on a disk or in a bucket."""
     meta = storage.join(out_dir, ".nv-meta")
     storage.makedirs(meta)
     listing = lambda shards: "".join(f"\n    - {s[0]}" for s in shards) or " []"  # noqa: E731
@@ -281,9 +283,16 @@ def write_energon_meta(out_dir, train, val, skips, made_for=None):
                        "sample_loader: sample_loader.py:sample_loader\npart_filter: sample_loader.py:part_filter\n")
     storage.write_text(storage.join(meta, "sample_loader.py"), SAMPLE_LOADER)
     shards = {name: {"samples": n, "bytes": size} for name, n, size in train + val}
+    if facts:  # each sample's record in the source file, and its length: take rules and group_by_modality_length
+        add_record_facts(shards, train, val, facts)
     storage.write_text(storage.join(meta, "llavax.json"),
-                       json.dumps({"shards": shards, "skipped": dict(sorted(skips.counts.items()))}
-                                  | ({"tokenizer": made_for} if made_for else {}), indent=1))
+                       json.dumps({"shards": shards, "skipped": dict(sorted(skips.counts.items())),
+                                   "skipped_first": {r: skips.examples[r] for r in sorted(skips.counts)}}
+                                  | ({"tokenizer": made_for} if made_for else {})
+                                  | ({"records": facts["count"]} if facts else {})
+                                  | ({"refused": refused} if refused else {}), indent=1))
+    if refused:
+        return
     info = {"energon_version": ENERGON_VERSION, "shard_counts": {name: s["samples"] for name, s in shards.items()}}
     storage.write_text(storage.join(meta, ".info.json"), json.dumps(info, indent=2))
 
@@ -341,6 +350,29 @@ def pack_source(source, out_dir, shard_size=1000, val_ratio=0.0, workers=1, stri
                      None, position, video)
 
 
+def modality_length(sample):
+    """LLaVA-NeXT's modality_lengths of a packed sample: the words of its conversation, negative for one with no
+    image or video (LazySupervisedDataset.modality_lengths, what group_by_modality_length sorts and splits by)."""
+    words = sum(len(t["value"].split()) for t in json.loads(sample["json"])["conversations"])
+    return max(words, 1) * (1 if any(k not in ("txt", "json") for k in sample) else -1)
+
+
+def add_record_facts(shards, train, val, facts):
+    """Each shard's `records` ([[first, count], ...]: the record indices in the source file of its samples, in
+    order) and `lengths` (modality_length), from each split's (index, length) pairs in the order they were written."""
+    for split, written in (("train", train), ("val", val)):
+        at = 0
+        for name, n, _ in written:
+            part, at = facts[split][at : at + n], at + n
+            found = []
+            for index, _ in part:
+                if found and found[-1][0] + found[-1][1] == index:
+                    found[-1][1] += 1
+                else:
+                    found.append([index, 1])
+            shards[name] |= {"records": found, "lengths": [length for _, length in part]}
+
+
 def tokenizer_record(path):
     """What .nv-meta/llavax.json records of the tokenizer a dataset is made for: its file name and sha256."""
     return {"file": storage.name(path), "sha256": hashlib.sha256(storage.read_bytes(path, big=True)).hexdigest()}
@@ -376,10 +408,12 @@ def pack_into(source, out_dir, shard_size, val_ratio, workers, strict, val_ids, 
     # train and val stream into their own shards; keys count across both, so they stay unique
     writers = {split: ShardWriter(out_dir, shard_size, prefix, staging)
                for split, prefix in (("train", "shard"), ("val", "val"))}
-    n = 0
+    n, facts = 0, {"count": 0, "train": [], "val": []}  # (record index in the source, modality length) a sample
     with Pool(workers) if workers > 1 else nullcontext() as pool:
-        for sample_id, sample, reason in tqdm(prepared(source, pool, workers, video), total=source.count(), unit="rec",
-                                              desc=f"packing {source.name}", position=position, leave=position is None):
+        entries = progress(prepared(source, pool, workers, video), total=source.count(), unit="rec",
+                           desc=f"packing {source.name}", position=position, leave=position is None)
+        for index, (sample_id, sample, reason) in enumerate(entries):  # one entry a record, unreadable ones too
+            facts["count"] = index + 1
             if reason:
                 skips.add(reason, sample_id)
                 continue
@@ -387,16 +421,20 @@ def pack_into(source, out_dir, shard_size, val_ratio, workers, strict, val_ids, 
             split = "val" if (val_ids(sample_id) if val_ids else val_ratio and is_val(sample_id, val_ratio)) else \
                 "train"
             writers[split].add(f"sample{n:09d}", members)
+            facts[split].append((index, modality_length(sample)))
             n += 1
     good = {split: w.close() for split, w in writers.items()}
     if n == 0:
         sys.exit(f"pack: {source.name}: no record could be packed, so no dataset was written\npack: {skips.summary()}")
-    write_energon_meta(out_dir, good["train"], good["val"], skips, made_for)
+    refusal = f"pack --strict: {sum(skips.counts.values())} records were skipped" if strict and skips.counts else ""
+    write_energon_meta(out_dir, good["train"], good["val"], skips, made_for, refusal, facts)
     n_train, n_val = (sum(s[1] for s in good[split]) for split in ("train", "val"))
     log(f"pack: wrote {n_train} train and {n_val} val samples in {len(good['train']) + len(good['val'])} shards "
         f"to {out_dir}\npack: {skips.summary()}")
-    if strict and skips.counts:
-        sys.exit(f"pack: --strict: {sum(skips.counts.values())} records were skipped")
+    if refusal:  # no .info.json: training, audit and a mixture's pack take it for unfinished
+        sys.exit(f"pack: --strict: {sum(skips.counts.values())} records were skipped, so {out_dir} is left unfinished "
+                 "(no .nv-meta/.info.json; its skips are in .nv-meta/llavax.json): fix them and pack again with "
+                 "--overwrite, or pack without --strict")
     return skips
 
 
@@ -425,6 +463,12 @@ def mixture_targets(yaml_path):
 
 def finished(out_dir):
     return storage.exists(storage.join(out_dir, ".nv-meta", ".info.json"))
+
+
+def refused(out_dir):
+    """Whether out_dir is a dataset that --strict left unfinished (its llavax.json says so)."""
+    meta = storage.join(out_dir, ".nv-meta", "llavax.json")
+    return storage.exists(meta) and "refused" in json.loads(storage.read_text(meta))
 
 
 def pack_one(source, out_dir, options, position):
@@ -476,7 +520,7 @@ def pack_mixture(yaml_path, raw_dir, workers=1, images_dir=None, columns=None, o
             proc, out, raw, slot, t0 = running.pop(sentinel)
             proc.join()
             free.append(slot)
-            rows[out] = "packed" if proc.exitcode == 0 else "packed, with skips (--strict)" if finished(out) else \
+            rows[out] = "packed" if proc.exitcode == 0 else "refused, with skips (--strict)" if refused(out) else \
                 f"failed (exit {proc.exitcode})"
             log(f"pack: {raw}: {rows[out]} in {time.monotonic() - t0:.0f} s")
     return mixture_table(targets, rows)

@@ -239,6 +239,15 @@ class Env:
             dist.all_reduce(t, group=self.cpu_group)
         return t
 
+    def gathered(self, obj):
+        """[every rank's obj] in rank order, on every rank (picklable objects: answers, counts); [obj] alone, and
+        under SPMD, where one process holds the host's data."""
+        if not self.distributed:
+            return [obj]
+        parts = [None] * self.world
+        dist.all_gather_object(parts, obj)
+        return parts
+
     def agree(self, flag):
         """True on every rank (or host) if any says True."""
         if not dist.is_initialized():

@@ -329,7 +329,9 @@ def check_rollout_config(cfg):
         raise SystemExit(f"config: static rollouts need grpo_prompt_len in [1, seq_len - grpo_max_new_tokens = {room}] "
                          f"(0 takes {room}); got {cfg['grpo_prompt_len']}")
     if "/" in cfg["grpo_reward"] and not is_model_dir(cfg["grpo_reward"]):  # not 'module:function' either
-        raise SystemExit(f"config: grpo_reward {cfg['grpo_reward']!r}: no such reward-model checkpoint directory")
+        steps = "; ".join(f"({i}) {c}" for i, c in enumerate(cfg.get("prepare", []), 1))
+        raise SystemExit(f"config: grpo_reward {cfg['grpo_reward']!r}: no such reward-model checkpoint directory"
+                         + (f"; this config's inputs are made by: {steps}" if steps else ""))
     if cfg["grpo_reward"] and not is_model_dir(cfg["grpo_reward"]):
         try:
             reward_rule(cfg["grpo_reward"])

@@ -33,6 +33,7 @@ import storage
 import weight_files
 from images import image_hw, load_image, normalize_images
 from model import left_pad
+from progress import progress
 
 DEFAULT_NEW_TOKENS = 64
 
@@ -51,11 +52,14 @@ def main(argv=None):
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=32, help="prompts a batch; more go batch after batch, with a "
+                   "progress bar on stderr")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
-    if args.temperature < 0 or not 0 < args.top_p <= 1 or (args.max_new_tokens is not None and args.max_new_tokens < 1):
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or (args.max_new_tokens is not None and args.max_new_tokens < 1) \
+            or args.batch_size < 1:
         p.error(f"--temperature must be >= 0 (got {args.temperature}), --top-p in (0, 1] (got {args.top_p}), "
-                f"--max-new-tokens >= 1 (got {args.max_new_tokens})")
+                f"--max-new-tokens >= 1 (got {args.max_new_tokens}), --batch-size >= 1 (got {args.batch_size})")
     ckpt = args.ckpt if storage.is_url(args.ckpt) else Path(args.ckpt)  # a folder, or a prefix in a bucket
     try:
         if storage.is_url(ckpt):
@@ -164,17 +168,21 @@ def fit_new_tokens(args, prompt, n_prompt, max_seq_len):
 
 
 def answer(args, model, template, tok, ids, mask, pixels, extra):
-    """Generate for the left-padded batch and print one answer a line."""
-    stop = chat.stop_token_id(template, tok)
-    try:
-        out = model.generate(ids.to(args.device), pixels, max_new_tokens=args.max_new_tokens or args.room,
-                             temperature=args.temperature, top_p=args.top_p, eos_id=stop,
-                             generator=torch.Generator(args.device).manual_seed(args.seed),
-                             attention_mask=mask.to(args.device), **extra).tolist()
-    except ValueError as e:  # e.g. prompt + max_new_tokens longer than the model's max_seq_len
-        sys.exit(f"sample: {e}")
-    for tokens in out:
-        print(chat.decode_answer(tok, tokens, stop))
+    """Generate for the left-padded rows, --batch-size at a time (each row padded as in one batch of all: the same
+    answers), and print one answer a line as each batch ends."""
+    stop, generator, n = chat.stop_token_id(template, tok), torch.Generator(args.device).manual_seed(args.seed), len(ids)
+    with progress(total=n, desc="sample", unit="prompt", disable=n <= args.batch_size) as bar:
+        for rows in (slice(first, first + args.batch_size) for first in range(0, n, args.batch_size)):
+            try:
+                out = model.generate(ids[rows].to(args.device), pixels[rows] if pixels is not None else None,
+                                     max_new_tokens=args.max_new_tokens or args.room, temperature=args.temperature,
+                                     top_p=args.top_p, eos_id=stop, generator=generator,
+                                     attention_mask=mask[rows].to(args.device), **{k: v[rows] for k, v in extra.items()})
+            except ValueError as e:  # e.g. prompt + max_new_tokens longer than the model's max_seq_len
+                sys.exit(f"sample: {e}")
+            for tokens in out.tolist():
+                print(chat.decode_answer(tok, tokens, stop), flush=True)
+            bar.update(len(out))
 
 if __name__ == "__main__":
     main()

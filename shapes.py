@@ -3,7 +3,7 @@ The synthetic shapes dataset, the embedded default that `make demo` trains on: s
 coloured circles, squares and triangles, one question each with exactly one right answer, packed
 into shards by pack.pack, with a sentencepiece tokenizer trained on the text.
 
-    python data.py shapes --out data/shapes [--n 20000] [--seed 0] [--turns 1]
+    python data.py shapes --out data/shapes [--n 20000] [--seed 0] [--turns 1] [--overwrite]
     python data.py shapes --out data/shapes2 --images 2     # two images a sample: "Which image has more circles?"
     python data.py shapes --out gs://BUCKET/shapes          # shards, tokenizer and JSON in a bucket
 """
@@ -110,6 +110,12 @@ def preference_records(records, seed):
         "rejected": wrong_answer(r["conversations"][-1]["value"], rng)} for r in records]
 
 
+# the templates whose scaffolding the tokenizer learns: those its pieces can write (check_template refuses the
+# ones that need special tokens, qwen3 and gemma3, on it). A fixed list, not chat.TEMPLATES: a template added there
+# must not redraw the demo's vocabulary, and with it every figure measured on the demo
+TOKENIZER_TEMPLATES = ("plain", "vicuna_v1", "llama_2", "llama_3", "chatml")
+
+
 def train_tokenizer(texts, out_prefix, vocab_size):
     import sentencepiece as spm
 
@@ -121,21 +127,42 @@ def train_tokenizer(texts, out_prefix, vocab_size):
         hard_vocab_limit=False, num_threads=1, minloglevel=2)
 
 
+# what make_shapes writes into out that a user would lose (the images are drawn again from the seed)
+OUTPUTS = ("shards", "preference", "tokenizer.model", "shapes.json")
+
+
+def clear_shapes(out, overwrite):
+    """Refuse an out that already holds a shapes dataset (pack refuses likewise) unless overwrite; then remove it,
+    each dataset's .info.json first, so that an interrupted removal never leaves one that looks finished."""
+    found = [name for name in storage.ls(out) if name in OUTPUTS]
+    if found and not overwrite:
+        raise SystemExit(f"shapes: {out} already holds a shapes dataset ({', '.join(found)}); pass --overwrite to "
+                         "replace it, or choose another --out")
+    for name in found:
+        if name in ("shards", "preference"):
+            storage.rm(storage.join(out, name, ".nv-meta", ".info.json"))
+        storage.rm(storage.join(out, name), recursive=True)
+    if found and not storage.is_url(out):
+        storage.rm(Path(out, "images"), recursive=True)  # another --n or --images leaves others behind
+
+
 def make_shapes(out, n=20000, seed=0, val_fraction=0.1, image_size=48, vocab_size=512, turns=1, images=1,
-                preference=False, tokenizer=None):
+                preference=False, tokenizer=None, overwrite=False):
     """n samples of one image and `turns` questions, or (images=2) of two images and "Which image has more
     circles?", in the OneVision format: "image": [first, second] and one <image> tag for each, in order.
     preference: the same samples as right/wrong answer pairs too, in out/preference (objective='dpo').
     out may be a bucket (s3://, gs://): drawn in a local temporary folder, the shards packed into the bucket and the
     tokenizer and JSON uploaded beside them (the images stay local, and go). tokenizer: a tokenizer.model to use
     (copied in) instead of training one, so that several shapes datasets can be mixed in one run; the shards record
-    the tokenizer they are made for."""
+    the tokenizer they are made for. An out that holds a shapes dataset is refused unless overwrite."""
     if images not in (1, 2):
         raise SystemExit(f"shapes: --images must be 1 or 2, got {images}")
+    if storage.is_url(out):
+        storage.check_bucket(out)
+    clear_shapes(str(out).rstrip("/") if storage.is_url(out) else out, overwrite)
     if not storage.is_url(out):
         return draw_and_pack(Path(out), out, n, seed, val_fraction, image_size, vocab_size, turns, images, preference,
                              tokenizer)
-    storage.check_bucket(out)
     with tempfile.TemporaryDirectory(prefix="llavax-shapes-") as local:
         draw_and_pack(Path(local), str(out).rstrip("/"), n, seed, val_fraction, image_size, vocab_size, turns, images,
                       preference, tokenizer)
@@ -172,8 +199,8 @@ def draw_and_pack(out, packed, n, seed, val_fraction, image_size, vocab_size, tu
         conv[0] = {"from": "human", "value": f"{IMAGE_TAG}\n{conv[0]['value']}"}
         records.append({"id": f"{split}-{i:06d}", "image": f"{i:06d}.png", "conversations": conv})
     texts = [t["value"].replace(IMAGE_TAG, "").strip() for r in records for t in r["conversations"]]
-    for fn in TEMPLATES.values():  # so the template scaffolding tokenizes compactly too
-        texts += ["".join(t for t, _ in fn(r["conversations"])).replace(IMAGE_TAG, "") for r in records[:50]]
+    for name in TOKENIZER_TEMPLATES:  # so the template scaffolding tokenizes compactly too
+        texts += ["".join(t for t, _ in TEMPLATES[name](r["conversations"])).replace(IMAGE_TAG, "") for r in records[:50]]
     if tokenizer:
         (out / "tokenizer.model").write_bytes(storage.read_bytes(tokenizer))
     else:

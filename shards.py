@@ -56,6 +56,11 @@ def dataset_shards(folder, split):
     if missing and not storage.ls(folder):
         raise DatasetError(f"{folder}: no dataset there (nothing under it): check the path, or write one with "
                            "`python data.py pack --out`")
+    refused = json.loads(storage.read_text(storage.join(meta, "llavax.json"))).get("refused") \
+        if missing and "llavax.json" in meta_files else None
+    if refused:
+        raise DatasetError(f"{folder}: not a finished dataset: {refused} (.nv-meta/llavax.json names them); fix those "
+                           "records and pack again with --overwrite, or pack without --strict")
     if missing:
         raise DatasetError(f"{folder}: no .nv-meta/{missing[0]}, so not a finished dataset (a pack that was killed "
                            "or is still running leaves this); re-run pack with --overwrite, run `energon prepare` on "

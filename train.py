@@ -31,13 +31,15 @@ import model_files
 import rl
 import storage
 import weight_files
+from benchmarks import Asker, answers_beside, open_benchmarks, run_benchmarks, summary
 from checkpoint import (Checkpointer, check_resume_config, checkpoints, newest_good_checkpoint, remove_step,
                         unfinished_steps, wait_for_stop_writer)
 from config import check_tiles, load_config
 from dpo import reference_model
 from evaluation import final_accuracy
 from lease import Lease
-from loader import Loader, ShardStream
+from hf_config import HF_ARCHITECTURES, llava_config
+from loader import Loader, ShardStream, untrainable_sources
 from lora import apply_lora, is_lora_parameter, merge_lora
 from model import build_model
 from model_config import VLMConfig
@@ -46,6 +48,7 @@ from parallel import (Env, attention_kernel, autocast, checkpoint_fn, compile_bl
                       flops_per_sample, freeze, frozen_matmul_weights, grad_sync, init_optimizer_state, make_optimizer,
                       param_groups, print0, pull_compile_cache, push_compile_cache, set_checkpointing, shard,
                       store_frozen, use_flex_attention)
+from progress import RunClock, TensorBoard, clock_text
 from shards import VanishedShard
 
 # -----------------------------------------------------------------------------
@@ -257,8 +260,6 @@ def resume_point(folders, cfg, env):
 def init_model(cfg, env, resume_from):
     """The unsharded model: from scratch, from a converted checkpoint, or the newest checkpoint of this run."""
     source = cfg["init_from"] if cfg["init_from"] not in ("scratch", "resume") and not resume_from else None
-    if resume_from or source:
-        config.check_carried_tokenizer(resume_from or source, cfg)
     build_on = "cpu" if env.kind == "xla" else env.device  # XLA: built and initialised on the host, then sharded
     if resume_from:  # built empty: each rank loads its own shards of the weights once the model is sharded
         return build_model(VLMConfig.from_dict(json.loads(storage.read_text(storage.join(resume_from, "config.json")))),
@@ -318,40 +319,77 @@ def backends(raw, cfg, env, reward_head):
     return shard(raw, env)
 
 
-def make_loaders(raw, cfg, env, rows_per_host, pairs):
+def data_model_config(cfg, resume_from):
+    """The VLMConfig the data is encoded for, read before the model is built (the checkpoint's config.json, ours or
+    an HF LLaVA's, else the preset), so that data a model cannot train on is refused first; None where it cannot be
+    read (init_model then says why)."""
+    source = resume_from or (cfg["init_from"] if cfg["init_from"] not in ("scratch", "resume") else None)
+    if source is None:
+        return config.model_config(cfg)
+    config.check_carried_tokenizer(source, cfg)  # another tokenizer is the cause, whatever the data then says
+    try:
+        saved = json.loads(storage.read_text(storage.join(source, "config.json")))
+        return llava_config(saved, source) if saved.get("model_type") in HF_ARCHITECTURES else VLMConfig.from_dict(saved)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # ConversionError is a ValueError
+        return None
+
+
+def make_loaders(vlm, cfg, env, rows_per_host, pairs):
     """(train loader, {source: val loader}, the streams' arguments), the sequence length and the image token checked
-    against the model and the tokenizer."""
-    check_tiles(raw.cfg, cfg["max_tiles"])
+    against the model's config and the tokenizer, and a source none of whose samples can train refused."""
+    check_tiles(vlm, cfg["max_tiles"])
     stream_args = {"tokenizer": cfg["tokenizer"], "batch_size": rows_per_host, "seq_len": cfg["seq_len"],
-                   "image_size": raw.cfg.vision.image_size, "image_token_id": raw.cfg.image_token_id,
-                   "n_image_tokens": raw.cfg.n_image_tokens, "template": cfg["template"], "image_mode": cfg["image_mode"],
+                   "image_size": vlm.vision.image_size, "image_token_id": vlm.image_token_id,
+                   "n_image_tokens": vlm.n_image_tokens, "template": cfg["template"], "image_mode": cfg["image_mode"],
                    "seed": cfg["seed"], "rank": env.rank, "world_size": env.world, "shuffle_block": cfg["shuffle_block"],
                    "pack": cfg["pack"], "fast_images": cfg["fast_images"],
-                   "image_mean": raw.cfg.vision.image_stats[0]}
+                   "image_mean": vlm.vision.image_stats[0]}
     if cfg["max_tiles"]:  # tiles and placement by the model's config (anyres, grid_pinpoints, image_layout)
-        stream_args |= {"vlm": raw.cfg, "max_tiles": cfg["max_tiles"]}
+        stream_args |= {"vlm": vlm, "max_tiles": cfg["max_tiles"]}
     stream_args["preference"] = pairs  # rows [chosen..., rejected...], an image a pair
     try:
-        loader = Loader(ShardStream(cfg["data_dir"], split="train", **stream_args), cfg["num_workers"])
+        group = cfg["batch_size"] * max(cfg["pack"], 1) if cfg["group_by_modality_length"] else 0  # a step's samples
+        loader = Loader(ShardStream(cfg["data_dir"], split="train", group=group, **stream_args), cfg["num_workers"],
+                        mixture_change=cfg["mixture_change"])
     except (OSError, ValueError) as e:
         raise SystemExit(f"data_dir {cfg['data_dir']!r}: {e}") from None
-    if cfg["seq_len"] <= raw.cfg.n_image_tokens:  # every sample with an image would drop: a loss of 0.0
+    if cfg["seq_len"] <= vlm.n_image_tokens:  # every sample with an image would drop: a loss of 0.0
         raise SystemExit(f"config: seq_len={cfg['seq_len']} leaves no room for text after the model's "
-                         f"{raw.cfg.n_image_tokens} image tokens")
-    vocab, image_id, llm = loader.stream.tok.vocab_size, raw.cfg.image_token_id, raw.cfg.llm
+                         f"{vlm.n_image_tokens} image tokens")
+    if loader.stream.mixture.take_summary():  # what take rules select but this run cannot train on, said once
+        print0(env, loader.stream.mixture.take_summary())
+    vocab, image_id, llm = loader.stream.tok.vocab_size, vlm.image_token_id, vlm.llm
     if cfg["seq_len"] > llm.max_seq_len:
         raise SystemExit(f"config: seq_len={cfg['seq_len']} exceeds the model's max_seq_len={llm.max_seq_len}")
     collides = image_id < vocab and loader.stream.tok.decode([image_id]) != chat.IMAGE_TAG  # an HF <image> is fine
     if collides or image_id >= llm.vocab_size or vocab > llm.vocab_size:
         raise SystemExit(f"config: image_token_id={image_id} must lie in [tokenizer vocab {vocab}, model vocab "
                          f"{llm.vocab_size}) so it never collides with a text token ({cfg['tokenizer']})")
-    val_loaders = {}  # each source's own val split: its held-out figures apart (one dataset: its val split)
+    refuse_untrainable(loader.stream, cfg)  # after the settings that would make every sample drop are said
+    val_loaders, without = {}, []  # each source's own val split: its held-out figures apart (one dataset: its val split)
     for source in mixture.sources(cfg["data_dir"], "val"):
+        if source.path.endswith(".tar"):  # a lone tar is train samples only: its "val" would be what trains
+            without.append(f"{source.name} (a lone .tar: one split, trained on)")
+            continue
         try:
             val_loaders[source.name] = Loader(ShardStream(source, split="val", **stream_args), 0)
         except FileNotFoundError:
-            continue
+            without.append(f"{source.name} (no val split)")
+    if without and (cfg["eval_interval"] or cfg["final_accuracy_samples"]):
+        print0(env, f"val: no held-out figures for {', '.join(without)}: held-out loss is measured on val splits only")
     return loader, val_loaders, stream_args
+
+
+def refuse_untrainable(stream, cfg):
+    """A source none of whose probed samples can train with this run's settings (loader.untrainable_sources) is
+    refused in one sentence: it would draw its share of every batch and train on nothing, to the end."""
+    for source, reasons, n in untrainable_sources(stream):
+        where = f"data_dir {source.path!r}" if len(stream.mixture.sources) == 1 else \
+            f"data_dir source {source.name} ({source.path})"
+        why = ", ".join(f"{reason} {k}" for reason, k in sorted(reasons.items(), key=lambda kv: -kv[1]))
+        raise SystemExit(f"{where}: none of its samples can train with this run's settings (seq_len {cfg['seq_len']}, "
+                         f"max_tiles {cfg['max_tiles']}, pack {cfg['pack']}, template {cfg['template']}): all {n} "
+                         f"probed across it drop ({why}); change the settings or leave the source out")
 
 
 def stop_on_signal(env):
@@ -375,10 +413,11 @@ def stop_on_signal(env):
 
 
 def open_log(out, cfg, env, lease):
-    """(log(event), the log file or None): events go to out_dir/log.jsonl and wandb, from the master only. Nothing is
-    appended in out_dir (a bucket cannot append, nor can a Mountpoint for S3 mount): the log is appended to a local
-    copy, which replaces out_dir/log.jsonl whole after each event (an upload, or a file written and renamed). Each
-    event refreshes out_dir's lease first; a run that lost it writes nothing there (the loop then stops)."""
+    """(log(event), the log file or None): events go to out_dir/log.jsonl, wandb and TensorBoard (out_dir/tensorboard),
+    from the master only. Nothing is appended in out_dir (a bucket cannot append, nor can a Mountpoint for S3 mount):
+    the log is appended to a local copy, which replaces out_dir/log.jsonl whole after each event (an upload, or a file
+    written and renamed), as TensorBoard's event files do. Each event refreshes out_dir's lease first; a run that lost
+    it writes nothing there (the loop then stops)."""
     log_file, shared = None, storage.join(out, "log.jsonl")
     if env.master:
         log_file = tempfile.NamedTemporaryFile("a", prefix="llavax-log-", suffix=".jsonl")  # noqa: SIM115  gone when closed
@@ -388,13 +427,21 @@ def open_log(out, cfg, env, lease):
         import wandb
 
         wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"] or None, config=cfg)
+    board = TensorBoard(out) if cfg["tensorboard_log"] and env.master else None
+
+    def write():  # the log (and TensorBoard's files), written under the lease
+        storage.upload(log_file.name, shared)
+        if board:
+            board.upload()
 
     def log(event):
         if env.master:
             log_file.write(json.dumps(event) + "\n")
             log_file.flush()
+            if board:
+                board.add(event)
             try:  # a lease that cannot be refreshed in time stops the run: it can no longer show that out_dir is its
-                lease.refresh(lambda: storage.upload(log_file.name, shared))  # the log written under the lease
+                lease.refresh(write)
             except storage.Interrupted as e:  # the loop stops at this step's end; the next upload carries this event
                 print(f"step {event['step']}: {e}: the log in out_dir is behind", flush=True)
             if cfg["wandb_log"]:
@@ -512,7 +559,7 @@ def update_if_finite(optimizer, step_loss, count, grad_norm, meter, env, it, log
         log({"step": it, "nonfinite_skipped": True, "nonfinite_in_a_row": meter.nonfinite_run})
 
 
-def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader, lease):
+def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader, lease, clock):
     """The log interval's loss, throughput and memory, printed and logged, and the meter's interval sums reset.
     Under XLA the compiled steps' non-finite skips are read here, and too many in a row stop the run."""
     env.sync()
@@ -531,13 +578,16 @@ def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader, lease
     steps = rows_done / meter.rows_per_step
     tok_s = rows_done * cfg["seq_len"] / dt
     flops = meter.row_flops * rows_done / dt
-    mem = env.peak_memory_gib()
+    mem, eta = env.peak_memory_gib(), clock.eta(it)
     event = {"step": it, "loss": None if math.isnan(loss_val) else loss_val, "lr": lr_now, "grad_norm": gn.item(),
              "tokens_per_s": tok_s,
              "samples_per_s": rows_done * meter.per_row / dt, "mfu": flops / (peak * env.n_devices) if peak else None,
-             "data_wait": meter.data_wait / dt, "peak_mem_gib": mem, "dropped_samples": dropped}
+             "data_wait": meter.data_wait / dt, "peak_mem_gib": mem, "dropped_samples": dropped,
+             "elapsed_s": clock.elapsed(), "eta_s": eta}
     loader.fold_tokens(env)
     event |= loader.figures()  # a mixture's samples and supervised tokens so far, by source
+    for said in loader.quiet_sources():  # a source that drew samples but trained nothing since the last log line
+        print0(env, f"step {it}: {said}")
     if env.compiles() is not None:  # a count that grows after warm-up means the step recompiles: see README
         event["xla_compiles"], event["xla_compile_s"] = env.compiles(), env.compile_seconds()
     event |= env.cache_figures()  # xla: programs loaded from a predecessor's compiles, stored, unreadable
@@ -557,7 +607,8 @@ def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader, lease
     mfu = f"{100 * event['mfu']:.1f}%" if peak else "n/a"
     print0(env, f"step {it}: loss {loss_val:.4f}, lr {lr_now:.2e}, grad norm {event['grad_norm']:.3f}, "
            f"{tok_s:,.0f} tok/s, {event['samples_per_s']:.1f} samples/s, MFU {mfu}, data wait "
-           f"{100 * event['data_wait']:.1f}%, peak mem {mem:.2f} GiB ({steps:.0f} steps in {dt:.1f}s)"
+           f"{100 * event['data_wait']:.1f}%, peak mem {mem:.2f} GiB ({steps:.0f} steps in {dt:.1f}s), elapsed "
+           f"{clock_text(event['elapsed_s'])}, ETA {clock_text(eta)}"
            + (f", {dropped} samples dropped (see data: lines)" if dropped else "")
            + (f", {event['xla_compiles']} XLA compiles so far" if "xla_compiles" in event else "")
            + (f" ({event['xla_cache_hit']} loaded from the compile cache)" if event.get("xla_cache_hit") else ""))
@@ -601,22 +652,26 @@ def run(cfg):
 
 
 def train(cfg, env, out, lease):
+    launched = time.perf_counter()  # the elapsed time counts the set-up
     folders = checkpoint_folders(out, cfg, env)
     config.check_inputs(cfg)  # read-only, before out_dir is taken or touched
+    benchmarks = open_benchmarks(cfg["benchmarks"], cfg["benchmark_dir"], cfg["max_tiles"])  # files said now
     prepare_out_dir(folders, cfg, env, lease)
     mirror = compile_cache_mirror(env, out)  # xla, a bucket out_dir: the compile cache outlives a recreated VM
     pushed = pull_compile_cache(env, mirror)
     grad_accum, rows_per_host = batch_layout(cfg, env)
     torch.manual_seed(cfg["seed"])
     resume_from = resume_point(folders, cfg, env)
-    raw = add_lora(init_model(cfg, env, resume_from), cfg, env, resuming=resume_from is not None)
     objective = OBJECTIVES[cfg["objective"]]
+    vlm = data_model_config(cfg, resume_from)  # the data is read, and refused, before a model is built
+    loaders = make_loaders(vlm, cfg, env, rows_per_host, objective.pairs) if vlm else None
+    raw = add_lora(init_model(cfg, env, resume_from), cfg, env, resuming=resume_from is not None)
     value_raw = rl.load_value_model(cfg, env, raw, chat.Tokenizer(cfg["tokenizer"]), resume_from) \
         if objective.value else None
     model, optimizer, value_model = apply_backends(raw, cfg, env, objective, value_raw)
     value = (value_model, value_raw) if value_raw is not None else None
     ref_model = reference_model(cfg, env, raw) if objective.reference(cfg) else None
-    loader, val_loaders, stream_args = make_loaders(raw, cfg, env, rows_per_host, objective.pairs)
+    loader, val_loaders, stream_args = loaders or make_loaders(raw.cfg, cfg, env, rows_per_host, objective.pairs)
     checkpointer = Checkpointer(env, cfg, lease)
     start = checkpointer.load(resume_from, model, raw, optimizer, loader, value) if resume_from else 0
     stop = stop_on_signal(env)
@@ -627,7 +682,13 @@ def train(cfg, env, out, lease):
     meter.rows_per_step, meter.completions_per_prompt = steps.rows_per_step, steps.completions_per_prompt
     trainable = [p for m in (raw, value_raw) if m is not None for p in m.parameters() if p.requires_grad]
     batches = iter(loader)
-    it = start
+    clock = RunClock(start, cfg["max_iters"], since=launched, end=lambda: checkpointer.background_s, passes={
+        "eval": (cfg["eval_interval"] if val_loaders else 0, bool(cfg["eval_interval"] and val_loaders)),
+        "bench": (cfg["benchmark_interval"], bool(benchmarks)),
+        "ckpt": (cfg["ckpt_interval"], True), "local_ckpt": (cfg["local_ckpt_interval"], False, cfg["ckpt_interval"])})
+    asker = Asker(chat.Tokenizer(cfg["tokenizer"]), cfg["template"], cfg["image_mode"], cfg["benchmark_batch_size"],
+                  cfg["benchmark_limit"]) if benchmarks else None
+    it, bench_scores = start, {}
     try:
         while it < cfg["max_iters"]:
             t0 = time.perf_counter()
@@ -640,6 +701,7 @@ def train(cfg, env, out, lease):
                 print0(env, f"step {it}: skipped (skip_steps); its {cfg['batch_size']} samples are consumed")
                 log({"step": it, "skipped": True})
                 steps.skipped(fresh)
+                loader.skipped(micro)  # read, not trained: dropped/NAME/skip_steps
             else:
                 lr_now = set_lr(optimizer, it, cfg)
                 micro = steps.prepare(micro, raw, ref_model, meter, it)
@@ -658,12 +720,20 @@ def train(cfg, env, out, lease):
                 stop_nonfinite(out, it, meter.nonfinite_worst, cfg, loader)
 
             if not skipped and (it % cfg["log_interval"] == 0 or it == cfg["max_iters"]):
-                log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader, lease)
+                log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader, lease, clock)
             evaluate_now = cfg["eval_interval"] and (it % cfg["eval_interval"] == 0 or it == cfg["max_iters"])
             if not skipped and val_loaders and evaluate_now:
                 t0 = time.perf_counter()
                 evaluate_and_log(model, ref_model, val_loaders, env, cfg, raw.cfg.vision, objective, it, log)
-                meter.t_last += time.perf_counter() - t0  # the interval's speed and data wait leave evaluation out
+                meter.t_last += clock.spent("eval", t0)  # the interval's speed and data wait leave evaluation out
+            bench_now = it == cfg["max_iters"] or (cfg["benchmark_interval"] and it % cfg["benchmark_interval"] == 0)
+            if not skipped and benchmarks and bench_now:  # a benchmark that fails is a line; the run goes on
+                t0 = time.perf_counter()
+                answers = answers_beside(storage.join(out, f"step-{it:06d}"))
+                bench_scores = run_benchmarks(raw, benchmarks, asker, env, answers, label=f"step {it}: ")
+                if bench_scores:
+                    log({"step": it} | bench_scores)
+                meter.t_last += clock.spent("bench", t0)
             checkpointer.poll()
             stopping = env.agree(stop["requested"])
             persist = stopping or (cfg["ckpt_interval"] and it % cfg["ckpt_interval"] == 0) or it == cfg["max_iters"]
@@ -679,7 +749,7 @@ def train(cfg, env, out, lease):
                 print0(env, f"step {it}: checkpoint {step_dir}" + ("" if stopping else " (writing)"))
                 if persist and not stopping:
                     push_compile_cache(env, mirror, pushed)  # what this host compiled so far, for a recreated VM
-                meter.t_last += time.perf_counter() - t0
+                meter.t_last += clock.spent("ckpt" if persist else "local_ckpt", t0)
             if stopping:
                 print0(env, f"stopped at step {it} by a signal; resume with --resume=True")
                 break
@@ -693,16 +763,22 @@ def train(cfg, env, out, lease):
         checkpointer.finish()
         raise
     checkpointer.wait(final=True)  # the last checkpoint committed before anything reads it, or no DONE
+    for line in loader.summary():  # as of the last fold: the last step's log line, or a stop's checkpoint
+        print0(env, f"step {it}: {line}")
 
     if it >= cfg["max_iters"] and int(meter.empty_run):
         raise SystemExit(f"step {it}: the last {int(meter.empty_run)} batch(es) had no supervised token (every sample "
                          f"dropped): the run is not marked DONE; the last checkpoint is {last_checkpoint(out)}")
     if it >= cfg["max_iters"]:
+        print0(env, f"step {it}: trained in {clock_text(clock.elapsed())}")
         if cfg["final_accuracy_samples"] and val_loaders and objective.answers:
             streams = {name: val_loader.stream for name, val_loader in val_loaders.items()}
             log({"step": it} | final_accuracy(raw, streams, stream_args, env, cfg))
-        done = storage.join(out, "DONE")  # the babysitter's completion marker, written only while the lease is ours
-        if env.master and not lease.fenced(done, lambda: storage.write_text(done, json.dumps({"step": it}))):
+        if bench_scores:
+            print0(env, f"step {it}: benchmarks: {summary(bench_scores)}")
+        done, marker = storage.join(out, "DONE"), json.dumps({"step": it, "elapsed_s": clock.elapsed()})
+        # the babysitter's completion marker, written only while the lease is ours; elapsed_s: the end ETAs aimed at
+        if env.master and not lease.fenced(done, lambda: storage.write_text(done, marker)):
             raise SystemExit(f"step {it}: out_dir was taken over by {lease.lost}; this run writes nothing more there "
                              f"(it is not marked DONE)")
     if log_file:

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_safetensors
-from tqdm import tqdm
 
 import storage
+from progress import progress
 
 SHARD_BYTES = 5 * 2**30  # shard above this, like HF's default max_shard_size
 PROGRESS_BYTES = 2**30  # show a progress bar for reads and writes larger than this
@@ -64,8 +64,8 @@ def read_weights(directory):
             raise ConversionError(f"{f}: listed in the index but missing")
     sizes = [storage.size(f) for f in files]
     state = {}
-    with tqdm(total=sum(sizes), unit="B", unit_scale=True, desc=f"reading {directory}",
-              disable=sum(sizes) < PROGRESS_BYTES) as bar:
+    with progress(total=sum(sizes), unit="B", unit_scale=True, desc=f"reading {directory}",
+                  disable=sum(sizes) < PROGRESS_BYTES) as bar:
         for f, size in zip(files, sizes):
             if storage.name(f).endswith(".bin"):
                 # a pickle: weights_only=True refuses anything but tensors and plain containers
@@ -125,7 +125,8 @@ def write_weights(state, directory, prefix="model", shard_bytes=SHARD_BYTES):
     total = sum(t.numel() * t.element_size() for t in state.values())
     names = [f"{prefix}.safetensors"] if len(shards) == 1 else \
         [f"{prefix}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for name, keys in tqdm(list(zip(names, shards)), desc=f"writing {directory}", disable=total < PROGRESS_BYTES):
+    for name, keys in progress(list(zip(names, shards)), desc=f"writing {directory}", unit="file",
+                               disable=total < PROGRESS_BYTES):
         write_safetensors({k: state[k] for k in keys}, os.path.join(directory, name))
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": {k: n for n, ks in zip(names, shards) for k in ks}}
@@ -168,8 +169,12 @@ def write_dir(out, fill, overwrite=False, commit="config.json"):
             say(f"{out}: replacing {'the unfinished write there' if UNFINISHED in held else 'it (overwrite)'}")
         storage.write_bytes(storage.join(out, UNFINISHED), b"")
         storage.rm(storage.join(out, commit))
-        for name in files:
-            put_file(staging / name, storage.join(out, name))
+        sizes = {name: (staging / name).stat().st_size for name in files}
+        with progress(total=sum(sizes.values()), unit="B", unit_scale=True, desc=f"uploading to {out}",
+                      disable=not storage.is_url(out) or sum(sizes.values()) < PROGRESS_BYTES) as bar:
+            for name in files:
+                put_file(staging / name, storage.join(out, name))
+                bar.update(sizes[name])
         for name in set(held) - {f.split("/")[0] for f in files} - {UNFINISHED}:  # the old write's, not in this one
             storage.rm(storage.join(out, name), recursive=True)
         storage.rm(storage.join(out, UNFINISHED))

@@ -5,14 +5,18 @@
 # LLaVA-NeXT's gamma) and lr 3e-4: 71.0%; but SFT alone on the same chosen answers reaches 71.1%, and pure DPO
 # lowered accuracy here, on-policy (60.7%) or not: the gain is the choice of questions (BENCHMARKS.md).
 #   python train.py configs/dpo_shapes.py
+# Its inputs, in folders of its own (docs/post-training.md "DPO", with each step's time):
 prepare = [
-    "python data.py shapes --out data/shapes --n 20000 --preference",  # shards/ and preference/
-    "python train.py configs/shapes.py --out_dir=out/shapes-sft-250 --max_iters=250 --eval_interval=250",
-    "python dpo.py pairs --ckpt out/shapes-sft-250/step-000250 --data data/shapes/preference --out data/shapes/onpolicy",
+    "python data.py shapes --out data/shapes-dpo --n 20000 --preference",  # shards/ and preference/
+    "python train.py configs/shapes.py --data_dir=data/shapes-dpo/shards --tokenizer=data/shapes-dpo/tokenizer.model "
+    "--out_dir=out/shapes-dpo-sft-250 --max_iters=250 --eval_interval=250",
+    "python dpo.py pairs --ckpt out/shapes-dpo-sft-250/step-000250 --data data/shapes-dpo/preference "
+    "--out data/shapes-dpo/onpolicy",
 ]
 out_dir = "out/shapes-dpo"
-init_from = "out/shapes-sft-250/step-000250"
-data_dir = "data/shapes/onpolicy"  # data/shapes/preference: off-policy pairs (a random wrong answer of the kind)
+init_from = "out/shapes-dpo-sft-250/step-000250"
+data_dir = "data/shapes-dpo/onpolicy"  # data/shapes-dpo/preference: off-policy pairs (a random wrong answer of the kind)
+tokenizer = "data/shapes-dpo/tokenizer.model"
 objective = "dpo"
 dpo_beta = 0.1
 dpo_loss = "sigmoid"

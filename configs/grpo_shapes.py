@@ -1,16 +1,20 @@
 # The GRPO demo (docs/post-training.md, BENCHMARKS.md): the shapes VLM after only 66 SFT steps (50.8%
 # held-out), then GRPO on the training questions: 8 samples a question, reward 1 for the exact answer (58.0%).
 #   python train.py configs/grpo_shapes.py
+# Its inputs, in folders of its own (docs/post-training.md "GRPO", with each step's time):
 prepare = [
-    "python data.py shapes --out data/shapes --n 6000",
-    "python train.py configs/shapes.py --out_dir=out/shapes-sft-66 --max_iters=66 --lr_decay_iters=250",
+    "python data.py shapes --out data/shapes-grpo --n 6000",
+    "python train.py configs/shapes.py --data_dir=data/shapes-grpo/shards --tokenizer=data/shapes-grpo/tokenizer.model "
+    "--out_dir=out/shapes-grpo-sft-66 --max_iters=66 --lr_decay_iters=250",
 ]
 out_dir = "out/shapes-grpo"
-init_from = "out/shapes-sft-66/step-000066"
+init_from = "out/shapes-grpo-sft-66/step-000066"
+data_dir = "data/shapes-grpo/shards"
+tokenizer = "data/shapes-grpo/tokenizer.model"
 objective = "grpo"
 grpo_group = 8
 grpo_loss = "dapo"
-grpo_reward = "exact_match"  # or a reward model: out/shapes-reward/step-000100 (configs/reward_shapes.py)
+grpo_reward = "exact_match"  # or a reward model on this tokenizer: out/shapes-ppo-reward/step-000100 (ppo_shapes.py)
 grpo_max_new_tokens = 6
 grpo_temperature = 1.0
 grpo_iterations = 1

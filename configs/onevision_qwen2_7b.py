@@ -27,6 +27,7 @@ template = "chatml"
 seq_len = 16384  # an image takes at most ~8.8k tokens (729 base + <= 9 tiles' worth after reduction), 32 frames 6273
 attention = "bounded"  # bounded memory: splash on a TPU, blockwise elsewhere (resolved at set-up, printed)
 pack = 4
+group_by_modality_length = True  # finetune_ov.sh: each step all image/video samples, or all text
 max_tiles = 48  # a 6x6 grid and its base view (37) with room for smaller images in the row
 stage = 0
 lr_scale = {"vision": 0.2, "projector": 1.0, "llm": 1.0}  # vision tower 2e-6

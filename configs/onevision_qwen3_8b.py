@@ -20,6 +20,7 @@ template = "qwen3"
 seq_len = 16384
 attention = "bounded"  # splash on a TPU, blockwise elsewhere
 pack = 4
+group_by_modality_length = True  # finetune_ov.sh: each step all image/video samples, or all text
 max_tiles = 48
 stage = 0
 lr_scale = {"vision": 0.2, "projector": 1.0, "llm": 1.0}  # vision tower 2e-6

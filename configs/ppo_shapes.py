@@ -4,16 +4,23 @@
 # updates a batch), a k1 KL penalty to the start at the seeds' 0.05: 54.4% after 200 steps (GRPO: 58.0%). The reward
 # model must read the run's tokenizer: make its pairs from the same shapes data (--preference).
 #   python train.py configs/ppo_shapes.py
+# Its inputs, in folders of its own (docs/post-training.md "PPO", with each step's time):
 prepare = [
-    "python data.py shapes --out data/shapes --n 6000 --preference",
-    "python train.py configs/shapes.py --out_dir=out/shapes-sft-66 --max_iters=66 --lr_decay_iters=250",
-    "python train.py configs/shapes.py --out_dir=out/shapes-sft-250 --max_iters=250 --eval_interval=250",
-    "python train.py configs/reward_shapes.py",
+    "python data.py shapes --out data/shapes-ppo --n 6000 --preference",
+    "python train.py configs/shapes.py --data_dir=data/shapes-ppo/shards --tokenizer=data/shapes-ppo/tokenizer.model "
+    "--out_dir=out/shapes-ppo-sft-66 --max_iters=66 --lr_decay_iters=250",
+    "python train.py configs/shapes.py --data_dir=data/shapes-ppo/shards --tokenizer=data/shapes-ppo/tokenizer.model "
+    "--out_dir=out/shapes-ppo-sft-250 --max_iters=250 --eval_interval=250",
+    "python train.py configs/reward_shapes.py --data_dir=data/shapes-ppo/preference "
+    "--tokenizer=data/shapes-ppo/tokenizer.model --init_from=out/shapes-ppo-sft-250/step-000250 "
+    "--out_dir=out/shapes-ppo-reward",
 ]
 out_dir = "out/shapes-ppo"
-init_from = "out/shapes-sft-66/step-000066"
+init_from = "out/shapes-ppo-sft-66/step-000066"
+data_dir = "data/shapes-ppo/shards"
+tokenizer = "data/shapes-ppo/tokenizer.model"
 objective = "ppo"
-grpo_reward = "out/shapes-reward/step-000100"  # also the value model's start (ppo_value_init '')
+grpo_reward = "out/shapes-ppo-reward/step-000100"  # also the value model's start (ppo_value_init '')
 grpo_max_new_tokens = 6
 grpo_temperature = 1.0
 ppo_kl_coef = 0.05

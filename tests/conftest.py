@@ -120,11 +120,14 @@ def pytest_collection_modifyitems(config, items):
     """The longest modules first (as make test measured them): pytest-xdist's --dist loadfile sends whole modules to
     its workers in this order with --no-loadscope-reorder (make test), so that none is left running alone at the end;
     xdist's own order, by number of tests, left the long modules of few tests (SLURM's, the leases') to the end."""
-    first = ["test_xla.py", "test_bucket_checkpoint.py", "test_train.py", "test_lease.py", "test_scripts.py",
+    first = ["test_doc_commands.py",  # under make test-full: the docs' blocks, the longest of all
+             "test_xla.py", "test_bucket_checkpoint.py", "test_train.py", "test_lease.py", "test_scripts.py",
              "test_checkpoint.py", "test_grpo.py", "test_compile_cache.py", "test_family_objectives.py",
              "test_storage_stall.py", "test_families.py", "test_bucket_keys.py", "test_bucket_data.py", "test_integrity.py",
-             "test_mixture.py", "test_dpo.py", "test_storage.py", "test_speed_levers.py", "test_convert.py",
-             "test_bucket_models.py", "test_video.py", "test_front_door.py", "test_sources.py"]
+             "test_mixture.py", "test_mixture_figures.py", "test_dpo.py", "test_storage.py", "test_speed_levers.py",
+             "test_convert.py",
+             "test_bucket_models.py", "test_video.py", "test_benchmarks.py", "test_front_door.py", "test_sources.py",
+             "test_mixture_edges.py", "test_progress.py", "test_plot.py"]
     items.sort(key=lambda item: first.index(item.path.name) if item.path.name in first else len(first))
 
 

@@ -27,7 +27,7 @@ def run(name, cmd, **kw):
 
 
 shapes = work / "shapes"
-run("shapes", [py, "data.py", "shapes", "--out", str(shapes), "--n", "1200"])
+run("shapes", [py, "data.py", "shapes", "--out", str(shapes), "--n", "1200", "--overwrite"])  # a scratch folder
 base = ["configs/debug.py", f"--data_dir={shapes / 'shards'}", f"--tokenizer={shapes / 'tokenizer.model'}",
         "--dtype=bfloat16", "--log_interval=10", "--eval_interval=50", "--num_workers=2"]
 run("single_bf16", [py, "train.py", *base, f"--out_dir={work / 'single'}", "--max_iters=100",

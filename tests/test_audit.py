@@ -63,11 +63,12 @@ def webdataset_samples(shards):
 def test_shapes_counts_prompts_and_contact_sheet(shapes, capsys, tmp_path):
     sheet = tmp_path / "sheet.png"
     code, out, err = run_audit(capsys, shapes / "shards", "--config", ROOT / "configs/shapes.py", "--tokenizer",
-                               shapes / "tokenizer.model", "--show", 3, "--sheet", sheet, "--progress", 10)
+                               shapes / "tokenizer.model", "--show", 3, "--sheet", sheet, "--progress", 1e-6)
     assert code == 0, out
     samples = webdataset_samples(shapes / "shards")
     assert f"samples: {len(samples)}\n  kept: {len(samples)} " in out
-    assert "audit: 10 samples" in err and "audit: 20 samples" in err  # progress goes to stderr
+    # progress goes to stderr: plain lines, not a terminal's redrawn bar, the last one at the end
+    assert f"audit: {len(samples)}/{len(samples)} sample (100%)" in err and "done in" in err and "\r" not in err
     # each shown answer is marked as the supervised span, closed by Llama 3's end of turn; the image run is placed
     for s in samples[:3]:
         assert f"⟦{s['txt'].decode()}<|eot_id|>⟧" in out
@@ -292,3 +293,21 @@ def test_the_demo_seq_len_keeps_every_question_of_a_demo_draw(tmp_path, capsys):
     n = len(webdataset_samples(tmp_path / "shards"))
     assert code == 0 and n == 1800, out
     assert f"samples: {n}\n  kept: {n} (truncated to seq_len: 0)" in out  # at 33 tokens: 1 in 13 lose their end
+
+
+def test_an_audit_of_packed_shards_counts_what_pack_refused(shapes, capsys, tmp_path):
+    """The records pack skipped are in no shard; the audit of the shards reports them from .nv-meta/llavax.json,
+    by reason with their first ids, and counts them among the samples."""
+    records = json.loads((shapes / "shapes.json").read_text())[:6]
+    records += [{"id": "gone", "image": "nowhere.png", "conversations": records[0]["conversations"]},
+                {"id": "mute", "image": records[1]["image"], "conversations": [records[1]["conversations"][0]]}]
+    (tmp_path / "d.json").write_text(json.dumps(records))
+    from pack import pack
+
+    skips = pack(tmp_path / "d.json", shapes / "images", tmp_path / "s")
+    assert dict(skips.counts) == {"missing_image": 1, "no_gpt_turn": 1}
+    code, out, _ = run_audit(capsys, tmp_path / "s", "--config", ROOT / "configs/shapes.py", "--tokenizer",
+                             shapes / "tokenizer.model", "--show", 0)
+    assert code == 0 and "samples: 8\n  kept: 6 " in out, out
+    assert "dropped at pack time, missing_image: 1 (first: gone)" in out
+    assert "dropped at pack time, no_gpt_turn: 1 (first: mute)" in out

@@ -355,3 +355,15 @@ def test_draft_mode_decodes_large_jpegs_at_reduced_scale():
     assert img.size == (512, 384)  # libjpeg's 1/4 scale, still >= the target
     out = images.load_image(big, 336, "pad")
     assert out.shape == (3, 336, 336)
+
+
+def test_the_demo_tokenizer_stays_when_a_template_is_added(tmp_path, monkeypatch):
+    """The shapes tokenizer learns the scaffolding of the templates it can write; a template added to chat.TEMPLATES
+    (qwen3 and gemma3 were) must not change its vocabulary, or every figure measured on the demo moves."""
+    import chat
+    from shapes import make_shapes
+
+    make_shapes(tmp_path / "before", n=120, seed=0)
+    monkeypatch.setitem(chat.TEMPLATES, "novel", lambda conv, *a: [("<|novel_turn|> zebra quokka narwhal " * 4, False)])
+    make_shapes(tmp_path / "after", n=120, seed=0)
+    assert (tmp_path / "before/tokenizer.vocab").read_text() == (tmp_path / "after/tokenizer.vocab").read_text()

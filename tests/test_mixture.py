@@ -198,7 +198,9 @@ def re_escape(text):
 
 BAD_YAML = [
     ("__module__: megatron.energon\n__class__: Metadataset\nsplits:\n  train:\n    path: a\n",
-     "__class__: MetadatasetV2 expected, got 'megatron.energon' / 'Metadataset'"),
+     "splits.train: a V1 metadataset (__class__: Metadataset) has splits of `datasets:` only, got ['path']"),
+    ("__module__: megatron.energon\n__class__: Metadatset\nsplits:\n  train:\n    path: a\n",
+     "__class__: MetadatasetV2 expected, got 'megatron.energon' / 'Metadatset' (Energon also reads V1's Metadataset)"),
     ("__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n      - weight: 1\n"
      "        path: a\n        wieght: 2\n", "splits.train.blend[0]: unknown key 'wieght'"),
     ("__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n      - weight: 0\n"
@@ -366,6 +368,8 @@ def test_bad_mixtures_are_one_sentence_before_the_model_is_built(two_shapes, sha
     own_tokenizer = shapes_data(n=100, seed=2)
     only_val = text_dataset(tmp_path / "only_val", 0, val=6)
     (tmp_path / "class.yaml").write_text("__module__: megatron.energon\n__class__: CrudeWebdataset\nsplits: {}\n")
+    (tmp_path / "self.yaml").write_text("__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n"
+                                        "    path: self.yaml\n")
     (tmp_path / "key.yaml").write_text(
         f"__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n"
         f"      - weight: 1\n        path: {a / 'shards'}\n        sample_weight: 2\n")
@@ -388,6 +392,7 @@ def test_bad_mixtures_are_one_sentence_before_the_model_is_built(two_shapes, sha
         ([], "data_dir: a mixture with no sources"),
         (str(tmp_path / "class.yaml"), "__class__: MetadatasetV2 expected, got 'megatron.energon' / 'CrudeWebdataset'"),
         (str(tmp_path / "key.yaml"), "splits.train.blend[0]: unknown key 'sample_weight'"),
+        (str(tmp_path / "self.yaml"), "self.yaml: names itself"),  # not Python's RecursionError, 3,000 lines long
     ]
     for spec, said in cases:
         r = run(mixture_run(two_shapes, tmp_path / "out", spec=spec), check=False)
@@ -404,35 +409,42 @@ def test_audit_of_a_mixture_tables_each_source(two_shapes, tmp_path, capsys):
     (tmp_path / "mix.yaml").write_text(f"datasets:\n  - path: {a / 'shards'}\n    repeat: 2\n"
                                        f"  - path: {b / 'shards'}\n    sampling_strategy: end:25%\n    repeat: 1\n")
     (tmp_path / "cfg.py").write_text(f"data_dir = {str(tmp_path / 'mix.yaml')!r}\ntokenizer = "
-                                     f"{str(a / 'tokenizer.model')!r}\nmax_iters = 30\nbatch_size = 16\n")
+                                     f"{str(a / 'tokenizer.model')!r}\nmax_iters = 30\nbatch_size = 16\n"
+                                     f"micro_batch_size = 16\n")
     with pytest.raises(SystemExit) as stop:
         data.main(["audit", "--config", str(tmp_path / "cfg.py"), "--progress", "0"])
     out = capsys.readouterr().out
     assert stop.value.code == 0, out
     rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in out.splitlines() if line.startswith("| shapes")}
-    # 360 train samples of a, twice an epoch; b keeps ceil(25% of 240) = 60 of its 240 train samples
-    assert rows[a.name][2:4] == ["360", "0"] and rows[b.name][2:4] == ["60", "180"], out
-    assert rows[a.name][9] == f"{720 / 780:.1%}" and rows[b.name][9] == f"{60 / 780:.1%}"
-    assert rows[a.name][11] == f"{480 * 720 / 780 / 360:.2f} |"  # epochs of a in 30 x 16 samples
-    assert "take rules leave out 180 of 600 samples" in out
-    # tokens and supervised tokens: what the loader encodes of b's kept samples
-    stream = ShardStream(str(b / "shards"), a / "tokenizer.model", batch_size=1, seq_len=36, image_size=48,
+    # 360 train samples of a, twice an epoch; b's rule selects ceil(25% of its JSON's 300 records) = 75, as LLaVA-NeXT
+    # does: the last 60 are its val split (shapes holds out its last 20%), so 15 of its 240 train samples train
+    assert rows[a.name][2:4] == ["360", "0"] and rows[b.name][2:4] == ["15", "225"], out
+    assert "take rules leave out 225 of 600 samples" in out
+    # the run's 30 x 16 samples, drawn as the loader draws them; tokens and supervised tokens of b's: as it encodes them
+    stream = ShardStream(str(tmp_path / "mix.yaml"), a / "tokenizer.model", batch_size=1, seq_len=36, image_size=48,
                          image_token_id=512, n_image_tokens=9, template="llama_3")
-    kept = [stream.encode(i) for i in range(180, 240)]
-    assert rows[b.name][4] == f"{sum(len(e[0]) for e in kept):,}"
-    assert rows[b.name][5] == f"{sum(sum(x != -100 for x in e[1][1:]) for e in kept):,}"
+    drawn = [stream.sample_at(p) for p in range(480)]
+    of_b = [stream.encode(s) for s in drawn if stream.mixture.source_of(s) == 1]
+    assert rows[a.name][4:7] == [f"{480 - len(of_b)}"] * 2 + ["0"] and rows[b.name][4:7] == [f"{len(of_b)}"] * 2 + ["0"]
+    assert rows[b.name][7] == f"{sum(len(e[0]) for e in of_b):,}"
+    assert rows[b.name][8] == f"{sum(sum(x != -100 for x in e[1]) for e in of_b):,}"
+    assert rows[a.name][11] == f"{(480 - len(of_b)) / 480:.1%}" and 0.85 < (480 - len(of_b)) / 480 < 0.99
+    assert rows[a.name][13] == f"{(480 - len(of_b)) / 360:.2f} |"  # epochs of a in 30 x 16 samples
 
 
 @pytest.mark.parametrize("name,said", [
-    ("dpo_shapes", "init_from 'out/shapes-sft-250/step-000250' does not exist; this config's inputs are made by: "
-                   "(1) python data.py shapes --out data/shapes --n 20000 --preference; (2) python train.py "
-                   "configs/shapes.py --out_dir=out/shapes-sft-250 --max_iters=250 --eval_interval=250; (3) python "
-                   "dpo.py pairs --ckpt out/shapes-sft-250/step-000250 --data data/shapes/preference --out "
-                   "data/shapes/onpolicy"),
-    ("grpo_shapes", "(2) python train.py configs/shapes.py --out_dir=out/shapes-sft-66"),
+    ("dpo_shapes", "init_from 'out/shapes-dpo-sft-250/step-000250' does not exist; this config's inputs are made "
+                   "by: (1) python data.py shapes --out data/shapes-dpo --n 20000 --preference; (2) python train.py "
+                   "configs/shapes.py --data_dir=data/shapes-dpo/shards --tokenizer=data/shapes-dpo/tokenizer.model "
+                   "--out_dir=out/shapes-dpo-sft-250 --max_iters=250 --eval_interval=250; (3) python dpo.py pairs "
+                   "--ckpt out/shapes-dpo-sft-250/step-000250 --data data/shapes-dpo/preference --out "
+                   "data/shapes-dpo/onpolicy"),
+    ("grpo_shapes", "(2) python train.py configs/shapes.py --data_dir=data/shapes-grpo/shards"),
+    ("ppo_shapes", "no such reward-model checkpoint directory; this config's inputs are made by: (1) python data.py "
+                   "shapes --out data/shapes-ppo --n 6000 --preference; (2) "),
     ("shapes_mixture", "data_dir source one_image (data/shapes/shards) does not exist. This config's inputs are made "
-                       "by: (1) python data.py shapes --out data/shapes; (2) python data.py shapes --out data/shapes2 "
-                       "--images 2 --tokenizer data/shapes/tokenizer.model"),
+                       "by: (1) python data.py shapes --out data/shapes; (2) python data.py shapes --out "
+                       "data/shapes2-mixture --images 2 --tokenizer data/shapes/tokenizer.model"),
 ])
 def test_a_missing_input_made_by_other_runs_names_the_commands(tmp_path, name, said):
     """After `make demo` alone, the post-training demos' inputs (an SFT step, on-policy pairs) do not exist yet: the

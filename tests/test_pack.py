@@ -350,3 +350,23 @@ def test_the_loader_keeps_a_bounded_number_of_shards_open(tmp_path, tok):
     got = answers(s, tok)
     assert sorted(got) == sorted(r["conversations"][1]["value"] for r in recs)
     assert fds() - before <= shards.MAX_OPEN_SHARDS
+
+
+def test_a_strict_pack_that_skips_leaves_no_dataset_training_would_read(tmp_path, capfd):
+    """--strict with a skip exits non-zero and writes no .info.json: the loader (and so training and audit) refuses
+    the folder in one sentence naming --strict, its llavax.json keeps the skips, and a mixture's pack counts it
+    as refused, not packed."""
+    imgs = images_dir(tmp_path)
+    (tmp_path / "d.json").write_text(json.dumps([record(0), record(1), record(7)]))  # 7.jpg is missing
+    with pytest.raises(SystemExit, match="--strict: 1 records were skipped, so .* is left unfinished"):
+        pack.pack(tmp_path / "d.json", imgs, tmp_path / "strict", strict=True)
+    out = tmp_path / "strict"
+    assert not (out / ".nv-meta" / ".info.json").exists() and not pack.finished(out) and pack.refused(out)
+    recorded = json.loads((out / ".nv-meta" / "llavax.json").read_text())
+    assert recorded["skipped"] == {"missing_image": 1} and recorded["skipped_first"] == {"missing_image": ["rec7"]}
+    with pytest.raises(shards.DatasetError, match="not a finished dataset: pack --strict: 1 records were skipped"):
+        shards.shard_files(str(out))  # what ShardStream reads a folder by
+    with pytest.raises(SystemExit, match="already holds a dataset"):  # and a plain pack over it asks for --overwrite
+        pack.pack(tmp_path / "d.json", imgs, out)
+    assert dict(pack.pack(tmp_path / "d.json", imgs, out, overwrite=True).counts) == {"missing_image": 1}
+    assert pack.finished(out) and not pack.refused(out)

@@ -229,8 +229,9 @@ def test_ppo_configs_parse_and_the_onevision_recipe_is_the_seeds_easylm_run(tmp_
 
     (tmp_path / "rm").mkdir()
     shapes = config.load_config([str(ROOT / "configs/ppo_shapes.py"), f"--grpo_reward={tmp_path / 'rm'}"])
-    assert shapes["objective"] == "ppo" and shapes["init_from"] == config.load_config(
-        [str(ROOT / "configs/grpo_shapes.py")])["init_from"]  # GRPO's start
+    grpo_start = config.load_config([str(ROOT / "configs/grpo_shapes.py")])["init_from"]
+    # GRPO's start (the same 66-step SFT), in a folder of its own: one demo's prepare never replaces another's
+    assert shapes["objective"] == "ppo" and shapes["init_from"] == grpo_start.replace("shapes-grpo", "shapes-ppo")
     cfg = config.load_config([str(ROOT / "configs/ppo_onevision.py"), f"--grpo_reward={tmp_path / 'rm'}"])
     rl.check_ppo_config(cfg, replicas=8)
     ours = {"kl_coef": "ppo_kl_coef", "ppo_epochs": "ppo_epochs", "mini_batch_size": "ppo_mini_batch_size",

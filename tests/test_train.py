@@ -363,12 +363,21 @@ def test_bench_data_runs_both_pipelines(tmp_path):
 
 
 def test_dropped_samples_are_counted_in_the_training_log(shapes, tmp_path):
-    # too short for the image: every sample drops; steps with nothing to learn move no weight and are never DONE
-    with pytest.raises(SystemExit, match="the last 2 batch.es. had no supervised token .every sample dropped.: the run "
-                                         "is not marked DONE; the last checkpoint is none"):
-        train.main(args(shapes, tmp_path, "--seq_len=6", "--max_iters=2"))
-    events = run_log(tmp_path)
-    assert sum(e.get("dropped_samples", 0) for e in events) == 2 * 8 and not (tmp_path / "DONE").exists()
+    # too short for the image: every sample would drop; refused before a model is built, not trained to the end
+    with pytest.raises(SystemExit, match=r"data_dir .*: none of its samples can train with this run's settings "
+                                         r"\(seq_len 6, .*: all 32 probed across it drop \(image_beyond_seq_len 32\)"):
+        train.main(args(shapes, tmp_path / "never", "--seq_len=6", "--max_iters=2"))
+    assert not (tmp_path / "never/log.jsonl").exists()
+    # seq_len 25 drops the first two samples of the order (one a step), not all: steps with nothing to learn move no
+    # weight and are never DONE, and the log says that the source trained no token
+    r = run(args(shapes, tmp_path / "some", "--seq_len=25", "--max_iters=2", "--batch_size=1", "--micro_batch_size=1"),
+            check=False)
+    assert "the last 2 batch(es) had no supervised token (every sample dropped): the run is not marked DONE; the last " \
+           "checkpoint is none" in r.stderr, r.stderr[-2000:]
+    said = "trained no token in this log interval: the one sample it drew dropped (no_supervised_tokens 1)"
+    assert r.stdout.count(said) == 2, r.stdout
+    events = run_log(tmp_path / "some")
+    assert sum(e.get("dropped_samples", 0) for e in events) == 2 and not (tmp_path / "some/DONE").exists()
 
 
 def test_packed_training_matches_one_sample_a_row_and_resumes_exactly(shapes, single_run, tmp_path):
