@@ -25,8 +25,9 @@ import rl
 import storage
 from loader import sample_conversation
 from lora import LoRAConfig
+from hf_config import HF_ARCHITECTURES, llava_config
 from losses import DPO_LOSSES
-from model_config import vlm_preset
+from model_config import VLMConfig, vlm_preset
 from parallel import ATTENTION, PALLAS, pallas_refusal
 from mixture import MixtureError
 from shards import DatasetError, parse_members, sample_offsets, shard_files
@@ -556,3 +557,18 @@ def check_carried_tokenizer(step, cfg):
         if (theirs.vocab_size, theirs.encode(rl.PROBE)) != (ours.vocab_size, ours.encode(rl.PROBE)):
             raise SystemExit(f"tokenizer {cfg['tokenizer']!r} encodes text unlike {theirs.path}, the tokenizer "
                              f"{step} was trained with; train with that one")
+
+
+def data_model_config(cfg, resume_from):
+    """The VLMConfig the data is encoded for, read before the model is built (the checkpoint's config.json, ours or
+    an HF LLaVA's, else the preset), so that data a model cannot train on is refused first; None where it cannot be
+    read (train.py's init_model then says why)."""
+    source = resume_from or (cfg["init_from"] if cfg["init_from"] not in ("scratch", "resume") else None)
+    if source is None:
+        return model_config(cfg)
+    check_carried_tokenizer(source, cfg)  # another tokenizer is the cause, whatever the data then says
+    try:
+        saved = json.loads(storage.read_text(storage.join(source, "config.json")))
+        return llava_config(saved, source) if saved.get("model_type") in HF_ARCHITECTURES else VLMConfig.from_dict(saved)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # ConversionError is a ValueError
+        return None

@@ -525,6 +525,19 @@ def untrainable_sources(stream, n=PROBE):
     return out
 
 
+def untrainable_sentence(stream, settings):
+    """The refusal of a source none of whose probed samples can train with these settings ({seq_len, max_tiles,
+    ...}), or None: it would draw its share of every batch and train on nothing, to the end."""
+    for source, reasons, n in untrainable_sources(stream):
+        where = f"data_dir {source.path!r}" if len(stream.mixture.sources) == 1 else \
+            f"data_dir source {source.name} ({source.path})"
+        why = ", ".join(f"{reason} {k}" for reason, k in sorted(reasons.items(), key=lambda kv: -kv[1]))
+        said = ", ".join(f"{k} {v}" for k, v in settings.items())
+        return (f"{where}: none of its samples can train with this run's settings ({said}): all {n} probed across it "
+                f"drop ({why}); change the settings or leave the source out")
+    return None
+
+
 def _survive_group_signals(worker_id):
     """DataLoader worker init. Schedulers signal the whole process group (VM shutdown, SLURM, systemd, kill -- -PGID):
     a worker that died of it would make the main process raise before its stop checkpoint. SIGINT is ignored;

@@ -38,8 +38,7 @@ from config import check_tiles, load_config
 from dpo import reference_model
 from evaluation import final_accuracy
 from lease import Lease
-from hf_config import HF_ARCHITECTURES, llava_config
-from loader import Loader, ShardStream, untrainable_sources
+from loader import Loader, ShardStream, untrainable_sentence
 from lora import apply_lora, is_lora_parameter, merge_lora
 from model import build_model
 from model_config import VLMConfig
@@ -319,21 +318,6 @@ def backends(raw, cfg, env, reward_head):
     return shard(raw, env)
 
 
-def data_model_config(cfg, resume_from):
-    """The VLMConfig the data is encoded for, read before the model is built (the checkpoint's config.json, ours or
-    an HF LLaVA's, else the preset), so that data a model cannot train on is refused first; None where it cannot be
-    read (init_model then says why)."""
-    source = resume_from or (cfg["init_from"] if cfg["init_from"] not in ("scratch", "resume") else None)
-    if source is None:
-        return config.model_config(cfg)
-    config.check_carried_tokenizer(source, cfg)  # another tokenizer is the cause, whatever the data then says
-    try:
-        saved = json.loads(storage.read_text(storage.join(source, "config.json")))
-        return llava_config(saved, source) if saved.get("model_type") in HF_ARCHITECTURES else VLMConfig.from_dict(saved)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # ConversionError is a ValueError
-        return None
-
-
 def make_loaders(vlm, cfg, env, rows_per_host, pairs):
     """(train loader, {source: val loader}, the streams' arguments), the sequence length and the image token checked
     against the model's config and the tokenizer, and a source none of whose samples can train refused."""
@@ -365,7 +349,8 @@ def make_loaders(vlm, cfg, env, rows_per_host, pairs):
     if collides or image_id >= llm.vocab_size or vocab > llm.vocab_size:
         raise SystemExit(f"config: image_token_id={image_id} must lie in [tokenizer vocab {vocab}, model vocab "
                          f"{llm.vocab_size}) so it never collides with a text token ({cfg['tokenizer']})")
-    refuse_untrainable(loader.stream, cfg)  # after the settings that would make every sample drop are said
+    if untrainable := untrainable_sentence(loader.stream, {k: cfg[k] for k in ("seq_len", "max_tiles", "pack", "template")}):
+        raise SystemExit(untrainable)  # after the settings that would make every sample drop are said
     val_loaders, without = {}, []  # each source's own val split: its held-out figures apart (one dataset: its val split)
     for source in mixture.sources(cfg["data_dir"], "val"):
         if source.path.endswith(".tar"):  # a lone tar is train samples only: its "val" would be what trains
@@ -378,18 +363,6 @@ def make_loaders(vlm, cfg, env, rows_per_host, pairs):
     if without and (cfg["eval_interval"] or cfg["final_accuracy_samples"]):
         print0(env, f"val: no held-out figures for {', '.join(without)}: held-out loss is measured on val splits only")
     return loader, val_loaders, stream_args
-
-
-def refuse_untrainable(stream, cfg):
-    """A source none of whose probed samples can train with this run's settings (loader.untrainable_sources) is
-    refused in one sentence: it would draw its share of every batch and train on nothing, to the end."""
-    for source, reasons, n in untrainable_sources(stream):
-        where = f"data_dir {source.path!r}" if len(stream.mixture.sources) == 1 else \
-            f"data_dir source {source.name} ({source.path})"
-        why = ", ".join(f"{reason} {k}" for reason, k in sorted(reasons.items(), key=lambda kv: -kv[1]))
-        raise SystemExit(f"{where}: none of its samples can train with this run's settings (seq_len {cfg['seq_len']}, "
-                         f"max_tiles {cfg['max_tiles']}, pack {cfg['pack']}, template {cfg['template']}): all {n} "
-                         f"probed across it drop ({why}); change the settings or leave the source out")
 
 
 def stop_on_signal(env):
@@ -663,7 +636,7 @@ def train(cfg, env, out, lease):
     torch.manual_seed(cfg["seed"])
     resume_from = resume_point(folders, cfg, env)
     objective = OBJECTIVES[cfg["objective"]]
-    vlm = data_model_config(cfg, resume_from)  # the data is read, and refused, before a model is built
+    vlm = config.data_model_config(cfg, resume_from)  # the data is read, and refused, before a model is built
     loaders = make_loaders(vlm, cfg, env, rows_per_host, objective.pairs) if vlm else None
     raw = add_lora(init_model(cfg, env, resume_from), cfg, env, resuming=resume_from is not None)
     value_raw = rl.load_value_model(cfg, env, raw, chat.Tokenizer(cfg["tokenizer"]), resume_from) \
