@@ -10,6 +10,7 @@ row's answer does not depend on the rows beside it, every rank (under torchrun) 
 one prefill and one decode step per prompt bucket and answer length.
 """
 
+import difflib
 import io
 import json
 import time
@@ -320,13 +321,16 @@ def find(spec, benchmark_dir):
     or 'name=PATH' (a parquet file, or a folder holding the published layout or parquet files)."""
     name, _, path = spec.partition("=")
     if name not in TASKS:
-        raise ValueError(f"unknown benchmark {name!r}; choose from {', '.join(TASKS)}")
+        near = difflib.get_close_matches(name.lower(), TASKS, n=1)
+        raise ValueError(f"unknown benchmark {name!r}{f' (did you mean {near[0]!r}?)' if near else ''}; choose from "
+                         f"{', '.join(TASKS)}")
     task = TASKS[name]
     where = path or storage.join(benchmark_dir, task.dataset.split("/")[1])
     if str(where).endswith(".parquet"):
         files = [where] if storage.exists(where) else []
-    else:
-        files = storage.glob(where, task.files) or storage.glob(where, "*.parquet")
+    else:  # the download's root, the split's own folder (ScienceQA-IMG/ also holds train and validation), or any
+        files = storage.glob(where, task.files) or storage.glob(where, task.files.rsplit("/", 1)[-1]) or \
+            storage.glob(where, "*.parquet")
     if not files:
         raise ValueError(f"{name}: no {task.files} in {where} (download {task.dataset}: docs/training.md "
                          f"\"Benchmarks\"), nor any .parquet file there")
@@ -340,10 +344,12 @@ def parquet_file(path):
 
 
 def check(benchmark):
-    """Each file is parquet and holds the task's columns and an image column."""
+    """Each file is parquet and holds the task's columns and an image column; the files hold a question."""
+    n_rows = 0
     for path in benchmark.files:
         try:
-            names = set(parquet_file(path).schema_arrow.names)
+            parquet = parquet_file(path)
+            names, n_rows = set(parquet.schema_arrow.names), n_rows + parquet.metadata.num_rows
         except Exception as e:  # noqa: BLE001  pyarrow raises several kinds for a file that is not parquet
             raise ValueError(f"{benchmark.name}: {path} is not a readable parquet file ({type(e).__name__}: {e})") \
                 from None
@@ -351,6 +357,8 @@ def check(benchmark):
         if missing:
             raise ValueError(f"{benchmark.name}: {path} lacks the column(s) {', '.join(missing)} that "
                              f"{benchmark.task.dataset} has (it has {', '.join(sorted(names))})")
+    if not n_rows:
+        raise ValueError(f"{benchmark.name}: {', '.join(map(str, benchmark.files))} hold(s) no rows")
 
 
 def read_rows(benchmark, limit=0):
@@ -367,6 +375,9 @@ def read_rows(benchmark, limit=0):
 def image_bytes(row):
     """The image of a row: datasets' Image feature is a struct {bytes, path}; a plain binary column is the bytes."""
     image = row["image"]
+    if isinstance(image, dict) and image.get("bytes") is None and image.get("path"):  # not asked without its image
+        raise ValueError(f"an image is a path ({image['path']}) without its bytes: use the files as published, "
+                         f"images embedded")
     return image.get("bytes") if isinstance(image, dict) else image
 
 
@@ -411,8 +422,8 @@ def batches(questions, env, batch_size, max_seq_len, max_new_tokens):
     XLA every host builds the same global batches and places its own rows."""
     by_bucket, too_long = defaultdict(list), []
     for i, (ids, _) in enumerate(questions):
-        bucket = -(-len(ids) // BUCKET) * BUCKET
-        if bucket >= max_seq_len:
+        bucket = min(-(-len(ids) // BUCKET) * BUCKET, max_seq_len - 1)  # past the end: the last that leaves a token
+        if len(ids) > bucket:
             too_long.append(i)
         elif env.kind == "xla" or i % env.world == env.rank:
             by_bucket[bucket].append(i)
@@ -494,8 +505,11 @@ def run_benchmarks(raw, benchmarks, asker, env, answers_path=None, label=""):
             if env.agree(error is not None):
                 print0(env, f"{label}benchmark {benchmark.name} failed ({error or 'on another rank'}); going on")
                 continue
-            answers = gathered(answers, env)
-            metrics, done = score(benchmark, rows, answers)
+            try:  # after the gather every rank holds the same rows and answers: each fails alike
+                metrics, done = score(benchmark, rows, gathered(answers, env))
+            except Exception as e:  # noqa: BLE001  a row the task cannot score (a null answer) does not stop the run
+                print0(env, f"{label}benchmark {benchmark.name} failed in scoring ({type(e).__name__}: {e}); going on")
+                continue
             scores |= {f"bench/{benchmark.name}/{k}": v for k, v in metrics.items()}
             lines += done
             print0(env, f"{label}{benchmark.name}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())

@@ -486,17 +486,21 @@ def change_effects(saved, mix, old_position, new_position, **grouping):
     old = Mixture([Source(x["name"], x["path"], x["part"], x["weight"], x["repeat"], x["take"]) for x in saved],
                   "train", mix.seed, shuffle_block, **grouping)  # grouping: the same (a resume cannot change it)
     before = {(storage.canonical(x.path), x.part): j for j, x in enumerate(old.sources)}
-    drawn_old, drawn_new = old.counts_before(old_position), mix.counts_before(new_position)
-    def split(order, drawn):  # (drawn, ahead) of the pass under way; one that just ended is under way, none ahead
-        n_pass = max(int(drawn) - 1, 0) // len(order.kept)
-        at = int(drawn) - n_pass * len(order.kept)
-        return set(order.order(n_pass)[:at].tolist()), set(order.order(n_pass)[at:].tolist())
+    # each source's orders (grouped: one a modality) and its draws in each
+    read_old, read_new = old.orders_before(old_position), mix.orders_before(new_position)
+    def split(orders, i):  # (drawn, ahead) of the passes under way; one that just ended is under way, none ahead
+        drawn, ahead = set(), set()
+        for order, n in orders[i]:
+            n_pass = max(n - 1, 0) // len(order.kept)
+            drawn |= set(order.order(n_pass)[: n - n_pass * len(order.kept)].tolist())
+            ahead |= set(order.order(n_pass)[n - n_pass * len(order.kept) :].tolist())
+        return drawn, ahead
 
     out = {}
     for i, source in enumerate(mix.sources):
         k, j = len(mix.orders[i].kept), before.get((storage.canonical(source.path), source.part))
-        ahead = split(mix.orders[i], drawn_new[i])[1]
-        seen = split(old.orders[j], drawn_old[j])[0] if j is not None else set()  # in the saved run's own order
+        ahead = split(read_new, i)[1]
+        seen = split(read_old, j)[0] if j is not None else set()  # in the saved run's own order
         out[source.name] = (len(ahead & seen), k - len(ahead | (seen & set(mix.orders[i].kept.tolist()))), k)
     return out
 

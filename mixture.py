@@ -147,6 +147,9 @@ def positive(value):
 
 
 def make_source(at, path, name, split, weight, repeat, take):
+    if path.endswith((".yaml", ".yml")):  # read as a tar it was a page of tarfile's errors; LLaVA-NeXT refuses it too
+        raise MixtureError(f"{at}: {path} is a mixture file, not a packed dataset: a source of a list or of a "
+                           "LLaVA-NeXT data file is a dataset (only an Energon metadataset nests other files)")
     if weight is not None and repeat is not None:
         raise MixtureError(f"{at}: both a weight and a repeat count; a mixture draws by weight or by repetition")
     weight, repeat = number(weight), number(repeat)
@@ -712,6 +715,13 @@ class Mixture:
         """Each source's draws at global positions [0, position)."""
         return self.grouped.counts_before(position) if self.grouped else self.blend.counts_before(position)
 
+    def orders_before(self, position):
+        """[[(SourceOrder, its draws at positions [0, position))], ...] a source: the orders its samples are read in
+        (grouped: one a modality it has, not self.orders), for what a changed mixture repeats and skips."""
+        if self.grouped:
+            return self.grouped.orders_before(position)
+        return [[(order, int(d))] for order, d in zip(self.orders, self.counts_before(position))]
+
     def source_of(self, sample):
         return int(np.searchsorted(self.ends, sample, side="right"))
 
@@ -757,6 +767,12 @@ class ModalityGroups:
         shares = [0.0 if st is None else st[3] for st in self.streams]
         if 0.0 in shares:
             self.cycle = None  # one modality: every group holds it
+        elif mix.blend.per_epoch is not None:
+            # repetitions: a cycle is a mixture epoch, each modality's groups its samples of an epoch (whole groups,
+            # the last filled up from its next pass), so that an epoch's steps read each sample, fewer than a group
+            # twice (a cycle of GROUP_CYCLE left up to 10% of an epoch's samples unread and as many read twice)
+            counts = [-(-st[1].epoch_len // size) for st in self.streams]
+            self.cycle = Blend(counts, repeats=[1.0, 1.0], seed=mix.seed * 4 + 3)
         else:
             first = min(max(round(shares[0] / sum(shares) * GROUP_CYCLE), 1), GROUP_CYCLE - 1)
             self.cycle = Blend([first, GROUP_CYCLE - first], repeats=[1.0, 1.0], seed=mix.seed * 4 + 3)
@@ -807,6 +823,16 @@ class ModalityGroups:
     def sample_at(self, position):
         g, offset = divmod(position, self.size)
         return int(self.group(g)[offset])
+
+    def orders_before(self, position):
+        """Mixture.orders_before at the start of a group (a step's: where a run stops), a source's draws of each
+        modality in that modality's own order."""
+        before = [position // self.size] if self.cycle is None else self.cycle.counts_before(position // self.size)
+        out = [[] for _ in self.mix.sources]
+        for (members, blend, orders, _), n in zip([st for st in self.streams if st is not None], before):
+            for i, order, drawn in zip(members, orders, blend.counts_before(int(n) * self.size).tolist()):
+                out[i].append((order, drawn))
+        return out
 
     def counts_before(self, position):
         g, offset = divmod(position, self.size)

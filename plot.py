@@ -22,19 +22,31 @@ PANEL_SIZE, DPI, COLUMNS = (4.8, 3.2), 100, 3
 
 
 def read_log(out_dir):
-    """{key: {step: value}} of a run's numbers; a resumed run's later value of a step replaces the earlier one."""
+    """{key: {step: value}} of a run's numbers. A resumed run's lines supersede the earlier run's from the step it
+    went back to: their values at later steps are dropped (the branch it left), at the same step replaced."""
     path = storage.join(out_dir, "log.jsonl")
     if not storage.exists(path):
         raise SystemExit(f"plot: {out_dir}: no log.jsonl there (is it a train.py out_dir?)")
-    series = {}
+    series, last = {}, -math.inf
     for line in storage.read_text(path).splitlines():
         try:
             event = json.loads(line)
         except json.JSONDecodeError:  # a line cut short by a copy: the others still plot
             continue
+        if not isinstance(event, dict) or not isinstance(event.get("step"), int):  # not a line train.py writes
+            continue
+        step = event["step"]
+        if step < last:
+            for values in series.values():
+                for later in [s for s in values if s > step]:
+                    del values[later]
+        last = step
         for key, value in event.items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                series.setdefault(key, {})[event["step"]] = value
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                if math.isfinite(value):
+                    series.setdefault(key, {})[step] = value
+                else:  # a NaN loss: no point, and none left from the earlier run at its step
+                    series.get(key, {}).pop(step, None)
     return series
 
 

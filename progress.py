@@ -112,12 +112,13 @@ class RunClock:
     `passes` names each with (every, at_end, besides) as runs_between counts them) are timed apart. Time left after
     step `it` = steps left x seconds a step + for each pass, its runs from `it` on x its mean cost so far (a pass not
     run yet counts 0), + end() (seconds the run's end waits beyond its passes: the last checkpoint's background
-    write). Seconds a step are measured from the first ETA asked: the steps before it hold start-up and compiles."""
+    write). Seconds a step are measured from the first ETA asked: the steps before it hold start-up and compiles. Steps
+    in `skip` ([(first, end), ...], skip_steps) train nothing and count neither in the steps measured nor in those left."""
 
-    def __init__(self, start_step, max_iters, passes, since=None, end=lambda: 0.0):
+    def __init__(self, start_step, max_iters, passes, since=None, end=lambda: 0.0, skip=()):
         self.loop_t0 = time.perf_counter()
         self.t0 = self.loop_t0 if since is None else since
-        self.start, self.max_iters, self.passes, self.end = start_step, max_iters, passes, end
+        self.start, self.max_iters, self.passes, self.end, self.skip = start_step, max_iters, passes, end, skip
         self.costs = {name: [] for name in passes}
         self.mark = None  # (step, step seconds) at the first ETA
 
@@ -133,15 +134,19 @@ class RunClock:
     def step_seconds(self):
         return time.perf_counter() - self.loop_t0 - sum(sum(c) for c in self.costs.values())
 
+    def trained(self, first, last):
+        """How many of the steps first..last-1 train."""
+        return last - first - sum(max(0, min(end, last) - max(begin, first)) for begin, end in self.skip)
+
     def eta(self, it):
         """Seconds left after step `it` (the passes due at `it` not yet run) to the end of step max_iters's passes."""
         stepped = self.step_seconds()
-        if self.mark is None or it <= self.mark[0]:
+        if self.mark is None or self.trained(self.mark[0], it) <= 0:
             self.mark = self.mark or (it, stepped)
-            per_step = stepped / max(1, it - self.start)
+            per_step = stepped / max(1, self.trained(self.start, it))
         else:
-            per_step = (stepped - self.mark[1]) / (it - self.mark[0])
-        left = (self.max_iters - it) * per_step + self.end()
+            per_step = (stepped - self.mark[1]) / self.trained(self.mark[0], it)
+        left = self.trained(it, self.max_iters) * per_step + self.end()
         for name, schedule in self.passes.items():
             costs = self.costs[name][1:] or self.costs[name]  # the first of several held its compiles (XLA)
             if costs:
@@ -156,9 +161,10 @@ class RunClock:
 class TensorBoard:
     """The log's numbers as TensorBoard scalars (torch's SummaryWriter, tag = the log's key), in out_dir/tensorboard.
     The writer appends to a local folder; upload() copies its event files to out_dir whole, as the log is (a bucket or a
-    Mountpoint for S3 mount cannot append)."""
+    Mountpoint for S3 mount cannot append). A run resumed from step `resumed` writes a new file that hides the earlier
+    files' points after that step (SummaryWriter's purge_step): the branch the resumed run left."""
 
-    def __init__(self, out_dir):
+    def __init__(self, out_dir, resumed=0):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
@@ -166,7 +172,7 @@ class TensorBoard:
                 from None
         self.folder = tempfile.TemporaryDirectory(prefix="llavax-tensorboard-")  # removed with this object
         self.out = storage.join(out_dir, "tensorboard")
-        self.writer = SummaryWriter(self.folder.name)
+        self.writer = SummaryWriter(self.folder.name, purge_step=resumed + 1 if resumed else None)
 
     def add(self, event):
         for key, value in event.items():

@@ -150,7 +150,7 @@ def scanned_offsets(tar_path, count, size):
             if tar.fileobj.read(1024).strip(b"\0") or size < end + 1024:
                 raise DatasetError(f"{tar_path}: truncated: no end-of-archive marker after byte {end}")
     except tarfile.TarError as e:
-        raise DatasetError(f"{tar_path}: not a readable tar ({e})") from None
+        raise DatasetError(f"{tar_path}: not a readable tar ({' '.join(str(e).split())})") from None  # one line
     if ranges:
         ranges[-1][1] = end
     if count not in (None, len(ranges)):

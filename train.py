@@ -385,7 +385,7 @@ def stop_on_signal(env):
     return stop
 
 
-def open_log(out, cfg, env, lease):
+def open_log(out, cfg, env, lease, start=0):
     """(log(event), the log file or None): events go to out_dir/log.jsonl, wandb and TensorBoard (out_dir/tensorboard),
     from the master only. Nothing is appended in out_dir (a bucket cannot append, nor can a Mountpoint for S3 mount):
     the log is appended to a local copy, which replaces out_dir/log.jsonl whole after each event (an upload, or a file
@@ -400,7 +400,7 @@ def open_log(out, cfg, env, lease):
         import wandb
 
         wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"] or None, config=cfg)
-    board = TensorBoard(out) if cfg["tensorboard_log"] and env.master else None
+    board = TensorBoard(out, resumed=start) if cfg["tensorboard_log"] and env.master else None
 
     def write():  # the log (and TensorBoard's files), written under the lease
         storage.upload(log_file.name, shared)
@@ -648,14 +648,15 @@ def train(cfg, env, out, lease):
     checkpointer = Checkpointer(env, cfg, lease)
     start = checkpointer.load(resume_from, model, raw, optimizer, loader, value) if resume_from else 0
     stop = stop_on_signal(env)
-    log, log_file = open_log(out, cfg, env, lease)
+    log, log_file = open_log(out, cfg, env, lease, start)
     poison, poison_weight = injected_faults(env)
     meter = start_meter(raw, cfg, env)
     steps = objective.batches(cfg, env, loader, resume_from, raw, value_raw)
     meter.rows_per_step, meter.completions_per_prompt = steps.rows_per_step, steps.completions_per_prompt
     trainable = [p for m in (raw, value_raw) if m is not None for p in m.parameters() if p.requires_grad]
     batches = iter(loader)
-    clock = RunClock(start, cfg["max_iters"], since=launched, end=lambda: checkpointer.background_s, passes={
+    clock = RunClock(start, cfg["max_iters"], since=launched, end=lambda: checkpointer.background_s,
+                     skip=cfg["skip_steps"], passes={
         "eval": (cfg["eval_interval"] if val_loaders else 0, bool(cfg["eval_interval"] and val_loaders)),
         "bench": (cfg["benchmark_interval"], bool(benchmarks)),
         "ckpt": (cfg["ckpt_interval"], True), "local_ckpt": (cfg["local_ckpt_interval"], False, cfg["ckpt_interval"])})

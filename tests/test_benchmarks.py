@@ -276,6 +276,41 @@ def test_two_ranks_score_as_one(scored, tmp_path):
     assert any(line["score"] for line in one_lines) and not all(line["score"] for line in one_lines)
 
 
+XLA_SCORE = """
+import json, sys
+import torch_xla.debug.metrics as met
+import score
+compiles = []
+for _ in range(2):
+    score.main(sys.argv[1:])
+    compiles.append(met.metric_data("CompileTime")[0])
+print(json.dumps(compiles))
+"""
+
+
+@pytest.mark.full  # four CPU devices compile each prompt bucket and answer length: about a minute
+def test_xla_answers_as_cpu_and_a_second_pass_compiles_nothing(scored, tmp_path):
+    """score.py under torch_xla SPMD (4 CPU devices, a global batch of 4 questions) gives the CPU eager run's answers
+    and scores; a second pass in the same process compiles nothing new."""
+    from conftest import XLA_CPU
+
+    ckpt, bench_dir = scored
+    common = ["--ckpt", str(ckpt), "--benchmarks", "mme", "pope", "scienceqa_img", "chartqa", "--benchmark-dir",
+              str(bench_dir), "--batch-size", "4"]
+    cpu = subprocess.run([sys.executable, str(ROOT / "score.py"), *common, "--device", "cpu", "--out",
+                          str(tmp_path / "cpu.jsonl")], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert cpu.returncode == 0, cpu.stderr[-3000:]
+    xla = subprocess.run([sys.executable, "-c", XLA_SCORE, *common, "--device", "xla", "--out",
+                          str(tmp_path / "xla.jsonl")], capture_output=True, text=True, cwd=ROOT, timeout=900,
+                         env=os.environ | XLA_CPU)
+    assert xla.returncode == 0, xla.stderr[-3000:]
+    said = xla.stdout.strip().splitlines()
+    first, second = json.loads(said[-1])
+    assert first > 0 and second == first, (first, second)
+    assert json.loads(said[-2]) == json.loads(cpu.stdout.strip().splitlines()[-1])
+    assert (tmp_path / "xla.jsonl").read_text() == (tmp_path / "cpu.jsonl").read_text()
+
+
 def test_missing_or_malformed_benchmark_file_is_one_sentence(scored, tmp_path, shapes_data):
     """Before anything trains (no out_dir made): a benchmark whose files are not there, a file that is not parquet,
     one that lacks a column the task reads."""
@@ -295,6 +330,68 @@ def test_missing_or_malformed_benchmark_file_is_one_sentence(scored, tmp_path, s
         benchmarks.open_benchmarks([f"chartqa={bench_dir / 'POPE/data/test-00000-of-00001.parquet'}"], tmp_path)
     with pytest.raises(SystemExit, match="unknown benchmark 'mmmu'"):
         benchmarks.open_benchmarks(["mmmu"], tmp_path)
+
+
+def test_a_split_folder_reads_its_split_a_near_name_is_suggested_and_an_empty_file_is_a_sentence(tmp_path):
+    """A `name=FOLDER` entry naming the split's own folder (ScienceQA-IMG/, MMBench's en/, as published beside train,
+    validation and test files) reads the evaluated split alone; a misspelt name gets the nearest; a path-only image is
+    an error, not a question asked without its image."""
+    import shutil
+
+    root = write_benchmarks(tmp_path / "b", n=2)
+    for folder, split, others in (("ScienceQA/ScienceQA-IMG", "test", ("train", "validation")), ("MMBench/en", "dev",
+                                                                                                     ("test",))):
+        for other in others:
+            shutil.copy(root / folder / f"{split}-00000-of-00001.parquet", root / folder / f"{other}-00000-of-00001.parquet")
+    assert [p.name for p in benchmarks.find(f"scienceqa_img={root / 'ScienceQA/ScienceQA-IMG'}", root).files] == \
+        ["test-00000-of-00001.parquet"]
+    assert [p.name for p in benchmarks.find(f"mmbench_en_dev={root / 'MMBench/en'}", root).files] == \
+        ["dev-00000-of-00001.parquet"]
+    for wrong, near in (("mmee", "mme"), ("MMStar", "mmstar"), ("scienceqa", "scienceqa_img")):
+        with pytest.raises(SystemExit, match=f"unknown benchmark '{wrong}' \\(did you mean '{near}'\\?\\); choose from"):
+            benchmarks.open_benchmarks([wrong], root)
+    import pandas as pd
+
+    pd.read_parquet(root / "POPE/data/test-00000-of-00001.parquet").iloc[:0].to_parquet(tmp_path / "empty.parquet")
+    with pytest.raises(SystemExit, match=r"^benchmarks: pope: .*empty.parquet hold\(s\) no rows$"):
+        benchmarks.open_benchmarks([f"pope={tmp_path / 'empty.parquet'}"], root)
+    with pytest.raises(ValueError, match="x.jpg"):
+        benchmarks.image_bytes({"image": {"bytes": None, "path": "x.jpg"}})
+    assert benchmarks.image_bytes({"image": None}) is None  # a text-only row (ScienceQA-FULL's)
+
+
+def test_a_prompt_that_fits_is_asked_and_a_longer_one_is_not():
+    """A prompt whose length bucket would pass max_seq_len is still asked (its bucket ends a token before the end);
+    only one that leaves no room for an answer token is scored unanswered."""
+    from types import SimpleNamespace
+
+    env = SimpleNamespace(kind="cpu", world=1, rank=0)
+    lengths = [65, 99, 100, 150, 30]
+    planned, too_long = benchmarks.batches([([0] * n, None) for n in lengths], env, 4, 100, 16)
+    assert too_long == [2, 3]
+    assert sorted(i for _, _, numbers in planned for i in numbers) == [0, 1, 4]
+    assert all(bucket + new <= 100 and new >= 1 and all(lengths[i] <= bucket for i in numbers)
+               for bucket, new, numbers in planned)
+
+
+def test_a_benchmark_whose_rows_cannot_be_scored_is_a_line(tmp_path, monkeypatch, capsys):
+    """A row the task cannot score (a null answer) fails its benchmark as one line; the next is still scored."""
+    import pandas as pd
+
+    import config
+    from parallel import Env
+
+    root = write_benchmarks(tmp_path / "b", n=4)
+    table = pd.read_parquet(root / "POPE/data/test-00000-of-00001.parquet")
+    table.loc[1, "answer"] = None
+    table.to_parquet(tmp_path / "pope.parquet")
+    monkeypatch.setattr(benchmarks, "answer_all", lambda raw, asker, env, bench, rows: (dict.fromkeys(range(len(rows)),
+                                                                                                       "Yes"), 0))
+    found = benchmarks.open_benchmarks([f"pope={tmp_path / 'pope.parquet'}", "mme"], root)
+    asker = benchmarks.Asker(None, "vicuna_v1", "pad", 4)
+    scores = benchmarks.run_benchmarks(torch.nn.Linear(1, 1), found, asker, Env(config.DEFAULTS | {"device": "cpu"}))
+    assert "benchmark pope failed in scoring (AttributeError" in capsys.readouterr().out
+    assert set(scores) == {"bench/mme/perception"}  # its 4 questions: existence and OCR
 
 
 def test_a_failing_benchmark_is_a_line_and_the_run_goes_on(scored, tmp_path, shapes_data):

@@ -193,6 +193,25 @@ def test_a_cycle_of_metadatasets_is_one_sentence(two, tmp_path):
     assert len(said) == 1 and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
 
 
+def test_a_mixture_file_as_a_source_of_a_list_or_a_data_yaml_is_one_sentence(two, tmp_path):
+    """A LLaVA-NeXT data file that names itself (or any .yaml among its datasets, or a list's) is no dataset: one
+    sentence, in train's check and in the audit (which read it as a tar: a page of tarfile's errors)."""
+    (tmp_path / "next.yaml").write_text(f"datasets:\n  - path: next.yaml\n  - path: {two[0]}\n")
+    with pytest.raises(MixtureError, match="datasets\\[0\\]: .*next.yaml is a mixture file, not a packed dataset"):
+        mixture.sources(str(tmp_path / "next.yaml"))
+    with pytest.raises(MixtureError, match="data_dir\\[1\\]: .*next.yaml is a mixture file"):
+        mixture.sources([str(two[0]), str(tmp_path / "next.yaml")])
+    import data
+
+    byte_tokenizer(tmp_path / "tok")
+    (tmp_path / "x.json").write_text("[]")
+    for data_dir in (str(tmp_path / "next.yaml"), [str(two[0]), str(tmp_path / "x.json")]):
+        (tmp_path / "cfg.py").write_text(f"data_dir = {data_dir!r}\ntokenizer = {str(tmp_path / 'tok/tokenizer.json')!r}\n")
+        with pytest.raises(SystemExit) as e:
+            data.main(["audit", "--config", str(tmp_path / "cfg.py")])
+        assert isinstance(e.value.code, str) and "\n" not in e.value.code, e.value.code
+
+
 def test_a_list_that_is_no_literal_on_the_command_line_is_one_sentence():
     with pytest.raises(SystemExit) as e:
         config.parse(["--data_dir=[{'path': 'a', 'weight': float('inf')}, 'b']"], config.DEFAULTS)
@@ -249,6 +268,18 @@ def test_grouped_steps_hold_one_modality_and_the_mixtures_shares(modal, spec):
         assert mix.counts_before(p).tolist() == np.bincount(sources[:p], minlength=2).tolist()
     again = Mixture(data_dir, seed=2, group=G)  # a stream re-created at a position reads what it read
     assert [again.sample_at(p) for p in range(n - 1, 3 * G, -37)] == drawn[n - 1 : 3 * G : -37].tolist()
+
+
+@pytest.mark.parametrize("G", [12, 20])
+def test_grouped_steps_of_a_repeat_mixture_read_each_sample_once_an_epoch(modal, G):
+    """LLaVA-NeXT's grouped sampler permutes an epoch: each sample once. Grouped steps of a repeat-1 mixture read
+    every kept sample in the epoch's steps, the few read twice only where a modality's last group is filled up."""
+    mix = Mixture([{"path": str(p), "repeat": 1} for p in modal], seed=2, group=G)
+    per_group = [mix.grouped.streams[m][1].epoch_len for m in (0, 1)]  # each modality's samples an epoch
+    steps = sum(-(-n // G) for n in per_group)
+    drawn = [mix.sample_at(p) for p in range(steps * G)]
+    assert set(drawn) == set(range(len(mix.index)))
+    assert len(drawn) - len(set(drawn)) == sum(-(-n // G) * G - n for n in per_group) < 2 * G
 
 
 def test_grouped_stream_resumes_bit_for_bit_on_another_world_size(modal, tmp_path):

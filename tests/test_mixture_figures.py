@@ -51,9 +51,10 @@ RUN = ["--pack=4", "--batch_size=8", "--micro_batch_size=8", "--seq_len=48", "--
        "--num_workers=2", "--eval_interval=4", "--eval_iters=1", "--ckpt_interval=0", "--final_accuracy_samples=0"]
 
 
-def stream_of(spec, shapes, rank=0, world=1, rows=8):
+def stream_of(spec, shapes, rank=0, world=1, rows=8, group=0):
     return ShardStream(spec, shapes / "tokenizer.model", batch_size=rows, seq_len=48, image_size=28,
-                       image_token_id=512, n_image_tokens=4, template="llama_3", pack=4, rank=rank, world_size=world)
+                       image_token_id=512, n_image_tokens=4, template="llama_3", pack=4, rank=rank, world_size=world,
+                       group=group)
 
 
 def decoded_figures(batches, stream):
@@ -252,6 +253,27 @@ def test_a_changed_mixture_says_what_its_epoch_repeats_and_skips_or_restarts_it(
     again = Loader(stream_of(new, shapes), mixture_change="restart_epoch")
     again.load_state_dict(restarted.state_dict())
     assert read_samples(again, 2) == read_samples(restarted, 2) and restarted.state_dict()["origin"] == 96
+
+
+def test_a_changed_grouped_mixture_counts_its_repeats_and_skips_in_the_order_it_reads(four, capsys):
+    """group_by_modality_length reads each source's samples of a modality in an order of their own, not the
+    ungrouped one: the repeats and skips the log says are counted in it (shapes' were off by chance before)."""
+    spec, shapes = four
+    old, new = repeat_spec(spec, ("alpha", "shapes")), repeat_spec(spec, ("alpha", "gamma", "shapes"))
+    before = Loader(stream_of(old, shapes, group=32))
+    seen = {identity(before.stream, s) for s in read_samples(before, 3)}
+    went_on = Loader(stream_of(new, shapes, group=32))
+    went_on.load_state_dict(before.state_dict(), allow_new_data=True)
+    said = capsys.readouterr().err
+    mix = went_on.stream.mixture
+    ahead = [identity(went_on.stream, s) for s in read_samples(went_on, 40)]
+    for i, name in enumerate(mix.names()):  # each source's pass under way: its next draws until it ends
+        kept = {identity(went_on.stream, mix.bases[i] + int(k)) for k in mix.orders[i].kept}
+        left = len(kept) - int(mix.counts_before(96)[i]) % len(kept)
+        mine = [x for x in ahead if x in kept]
+        assert len(mine) >= left
+        repeats, skips = len(set(mine[:left]) & seen), len(kept - set(mine[:left]) - seen)
+        assert f"{name} will repeat {repeats} and skip {skips} of its {len(kept)}" in said, said
 
 
 def test_mixture_change_is_a_config_key_train_py_uses(four, tmp_path):

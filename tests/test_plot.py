@@ -101,3 +101,16 @@ def test_what_cannot_be_plotted_is_one_sentence(runs, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # as where matplotlib is not installed
     with pytest.raises(SystemExit, match=r"^plot: needs matplotlib \(pip install matplotlib\)$"):
         plot.main([str(runs[0])])
+
+
+def test_a_resumed_run_plots_the_branch_it_kept(tmp_path):
+    """A run that went on to step 20, resumed from its step-10 checkpoint (at a longer log interval, its first line a
+    NaN loss), then cut short: the curve is steps 2-10 of the first run and the resumed run's after, with no point of
+    the branch it left; lines that are not train.py's (JSON but no object, no step) are passed over."""
+    first = [{"step": s, "loss": 10.0 - s / 10, "grad_norm": 1.0} for s in range(2, 22, 2)]
+    resumed = [{"step": 12, "loss": float("nan")}] + [{"step": s, "loss": 5.0 - s / 10} for s in range(16, 30, 4)]
+    lines = [json.dumps(e) for e in first + resumed] + ["[1, 2]", '{"loss": 1.0}', '{"step": 30, "lo']
+    (tmp_path / "log.jsonl").write_text("\n".join(lines))
+    loss = plot.read_log(tmp_path)["loss"]
+    assert loss == {s: 10.0 - s / 10 for s in range(2, 12, 2)} | {s: 5.0 - s / 10 for s in range(16, 30, 4)}
+    plot.main([str(tmp_path), "--out", str(tmp_path / "x.png")])

@@ -136,6 +136,20 @@ def test_eta_adds_steps_left_and_each_pass_by_its_measured_cost(monkeypatch):
     assert run.elapsed() == pytest.approx(30 + 30 + 50 + 5 + 5 + 2)
 
 
+def test_eta_leaves_out_skipped_steps(monkeypatch):
+    """skip_steps [(20, 30), (50, 80)] of a resumed run (from step 10) to 100: steps of 1 s, the skipped ones ~free;
+    at step 40 the steps left are the 30 of 40-49 and 80-99 that train, measured at 1 s each."""
+    clock = FakeClock()
+    monkeypatch.setattr(progress.time, "perf_counter", clock)
+    run = RunClock(10, 100, {}, skip=[(20, 30), (50, 80)])
+    clock.now += 5  # steps 10-14
+    assert run.eta(15) == pytest.approx(75 * 1 - 30)
+    clock.now += 5  # 15-19; 20-29 skipped
+    clock.now += 10  # 30-39
+    assert run.eta(40) == pytest.approx(30 * 1)
+    assert run.trained(0, 100) == 60
+
+
 # -----------------------------------------------------------------------------
 # a real run: its ETA against its own clock, TensorBoard's files
 
@@ -216,6 +230,23 @@ def test_tensorboard_holds_the_logged_numbers(eta_run):
         logged = {e["step"]: e[key] for e in run_log(eta_run, key)}
         read = {s.step: s.value for s in board.Scalars(key)}
         assert read.keys() == logged.keys() and all(read[s] == pytest.approx(logged[s], rel=1e-6) for s in read)
+
+
+def test_tensorboard_of_a_resumed_run_hides_the_branch_it_left(tmp_path):
+    """A run logged to step 20, resumed from its step-10 checkpoint: TensorBoard reads steps 2-10 of the first and the
+    resumed run's after, not the first run's 12-20."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for resumed, steps, base in ((0, range(2, 22, 2), 100.0), (10, range(14, 30, 4), 0.0)):
+        board = TensorBoard(tmp_path, resumed=resumed)
+        for step in steps:
+            board.add({"step": step, "loss": base + step})
+        board.upload()
+        board.writer.close()
+    read = EventAccumulator(str(tmp_path / "tensorboard"))
+    read.Reload()
+    assert [(s.step, s.value) for s in read.Scalars("loss")] == \
+        [(s, 100.0 + s) for s in range(2, 12, 2)] + [(s, float(s)) for s in range(14, 30, 4)]
 
 
 def test_tensorboard_in_a_bucket_and_without_the_package(s3_bucket, tmp_path, monkeypatch):
