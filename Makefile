@@ -25,9 +25,10 @@ lint: setup
 
 SHAPES := data/shapes
 
-# the embedded default: draw the shapes data, then train a small VLM from scratch on the CPU
+# the embedded default: draw the shapes data, then train a small VLM from scratch on the CPU. A draw that was stopped
+# (no .info.json) is drawn again: --overwrite removes only what data.py shapes wrote, and refuses a folder of other files
 demo: setup
-	@test -f $(SHAPES)/shards/.nv-meta/.info.json || $(PY) data.py shapes --out $(SHAPES) --n 20000
+	@test -f $(SHAPES)/shards/.nv-meta/.info.json || $(PY) data.py shapes --out $(SHAPES) --n 20000 --overwrite
 	$(PY) train.py configs/shapes.py
 
 clean:

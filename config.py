@@ -27,10 +27,12 @@ from loader import sample_conversation
 from lora import LoRAConfig
 from hf_config import HF_ARCHITECTURES, llava_config
 from losses import DPO_LOSSES
-from model_config import VLMConfig, vlm_preset
+from model_config import VLM_PRESETS, VLMConfig, vlm_preset
 from parallel import ATTENTION, PALLAS, pallas_refusal
 from mixture import MixtureError
 from shards import DatasetError, parse_members, sample_offsets, shard_files
+
+_IMPORTED = set(globals())  # the names above are no keys (a dict imported here would otherwise become one)
 
 # -----------------------------------------------------------------------------
 # a run's typed defaults; configs/*.py and --key=value may change only these keys
@@ -170,7 +172,8 @@ ppo_clip = 0.2  # the policy ratio's clip
 ppo_clip_value = 0.2  # the value's clip around its old estimate
 ppo_vf_coef = 0.1  # the value loss's weight
 ppo_value_lr = 0.0  # the value model's peak learning rate (on the same schedule); 0: lr, as TRL's one optimizer
-DEFAULTS = {k: v for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, str, list, dict))}
+DEFAULTS = {k: v for k, v in globals().items()
+            if k not in _IMPORTED and not k.startswith("_") and isinstance(v, (int, float, str, list, dict))}
 
 
 def parse(argv, defaults):
@@ -181,7 +184,9 @@ def parse(argv, defaults):
         arg = args.pop(0)
         if arg.startswith("--"):
             key, eq, raw = arg[2:].partition("=")
-            if not eq and args and not args[0].startswith("--"):  # --key value, as argparse users type it
+            if not eq and isinstance(defaults.get(key), bool) and not (args and args[0].lower() in BOOLEANS):
+                raw = "True"  # a boolean flag alone (--compile), as argparse's store_true
+            elif not eq and args and not args[0].startswith("--"):  # --key value, as argparse users type it
                 raw = args.pop(0)
                 arg = f"--{key}={raw}"
             elif not eq:
@@ -195,9 +200,20 @@ def parse(argv, defaults):
                 if key.startswith("_") or callable(value) or type(value).__name__ == "module":
                     continue
                 if key not in cfg:
-                    raise SystemExit(f"config: unknown key {key!r} in {arg}{nearest(key, cfg)}")
-                cfg[key] = _typed(key, value, defaults[key])
+                    raise SystemExit(f"config: unknown key {key!r} in {arg}:{line_of(arg, key)}{nearest(key, cfg)}")
+                try:
+                    cfg[key] = _typed(key, value, defaults[key])
+                except SystemExit as e:
+                    raise SystemExit(f"{e} in {arg}:{line_of(arg, key)}") from None
     return cfg
+
+
+def line_of(path, name):
+    """The line of config file `path` that last assigns or imports `name` ('?' if none can be found)."""
+    lines = [node.lineno for node in ast.walk(ast.parse(Path(path).read_text()))
+             if isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, ast.Store) or
+             isinstance(node, ast.alias) and (node.asname or node.name) == name]
+    return max(lines, default="?")
 
 
 BOOLEANS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
@@ -360,6 +376,9 @@ def check_objective(cfg):
 
 def model_config(cfg):
     """The VLMConfig that init_from='scratch' builds: the preset `model` with `model_overrides` merged in."""
+    if cfg["model"] not in VLM_PRESETS:
+        raise SystemExit(f"config: model {cfg['model']!r} is no preset{nearest(cfg['model'], VLM_PRESETS)} (the "
+                         f"presets: {', '.join(VLM_PRESETS)})")
     try:
         return vlm_preset(cfg["model"]).with_overrides(cfg["model_overrides"])
     except (ValueError, TypeError) as e:
@@ -386,17 +405,25 @@ def load_config(argv):
 
 
 def described_keys():
-    """[(group, key, its comment's first line)] in this file's order, a group being the first line of the comment
-    that opens a block of keys (up to its colon or parenthesis)."""
+    """[(group, key, its comment's first line)] in this file's order (described_notes has the longer comments)."""
+    return [(group, key, comment) for group, key, comment, _ in described_notes()]
+
+
+def described_notes():
+    """[(group, key, its comment, note)] in this file's order. A one-line comment between keys opens a group (its
+    name: up to its colon or parenthesis); a longer one is a note on the key below it (its lines, for help)."""
     source = Path(__file__).read_text()
     block = source[source.index("# a run's typed defaults"):source.index("\nDEFAULTS = ")].splitlines()[1:]
-    group, after_code, found = "", False, []
+    group, comments, found = "", [], []
     for line in block:
-        if line.startswith("# ") and after_code or not found and line.startswith("# "):
-            group = re.split(r"[:(]", line[2:])[0].strip()
+        if line.startswith("# "):
+            comments.append(line)
+            continue
+        if len(comments) == 1 or not found and comments:
+            group = re.split(r"[:(]", comments[0][2:])[0].strip()
         if m := re.match(r"(\w+) = .*?(?:  # (.*))?$", line):
-            found.append((group, m.group(1), m.group(2) or ""))
-        after_code = bool(line) and not line.startswith("#")
+            found.append((group, m.group(1), m.group(2) or "", comments if len(comments) > 1 and found else []))
+        comments = [] if line else comments
     return found
 
 
@@ -406,13 +433,15 @@ def help_text(argv):
     cfg = parse(argv, DEFAULTS)
     lines = ["usage: python train.py [CONFIG.py ...] [--key=value | --key value ...]",
              "Config files (Python files of `key = value` lines, configs/*.py) and flags apply in order; each value keeps "
-             "its default's type (booleans also take true/false/yes/no/1/0). The keys, from config.py"
+             "its default's type (booleans also take true/false/yes/no/1/0, or --flag alone for True). The keys, from "
+             "config.py"
              + (f", as {' '.join(argv)} sets them (* changed):" if argv else ":")]
     group = None
-    for where, key, comment in described_keys():
+    for where, key, comment, note in described_notes():
         if where != group:
             group = where
             lines.append(f"\n{where}")
+        lines += [f"   {line}" for line in note]
         shown = repr(cfg[key])
         shown = shown if len(shown) <= 48 else shown[:45] + "..."
         mark = "*" if argv and cfg[key] != DEFAULTS[key] else " "

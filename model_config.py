@@ -349,6 +349,9 @@ def vlm_preset(name):
     if name == "bench":  # TinyLlama-shaped LLM + ViT-L/14-336, the target of bench.py
         llm = LlamaConfig(**{**asdict(LLM_PRESETS["tinyllama-1.1b"]), "vocab_size": 32064})
         return VLMConfig(vision=VIT_PRESETS["clip-vit-l-336"], llm=llm, image_token_id=32000)
-    raise ValueError(f"unknown VLM preset {name!r}; known: debug, llava-1.5-7b, llava-1.5-13b, llava-llama3-8b, "
-                     "llava-interleave-qwen-0.5b, llava-next-vicuna-7b, llava-next-mistral-7b, "
-                     "llava-onevision-qwen2-7b, llava-onevision-qwen2-0.5b, nanovlm-460m, onevision-qwen3-8b, bench")
+    raise ValueError(f"unknown VLM preset {name!r}; known: {', '.join(VLM_PRESETS)}")
+
+
+VLM_PRESETS = ("debug", "llava-1.5-7b", "llava-1.5-13b", "llava-llama3-8b", "llava-interleave-qwen-0.5b",
+               "llava-next-vicuna-7b", "llava-next-mistral-7b", "llava-onevision-qwen2-7b", "llava-onevision-qwen2-0.5b",
+               "nanovlm-460m", "onevision-qwen3-8b", "bench")  # vlm_preset's names

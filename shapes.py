@@ -9,6 +9,7 @@ into shards by pack.pack, with a sentencepiece tokenizer trained on the text.
 """
 
 import json
+import re
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -19,7 +20,7 @@ from tqdm import tqdm
 
 import storage
 from chat import IMAGE_TAG, TEMPLATES
-from pack import pack
+from pack import OUR_FILES, pack
 from shards import log
 
 COLORS = {"red": (220, 40, 40), "green": (30, 160, 60), "blue": (40, 80, 220), "yellow": (235, 200, 30),
@@ -127,23 +128,41 @@ def train_tokenizer(texts, out_prefix, vocab_size):
         hard_vocab_limit=False, num_threads=1, minloglevel=2)
 
 
-# what make_shapes writes into out that a user would lose (the images are drawn again from the seed)
-OUTPUTS = ("shards", "preference", "tokenizer.model", "shapes.json")
+# what make_shapes writes into out; anything else there is someone's own, which shapes neither replaces nor removes
+OUTPUTS = ("shards", "preference", "tokenizer.model", "tokenizer.vocab", "shapes.json", "preference.json", "images")
+DRAWN = re.compile(r"\d{6}(-[01])?\.png")  # the images' names
 
 
 def clear_shapes(out, overwrite):
-    """Refuse an out that already holds a shapes dataset (pack refuses likewise) unless overwrite; then remove it,
-    each dataset's .info.json first, so that an interrupted removal never leaves one that looks finished."""
-    found = [name for name in storage.ls(out) if name in OUTPUTS]
+    """Refuse an out that already holds a shapes dataset (pack refuses likewise) unless overwrite, and one that holds
+    anything make_shapes does not write, even with overwrite: shards without shapes.json (pack's, not ours), an image
+    of another name. Then remove what make_shapes wrote, each dataset's .info.json first, so that an interrupted
+    removal never leaves one that looks finished."""
+    found = storage.ls(out)
+    foreign = [name for name in found if name not in OUTPUTS]
+    for name in {"shards", "preference"} & set(found):
+        inside = storage.ls(storage.join(out, name))
+        foreign += [f"{name}/{f}" for f in inside if f != ".nv-meta" and not OUR_FILES.match(f)]
+        foreign += [] if "shapes.json" in found else [f"{name} (a dataset beside no shapes.json)"]
+    if "images" in found and not storage.is_url(out):
+        images = Path(out, "images")
+        foreign += [f"images/{f.name}" for f in images.iterdir() if not DRAWN.fullmatch(f.name)] \
+            if images.is_dir() and not images.is_symlink() else ["images (not a folder of its own)"]
+    if foreign:
+        raise SystemExit(f"shapes: {out} holds what the shapes demo does not write ({', '.join(sorted(foreign)[:3])}"
+                         f"{', ...' if len(foreign) > 3 else ''}); it writes only into an empty folder or its own: "
+                         "choose another --out")
     if found and not overwrite:
         raise SystemExit(f"shapes: {out} already holds a shapes dataset ({', '.join(found)}); pass --overwrite to "
                          "replace it, or choose another --out")
     for name in found:
         if name in ("shards", "preference"):
             storage.rm(storage.join(out, name, ".nv-meta", ".info.json"))
-        storage.rm(storage.join(out, name), recursive=True)
-    if found and not storage.is_url(out):
-        storage.rm(Path(out, "images"), recursive=True)  # another --n or --images leaves others behind
+        if name == "images" and not storage.is_url(out):
+            for image in Path(out, "images").iterdir():  # another --n or --images leaves others behind
+                image.unlink()
+        else:
+            storage.rm(storage.join(out, name), recursive=True)
 
 
 def make_shapes(out, n=20000, seed=0, val_fraction=0.1, image_size=48, vocab_size=512, turns=1, images=1,

@@ -750,9 +750,8 @@ def train(cfg, env, out, lease):
             log({"step": it} | final_accuracy(raw, streams, stream_args, env, cfg))
         if bench_scores:
             print0(env, f"step {it}: benchmarks: {summary(bench_scores)}")
-        done, marker = storage.join(out, "DONE"), json.dumps({"step": it, "elapsed_s": clock.elapsed()})
-        # the babysitter's completion marker, written only while the lease is ours; elapsed_s: the end ETAs aimed at
-        if env.master and not lease.fenced(done, lambda: storage.write_text(done, marker)):
+        done = storage.join(out, "DONE")  # the babysitter's completion marker, written only while the lease is ours
+        if env.master and not lease.fenced(done, lambda: storage.write_text(done, json.dumps({"step": it}))):
             raise SystemExit(f"step {it}: out_dir was taken over by {lease.lost}; this run writes nothing more there "
                              f"(it is not marked DONE)")
     if log_file:

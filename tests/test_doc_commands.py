@@ -183,6 +183,50 @@ def test_shapes_refuses_a_folder_that_holds_a_shapes_dataset_unless_overwrite(tm
     assert sum(json_counts(out / "shards").values()) == 10
 
 
+def test_shapes_never_touches_a_folder_of_other_files_even_with_overwrite(tmp_path):
+    """Someone's own data given as --out (a LLaVA JSON and its images; shards pack made, with their tokenizer) is
+    refused, --overwrite or not, and not a byte of it changes: shapes writes only into an empty folder or its own."""
+    import data
+
+    mine, packed = tmp_path / "mine", tmp_path / "packed"
+    (mine / "images").mkdir(parents=True)
+    (mine / "images" / "000000.png").write_bytes(b"a photo")  # the name a draw's first image has
+    (mine / "images" / "cat.jpg").write_bytes(b"a cat")
+    (mine / "data.json").write_text("[]")
+    (packed / "shards").mkdir(parents=True)
+    (packed / "shards" / "shard-000000.tar").write_bytes(b"a shard")  # pack's name, not the shapes demo's
+    (packed / "tokenizer.model").write_bytes(b"a tokenizer")
+    for out in (mine, packed):
+        before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+        for overwrite in ([], ["--overwrite"]):
+            with pytest.raises(SystemExit) as e:
+                data.main(["shapes", "--out", str(out), "--n", "10", *overwrite])
+            said = str(e.value)
+            assert said.startswith(f"shapes: {out} holds what the shapes demo does not write (") and "\n" not in said
+            assert before == {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}, said
+
+
+def test_make_demo_draws_again_a_draw_that_was_stopped(tmp_path):
+    """make demo after a draw stopped before its .info.json (Ctrl-C while packing) draws it again: without
+    --overwrite, shapes would refuse the folder the stopped draw left, and make demo would stop there every time."""
+    import data
+
+    for name in ("Makefile", "requirements.txt", "requirements-dev.txt"):
+        shutil.copy2(ROOT / name, tmp_path / name)  # mtimes kept: setup is up to date
+    (tmp_path / ".venv").symlink_to(ROOT / ".venv")
+    shapes = tmp_path / "data" / "shapes"
+    data.main(["shapes", "--out", str(shapes), "--n", "12"])
+    (shapes / "shards" / ".nv-meta" / ".info.json").unlink()
+    py = tmp_path / "py"  # data.py shapes, shortened (the last --n counts); train.py not run
+    py.write_text(f'#!/bin/sh\n[ "$1" = data.py ] || exit 0\nshift\n'
+                  f'exec {ROOT / ".venv/bin/python"} {ROOT / "data.py"} "$@" --n 10\n')
+    py.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}
+    r = subprocess.run(["make", "demo", f"PY={py}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sum(json_counts(shapes / "shards").values()) == 10 and len(list((shapes / "images").iterdir())) == 10
+
+
 def test_make_setup_asks_no_package_index_when_everything_is_installed(tmp_path):
     """`make demo` works offline once its packages are installed: setup's recipe, run because the requirements are
     newer than .venv's stamp, asks the index nothing (a local server stands in for it and counts the requests; pip
