@@ -143,8 +143,8 @@ def open_container(source):
 
 def dropped(error, reason, detail=""):
     """VideoDropped(reason) for an FFmpeg error, or MemoryError for one under the memory cap: FFmpeg's ENOMEM, the
-    EAGAIN of a thread it could not start (swscale's threads need stacks), or any error while the process maps more
-    than three quarters of what the cap allows it (H.264's decoder reports a refused allocation as bad data). Called
+    EAGAIN of a thread it could not start (swscale's threads need stacks), or any error while the process maps near
+    the cap (near_the_cap) (H.264's decoder reports a refused allocation as bad data). Called
     while the container is open, before its buffers are freed."""
     import av
 
@@ -258,7 +258,10 @@ def limit_memory(extra_bytes):
 
 
 def near_the_cap():
-    return memory_cap is not None and mapped_bytes() >= memory_cap[0] + 0.75 * memory_cap[1]
+    """Mapped within a quarter of the allowance of the cap, or within 64 MB (a refused allocation's size is not known:
+    a 4K frame's buffers are tens of MB, so under a small cap the mapped size alone can sit well below it)."""
+    return memory_cap is not None and \
+        mapped_bytes() >= memory_cap[0] + memory_cap[1] - max(0.25 * memory_cap[1], 64 << 20)
 
 
 def message(header, blobs=()):
