@@ -28,6 +28,7 @@ from parallel import autocast, gathered_for_generation, print0
 from progress import progress
 
 BUCKET = 64  # prompts are left-padded to a multiple of this many tokens
+STOP_EVERY = 16  # XLA: every this many answer tokens, stop when every row has ended (not all max_new_tokens)
 REASONING_TAGS = (("<think>", "</think>"), ("<analysis>", "</analysis>"))  # `lmms-eval eval`'s --reasoning_tags
 
 
@@ -449,7 +450,7 @@ def answer_batch(raw, asker, env, questions, bucket, new_tokens, stop):
         ids, mask, pixels = ids.to(env.device), mask.to(env.device), pixels.to(env.device)
     with autocast(env):
         out = raw.generate(ids, normalize_images(pixels, *raw.cfg.vision.image_stats), max_new_tokens=new_tokens,
-                           eos_id=stop, attention_mask=mask, static=env.kind == "xla",
+                           eos_id=stop, attention_mask=mask, static=env.kind == "xla", stop_every=STOP_EVERY,
                            after_token=env.step_end if env.kind == "xla" else None)
     return (env.to_host(out) if env.kind == "xla" else out.cpu()).tolist()[: len(questions)]
 

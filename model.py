@@ -574,7 +574,7 @@ class VLM(nn.Module):
     @torch.no_grad()
     def generate(self, input_ids, pixel_values=None, max_new_tokens=32, temperature=0.0, top_p=1.0,
                  eos_id=None, generator=None, attention_mask=None, image_index=None, image_weight=None, suppress=None,
-                 static=False, after_token=None):
+                 static=False, after_token=None, stop_every=0):
         """New tokens (B, <= max_new_tokens) after the prompts; greedy when temperature == 0. Prompts of
         different lengths come left-padded with attention_mask (B, T) 0 at the padding (see left_pad), as
         HF's generate takes them. Rows that reached eos_id keep emitting eos_id until every row has.
@@ -582,7 +582,8 @@ class VLM(nn.Module):
         static=True keeps every shape fixed and the host out of the loop, so XLA compiles a rollout once: always
         max_new_tokens steps, each decode step one graph (the cache slot in a tensor), and draws from hashed noise
         seeded by generator (race_noise: the same tokens on every device). after_token() runs after the prefill and
-        each step (XLA: cut the graph there)."""
+        each step (XLA: cut the graph there). stop_every > 0 (static): every that many tokens the host asks whether
+        every row has ended, and the loop stops there (one sync, no new graph for the steps)."""
         B, T = input_ids.shape
         if image_index is None:
             h = self.embed(input_ids, pixel_values)
@@ -620,7 +621,8 @@ class VLM(nn.Module):
                 token = torch.where(done, eos_id, token)
                 done = done | (token == eos_id)
             out.append(token)
-            if (not static and eos_id is not None and bool(done.all())) or i == max_new_tokens - 1:
+            ask = not static or (stop_every and (i + 1) % stop_every == 0)  # static: the host asks only now and then
+            if (ask and eos_id is not None and bool(done.all())) or i == max_new_tokens - 1:
                 break
             h = self.llm.embed_tokens(token[:, None])  # (B, 1, D)
             seen = pad if static or pad is None else pad[:, : slot + 1]

@@ -344,3 +344,20 @@ def test_padded_batch_generation_matches_transformers(tmp_path, family):
     assert torch.equal(static, theirs)
     with pytest.raises(ValueError, match="pad prompts on the left"):
         ours.generate(ids, pixels, attention_mask=mask.flip(1))
+
+
+@torch.no_grad()
+def test_static_generation_stops_when_every_row_has_ended_if_asked_now_and_then():
+    """generate(static=True, stop_every=k): the host asks every k tokens whether every row has ended, and the answer
+    is the full static generation cut there (eos after each row's end), not max_new_tokens long."""
+    model = build_model(vlm_preset("debug"), seed=0).eval()
+    size = model.cfg.vision.image_size
+    ids = torch.randint(0, 200, (1, 12)).repeat(3, 1)  # three rows that answer alike
+    pixels = torch.randn(3, 3, size, size)
+    free = model.generate(ids, pixels, max_new_tokens=40, static=True)
+    eos = int(free[0, 5])
+    full = model.generate(ids, pixels, max_new_tokens=40, eos_id=eos, static=True)
+    ended = int((full[0] == eos).nonzero()[0]) + 1  # tokens up to and with the first eos
+    cut = model.generate(ids, pixels, max_new_tokens=40, eos_id=eos, static=True, stop_every=4)
+    assert cut.shape[1] == -(-ended // 4) * 4 < 40
+    assert torch.equal(cut, full[:, : cut.shape[1]]) and (full[:, cut.shape[1]:] == eos).all()
