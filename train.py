@@ -386,7 +386,7 @@ def stop_on_signal(env):
 
 
 def open_log(out, cfg, env, lease, start=0):
-    """(log(event), the log file or None): events go to out_dir/log.jsonl, wandb and TensorBoard (out_dir/tensorboard),
+    """(log(event), close()): events go to out_dir/log.jsonl, wandb and TensorBoard (out_dir/tensorboard),
     from the master only. Nothing is appended in out_dir (a bucket cannot append, nor can a Mountpoint for S3 mount):
     the log is appended to a local copy, which replaces out_dir/log.jsonl whole after each event (an upload, or a file
     written and renamed), as TensorBoard's event files do. Each event refreshes out_dir's lease first; a run that lost
@@ -420,7 +420,13 @@ def open_log(out, cfg, env, lease, start=0):
             if cfg["wandb_log"]:
                 wandb.log(event, step=event["step"])
 
-    return log, log_file
+    def close():  # the local log copy removed; TensorBoard's writer thread ended (a thread left running would be
+        if board:  # copied into every process a later fork makes, with whatever lock it held)
+            board.writer.close()
+        if log_file:
+            log_file.close()
+
+    return log, close
 
 
 def injected_faults(env):
@@ -648,7 +654,7 @@ def train(cfg, env, out, lease):
     checkpointer = Checkpointer(env, cfg, lease)
     start = checkpointer.load(resume_from, model, raw, optimizer, loader, value) if resume_from else 0
     stop = stop_on_signal(env)
-    log, log_file = open_log(out, cfg, env, lease, start)
+    log, close_log = open_log(out, cfg, env, lease, start)
     poison, poison_weight = injected_faults(env)
     meter = start_meter(raw, cfg, env)
     steps = objective.batches(cfg, env, loader, resume_from, raw, value_raw)
@@ -754,8 +760,7 @@ def train(cfg, env, out, lease):
         if env.master and not lease.fenced(done, lambda: storage.write_text(done, json.dumps({"step": it}))):
             raise SystemExit(f"step {it}: out_dir was taken over by {lease.lost}; this run writes nothing more there "
                              f"(it is not marked DONE)")
-    if log_file:
-        log_file.close()
+    close_log()
     if env.distributed:
         dist.destroy_process_group()
 
