@@ -119,17 +119,25 @@ def test_a_mixture_resumes_at_any_position_and_world_size(three, tmp_path):
     reference = Loader(stream(0, 1), num_workers=0)
     it = iter(reference)
     want = [next(it)["sample_id"].tolist() for _ in range(20)]  # 20 global batches of 24 samples
-    seen, state, done = [[] for _ in range(20)], None, 0
-    for world, steps in ((2, 7), (3, 9), (1, 4)):
+    seen, _ = batches_across_world_sizes(stream, ((2, 7), (3, 9), (1, 4)))
+    assert [sorted(x for b in s for x in b["sample_id"].tolist()) for s in seen] == [sorted(w) for w in want]
+
+
+def batches_across_world_sizes(stream, schedule):
+    """([every rank's batch, for each global step], the last state): a run resumed through each (world size, steps) of
+    schedule in turn, every rank's Loader (stream(rank, world)) restored from rank 0's state of the stage before."""
+    seen, state = [], None
+    for world, steps in schedule:
         loaders = [Loader(stream(r, world), num_workers=2 if world == 2 else 0) for r in range(world)]
+        stage = [[] for _ in range(steps)]
         for ld in loaders:
             if state:
                 ld.load_state_dict(state)
             it = iter(ld)
             for k in range(steps):
-                seen[done + k] += next(it)["sample_id"].tolist()
-        state, done = loaders[0].state_dict(), done + steps
-    assert [sorted(s) for s in seen] == [sorted(w) for w in want]
+                stage[k].append(next(it))
+        seen, state = seen + stage, loaders[0].state_dict()
+    return seen, state
 
 
 def byte_tokenizer(folder):

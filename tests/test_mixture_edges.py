@@ -13,6 +13,7 @@ import tarfile
 import numpy as np
 import pytest
 from PIL import Image
+from test_mixture import batches_across_world_sizes
 
 import config
 import mixture
@@ -293,16 +294,7 @@ def test_grouped_stream_resumes_bit_for_bit_on_another_world_size(modal, tmp_pat
 
     it = iter(Loader(stream(0, 1), num_workers=0))
     want = [next(it) for _ in range(12)]
-    seen, state, done = [[] for _ in range(12)], None, 0
-    for world, steps in ((2, 5), (3, 4), (1, 3)):
-        loaders = [Loader(stream(r, world), num_workers=2 if world == 2 else 0) for r in range(world)]
-        for ld in loaders:
-            if state:
-                ld.load_state_dict(state)
-            it = iter(ld)
-            for k in range(steps):
-                seen[done + k].append(next(it))
-        state, done = loaders[0].state_dict(), done + steps
+    seen, state = batches_across_world_sizes(stream, ((2, 5), (3, 4), (1, 3)))
     for w, got in zip(want, seen):
         assert sorted(w["sample_id"].tolist()) == sorted(x for b in got for x in b["sample_id"].tolist())
         assert len(set(w["has_image"][~w["dropped"]].tolist())) <= 1  # one modality a step
