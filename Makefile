@@ -6,10 +6,15 @@ PY := $(VENV)/bin/python
 
 .PHONY: setup test test-full demo lint clean
 
-# pip is upgraded only in a new .venv: with every requirement satisfied, setup asks no package index (offline works)
+# uv installs the pinned requirements in about a minute where pip takes four; pip brings uv from the package index
+# into the venv and installs everything itself where uv cannot be had. With every requirement satisfied, neither
+# asks a package index (offline works). LLAVAX_SETUP=pip forces pip.
+REQUIREMENTS := -r requirements.txt -r requirements-dev.txt
 $(VENV)/.installed: requirements.txt requirements-dev.txt
-	test -x $(PY) || { $(PYTHON) -m venv $(VENV) && $(PY) -m pip install --quiet --upgrade pip; }
-	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.txt -r requirements-dev.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	if [ "$${LLAVAX_SETUP:-uv}" = uv ] && $(PY) -m pip install --quiet --disable-pip-version-check uv 2>/dev/null; \
+	then $(VENV)/bin/uv pip install --quiet --python $(PY) $(REQUIREMENTS); \
+	else $(PY) -m pip install --quiet --disable-pip-version-check $(REQUIREMENTS); fi
 	touch $@
 
 setup: $(VENV)/.installed
