@@ -14,7 +14,9 @@ Reading the published sources (a JSON file and its images, parquet rows) is sour
 back.
 """
 
+import contextlib
 import ctypes
+import fcntl
 import hashlib
 import io
 import json
@@ -22,6 +24,7 @@ import multiprocessing
 import os
 import re
 import signal
+import socket
 import struct
 import sys
 import tarfile
@@ -29,12 +32,13 @@ import tempfile
 import time
 from contextlib import nullcontext
 from itertools import islice
-from multiprocessing import Pool, Process, connection
+from multiprocessing import Process, connection
 from pathlib import Path
 
 from PIL import Image, ImageOps
 from tqdm import tqdm
 
+import lease
 import mixture
 import storage
 from chat import (IMAGE_TAG, ROLES, VIDEO_TAG, conversation_problem,
@@ -46,6 +50,10 @@ from sources import JsonRecords, image_bytes, image_path, raw_source
 from video import VideoDropped, VideoSettings, read_video, time_instruction, video_conversation
 
 ENERGON_VERSION = "7.4.1"  # the megatron-energon release whose .nv-meta layout we write
+# record workers start from a fresh interpreter: a fork copies every lock another thread of the parent held at that
+# moment (a test runner's, a library's), and a worker that takes one waits forever. Each costs an import of this
+# module (~3 s of CPU), paid once a pack
+SPAWN = multiprocessing.get_context("spawn")
 
 # -----------------------------------------------------------------------------
 # packing LLaVA JSON into shards
@@ -302,7 +310,7 @@ OUR_FILES = re.compile(r"^(shard|val)-\d{6}\.tar(\.idx|\.tmp)?$")
 
 def clear_out_dir(out_dir, overwrite):
     """Refuse to pack over an existing dataset (or the shards of a killed pack) unless overwrite; then remove it,
-    metadata first. out_dir: a local folder or a bucket prefix."""
+    metadata first. out_dir: a local folder or a bucket prefix, held by this pack (holding)."""
     storage.refuse_object(out_dir, "--out")
     storage.makedirs(out_dir)
     old = [name for name in storage.ls(out_dir) if name == ".nv-meta" or name.endswith((".tar", ".idx", ".tmp"))]
@@ -323,6 +331,82 @@ def clear_out_dir(out_dir, overwrite):
             storage.rm(storage.join(out_dir, name))
 
 
+# -----------------------------------------------------------------------------
+# one pack at a time in a folder: an unfinished dataset there is a killed pack's only when no pack holds the folder
+
+PACK_LOCK = ".pack.lock"  # flock'd by the pack writing the folder, holding its host, pid and start time
+
+
+def holder_text(held):
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(held.get("started", 0)))
+    return f"pid {held.get('pid')} on host {held.get('host')}, started {started}" + \
+        (f" ({held['command']})" if held.get("command") else "")
+
+
+def read_holder(path):
+    try:
+        held = json.loads(Path(path).read_text() or "{}")
+    except (OSError, ValueError):
+        return {}
+    return held if isinstance(held, dict) else {}
+
+
+def take_out_dir(out_dir):
+    """The fd of OUT/.pack.lock, flock'd by this process with its host, pid and start time written in it; or exit in
+    one sentence naming the pack that holds it. A pack that dies (even by SIGKILL) drops its flock with it, so its
+    lock never blocks a rerun. Where flock is refused (a file system without locks) the pid decides: a holder on
+    this host whose process is gone (lease.alive) is stale."""
+    path = Path(out_dir, PACK_LOCK)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise SystemExit(f"pack: {out_dir} is being written by another pack ({holder_text(read_holder(path))}): "
+                             "wait for it to end, or choose another --out") from None
+        except OSError as e:
+            held = read_holder(path)
+            if held and held.get("pid") != os.getpid() and lease.alive(held) is not False:
+                os.close(fd)
+                raise SystemExit(f"pack: {out_dir} is being written by another pack ({holder_text(held)}), as far as "
+                                 f"{path} tells where it cannot be locked ({e.strerror or e}): wait for it to end, or "
+                                 f"remove {path} if that pack is gone") from None
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.stat(path)):  # not a file a finishing pack removed meanwhile
+                break
+        os.close(fd)
+    lease.HELD.add(fd)  # a process forked from here (a pool worker) closes its copy: the lock ends with this one
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "process_start": lease.process_start(os.getpid()),
+          "started": time.time(), "command": " ".join(["data.py", *sys.argv[1:]])[:300]}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(me).encode(), 0)
+    return fd
+
+
+def give_out_dir(out_dir, fd):
+    """Remove the lock file (inside the lock: a pack waiting on it takes a new one), then drop the lock."""
+    with contextlib.suppress(OSError):
+        os.unlink(Path(out_dir, PACK_LOCK))
+    lease.unlock(fd)
+
+
+@contextlib.contextmanager
+def holding(out_dirs):
+    """Hold every folder of out_dirs (made if missing) for this pack, or exit in one sentence naming the pack that
+    holds one. Bucket prefixes are not held: an object store has no lock, and a pack there is not resumable anyway."""
+    held = []
+    try:
+        for out_dir in filter(lambda d: not storage.is_url(d), out_dirs):
+            storage.refuse_object(out_dir, "--out")
+            storage.makedirs(out_dir)
+            held.append((out_dir, take_out_dir(out_dir)))
+        yield
+    finally:
+        for out_dir, fd in reversed(held):
+            give_out_dir(out_dir, fd)
+
+
 def is_val(sample_id, val_ratio):
     # by a hash of the id, so the split survives reordering and re-runs
     return int(hashlib.md5(str(sample_id).encode()).hexdigest()[:8], 16) / 2**32 < val_ratio
@@ -334,13 +418,18 @@ def pack(json_path, images_dir, out_dir, **options):
 
 
 def pack_source(source, out_dir, shard_size=1000, val_ratio=0.0, workers=1, strict=False, val_ids=None,
-                overwrite=False, tokenizer=None, position=None, video=None):
+                overwrite=False, tokenizer=None, position=None, video=None, held=False):
     """Pack a source (sources.py: a JSON file and its images, parquet rows) into out_dir, a local folder or a bucket
     prefix (s3://, gs://: each shard uploaded when it is complete, .nv-meta last); a record goes to val by a hash of
     its id (val_ratio) or by val_ids(id). tokenizer: the tokenizer file the data is made for (its text was written for
     it, as the shapes demo's is), recorded so that a run with another is refused (config.check_data). position: the
-    line of its progress bar among several (pack_mixture). video: how video files are read (video.VideoSettings)."""
+    line of its progress bar among several (pack_mixture). video: how video files are read (video.VideoSettings).
+    out_dir is held for this pack (holding) while it is written; held: the caller holds it already (pack_mixture)."""
     made_for = tokenizer_record(tokenizer) if tokenizer else None
+    if not held:
+        with holding([out_dir]):
+            return pack_source(source, out_dir, shard_size, val_ratio, workers, strict, val_ids, overwrite, tokenizer,
+                               position, video, held=True)
     if storage.is_url(out_dir):
         storage.check_bucket(out_dir)  # a bucket that is not there, or no credentials: one sentence, before any work
         with tempfile.TemporaryDirectory(prefix="llavax-pack-") as staging:
@@ -409,7 +498,7 @@ def pack_into(source, out_dir, shard_size, val_ratio, workers, strict, val_ids, 
     writers = {split: ShardWriter(out_dir, shard_size, prefix, staging)
                for split, prefix in (("train", "shard"), ("val", "val"))}
     n, facts = 0, {"count": 0, "train": [], "val": []}  # (record index in the source, modality length) a sample
-    with Pool(workers) if workers > 1 else nullcontext() as pool:
+    with SPAWN.Pool(workers, initializer=die_with_parent) if workers > 1 else nullcontext() as pool:
         entries = progress(prepared(source, pool, workers, video), total=source.count(), unit="rec",
                            desc=f"packing {source.name}", position=position, leave=position is None)
         for index, (sample_id, sample, reason) in enumerate(entries):  # one entry a record, unreadable ones too
@@ -471,15 +560,20 @@ def refused(out_dir):
     return storage.exists(meta) and "refused" in json.loads(storage.read_text(meta))
 
 
-def pack_one(source, out_dir, options, position):
-    """One source of a mixture, in its own process: what a killed run left in out_dir (never a finished dataset:
-    those are skipped) is removed first. The process ends with its parent, so a killed pack leaves no writer behind."""
+def die_with_parent():
+    """A pack child's first act: it is SIGKILLed when its parent ends, so a killed pack leaves no worker behind."""
     if sys.platform == "linux":
         ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
         if os.getppid() != multiprocessing.parent_process().pid:  # the parent died before that: no signal will come
             os._exit(1)
+
+
+def pack_one(source, out_dir, options, position):
+    """One source of a mixture, in its own process, out_dir held by its parent (pack_mixture): what a killed run left
+    in out_dir (never a finished dataset: those are skipped) is removed first. The process ends with its parent, so a killed pack leaves no writer behind."""
+    die_with_parent()
     try:
-        pack_source(source, out_dir, overwrite=True, position=position, **options)
+        pack_source(source, out_dir, overwrite=True, position=position, held=True, **options)
     except storage.StorageError as e:
         sys.exit(f"pack: {storage.name(out_dir)}: {e}")
 
@@ -488,8 +582,16 @@ def pack_mixture(yaml_path, raw_dir, workers=1, images_dir=None, columns=None, o
     """Pack every dataset a mixture file names into its path, each from its raw input under raw_dir
     (sources.raw_source), up to `workers` at once (a pool of workers // at-once record workers each). Finished
     datasets are skipped (overwrite: packed again); a dataset a killed run left unfinished is packed again from its
-    start. Prints a table of what each kept and dropped; returns its rows, or exits 1 when a source failed."""
-    targets, todo, rows, missing = mixture_targets(yaml_path), [], {}, []
+    start. Every local dataset folder is held (holding) from the first look to the end: a second pack of the same
+    mixture stops in one sentence naming this one. Prints a table of what each kept and dropped; returns its rows, or
+    exits 1 when a source failed."""
+    targets = mixture_targets(yaml_path)
+    with holding([out for out, _ in targets]):
+        return pack_targets(yaml_path, targets, raw_dir, workers, images_dir, columns, overwrite, **options)
+
+
+def pack_targets(yaml_path, targets, raw_dir, workers, images_dir, columns, overwrite, **options):
+    todo, rows, missing = [], {}, []
     for out, raw in targets:
         if not overwrite and finished(out):
             rows[out] = "already packed"
