@@ -203,6 +203,10 @@ def serve():
 
     def fork(job):
         reply.flush()
+        # safe to fork only while this process runs one thread: a fork copies the locks other threads hold
+        threads = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else [None]
+        if len(threads) != 1:
+            raise RuntimeError(f"tests/forkserver.py runs {len(threads)} threads: a fork could copy a lock one holds")
         pid = os.fork()
         if pid == 0:
             child(job, reply.fileno())
