@@ -310,7 +310,7 @@ OUR_FILES = re.compile(r"^(shard|val)-\d{6}\.tar(\.idx|\.tmp)?$")
 
 def clear_out_dir(out_dir, overwrite):
     """Refuse to pack over an existing dataset (or the shards of a killed pack) unless overwrite; then remove it,
-    metadata first. out_dir: a local folder or a bucket prefix, held by this pack (holding)."""
+    metadata first. out_dir: a local folder (held by this pack: holding) or a bucket prefix."""
     storage.refuse_object(out_dir, "--out")
     storage.makedirs(out_dir)
     old = [name for name in storage.ls(out_dir) if name == ".nv-meta" or name.endswith((".tar", ".idx", ".tmp"))]
@@ -340,7 +340,7 @@ PACK_LOCK = ".pack.lock"  # flock'd by the pack writing the folder, holding its 
 def holder_text(held):
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(held.get("started", 0)))
     return f"pid {held.get('pid')} on host {held.get('host')}, started {started}" + \
-        (f" ({held['command']})" if held.get("command") else "")
+        (f": {held['command']}" if held.get("command") else "")
 
 
 def read_holder(path):
@@ -352,10 +352,10 @@ def read_holder(path):
 
 
 def take_out_dir(out_dir):
-    """The fd of OUT/.pack.lock, flock'd by this process with its host, pid and start time written in it; or exit in
-    one sentence naming the pack that holds it. A pack that dies (even by SIGKILL) drops its flock with it, so its
-    lock never blocks a rerun. Where flock is refused (a file system without locks) the pid decides: a holder on
-    this host whose process is gone (lease.alive) is stale."""
+    """The fd of OUT/.pack.lock, flock'd by this process, its host, pid and start time written in it; or exit in one
+    sentence naming the pack that holds it. A pack that dies (even by SIGKILL) drops its flock with it, so its lock
+    never blocks a rerun. Where flock is refused (a file system without locks) the pid decides: a holder on this host
+    whose process is gone (lease.alive) is stale."""
     path = Path(out_dir, PACK_LOCK)
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -363,15 +363,15 @@ def take_out_dir(out_dir):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise SystemExit(f"pack: {out_dir} is being written by another pack ({holder_text(read_holder(path))}): "
+            raise SystemExit(f"pack: {out_dir} is being written by another pack ({holder_text(read_holder(path))}); "
                              "wait for it to end, or choose another --out") from None
         except OSError as e:
             held = read_holder(path)
             if held and held.get("pid") != os.getpid() and lease.alive(held) is not False:
                 os.close(fd)
-                raise SystemExit(f"pack: {out_dir} is being written by another pack ({holder_text(held)}), as far as "
-                                 f"{path} tells where it cannot be locked ({e.strerror or e}): wait for it to end, or "
-                                 f"remove {path} if that pack is gone") from None
+                raise SystemExit(f"pack: {out_dir} is being written by another pack ({holder_text(held)}), as {path} "
+                                 f"says where it cannot be locked ({e.strerror or e}); wait for it to end, or remove "
+                                 f"{path} if that pack is gone") from None
         with contextlib.suppress(FileNotFoundError):
             if os.path.samestat(os.fstat(fd), os.stat(path)):  # not a file a finishing pack removed meanwhile
                 break
@@ -393,8 +393,8 @@ def give_out_dir(out_dir, fd):
 
 @contextlib.contextmanager
 def holding(out_dirs):
-    """Hold every folder of out_dirs (made if missing) for this pack, or exit in one sentence naming the pack that
-    holds one. Bucket prefixes are not held: an object store has no lock, and a pack there is not resumable anyway."""
+    """Hold every local folder of out_dirs (made if missing) for this pack, or exit in one sentence naming the pack
+    that holds one. Bucket prefixes are not held: an object store has no lock."""
     held = []
     try:
         for out_dir in filter(lambda d: not storage.is_url(d), out_dirs):
@@ -570,7 +570,8 @@ def die_with_parent():
 
 def pack_one(source, out_dir, options, position):
     """One source of a mixture, in its own process, out_dir held by its parent (pack_mixture): what a killed run left
-    in out_dir (never a finished dataset: those are skipped) is removed first. The process ends with its parent, so a killed pack leaves no writer behind."""
+    in out_dir (never a finished dataset: those are skipped) is removed first. The process ends with its parent, so a
+    killed pack leaves no writer behind."""
     die_with_parent()
     try:
         pack_source(source, out_dir, overwrite=True, position=position, held=True, **options)
@@ -582,16 +583,10 @@ def pack_mixture(yaml_path, raw_dir, workers=1, images_dir=None, columns=None, o
     """Pack every dataset a mixture file names into its path, each from its raw input under raw_dir
     (sources.raw_source), up to `workers` at once (a pool of workers // at-once record workers each). Finished
     datasets are skipped (overwrite: packed again); a dataset a killed run left unfinished is packed again from its
-    start. Every local dataset folder is held (holding) from the first look to the end: a second pack of the same
-    mixture stops in one sentence naming this one. Prints a table of what each kept and dropped; returns its rows, or
-    exits 1 when a source failed."""
-    targets = mixture_targets(yaml_path)
-    with holding([out for out, _ in targets]):
-        return pack_targets(yaml_path, targets, raw_dir, workers, images_dir, columns, overwrite, **options)
-
-
-def pack_targets(yaml_path, targets, raw_dir, workers, images_dir, columns, overwrite, **options):
-    todo, rows, missing = [], {}, []
+    start. The local folders to pack are held (holding) until the end: a second pack of the same mixture stops in one
+    sentence naming this one, and never takes what this one is writing for a killed run's. Prints a table of what each
+    kept and dropped; returns its rows, or exits 1 when a source failed."""
+    targets, todo, rows, missing = mixture_targets(yaml_path), [], {}, []
     for out, raw in targets:
         if not overwrite and finished(out):
             rows[out] = "already packed"
@@ -604,6 +599,16 @@ def pack_targets(yaml_path, targets, raw_dir, workers, images_dir, columns, over
         sys.exit(f"pack: --mixture {yaml_path}: no raw input under {raw_dir} for {len(missing)} of its datasets: "
                  f"{', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''} (each NAME is NAME.json or NAME.jsonl, "
                  "its images under --images, or a folder NAME/ of .parquet / .arrow files)")
+    with holding([out for out, _, _ in todo]):
+        for out, _, _ in todo:  # looked at again, held: another pack may have finished one meanwhile
+            if not overwrite and finished(out):
+                rows[out] = "already packed"
+        todo = [job for job in todo if job[0] not in rows]
+        return pack_todo(yaml_path, targets, todo, rows, workers, **options)
+
+
+def pack_todo(yaml_path, targets, todo, rows, workers, **options):
+    """pack_mixture's work once its folders are held: todo's (out, raw name, source), at most `workers` at once."""
     at_once = max(1, min(workers, len(todo)))
     options |= {"workers": max(1, workers // at_once)}
     each = f" with {options['workers']} workers each" if options["workers"] > 1 else ""

@@ -267,11 +267,90 @@ def test_a_killed_pack_leaves_a_folder_the_loader_refuses(tmp_path, tok):
     with pytest.raises(SystemExit, match=r"out: no \.nv-meta/\.info\.json"):  # a message, not a traceback
         train.main([str(ROOT / "configs/debug.py"), f"--data_dir={out}", f"--tokenizer={tok.path}",
                     f"--out_dir={tmp_path / 'run'}"])
+    # its lock file stays, naming it; the lock died with it, so the rerun is not refused as a live pack's
+    assert json.loads((out / pack.PACK_LOCK).read_text())["pid"] == proc.pid
     with pytest.raises(SystemExit, match="already holds a dataset .*pass --overwrite"):
         pack.pack(tmp_path / "d.json", imgs, out, shard_size=1000)
     pack.pack(tmp_path / "d.json", imgs, out, shard_size=1000, overwrite=True)
     assert sorted(p.name for p in out.glob("*.tar")) == ["shard-000000.tar", "shard-000001.tar"]  # no stale shard
+    assert not (out / pack.PACK_LOCK).exists()
     assert len(open_stream(out, tok)) == 1500
+
+
+def started_pack(args, out, first_file):
+    """A `data.py pack` process, stopped with its children (SIGSTOP to its process group: a host that hangs) once it
+    has written first_file in out; it holds out all the while (SIGCONT to the group goes on)."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "data.py"), "pack", *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 120
+    while not (out / first_file).exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGSTOP)
+    assert proc.poll() is None, f"the first pack ended before it was caught: {proc.communicate()}"
+    return proc
+
+
+def second_pack(args):
+    return subprocess.run([sys.executable, str(ROOT / "data.py"), "pack", *map(str, args)], capture_output=True,
+                          text=True, timeout=120)
+
+
+def tree(folder):
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow  # three python + torch start-ups
+def test_a_second_pack_into_the_same_folder_refuses_naming_the_first(tmp_path, tok):
+    """Two `data.py pack --out SAME`: the second, started while the first writes, stops in one sentence naming the
+    first (pid, host, start) and touches none of its files (before, it took the first's unfinished dataset for a killed
+    run's: --overwrite removed it under the first, whose dataset then could not load); the first finishes whole."""
+    imgs = images_dir(tmp_path)
+    (tmp_path / "d.json").write_text(json.dumps([record(i % 4, answer=f"Answer {i}.") for i in range(1500)]))
+    out = tmp_path / "out"
+    args = ["--json", tmp_path / "d.json", "--images", imgs, "--out", out, "--shard-size", "20", "--overwrite"]
+    first = started_pack(args, out, "shard-000001.tar")
+    try:
+        before = tree(out)
+        second = second_pack(args)
+        assert second.returncode == 1 and tree(out) == before
+        said = second.stderr.strip()
+        assert said.count("\n") == 0 and "Traceback" not in said, said
+        assert re.fullmatch(rf"pack: {re.escape(str(out))} is being written by another pack \(pid {first.pid} on host "
+                            rf"\S+, started \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d: data\.py pack --json .*\); wait for it "
+                            "to end, or choose another --out", said), said
+    finally:
+        os.killpg(first.pid, signal.SIGCONT)
+    assert first.wait(120) == 0, first.communicate()
+    assert len(open_stream(out, tok)) == 1500 and not (out / pack.PACK_LOCK).exists()
+
+
+@pytest.mark.slow  # three python + torch start-ups
+def test_a_second_pack_of_the_same_mixture_refuses_naming_the_first(tmp_path, tok):
+    """`data.py pack --mixture M --raw RAW` twice, the second while the first packs: the second stops in one
+    sentence naming the first and removes nothing (before, it took the first's unfinished datasets for a killed
+    run's, the first said "packed" of datasets that could not load, and a rerun said "already packed"); the first
+    finishes, and both datasets load."""
+    (tmp_path / "raw").mkdir()
+    imgs = images_dir(tmp_path / "raw")
+    (tmp_path / "raw/big.json").write_text(json.dumps([record(i % 4, answer=f"Answer {i}.") for i in range(1500)]))
+    (tmp_path / "raw/small.json").write_text(json.dumps([record(i % 4, answer=f"Small {i}.") for i in range(7)]))
+    (tmp_path / "mix.yaml").write_text("datasets:\n  - json_path: big.json\n    path: packed/big\n"
+                                       "  - json_path: small.json\n    path: packed/small\n")
+    args = ["--mixture", tmp_path / "mix.yaml", "--raw", tmp_path / "raw", "--images", imgs, "--shard-size", "20"]
+    first = started_pack(args, tmp_path / "packed/big", "shard-000001.tar")
+    try:
+        before = tree(tmp_path / "packed")
+        second = second_pack(args)
+        assert second.returncode == 1 and tree(tmp_path / "packed") == before
+        said = second.stderr.strip()
+        assert said.count("\n") == 0 and "Traceback" not in said, said
+        assert re.fullmatch(rf"pack: \S+/packed/(big|small) is being written by another pack \(pid {first.pid} on "
+                            r"host \S+, started [-\d]+ [:\d]+: data\.py pack --mixture .*\); wait for it to end, or "
+                            "choose another --out", said), said
+    finally:
+        os.killpg(first.pid, signal.SIGCONT)
+    assert first.wait(120) == 0, first.communicate()
+    assert len(open_stream(tmp_path / "packed/big", tok)) == 1500 and len(open_stream(tmp_path / "packed/small", tok)) == 7
 
 
 @pytest.fixture
