@@ -351,14 +351,14 @@ def test_compiled_selective_backward_graph_reruns_no_matmul():
 @pytest.mark.parametrize("stage,frozen_dtype", [(1, "bfloat16"), pytest.param(1, "float32", marks=pytest.mark.full),
                                                       pytest.param(2, "float32", marks=pytest.mark.full)])
 def test_computed_activation_bytes_are_what_the_compiler_saves(stage, frozen_dtype):
-    """bench.kept_bytes (the activations BENCHMARKS.md's memory table counts) against the tensors inductor's min-cut
+    """memory.kept_bytes (the activations BENCHMARKS.md's memory table counts) against the tensors inductor's min-cut
     partitioner keeps between forward and backward for an LLM block under bf16 autocast, per policy; and the bf16
     weight copies it keeps when a weight is fp32 (none when frozen_dtype stores them in bf16)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    import bench
+    import memory
 
     kept = {}
 
@@ -394,7 +394,7 @@ def test_computed_activation_bytes_are_what_the_compiler_saves(stage, frozen_dty
         activations = sum(size for _, size in kept["tensors"]) - copies
         fp32_weights = frozen_dtype == "float32" or stage == 2
         # + the block's fp32 input (4 D a token), a graph input: kept by the checkpoint, or by autograd
-        assert activations + 4 * c.dim * B * T == bench.kept_bytes(c, policy, stage != 1) * B * T, (policy, kept)
+        assert activations + 4 * c.dim * B * T == memory.kept_bytes(c, policy, stage != 1) * B * T, (policy, kept)
         assert copies == (2 * weights if policy == "none" and fp32_weights else 0), (policy, kept)
 
 
@@ -436,15 +436,15 @@ def test_gpu_speed_script_runs_its_matrix_at_the_debug_size_on_cpu(tmp_path):
 def test_computed_weight_bytes_are_what_a_bf16_frozen_model_holds(stage):
     """bench.py levers' weight bytes (4 a parameter, less 2 for each one store_frozen keeps in bf16) are the bytes a
     built model holds after store_frozen: the formula BENCHMARKS.md states for LLaVA-1.5-7B, checked on a small one."""
-    import bench
+    import memory
 
     cfg = vlm_preset("debug").with_overrides({"llm": {"n_layers": 3, "ffn_dim": 200}, "vision": {"n_layers": 3}})
     model = build_model(cfg, seed=0)
     parallel.freeze(model, stage)
     parallel.store_frozen(model, torch.bfloat16)
     held = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert bench.lever_memory(build_model(cfg, seed=0), stage, "bfloat16", "full", 1, 2, 64)[0] == held
-    assert bench.lever_memory(build_model(cfg, seed=0), stage, "float32", "full", 1, 2, 64)[0] == 4 * sum(
+    assert memory.lever_memory(build_model(cfg, seed=0), stage, "bfloat16", "full", 1, 2, 64)[0] == held
+    assert memory.lever_memory(build_model(cfg, seed=0), stage, "float32", "full", 1, 2, 64)[0] == 4 * sum(
         p.numel() for p in model.parameters())
 
 
@@ -514,10 +514,27 @@ def test_each_tpu_recipe_as_written_fits_the_pod_it_runs_on():
     """bench.py xla's computed GiB a chip of configs/tpu_pretrain.py, llava_next_7b.py and onevision_qwen2_7b.py as
     written, on the pods docs/recipes.md names: each within the chip's HBM; OneVision's rows would not fit with the
     dense attention the configs had before."""
-    import bench
+    import memory
 
-    for config_file, (pod, _) in bench.TPU_RECIPES.items():
-        gib, hbm = bench.recipe_memory(config_file)
+    for config_file, (pod, _) in memory.TPU_RECIPES.items():
+        gib, hbm = memory.recipe_memory(config_file)
         assert gib <= hbm, (config_file, pod, gib, hbm)
-    dense, hbm = bench.recipe_memory("configs/onevision_qwen2_7b.py", attention="dense")
+    dense, hbm = memory.recipe_memory("configs/onevision_qwen2_7b.py", attention="dense")
     assert dense > hbm
+
+
+def test_the_tpu_recipe_table_says_what_it_assumes(capsys):
+    """bench.py xla's table of the recipes as written counts one row a chip where a recipe's micro_batch_size is below
+    the pod's chips, and its bounded attention is a Pallas kernel never run here: each row says so, rather than
+    showing a figure for a batch the config does not have."""
+    import config
+    import memory
+
+    memory.print_recipe_memory()
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in capsys.readouterr().out.splitlines()[2:]}
+    assert set(rows) == set(memory.TPU_RECIPES)
+    for config_file, (pod, _) in memory.TPU_RECIPES.items():
+        cfg = config.load_config([str(ROOT / config_file)])
+        chips = (memory.PODS | memory.ATTENTION_PODS)[pod][0]
+        assert (f"assumed: --micro_batch_size={chips}" in rows[config_file]) == (cfg["micro_batch_size"] < chips)
+        assert ("never run" in rows[config_file]) == (cfg["attention"] in ("bounded", "splash", "flash"))

@@ -148,10 +148,10 @@ def test_xla_pallas_kernels_are_refused_on_a_cpu_xla_device(xla, kind):
 def test_bench_attention_memory_formula_matches_the_compiled_programs(xla):
     """bench.py attention's per-row bytes for the 1-layer model against XLA's own peak of its compiled step: dense at
     4096 tokens (the T x T terms), blockwise at 16384 (the tiles)."""
-    import bench
+    import memory
     from xla_attention import MEMORY_LLM
 
     c = vlm_preset("debug").with_overrides({"llm": MEMORY_LLM}).llm
     for kind, T in (("dense", 4096), ("blockwise", 16384)):
         measured = xla["memory"][kind][str(T)]
-        assert 0.75 <= bench.attention_bytes(c, T, kind, checkpointing=False) / measured <= 1.25, (kind, measured)
+        assert 0.75 <= memory.attention_bytes(c, T, kind, checkpointing=False) / measured <= 1.25, (kind, measured)
