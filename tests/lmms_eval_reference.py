@@ -38,12 +38,16 @@ def install(side):
     side.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=side.name + ".", dir=side.parent))
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp)], check=True)
-    subprocess.run([str(tmp / "bin/python"), "-m", "ensurepip", "--upgrade"], check=True, capture_output=True)
+    uv = Path(sys.executable).parent / "uv"  # make setup's: no pip to install into the side venv, and 5x faster
+    if uv.exists():
+        pip = [str(uv), "pip", "install", "--quiet", "--python", str(tmp / "bin/python")]
+    else:
+        subprocess.run([str(tmp / "bin/python"), "-m", "ensurepip", "--upgrade"], check=True, capture_output=True)
+        pip = [str(tmp / "bin/python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
     site = subprocess.run([str(tmp / "bin/python"), "-c", "import site; print(site.getsitepackages()[0])"],
                           check=True, capture_output=True, text=True).stdout.strip()
     ours = [p for p in sys.path if p.endswith("site-packages")][0]
     Path(site, "llavax-venv.pth").write_text(ours + "\n")  # after the side venv's own: its filelock wins
-    pip = [str(tmp / "bin/python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
     subprocess.run(pip + ["--no-deps", *PINS], check=True)
     subprocess.run(pip + DEPENDENCIES, check=True)
     (tmp / ".installed").write_text(stamp)

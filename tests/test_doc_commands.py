@@ -251,7 +251,8 @@ def test_make_setup_asks_no_package_index_when_everything_is_installed(tmp_path)
     (tmp_path / ".venv").symlink_to(ROOT / ".venv")
     index = f"http://127.0.0.1:{server.server_address[1]}/simple"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "MAKE"))}
-    env |= {"PIP_INDEX_URL": index, "PIP_EXTRA_INDEX_URL": index, "PIP_RETRIES": "0", "PIP_TIMEOUT": "5"}
+    env |= {"PIP_INDEX_URL": index, "PIP_EXTRA_INDEX_URL": index, "PIP_RETRIES": "0", "PIP_TIMEOUT": "5",
+            "UV_DEFAULT_INDEX": index, "UV_HTTP_RETRIES": "0"}  # uv reads no pip settings
     try:
         r = subprocess.run(["make", "setup"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     finally:
