@@ -15,7 +15,7 @@ import io
 import json
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from collections.abc import Callable
 
 import torch
@@ -279,30 +279,47 @@ def chartqa_aggregate(records):
 class Task:
     dataset: str  # the Hub dataset, downloaded under benchmark_dir/<its name>
     files: str  # its parquet files there (a glob)
-    columns: tuple  # what the task reads (besides the image)
+    columns: dict  # what the task reads (besides the image), each column's kind in the dataset: KINDS
     max_new_tokens: int  # lmms-eval's generation_kwargs; llava_hf's 1024 where the task sets none
     prompt: Callable  # row -> the question after the image
     score: Callable  # (row, answer) -> {"score": ...} and what aggregate needs
     aggregate: Callable  # [records] -> {metric: value}
     sample_id: str  # the dataset's own id column
+    values: dict = field(default_factory=dict)  # {column: the values it takes in the dataset, as written or folded}
+
+
+# a column's kind as its publisher's parquet holds it: (the arrow types it may have, whether a row may be null)
+KINDS = {"text": ("a string", False), "text or null": ("a string", True), "integer": ("an integer", False),
+         "texts": ("a list of strings", False)}
+T, N = "text", "text or null"
+YES_NO = {"yes", "no"}
+
+
+def folded(value):
+    """A yes/no answer as MME and POPE compare it: in lower case, stripped, without full stops."""
+    return value.lower().strip().replace(".", "") if isinstance(value, str) else value
 
 
 TASKS = {
-    "mme": Task("lmms-lab/MME", "data/test-*.parquet", ("question_id", "question", "answer", "category"), 16,
-                mme_prompt, mme_score, mme_aggregate, "question_id"),
-    "pope": Task("lmms-lab/POPE", "data/test-*.parquet", ("question_id", "question", "answer"), 128,
+    "mme": Task("lmms-lab/MME", "data/test-*.parquet", {"question_id": T, "question": T, "answer": T, "category": T}, 16,
+                mme_prompt, mme_score, mme_aggregate, "question_id",
+                {"answer": YES_NO, "category": MME_PERCEPTION | MME_COGNITION}),
+    "pope": Task("lmms-lab/POPE", "data/test-*.parquet", {"question_id": T, "question": T, "answer": T}, 128,
                  lambda row: row["question"].strip() + "\nAnswer the question using a single word or phrase.",
-                 pope_score, pope_aggregate, "question_id"),
-    "scienceqa_img": Task("lmms-lab/ScienceQA", "ScienceQA-IMG/test-*.parquet", ("question", "choices", "answer", "hint"),
-                          16, scienceqa_prompt, scienceqa_score, mean_score, None),
-    "mmbench_en_dev": Task("lmms-lab/MMBench", "en/dev-*.parquet", ("index", "question", "hint", "A", "B", "C", "D",
-                                                                    "answer", "category"), 1024,
-                           mmbench_prompt, mmbench_score, mmbench_aggregate, "index"),
-    "mmstar": Task("Lin-Chen/MMStar", "mmstar.parquet", ("index", "question", "answer", "category", "l2_category"), 1024,
-                   mmstar_prompt, mmstar_score, mmstar_aggregate, "index"),
-    "chartqa": Task("lmms-lab/ChartQA", "data/test-*.parquet", ("question", "answer", "type"), 16,
+                 pope_score, pope_aggregate, "question_id", {"answer": YES_NO}),
+    "scienceqa_img": Task("lmms-lab/ScienceQA", "ScienceQA-IMG/test-*.parquet",
+                          {"question": T, "choices": "texts", "answer": "integer", "hint": N}, 16, scienceqa_prompt,
+                          scienceqa_score, mean_score, None),
+    "mmbench_en_dev": Task("lmms-lab/MMBench", "en/dev-*.parquet",
+                           {"index": "integer", "question": T, "hint": N, "A": T, "B": T, "C": N, "D": N, "answer": T,
+                            "category": T}, 1024, mmbench_prompt, mmbench_score, mmbench_aggregate, "index",
+                           {"answer": set("ABCDE")}),
+    "mmstar": Task("Lin-Chen/MMStar", "mmstar.parquet",
+                   {"index": "integer", "question": T, "answer": T, "category": T, "l2_category": T}, 1024,
+                   mmstar_prompt, mmstar_score, mmstar_aggregate, "index", {"answer": set("ABCD")}),
+    "chartqa": Task("lmms-lab/ChartQA", "data/test-*.parquet", {"question": T, "answer": T, "type": T}, 16,
                     lambda row: row["question"] + "\nAnswer the question with a single word.",
-                    chartqa_score, chartqa_aggregate, None),
+                    chartqa_score, chartqa_aggregate, None, {"type": {"human_test", "augmented_test"}}),
 }
 
 
@@ -344,22 +361,76 @@ def parquet_file(path):
     return pq.ParquetFile(io.BytesIO(storage.read_bytes(path, big=True)) if storage.is_url(path) else str(path))
 
 
+DECODED_ROWS = 4  # the rows whose images are decoded at start (each run decodes the rest)
+
+
 def check(benchmark):
-    """Each file is parquet and holds the task's columns and an image column; the files hold a question."""
-    n_rows = 0
+    """Each file is parquet and holds the task's columns, of the publisher's types, and an image column; every row's
+    columns hold what the task reads (no null, a value the dataset has) and the first rows' images decode; the files
+    hold a question. A problem is one sentence naming the file and the row."""
+    n_rows, task = 0, benchmark.task
     for path in benchmark.files:
         try:
             parquet = parquet_file(path)
-            names, n_rows = set(parquet.schema_arrow.names), n_rows + parquet.metadata.num_rows
+            schema, n_rows = parquet.schema_arrow, n_rows + parquet.metadata.num_rows
         except Exception as e:  # noqa: BLE001  pyarrow raises several kinds for a file that is not parquet
             raise ValueError(f"{benchmark.name}: {path} is not a readable parquet file ({type(e).__name__}: {e})") \
                 from None
-        missing = [c for c in (*benchmark.task.columns, "image") if c not in names]
+        missing = [c for c in (*task.columns, "image") if c not in schema.names]
         if missing:
             raise ValueError(f"{benchmark.name}: {path} lacks the column(s) {', '.join(missing)} that "
-                             f"{benchmark.task.dataset} has (it has {', '.join(sorted(names))})")
+                             f"{task.dataset} has (it has {', '.join(sorted(schema.names))})")
+        if not parquet.metadata.num_rows:  # an empty file's columns may have no type (said below if all are empty)
+            continue
+        for column, kind in [*task.columns.items(), ("image", "image")]:
+            if not of_kind(schema.field(column).type, kind):
+                said = "an image (datasets' Image: bytes and path, or bytes)" if kind == "image" else KINDS[kind][0]
+                first = parquet.read_row_group(0, columns=[column]).column(0)[0].as_py()
+                raise ValueError(f"{benchmark.name}: {path} row 0: {column} is {repr(first)[:40]}, of type "
+                                 f"{schema.field(column).type}, where {task.dataset}'s {column} is {said}")
+        first = 0
+        for batch in parquet.iter_batches(batch_size=1024, columns=list(task.columns)):
+            for i, row in enumerate(batch.to_pylist(), first):
+                if problem := row_problem(task, row):
+                    raise ValueError(f"{benchmark.name}: {path} row {i}: {problem}")
+            first += batch.num_rows
+        for i, row in enumerate(parquet.read_row_group(0, columns=["image"]).slice(0, DECODED_ROWS).to_pylist()):
+            try:
+                if (data := image_bytes(row)) is not None:  # None: a text-only row (ScienceQA-FULL's)
+                    load_image(data, 16)
+            except Exception as e:  # noqa: BLE001  PIL raises several kinds for bytes that are no image
+                said = str(e).split(" <_io.")[0]  # PIL names the BytesIO it read
+                raise ValueError(f"{benchmark.name}: {path} row {i}: its image cannot be read ({type(e).__name__}: "
+                                 f"{said})") from None
     if not n_rows:
         raise ValueError(f"{benchmark.name}: {', '.join(map(str, benchmark.files))} hold(s) no rows")
+
+
+def of_kind(arrow_type, kind):
+    import pyarrow as pa
+
+    text = lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)  # noqa: E731
+    if kind == "image":
+        return pa.types.is_binary(arrow_type) or pa.types.is_large_binary(arrow_type) or \
+            pa.types.is_struct(arrow_type) and arrow_type.get_field_index("bytes") >= 0
+    if kind == "integer":
+        return pa.types.is_integer(arrow_type)
+    if kind == "texts":
+        return (pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)) and text(arrow_type.value_type)
+    return text(arrow_type)
+
+
+def row_problem(task, row):
+    """What in a row (its task columns) the task cannot read, or None."""
+    for column, kind in task.columns.items():
+        if row[column] is None and not KINDS[kind][1]:
+            return f"{column} is null"
+        allowed = task.values.get(column)
+        if allowed and row[column] is not None and row[column] not in allowed and folded(row[column]) not in allowed:
+            return f"{column} is {row[column]!r}, not one of {task.dataset}'s ({', '.join(sorted(allowed))})"
+        if kind == "texts" and None in row[column]:
+            return f"{column} holds a null"
+    return None
 
 
 def read_rows(benchmark, limit=0):

@@ -374,8 +374,47 @@ def test_a_prompt_that_fits_is_asked_and_a_longer_one_is_not():
                for bucket, new, numbers in planned)
 
 
+def test_a_benchmark_file_the_task_cannot_read_is_one_sentence_at_start(tmp_path):
+    """Before anything trains: a column of another type than the publisher's (POPE answers as integers, images as
+    path strings), a null where the task reads a value, a value the dataset never has (an MME category that is not
+    MME's, a POPE answer that is not yes or no), a path-only image, bytes that are no image: one sentence naming the
+    file and the row. Each of these once trained the whole run and then failed in scoring or logged nothing."""
+    import pandas as pd
+
+    root = write_benchmarks(tmp_path / "b", n=12)
+    assert [b.name for b in benchmarks.open_benchmarks(list(benchmarks.TASKS), root)] == list(benchmarks.TASKS)
+    pope = pd.read_parquet(root / "POPE/data/test-00000-of-00001.parquet")
+    mme = pd.read_parquet(root / "MME/data/test-00000-of-00001.parquet")
+    sqa = pd.read_parquet(root / "ScienceQA/ScienceQA-IMG/test-00000-of-00001.parquet")
+    html = {"bytes": b"<html><body>404 Not Found</body></html>", "path": None}
+    cases = [("pope", pope.assign(answer=[1, 0] * 6), r"row 0: answer is 1, of type int64, where lmms-lab/POPE's answer "
+              r"is a string$"),
+             ("pope", pope.assign(answer=[None, *pope.answer[1:]]).astype({"answer": object}), "row 0: answer is null$"),
+             ("pope", pope.assign(answer=[*pope.answer[:7], None, *pope.answer[8:]]), "row 7: answer is null$"),
+             ("pope", pope.assign(answer=[*pope.answer[:3], "Maybe", *pope.answer[4:]]),
+              r"row 3: answer is 'Maybe', not one of lmms-lab/POPE's \(no, yes\)$"),
+             ("pope", pope.assign(image=[{"bytes": None, "path": f"COCO_val2014_{i:012d}.jpg"} for i in range(12)]),
+              r"row 0: its image cannot be read \(ValueError: an image is a path \(COCO_val2014_000000000000.jpg\)"),
+             ("pope", pope.assign(image=[f"COCO_val2014_{i:012d}.jpg" for i in range(12)]),
+              "row 0: image is 'COCO_val2014_000000000000.jpg', of type (large_)?string, where lmms-lab/POPE's image is "
+              "an image"),
+             ("pope", pope.assign(image=[*pope.image[:2], html, *pope.image[3:]]),
+              r"row 2: its image cannot be read \(UnidentifiedImageError: cannot identify image file\)$"),
+             ("mme", mme.assign(category=["animals", "vehicles"] * 6), "row 0: category is 'animals', not one of "
+              "lmms-lab/MME's \\(OCR, artwork, "),
+             ("mme", mme.assign(category=[c.lower() for c in mme.category]), "row 2: category is 'ocr', not one of"),
+             ("scienceqa_img", sqa.assign(choices=[["cat", None]] * 12), "row 0: choices holds a null$")]
+    for k, (name, table, said) in enumerate(cases):
+        path = tmp_path / f"{k}.parquet"
+        table.to_parquet(path)
+        with pytest.raises(SystemExit, match=f"^benchmarks: {name}: {path} {said}") as e:
+            benchmarks.open_benchmarks([f"{name}={path}"], root)
+        assert "\n" not in str(e.value)
+
+
 def test_a_benchmark_whose_rows_cannot_be_scored_is_a_line(tmp_path, monkeypatch, capsys):
-    """A row the task cannot score (a null answer) fails its benchmark as one line; the next is still scored."""
+    """A row the task cannot score (a null answer, in a file changed after the start's check) fails its benchmark
+    as one line; the next is still scored."""
     import pandas as pd
 
     import config
@@ -387,7 +426,7 @@ def test_a_benchmark_whose_rows_cannot_be_scored_is_a_line(tmp_path, monkeypatch
     table.to_parquet(tmp_path / "pope.parquet")
     monkeypatch.setattr(benchmarks, "answer_all", lambda raw, asker, env, bench, rows: (dict.fromkeys(range(len(rows)),
                                                                                                        "Yes"), 0))
-    found = benchmarks.open_benchmarks([f"pope={tmp_path / 'pope.parquet'}", "mme"], root)
+    found = [benchmarks.find(f"pope={tmp_path / 'pope.parquet'}", root), *benchmarks.open_benchmarks(["mme"], root)]
     asker = benchmarks.Asker(None, "vicuna_v1", "pad", 4)
     scores = benchmarks.run_benchmarks(torch.nn.Linear(1, 1), found, asker, Env(config.DEFAULTS | {"device": "cpu"}))
     assert "benchmark pope failed in scoring (AttributeError" in capsys.readouterr().out
@@ -396,29 +435,31 @@ def test_a_benchmark_whose_rows_cannot_be_scored_is_a_line(tmp_path, monkeypatch
 
 def test_a_failing_benchmark_is_a_line_and_the_run_goes_on(scored, tmp_path, shapes_data):
     """In a training run: scores at benchmark_interval and the end go to log.jsonl and the answers beside the
-    checkpoint; a benchmark whose rows break its prompt (ScienceQA choices that are null) fails as one line and the run
-    finishes (DONE), the other benchmarks scored."""
+    checkpoint; a benchmark whose rows fail to be answered (an image past the rows decoded at start that is no image)
+    fails as one line and the run finishes (DONE), the other benchmarks scored."""
     import pandas as pd
 
     _, bench_dir = scored
     broken = tmp_path / "sqa.parquet"
     table = pd.read_parquet(bench_dir / "ScienceQA/ScienceQA-IMG/test-00000-of-00001.parquet")
-    table["choices"] = None
+    table["image"] = [{"bytes": b"<html>404</html>", "path": None} if i == benchmarks.DECODED_ROWS else image
+                      for i, image in enumerate(table["image"])]
     table.to_parquet(broken)
     shapes = shapes_data(n=64, seed=0, val_fraction=0.1)
     r = subprocess.run([sys.executable, str(ROOT / "train.py"), str(ROOT / "configs/debug.py"),
                         f"--data_dir={shapes / 'shards'}", f"--tokenizer={shapes / 'tokenizer.model'}",
                         f"--out_dir={tmp_path / 'out'}", "--max_iters=4", "--eval_interval=0", "--log_interval=2",
                         f"--benchmarks=['mme', 'scienceqa_img={broken}']", f"--benchmark_dir={bench_dir}",
-                        "--benchmark_interval=2", "--benchmark_limit=4", "--final_accuracy_samples=0"],
+                        "--benchmark_interval=2", f"--benchmark_limit={benchmarks.DECODED_ROWS + 1}",
+                        "--final_accuracy_samples=0"],
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     failed = [line for line in r.stdout.splitlines() if "benchmark scienceqa_img failed" in line]
-    assert len(failed) == 2 and "TypeError" in failed[0], r.stdout[-3000:]
+    assert len(failed) == 2 and "UnidentifiedImageError" in failed[0], r.stdout[-3000:]
     scores = run_log(tmp_path / "out", "bench/mme/perception")
     assert [e["step"] for e in scores] == [2, 4] and (tmp_path / "out/DONE").exists()
     lines = (tmp_path / "out/step-000004.benchmarks.jsonl").read_text().splitlines()
-    assert len(lines) == 4 and json.loads(lines[0])["benchmark"] == "mme"
+    assert len(lines) == benchmarks.DECODED_ROWS + 1 and json.loads(lines[0])["benchmark"] == "mme"
     assert "benchmarks: mme perception" in r.stdout
 
 
