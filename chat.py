@@ -1,7 +1,8 @@
 """
 The text side of data.py: the tokenizer wrapper (sentencepiece tokenizer.model, or an HF tokenizer.json) and the
-chat templates (plain, vicuna_v1, llama_2, llama_3, chatml, qwen3, gemma3) that turn a LLaVA conversation into ids and
-labels, with the image placeholders expanded. Split from data.py (over its budget), which re-exports every name here.
+chat templates (plain, vicuna_v1, llama_2, llama_3, chatml, qwen2_5, smollm2, smollm3, qwen3, qwen3_instruct,
+gemma3) that turn a LLaVA conversation into ids and labels, with the image placeholders expanded. Split from data.py
+(over its budget), which re-exports every name here.
 """
 
 import json
@@ -189,11 +190,22 @@ def template_llama_3(conv, system=None, bos="<|begin_of_text|>", eos="</s>"):
     return pieces
 
 
-def template_chatml(conv, system=None, bos="", eos="</s>"):
-    # Qwen2's jinja: no BOS, messages as they are, default system prompt
+QWEN2_SYSTEM = "You are a helpful assistant."  # Qwen2-Instruct's (and LLaVA-OneVision's conv_qwen)
+QWEN25_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+SMOLLM3_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face."  # its /no_think default
+# SmolLM3's jinja writes strftime_now("%d %B %Y"), the day it renders: training fixes it (docs/model.md), so that a
+# sample tokenizes the same on every day and every resume, and the exported template writes the same date
+SMOLLM3_DATE = "08 July 2025"  # the day SmolLM3-3B was published
+SMOLLM3_HEADER = ("<|im_start|>system\n## Metadata\n\nKnowledge Cutoff Date: June 2025\nToday Date: {date}\n"
+                  "Reasoning Mode: /no_think\n\n## Custom Instructions\n\n{instructions}\n\n")
+
+
+def chatml(conv, system):
+    # ChatML: no BOS, messages as they are, a system turn only where there is a system text
     ts = turns(conv)
-    sys_text = next((t for r, t in ts if r == "system"), system or "You are a helpful assistant.")
-    pieces = [(f"<|im_start|>system\n{sys_text}<|im_end|>\n", False)]
+    sys_text = next((t for r, t in ts if r == "system"), system)
+    pieces = [] if sys_text is None else [(f"<|im_start|>system\n{sys_text}<|im_end|>\n", False)]
     for role, text in (t for t in ts if t[0] != "system"):
         if role == "user":
             pieces.append((f"<|im_start|>user\n{text}<|im_end|>\n", False))
@@ -202,19 +214,56 @@ def template_chatml(conv, system=None, bos="", eos="</s>"):
     return pieces
 
 
+def template_chatml(conv, system=None, bos="", eos="</s>"):
+    # Qwen2-Instruct's jinja: its default system prompt where the record has none
+    return chatml(conv, system or QWEN2_SYSTEM)
+
+
+def template_qwen2_5(conv, system=None, bos="", eos="</s>"):
+    # Qwen2.5-Instruct's jinja (its no-tools path): Qwen2's with its own default system prompt
+    return chatml(conv, system or QWEN25_SYSTEM)
+
+
+def template_smollm2(conv, system=None, bos="", eos="</s>"):
+    # SmolLM2-Instruct's jinja: Qwen2's with SmolLM's default system prompt
+    return chatml(conv, system or SMOLLM2_SYSTEM)
+
+
+def template_qwen3_instruct(conv, system=None, bos="", eos="</s>"):
+    # Qwen3-Instruct-2507's and Qwen3-VL-Instruct's jinja (no think block, no tools): ChatML, no default system prompt
+    return chatml(conv, system)
+
+
+def template_smollm3(conv, system=None, bos="", eos="</s>"):
+    # SmolLM3-3B's jinja in /no_think mode, no tools: a metadata block (the date fixed: SMOLLM3_DATE), the system text
+    # (less /think and /no_think, right-stripped) as its custom instructions, else its /no_think default, and no
+    # <|im_end|> after it (the jinja writes that only with tools); every answer, left-stripped of newlines, after an
+    # empty think block with one newline, which is prompt: the generation prompt writes it
+    ts = turns(conv)
+    sys_text = next((t for r, t in ts if r == "system"), system) or ""
+    instructions = sys_text.replace("/no_think", "").replace("/think", "").rstrip() or SMOLLM3_SYSTEM
+    pieces = [(SMOLLM3_HEADER.format(date=SMOLLM3_DATE, instructions=instructions), False)]
+    for role, text in (t for t in ts if t[0] != "system"):
+        if role == "user":
+            pieces.append((f"<|im_start|>user\n{text}<|im_end|>\n", False))
+        else:
+            pieces += [("<|im_start|>assistant\n<think>\n\n</think>\n", False), (text.lstrip("\n") + "<|im_end|>", True),
+                       ("\n", False)]
+    return pieces
+
+
 def template_qwen3(conv, system=None, bos="", eos="</s>"):
-    # Qwen3's jinja (the hybrid-thinking models, 0.6B to 235B): ChatML with no default system prompt. An answer's
-    # <think>...</think> is cut from the turns before the last user message; the turns after it show a think block,
-    # empty in the last one when the answer has none. That empty block is what the enable_thinking=False prompt
-    # writes, so it is prompt, not target (the model answers after it at inference); written reasoning is trained.
+    # Qwen3's jinja (the hybrid-thinking models, 0.6B to 235B): ChatML with no default system prompt. Every answer is
+    # written as that jinja writes the last one, the one the model is asked for: its <think>...</think> kept and
+    # trained, or, when it has none, after the empty think block the enable_thinking=False generation prompt writes
+    # (prompt, not target). The jinja itself cuts the reasoning from answers before the last question and writes no
+    # empty block there, so an earlier answer would be trained where the model never generates from; here the text
+    # before each answer is the generation prompt of the conversation up to its question (as TRL's Qwen3 training
+    # template and SmolLM3's /no_think do), and the last question's turn equals the jinja's.
     ts = turns(conv)
     sys_text = next((t for r, t in ts if r == "system"), system)
-    ts = [t for t in ts if t[0] != "system"]
-    # the jinja skips user messages that only carry a tool's response when it looks for the last query
-    last_query = max((i for i, (r, t) in enumerate(ts) if r == "user" and
-                      not (t.startswith("<tool_response>") and t.endswith("</tool_response>"))), default=len(ts))
     pieces = [] if sys_text is None else [(f"<|im_start|>system\n{sys_text}<|im_end|>\n", False)]
-    for i, (role, text) in enumerate(ts):
+    for role, text in (t for t in ts if t[0] != "system"):
         if role == "user":
             pieces.append((f"<|im_start|>user\n{text}<|im_end|>\n", False))
             continue
@@ -222,10 +271,11 @@ def template_qwen3(conv, system=None, bos="", eos="</s>"):
         if "</think>" in text:  # the jinja's split, string for string
             reasoning = text.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
             text = text.split("</think>")[-1].lstrip("\n")
-        head = "<|im_start|>assistant\n"
-        if i > last_query and (i == len(ts) - 1 or reasoning):
-            think = f"<think>\n{reasoning}\n</think>\n\n"  # reasoning has no "\n" left at either end to strip
-            head, text = (head, think + text.lstrip("\n")) if reasoning else (head + think, text.lstrip("\n"))
+        head, text = "<|im_start|>assistant\n", text.lstrip("\n")
+        if reasoning:  # reasoning has no "\n" left at either end to strip
+            text = f"<think>\n{reasoning}\n</think>\n\n{text}"
+        else:
+            head += "<think>\n\n</think>\n\n"
         pieces += [(head, False), (f"{text}<|im_end|>", True), ("\n", False)]
     return pieces
 
@@ -247,16 +297,27 @@ def template_gemma3(conv, system=None, bos="<bos>", eos="<eos>"):
 
 
 TEMPLATES = {"plain": template_plain, "vicuna_v1": template_vicuna_v1, "llama_2": template_llama_2,
-             "llama_3": template_llama_3, "chatml": template_chatml, "qwen3": template_qwen3,
-             "gemma3": template_gemma3}
+             "llama_3": template_llama_3, "chatml": template_chatml, "qwen2_5": template_qwen2_5,
+             "smollm2": template_smollm2, "smollm3": template_smollm3, "qwen3": template_qwen3,
+             "qwen3_instruct": template_qwen3_instruct, "gemma3": template_gemma3}
 # the markers a template writes that must be single special tokens of the tokenizer (Qwen3's <think> and </think>
 # are added tokens, not special ones, yet a tokenizer without them would spell them out)
 TEMPLATE_SPECIALS = {"llama_3": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
-                     "chatml": ("<|im_start|>", "<|im_end|>"),
+                     **dict.fromkeys(("chatml", "qwen2_5", "smollm2", "qwen3_instruct"), ("<|im_start|>", "<|im_end|>")),
+                     "smollm3": ("<|im_start|>", "<|im_end|>", "<think>", "</think>"),
                      "qwen3": ("<|im_start|>", "<|im_end|>", "<think>", "</think>"),
                      "gemma3": ("<start_of_turn>", "<end_of_turn>")}
 # the token that ends an assistant turn, where it is not the EOS
-END_OF_TURN = {"llama_3": "<|eot_id|>", "chatml": "<|im_end|>", "qwen3": "<|im_end|>", "gemma3": "<end_of_turn>"}
+END_OF_TURN = {"llama_3": "<|eot_id|>", "gemma3": "<end_of_turn>",
+               **dict.fromkeys(("chatml", "qwen2_5", "smollm2", "smollm3", "qwen3", "qwen3_instruct"), "<|im_end|>")}
+# the template each language-model preset (model_config.LLM_PRESETS) was published with; docs/model.md names the
+# sources. debug and tinyllama-1.1b (bench.py's shape) have none
+PRESET_TEMPLATES = {"vicuna-7b": "vicuna_v1", "vicuna-13b": "vicuna_v1", "llama3-8b": "llama_3",
+                    **{f"qwen2-{s}": "chatml" for s in ("0.5b", "7b")},
+                    **{f"qwen2.5-{s}": "qwen2_5" for s in ("0.5b", "1.5b", "3b", "7b")},
+                    **{f"qwen3-{s}": "qwen3" for s in ("0.6b", "1.7b", "4b", "8b")},
+                    **{f"gemma-3-{s}": "gemma3" for s in ("1b", "4b", "12b")},
+                    **{f"smollm2-{s}": "smollm2" for s in ("135m", "360m", "1.7b")}, "smollm3-3b": "smollm3"}
 
 
 def check_template(template, tok):

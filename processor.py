@@ -51,20 +51,23 @@ def chat_template(template, bos=None, eos=None, bos_added=False, after_tag=""):
     tags = "" if not after_tag else "".join(f" | replace({json.dumps(t)}, {json.dumps(t + after_tag)})"
                                             for t in (chat.IMAGE_TAG, VIDEO_TAG))
     lead = lambda rest: "" if bos_added or not bos else bos + (after_tag if rest else "")  # noqa: E731
-    # llama_2 and llama_3 trim every message; LLaVA's preprocessing trims a message around its one image. The probed
-    # answer is not the last: qwen3 strips newlines before the last answer only
+    # llama_2 and llama_3 trim every message; LLaVA's preprocessing trims a message around its one image; qwen3 and
+    # smollm3 strip the newlines an answer starts with
     probe = [("human", "\n\x02\n"), ("gpt", "\n\x03\n"), ("human", "q"), ("gpt", "a")]
-    probe = "".join(t for t, _ in chat.TEMPLATES[template]([{"from": r, "value": v} for r, v in probe]))
-    trim = " | trim" if "\n\x03\n" not in probe else ""
+    probe = chat.TEMPLATES[template]([{"from": r, "value": v} for r, v in probe])
+    trained = next(t for t, target in probe if target)  # the first answer, apart from the prompt before it
+    strip = lambda mark, text: "" if f"\n{mark}\n" in text else ".lstrip('\\n')" if f"{mark}\n" in text else " | trim"  # noqa: E731
     one_tag = "(m.content | selectattr('type', 'in', ['image', 'video']) | list | length) == 1"
-    content = ("{% if m.content is string %}{{ m.content" + trim + tags + " }}{% else %}{% for c in m.content %}"
-               "{% if c.type == 'image' %}" + lit(chat.IMAGE_TAG + after_tag + "\n") + "{% elif c.type == 'video' %}"
-               + lit(VIDEO_TAG + after_tag + "\n") + "{% endif %}{% endfor %}{% for c in m.content %}"
-               "{% if c.type == 'text' %}{% if " + one_tag + " %}{{ c.text | trim }}{% else %}{{ c.text" + trim
-               + " }}{% endif %}{% endif %}{% endfor %}{% endif %}")
+    content = lambda trim: ("{% if m.content is string %}{{ m.content" + trim + tags + " }}{% else %}"  # noqa: E731
+                            "{% for c in m.content %}{% if c.type == 'image' %}" + lit(chat.IMAGE_TAG + after_tag + "\n")
+                            + "{% elif c.type == 'video' %}" + lit(VIDEO_TAG + after_tag + "\n")
+                            + "{% endif %}{% endfor %}{% for c in m.content %}{% if c.type == 'text' %}{% if " + one_tag
+                            + " %}{{ c.text | trim }}{% else %}{{ c.text" + trim + " }}{% endif %}{% endif %}{% endfor %}"
+                            "{% endif %}")
+    question, answer = content(strip("\x02", "".join(t for t, _ in probe))), content(strip("\x03", trained))
     if template == "plain":  # stage 1: the image, then the caption; questions are not shown
         first_answer = "(messages | selectattr('role', 'equalto', 'assistant') | list)[:1]"
-        return (lit(lead("") + chat.IMAGE_TAG) + "{% for m in " + first_answer + " %}" + lit(after_tag) + content
+        return (lit(lead("") + chat.IMAGE_TAG) + "{% for m in " + first_answer + " %}" + lit(after_tag) + answer
                 + lit("\n") + "{% endfor %}")
     marks = ["\x01Q1\x01", "\x01A1\x01", "\x01Q2\x01", "\x01A2\x01"]
     conv = [{"from": r, "value": m} for r, m in zip(["human", "gpt"] * 2, marks)]
@@ -72,9 +75,18 @@ def chat_template(template, bos=None, eos=None, bos_added=False, after_tag=""):
     cuts = [text.index(m) for m in marks]
     first, user_end, turn_sep, last_user_end, last = [text[a:b] for a, b in zip([0] + [c + len(m) for c, m in
                                                                                      zip(cuts, marks)], cuts + [len(text)])]
-    # qwen3 opens the last answer alone with an empty think block, as its enable_thinking=False prompt does
     answer_start = lit(user_end) if last_user_end == user_end else \
         "{% if loop.last %}" + lit(last_user_end) + "{% else %}" + lit(user_end) + "{% endif %}"
+    # qwen3 writes an answer's own reasoning in place of the empty think block that opens an answer without it
+    reasoned = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "\n\x05\n</think>\n\x03"}]
+    empty = "<think>\n\n</think>\n\n"
+    if "<think>\n\x05\n</think>\n\n\x03" in "".join(t for t, _ in chat.TEMPLATES[template](reasoned)) and \
+            user_end.endswith(empty) and last_user_end == user_end:
+        split = "m.content.split('</think>')"
+        answer_start = lit(user_end.removesuffix(empty))
+        answer = ("{% if m.content is string and '</think>' in m.content %}{{ '<think>\\n' + " + split
+                  + "[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') + '\\n</think>\\n\\n' + " + split
+                  + "[-1].lstrip('\\n') }}{% else %}" + lit(empty) + answer + "{% endif %}")
     generation = last_user_end.rstrip(" ")  # data.generation_prompt's cut
     # a system message: its text in place of the template's default (cut from a rendering with a system marker)
     with_system = "".join(t for t, _ in chat.TEMPLATES[template]([{"from": "system", "value": "\x01S\x01"}] + conv,
@@ -90,7 +102,7 @@ def chat_template(template, bos=None, eos=None, bos_added=False, after_tag=""):
     return ("{% set ns = namespace(first=true) %}{% for m in messages %}{% if m.role == 'user' %}{% if ns.first %}"
             "{% if messages | selectattr('role', 'equalto', 'system') | list %}" + lit(before_system) + system_text
             + lit(after_system) + "{% else %}" + lit(first) + "{% endif %}{% set ns.first = false %}{% else %}"
-            + lit(turn_sep) + "{% endif %}" + content + "{% elif m.role == 'assistant' %}" + answer_start + content
+            + lit(turn_sep) + "{% endif %}" + question + "{% elif m.role == 'assistant' %}" + answer_start + answer
             + "{% endif %}{% endfor %}{% if add_generation_prompt %}" + lit(generation)
             + "{% else %}" + lit(last) + "{% endif %}")
 

@@ -14,7 +14,7 @@ model = "nanovlm-460m"  # the shapes init_from holds (used only with init_from='
 model_overrides = {}
 data_dir = "data/cauldron"
 tokenizer = "ckpt/nanovlm/tokenizer.json"
-template = "chatml"  # SmolLM2-Instruct's <|im_start|> turns
+template = "smollm2"  # SmolLM2-Instruct's ChatML, its own default system prompt
 image_mode = "resize"  # SigLIP's processor squashes to 512 x 512
 seq_len = 4096
 pack = 2  # four would need 4 x 1024 image tokens a row and leave the text no room

@@ -490,12 +490,18 @@ def runs(ids, labels):
     return out
 
 
+def questions(turns):
+    return sum(r == "human" for r, _ in turns)
+
+
 @pytest.mark.parametrize("template,jinja,family,system", CASES)
 def test_template_equals_published_jinja_in_text_and_ids(sp_dir, llama3, qwen2, qwen3, gemma3, template, jinja, family,
                                                          system):
     hf, tok = {"sentencepiece": hf_llama(sp_dir, True), "llama3": llama3, "qwen2": qwen2, "qwen3": qwen3,
                "gemma3": gemma3}[family]
     for turns in CONVERSATIONS + (THINKING if template == "qwen3" else []):
+        if template == "qwen3" and questions(turns) != 1:  # earlier answers differ by design: the test below
+            continue
         turns = llava_multimodal(turns)  # LLaVA's data pipeline moves <image> first for every template
         want = hf.apply_chat_template(as_messages(turns, system), chat_template=jinja, tokenize=False)
         our_system = DATED + system.strip() if jinja is LLAMA31_JINJA else system
@@ -517,28 +523,62 @@ def test_template_equals_published_jinja_in_text_and_ids(sp_dir, llama3, qwen2, 
             "".join(answers).replace(" ", "")
 
 
+def before_each_answer(pieces):
+    """The text before each supervised piece of a rendering, and that piece."""
+    out, text = [], ""
+    for piece, target in pieces:
+        if target:
+            out.append((text, piece))
+        text += piece
+    return out
+
+
 @pytest.mark.parametrize("system", [None, SYSTEM])
-def test_qwen3_trains_each_answer_as_its_jinja_shows_it_and_prompts_the_empty_think_block(qwen3, system):
+def test_qwen3_trains_each_answer_after_the_prompt_that_asks_for_it(qwen3, system):
+    """Each answer is trained after exactly the generation prompt of the conversation up to it: the exported template's
+    (what the model is asked with); for the first question that is Qwen3's published jinja's, the empty think block
+    (enable_thinking=False) before an answer without reasoning, none before one that writes its reasoning; the last
+    question's turn is the jinja's, and the ids are the tokenizer's."""
+    import processor
+
     hf, tok = qwen3
+    exported = processor.chat_template("qwen3", **processor.template_strings((tok, False)))
     trained = []
     for turns in THINKING + CONVERSATIONS:
         turns = [(r, v.replace("<image>", "")) for r, v in llava_multimodal(turns)]
-        want = hf.apply_chat_template(as_messages(turns, system), chat_template=QWEN3_JINJA, tokenize=False)
-        ids, labels = chat.tokenize(chat.render("qwen3", as_conv(turns), tok, system=system), tok, -1, 0)
-        assert ids == hf(want, add_special_tokens=False).input_ids
+        pieces = chat.render("qwen3", as_conv(turns), tok, system=system)
+        text = "".join(t for t, _ in pieces)
+        ids, labels = chat.tokenize(pieces, tok, -1, 0)
+        assert ids == hf(text, add_special_tokens=False).input_ids
         trained.append([tok.decode(run) for run in runs(ids, labels)])
-        assert trained[-1] == qwen3_answers(want)  # one run a turn: its answer and <|im_end|>, and nothing else
-    # the branches the jinja takes, on THINKING: reasoning before the last question is cut, the last answer's kept and
-    # trained; an answer without reasoning (a written empty block too) starts after the empty block, untrained
+        answers = [i for i, (r, _) in enumerate(turns) if r == "gpt"]
+        for i, (before, answer) in zip(answers, before_each_answer(pieces)):
+            if not questions(turns[:i]):  # an answer to no question has no prompt to ask for it
+                continue
+            thinks = answer.startswith("<think>")
+            asked = as_messages(turns[:i], system)
+            prompt = hf.apply_chat_template(asked, chat_template=exported, tokenize=False, add_generation_prompt=True)
+            assert before == (prompt.removesuffix(EMPTY_THINK) if thinks else prompt)
+            if questions(turns[:i]) == 1 and turns[0][0] == "human":
+                assert before == hf.apply_chat_template(asked, chat_template=QWEN3_JINJA, tokenize=False,
+                                                        add_generation_prompt=True, enable_thinking=thinks)
+        last = max(i for i, (r, _) in enumerate(turns) if r == "human") if questions(turns) else 0
+        published = hf.apply_chat_template(as_messages(turns, system), chat_template=QWEN3_JINJA, tokenize=False)
+        tail = "<|im_start|>user\n" + turns[last][1] + "<|im_end|>\n" if questions(turns) else ""
+        if tail:
+            assert text.split(tail)[-1] == published.split(tail)[-1]
+    # reasoning written in any turn is trained after "<|im_start|>assistant\n" (where a thinking model starts it); an
+    # answer without it (a written empty block too) starts after the empty block, untrained, stripped of leading newlines
     assert trained[0] == ["<think>\nA cat on a sofa.\n</think>\n\nA black cat.<|im_end|>"]
-    assert trained[1] == ["There are two dogs.<|im_end|>", "Black.<|im_end|>"]
-    assert trained[2] == ["On the left.<|im_end|>", "<think>\nLook right.\n</think>\n\nOn the right.  <|im_end|>"]
-    assert trained[3] == ["3 cups.<|im_end|>", " Yes.<|im_end|>"]
+    assert trained[1] == ["<think>\nTwo dogs, left.\n</think>\n\nThere are two dogs.<|im_end|>", "Black.<|im_end|>"]
+    assert trained[2] == ["<think>\nIt is here.\n</think>\n\nOn the left.<|im_end|>",
+                          "<think>\nLook right.\n</think>\n\nOn the right.  <|im_end|>"]
+    assert trained[3] == ["<think>\nOne, two, three.\n</think>\n\n3 cups.<|im_end|>", " Yes.<|im_end|>"]
     assert trained[4] == ["<think>\nA cat.\n</think>\n\nA cat.<|im_end|>",
                           "<think>\nIt is black.\n</think>\n\nBlack.<|im_end|>"]
     assert trained[5] == ["<think>\nCount them.\n</think>\n\nLet me count.<|im_end|>", "3 cups.<|im_end|>"]
-    assert trained[6] == ["Hello.<|im_end|>"]
-    assert trained[7] == ["A black cat sits on a red sofa.<|im_end|>"]
+    assert trained[6] == ["<think>\nGreet.\n</think>\n\nHello.<|im_end|>"]
+    assert trained[8] == [" There are two dogs.\n<|im_end|>", "Red.  <|im_end|>", "On the left.<|im_end|>"]
 
 
 GENERATION = [("llama_3", LLAMA3_JINJA, "llama3"), ("chatml", QWEN2_JINJA, "qwen2"), ("qwen3", QWEN3_JINJA, "qwen3"),
@@ -564,9 +604,10 @@ def test_generation_prompt_equals_published_jinja_and_the_training_prompt(llama3
         assert prompt == want
         assert hf.apply_chat_template(messages, chat_template=exported, tokenize=False, add_generation_prompt=True) == want
         history = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}] + messages
-        assert hf.apply_chat_template(history, chat_template=exported, tokenize=False, add_generation_prompt=True) == \
-            hf.apply_chat_template(history, chat_template=jinja, tokenize=False, add_generation_prompt=True,
-                                   enable_thinking=False)
+        if template != "qwen3":  # its earlier answers follow the empty block the jinja drops (the test above)
+            assert hf.apply_chat_template(history, chat_template=exported, tokenize=False, add_generation_prompt=True) \
+                == hf.apply_chat_template(history, chat_template=jinja, tokenize=False, add_generation_prompt=True,
+                                          enable_thinking=False)
         conv = [{"from": "human", "value": question}, {"from": "gpt", "value": "A black cat."}]
         ids, _ = chat.tokenize([(prompt, False)], tok, -1, 2)
         assert ids == chat.prompt_and_answer(conv, True, template, tok, -1, 2)[0]
