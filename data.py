@@ -15,6 +15,7 @@ loader.py.
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -103,32 +104,73 @@ def audit_command(args):
                    args.progress, vlm=mcfg, max_tiles=max_tiles))
 
 
+# the types of the pack and video flags: a value no pack could mean is refused by argparse (exit 2) before anything
+# is read, never blamed on the data (a nan --video-fps dropped every video as corrupt)
+
+
+def whole(low):
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= {low}")
+        return value
+    return parse
+
+
+def positive(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number > 0")
+    return value
+
+
+def share(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < 1:  # 1 would put every record in val and train on none
+        raise argparse.ArgumentTypeError(f"{text!r} is not a share >= 0 and < 1")
+    return value
+
+
 def video_arguments(a):
+    """The video flags of pack, and of audit, which reads a JSON's video files as pack would."""
     d = VideoSettings()  # LLaVA-OneVision's; LLaVA-Video's: --frames-upbound 64 --force-sample --time-instruction
-    a.add_argument("--frames-upbound", type=int, default=d.frames_upbound, help="at most this many frames a video, "
-                   f"spread evenly (0: no bound; default {d.frames_upbound})")
-    a.add_argument("--video-fps", type=float, default=d.video_fps, help="frames a second to take while the bound "
+    a.add_argument("--frames-upbound", type=whole(0), default=d.frames_upbound, help="at most this many frames a "
+                   f"video, spread evenly (0: no bound; default {d.frames_upbound})")
+    a.add_argument("--video-fps", type=positive, default=d.video_fps, help="frames a second to take while the bound "
                    f"allows (default {d.video_fps:g})")
-    a.add_argument("--force-sample", action="store_true", help="always --frames-upbound frames, spread evenly")
+    a.add_argument("--force-sample", action="store_true", help="always --frames-upbound frames, spread evenly (a video "
+                   "with fewer frames has some repeated, as LLaVA-NeXT's loader repeats them; pack says how many)")
     a.add_argument("--time-instruction", action="store_true", help="LLaVA-Video's sentence on the duration and the "
                    "frame times before the first question")
     a.add_argument("--video-frames", choices=("jpg", "png"), default=d.frame_format, help="how frames are stored: "
                    "JPEG quality 95 4:4:4 (default) or lossless PNG")
-    a.add_argument("--video-timeout", type=float, default=d.timeout_s, help="seconds to decode one file "
+    a.add_argument("--video-timeout", type=positive, default=d.timeout_s, help="seconds to decode one file "
                    f"(default {d.timeout_s:g})")
-    a.add_argument("--video-memory-mb", type=int, default=d.memory_mb, help="memory decoding one file may add "
+    a.add_argument("--video-memory-mb", type=whole(1), default=d.memory_mb, help="memory decoding one file may add "
                    f"(default {d.memory_mb})")
-    a.add_argument("--video-max-pixels", type=int, default=d.max_decode_pixels, help="width x height x frames to "
+    a.add_argument("--video-max-pixels", type=whole(1), default=d.max_decode_pixels, help="width x height x frames to "
                    "decode before the last one taken (default: 10 minutes of 1080p at 30 fps)")
 
 
-def video_settings(args):
+def video_settings(args, parser):
+    """The VideoSettings of the video flags; what no flag alone refuses (--force-sample without a bound) exits 2."""
+    if args.force_sample and not args.frames_upbound:
+        parser.error("--force-sample takes --frames-upbound frames a video: give --frames-upbound > 0")
     try:
         return VideoSettings(args.frames_upbound, args.video_fps, args.force_sample, args.time_instruction,
                              args.video_frames, args.video_timeout, args.video_memory_mb,
                              max_decode_pixels=args.video_max_pixels)
     except ValueError as e:
-        raise SystemExit(f"pack: {e}") from None
+        parser.error(str(e))
 
 
 def pack_command(args):
@@ -140,7 +182,7 @@ def pack_command(args):
     if args.columns and args.json:
         raise SystemExit("pack: --columns maps parquet / Arrow columns; a JSON file's keys are LLaVA's")
     options = {"shard_size": args.shard_size, "val_ratio": args.val_ratio, "strict": args.strict,
-               "video": video_settings(args)}
+               "video": args.video}
     if args.mixture:
         if not args.raw or args.out:
             raise SystemExit("pack: --mixture needs --raw DIR (where each dataset's raw input is) and no --out (each "
@@ -168,9 +210,10 @@ def main(argv=None):
     a.add_argument("--raw", help="--mixture: the folder (or bucket prefix) with each dataset's raw input, NAME.json / "
                                  "NAME.jsonl or NAME/*.parquet")
     a.add_argument("--out")
-    a.add_argument("--shard-size", type=int, default=1000)
-    a.add_argument("--val-ratio", type=float, default=0.0)
-    a.add_argument("--workers", type=int, default=1, help="processes (--mixture: in all, across datasets)")
+    a.add_argument("--shard-size", type=whole(1), default=1000, help="samples a shard (default 1000)")
+    a.add_argument("--val-ratio", type=share, default=0.0, help="the share of records held out in val shards, by a "
+                   "hash of their id (>= 0, < 1; default 0)")
+    a.add_argument("--workers", type=whole(1), default=1, help="processes (--mixture: in all, across datasets)")
     a.add_argument("--strict", action="store_true", help="exit non-zero if any record was skipped")
     a.add_argument("--overwrite", action="store_true", help="replace the dataset already in --out (its shards first)")
     video_arguments(a.add_argument_group("video files (\"video\": \"clip.mp4\"), decoded at pack time: video.py"))
@@ -188,6 +231,8 @@ def main(argv=None):
     audit_arguments(sub.add_parser("audit", help="what training would get from a dataset: counts, lengths, prompts, "
                                                  "images, the chat template"))
     args = p.parse_args(argv)
+    if args.cmd == "pack":  # every setting checked before anything is read
+        args.video = video_settings(args, a)
     try:
         if args.cmd == "audit":
             audit_command(args)

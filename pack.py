@@ -30,6 +30,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections import Counter
 from contextlib import nullcontext
 from itertools import islice
 from multiprocessing import Process, connection
@@ -407,6 +408,15 @@ def holding(out_dirs):
             give_out_dir(out_dir, fd)
 
 
+def repeated_frames(sample, sample_id, repeats):
+    """Count a video sample whose frame indices repeat (force_sample asked for more frames than the video has), by the
+    most times one frame is stored: LLaVA-NeXT's loader takes the same frames, so pack keeps them, and says so."""
+    indices = json.loads(sample["json"]).get("video", {}).get("frame_indices", [])
+    most = max(Counter(indices).values(), default=1)
+    if most > 1:
+        repeats.add(str(most), sample_id)
+
+
 def is_val(sample_id, val_ratio):
     # by a hash of the id, so the split survives reordering and re-runs
     return int(hashlib.md5(str(sample_id).encode()).hexdigest()[:8], 16) / 2**32 < val_ratio
@@ -424,12 +434,16 @@ def pack_source(source, out_dir, shard_size=1000, val_ratio=0.0, workers=1, stri
     its id (val_ratio) or by val_ids(id). tokenizer: the tokenizer file the data is made for (its text was written for
     it, as the shapes demo's is), recorded so that a run with another is refused (config.check_data). position: the
     line of its progress bar among several (pack_mixture). video: how video files are read (video.VideoSettings).
-    out_dir is held for this pack (holding) while it is written; held: the caller holds it already (pack_mixture)."""
-    made_for = tokenizer_record(tokenizer) if tokenizer else None
+    A local out_dir is held (holding) while it is written; held: the caller holds it already (pack_mixture)."""
+    if not (isinstance(shard_size, int) and shard_size >= 1 and isinstance(workers, int) and workers >= 1
+            and 0 <= val_ratio < 1):
+        raise ValueError(f"pack: shard_size and workers must be whole numbers >= 1 and val_ratio >= 0 and < 1, not "
+                         f"{shard_size!r}, {workers!r} and {val_ratio!r}")
     if not held:
         with holding([out_dir]):
             return pack_source(source, out_dir, shard_size, val_ratio, workers, strict, val_ids, overwrite, tokenizer,
                                position, video, held=True)
+    made_for = tokenizer_record(tokenizer) if tokenizer else None
     if storage.is_url(out_dir):
         storage.check_bucket(out_dir)  # a bucket that is not there, or no credentials: one sentence, before any work
         with tempfile.TemporaryDirectory(prefix="llavax-pack-") as staging:
@@ -498,6 +512,7 @@ def pack_into(source, out_dir, shard_size, val_ratio, workers, strict, val_ids, 
     writers = {split: ShardWriter(out_dir, shard_size, prefix, staging)
                for split, prefix in (("train", "shard"), ("val", "val"))}
     n, facts = 0, {"count": 0, "train": [], "val": []}  # (record index in the source, modality length) a sample
+    repeats = Skips()  # videos whose frames repeat (force_sample over a short video), by the most repeats of one
     with SPAWN.Pool(workers, initializer=die_with_parent) if workers > 1 else nullcontext() as pool:
         entries = progress(prepared(source, pool, workers, video), total=source.count(), unit="rec",
                            desc=f"packing {source.name}", position=position, leave=position is None)
@@ -512,6 +527,8 @@ def pack_into(source, out_dir, shard_size, val_ratio, workers, strict, val_ids, 
             writers[split].add(f"sample{n:09d}", members)
             facts[split].append((index, modality_length(sample)))
             n += 1
+            if "f0.jpg" in sample or "f0.png" in sample:
+                repeated_frames(sample, sample_id, repeats)
     good = {split: w.close() for split, w in writers.items()}
     if n == 0:
         sys.exit(f"pack: {source.name}: no record could be packed, so no dataset was written\npack: {skips.summary()}")
@@ -520,6 +537,12 @@ def pack_into(source, out_dir, shard_size, val_ratio, workers, strict, val_ids, 
     n_train, n_val = (sum(s[1] for s in good[split]) for split in ("train", "val"))
     log(f"pack: wrote {n_train} train and {n_val} val samples in {len(good['train']) + len(good['val'])} shards "
         f"to {out_dir}\npack: {skips.summary()}")
+    if repeats.counts:
+        most = max(int(r) for r in repeats.counts)
+        log(f"pack: {sum(repeats.counts.values())} videos have fewer frames than frames_upbound "
+            f"{(video or VideoSettings()).frames_upbound} (force_sample): their frames are stored repeated, one up to "
+            f"{most} times, as LLaVA-NeXT's loader repeats them (np.linspace over the frames; first: "
+            f"{', '.join(repeats.examples[str(most)])})")
     if refusal:  # no .info.json: training, audit and a mixture's pack take it for unfinished
         sys.exit(f"pack: --strict: {sum(skips.counts.values())} records were skipped, so {out_dir} is left unfinished "
                  "(no .nv-meta/.info.json; its skips are in .nv-meta/llavax.json): fix them and pack again with "

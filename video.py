@@ -16,6 +16,7 @@ stream's packets and fps its average frame rate, what decord's len() and get_avg
 import errno
 import io
 import json
+import math
 import os
 import select
 import signal
@@ -49,9 +50,13 @@ class VideoSettings:
     max_decode_pixels: int = 1920 * 1080 * 30 * 600  # width x height x frames decoded: 10 minutes of 1080p at 30 fps
 
     def __post_init__(self):
-        if self.frames_upbound < 0 or self.video_fps <= 0:
-            raise ValueError(f"video: frames_upbound must be >= 0 and video_fps > 0 (got {self.frames_upbound}, "
-                             f"{self.video_fps})")
+        if not isinstance(self.frames_upbound, int) or self.frames_upbound < 0:
+            raise ValueError(f"video: frames_upbound must be a whole number >= 0, not {self.frames_upbound!r}")
+        # nan compares False with everything: a plain `<= 0` let it through, and every video then dropped as corrupt
+        for name in ("video_fps", "timeout_s", "memory_mb", "max_frame_pixels", "max_decode_pixels"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"video: {name} must be a number > 0, not {value!r}")
         if self.force_sample and not self.frames_upbound:
             raise ValueError("video: force_sample takes frames_upbound frames: give frames_upbound > 0")
         if self.frame_format not in ("jpg", "png"):

@@ -449,3 +449,39 @@ def test_a_strict_pack_that_skips_leaves_no_dataset_training_would_read(tmp_path
         pack.pack(tmp_path / "d.json", imgs, out)
     assert dict(pack.pack(tmp_path / "d.json", imgs, out, overwrite=True).counts) == {"missing_image": 1}
     assert pack.finished(out) and not pack.refused(out)
+
+
+# -----------------------------------------------------------------------------
+# settings: one no pack could mean is refused before anything is read, never blamed on the data
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--video-fps", "nan"], "--video-fps: 'nan' is not a finite number > 0"),
+    (["--video-fps", "0"], "--video-fps: '0' is not a finite number > 0"),
+    (["--video-timeout", "0"], "--video-timeout: '0' is not a finite number > 0"),
+    (["--video-timeout", "inf"], "--video-timeout: 'inf' is not a finite number > 0"),
+    (["--video-memory-mb", "0"], "--video-memory-mb: '0' is not a whole number >= 1"),
+    (["--video-max-pixels", "-1"], "--video-max-pixels: '-1' is not a whole number >= 1"),
+    (["--frames-upbound", "-2"], "--frames-upbound: '-2' is not a whole number >= 0"),
+    (["--force-sample", "--frames-upbound", "0"], "--force-sample takes --frames-upbound frames a video"),
+    (["--val-ratio", "1"], "--val-ratio: '1' is not a share >= 0 and < 1"),
+    (["--val-ratio", "nan"], "--val-ratio: 'nan' is not a share >= 0 and < 1"),
+    (["--shard-size", "0"], "--shard-size: '0' is not a whole number >= 1"),
+    (["--workers", "-3"], "--workers: '-3' is not a whole number >= 1"),
+])
+def test_nonsense_pack_and_video_flags_exit_2_before_anything_is_read(tmp_path, capsys, flags, named):
+    """Before, --video-fps nan (and a zero timeout, memory or pixel bound) dropped every video as video_corrupt and
+    exited 0, --val-ratio 1 packed every record into val, and --shard-size 0 / --workers -3 were taken."""
+    import data
+
+    imgs = images_dir(tmp_path)
+    (tmp_path / "d.json").write_text(json.dumps([record(i) for i in range(4)]))
+    with pytest.raises(SystemExit) as e:
+        data.main(["pack", "--json", str(tmp_path / "d.json"), "--images", str(imgs), "--out", str(tmp_path / "out"),
+                   *flags])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert " pack: error: " in err[-1] and named in err[-1], err
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match="shard_size and workers must be whole numbers >= 1 and val_ratio"):
+        pack.pack(tmp_path / "d.json", imgs, tmp_path / "out", val_ratio=1.0)

@@ -129,6 +129,37 @@ def test_frame_indices_are_llava_nexts_over_many_lengths_rates_and_settings():
     assert frame_indices(4, 0.4, VideoSettings())[0] == [0, 1, 2, 3]
 
 
+@pytest.mark.parametrize("setting", [{"video_fps": float("nan")}, {"video_fps": float("inf")}, {"timeout_s": 0},
+                                     {"timeout_s": float("nan")}, {"memory_mb": 0}, {"max_decode_pixels": -1},
+                                     {"max_frame_pixels": 0}, {"frames_upbound": 2.5}])
+def test_settings_no_video_could_mean_are_refused_not_blamed_on_the_videos(videos, setting):
+    """Before, VideoSettings(video_fps=nan) (and a zero time, memory or pixel bound) was taken, and every video then
+    dropped as corrupt or too large."""
+    with pytest.raises(ValueError, match=f"video: {next(iter(setting))} must be"):
+        VideoSettings(**setting)
+    read_video(videos["a.mp4"], VideoSettings())  # the same file reads with the defaults
+
+
+def test_force_sample_over_a_short_video_stores_llava_nexts_repeats_and_says_so(videos, tmp_path, capfd):
+    """97 frames, force_sample with a bound of 200: LLaVA-NeXT's loader takes 200 frames (np.linspace over the 97,
+    some 3 times), so pack stores those 200, and says which videos repeat frames (before: not a word)."""
+    folder = videos["a.mp4"].parent
+    recs = [{"id": "short", "video": "a.mp4", "conversations": conv("<video>\nWhat moves?", "A ramp.")},
+            {"id": "long_enough", "video": "a.mp4", "conversations": conv("<video>\nAnd now?", "Still a ramp.")}]
+    (tmp_path / "v.json").write_text(json.dumps(recs))
+    pack.pack(tmp_path / "v.json", folder, tmp_path / "forced", video=VideoSettings(200, force_sample=True))
+    err = capfd.readouterr().err
+    assert "pack: 2 videos have fewer frames than frames_upbound 200 (force_sample): their frames are stored " \
+           "repeated, one up to 3 times, as LLaVA-NeXT's loader repeats them" in err and "first: short, long_enough" in err
+    import tarfile
+
+    with tarfile.open(tmp_path / "forced/shard-000000.tar") as tar:
+        frames = [m.name for m in tar.getmembers() if m.name.startswith("sample000000000.f")]
+    assert len(frames) == 200 == len(llava_next_frames(97, 30, 200, 1, True)[0])
+    pack.pack(tmp_path / "v.json", folder, tmp_path / "bounded", video=VideoSettings(32, force_sample=True))
+    assert "repeated" not in capfd.readouterr().err  # 32 of 97: no frame twice, nothing to say
+
+
 def test_the_time_instruction_is_llava_videos_sentence_and_rewrites_the_first_turn_as_llava_next_does():
     text = time_instruction(3.5, [0.0, 1.25, 2.5])
     assert text == ("The video lasts for 3.50 seconds, and 3 frames are uniformly sampled from it. These frames are "
