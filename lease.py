@@ -19,7 +19,9 @@ the lock holds the other runs' looks: they wait LOCK_WAIT_S for it, then stop in
 written right after a conditional rewrite of the lease, and a pause in the one request between the two can still land
 that one write after a successor took over: no object store makes a write to one object conditional on another. A
 server that ignores or refuses the conditions (a probe at the start tells, said in one line) gets a look, then the
-write, as before.
+write, as before. Such a server may also write an object in place (s3rver shows a part of the lease being written):
+a lease that cannot be read, or is missing, for a moment is looked at again for UNREADABLE_S, and one that stays so is
+nobody's takeover (only a readable lease with another token is); this process's own looks and writes take turns.
 """
 
 import contextlib
@@ -31,11 +33,13 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 
 import storage
 
 LEASE, LOCK = "LEASE.json", "LEASE.lock"
 SETTLE_S = 0.5  # in a bucket, between writing the lease and reading it back: longer than a run takes from read to write
+UNREADABLE_S = 5.0  # in a bucket, how long a lease that cannot be read (one being written in place) is looked at again
 LOCK_WAIT_S = 60.0  # the most a look at the lease waits for LEASE.lock: one held longer is a process stopped in there
 PAUSED = set()  # tests only (pause_for_test): where this process has stopped itself already
 
@@ -107,11 +111,16 @@ def pause_for_test(name):
 HELD = set()
 
 
+LEASES = weakref.WeakSet()  # this process's leases: a child forked while a thread took its turn (turn) gets new turns
+
+
 def forget_locks():
     for fd in HELD:
         with contextlib.suppress(OSError):
             os.close(fd)
     HELD.clear()
+    for held in LEASES:
+        held.turn = threading.Lock()
 
 
 os.register_at_fork(after_in_child=forget_locks)
@@ -170,6 +179,10 @@ class Lease:
         # our last write's, deletes: a conditional delete too) or "read-back" (a look, then the write)
         self.mode, self.version, self.deletes = None, None, False
         self.last_refresh = time.time()
+        # the threads of this process (the loop's refresh, the checkpoint writer's commit) take turns at the lease: a
+        # look never meets this process's own rewrite (locally LEASE.lock, opened by each, does that already)
+        self.turn = threading.Lock()
+        LEASES.add(self)
 
     def choose(self):
         """How this lease's looks and writes are fenced; said in one line when they cannot be."""
@@ -196,11 +209,11 @@ class Lease:
               f"and its write could write once over a run that took out_dir over meanwhile", flush=True)
 
     def look(self):
-        """(the lease as written, its version): None when there is none, {} when it is not one (after a second look:
-        a local lease may be being created this moment). The version, read with the bytes, only in a bucket that
-        honours conditional writes."""
-        version = None
-        for _ in range(2):
+        """(the lease as written, its version): None when there is none, {} when it is not one after looks for
+        UNREADABLE_S (a local one: 0.2 s, as it may be being created this moment; a bucket's may be being written in
+        place). The version, read with the bytes, only in a bucket that honours conditional writes."""
+        version, until = None, time.monotonic() + (0.2 if self.mode == "lock" else UNREADABLE_S)
+        while True:
             try:
                 if self.mode == "conditional":
                     data, version = storage.read_versioned(self.path)
@@ -211,20 +224,23 @@ class Lease:
             except FileNotFoundError:
                 return None, None
             except ValueError:
+                if time.monotonic() > until:
+                    return {}, version
                 time.sleep(0.2)
-        return {}, version
 
     def read(self):
         return self.look()[0]
 
     @contextlib.contextmanager
     def exclusive(self):
-        """Locally, LEASE.lock held: no other run's look and write comes between ours. Nothing in a bucket."""
+        """Locally, LEASE.lock held: no other run's look and write comes between ours. In a bucket, this process's turn
+        (its other threads wait)."""
         if self.mode == "lock":
             with locked(self.lock):
                 yield
         else:
-            yield
+            with self.turn:
+                yield
 
     def create(self):
         """A local lease where there is none, written only if no other run creates one first (O_EXCL)."""
@@ -317,16 +333,18 @@ class Lease:
         if self.lost:
             return False
         held = self.read()
-        if held is None and self.acquired:  # a refresh on a mount deletes, then creates: look once more
+        until = time.monotonic() + (0.2 if self.mode == "lock" else UNREADABLE_S)
+        while held is None and self.acquired and time.monotonic() < until:  # a rewrite that deletes, then creates
             time.sleep(0.2)
             held = self.read()
         return self.ours(held)
 
     def ours(self, held):
-        """Whether `held`, the lease as read, is ours; if not, who took it goes in self.lost."""
+        """Whether `held`, the lease as read, is ours; if not, who took it goes in self.lost. One that cannot be read
+        ({}) is no one's takeover."""
         if held is None and self.acquired:  # removed by a run that took it over and has ended since
             self.lost = "a run that has ended since (out_dir's lease is gone)"
-        elif held is not None and held.get("token") != self.token:
+        elif held and held.get("token") != self.token:
             self.lost = describe(held, time.time())
         return not self.lost
 

