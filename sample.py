@@ -8,10 +8,11 @@ Ask a trained model about an image.
     python sample.py --ckpt CKPT --image a.jpg a.jpg --prompt "What colour?" "How many?"
     python sample.py --ckpt CKPT --image a.jpg b.jpg --together --prompt "Which image has more circles?"
     python sample.py --ckpt CKPT --image f0.jpg f1.jpg f2.jpg --video --prompt "What happens?"   # OneVision
+    python sample.py --ckpt out/ov --image clip.mp4 --prompt "What happens?"    # a video file: its frames, as pack
 
---ckpt is a llavax checkpoint directory (a training step or a convert.py output) or an HF LLaVA
-directory, converted in memory; a local folder, or a prefix in a bucket (s3://, gs://). The template defaults to
-the one the checkpoint was trained with.
+--ckpt is a llavax checkpoint directory (a training step or a convert.py output), a training run's out_dir (its
+newest committed step), or an HF LLaVA directory, converted in memory; a local folder, or a prefix in a bucket
+(s3://, gs://). The template defaults to the one the checkpoint was trained with.
 Several images and/or prompts run as one left-padded batch: N images with one prompt, one image
 with N prompts, or N of each paired in order; one answer is printed per line. --together asks each
 prompt about all the images at once (one <image> each, in order; put the tags in the prompt to place
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 import chat
+import checkpoint
 import loader
 import model_files
 import storage
@@ -67,6 +69,7 @@ def main(argv=None):
             storage.check_bucket(ckpt)
         elif not ckpt.is_dir():
             sys.exit(f"sample: --ckpt {ckpt}: not a directory")
+        ckpt = newest_step(ckpt)
         state = storage.join(ckpt, "state.json")
         trained = json.loads(storage.read_text(state))["config"] if storage.exists(state) else {}
     except storage.StorageError as e:
@@ -82,6 +85,7 @@ def main(argv=None):
     except (OSError, ValueError, RuntimeError, weight_files.ConversionError) as e:
         sys.exit(f"sample: {e}")
     cfg = model.cfg
+    video_files(args)
     n = max(len(args.image), len(args.prompt))
     if not (args.together or args.video) and (len(args.image) not in (0, 1, n) or len(args.prompt) not in (1, n)):
         sys.exit(f"sample: {len(args.image)} images and {len(args.prompt)} prompts do not pair up; give one of "
@@ -118,8 +122,8 @@ def tiled_batch(args, cfg, template, tok):
     --together / --video: each row as the tiled training loader would build it (loader.tiled_prompt)."""
     from anyres import place_images
 
-    blobs = []
-    for f in args.image:
+    blobs = getattr(args, "frames", [])  # a video file's, else the images
+    for f in args.image if not blobs else []:
         try:
             blobs.append(Path(f).read_bytes())
             image_hw(blobs[-1])
@@ -153,6 +157,40 @@ def tiled_batch(args, cfg, template, tok):
     pixels = normalize_images(pixels.to(args.device), *cfg.vision.image_stats) if n_slots else None
     return ids, mask, pixels, {"image_index": torch.stack(index).to(args.device),
                                "image_weight": torch.stack(weight).to(args.device)}
+
+
+VIDEO_SUFFIXES = (".mp4", ".mkv", ".webm", ".mov", ".avi", ".m4v")
+
+
+def newest_step(ckpt):
+    """--ckpt as given, or for a training run's out_dir (it holds step-N folders) its newest committed step."""
+    if not checkpoint.steps(ckpt):
+        return ckpt
+    committed = checkpoint.checkpoints(ckpt)
+    if not committed:
+        names = ", ".join(storage.name(p) for p in checkpoint.steps(ckpt))
+        sys.exit(f"sample: --ckpt {ckpt} is a training run's folder with no committed checkpoint ({names}: no "
+                 f"{checkpoint.MANIFEST}, the write did not finish, or marked CORRUPT): name a step folder")
+    print(f"sample: --ckpt {ckpt} is a training run's folder: its newest committed checkpoint, "
+          f"{storage.name(committed[-1])}", file=sys.stderr)
+    return committed[-1]
+
+
+def video_files(args):
+    """A video file given as --image: its frames (args.frames), asked about as one video (--video), as data.py pack
+    stores a video sample's."""
+    videos = [f for f in args.image if Path(f).suffix.lower() in VIDEO_SUFFIXES]
+    if not videos:
+        return
+    if len(args.image) > 1:
+        sys.exit(f"sample: --image {' '.join(args.image)}: a video file ({videos[0]}) is asked about alone")
+    from video import VideoDropped, read_video
+
+    try:
+        frames, _ = read_video(videos[0])
+    except VideoDropped as e:
+        sys.exit(f"sample: --image {videos[0]}: cannot read it as a video ({e})")
+    args.frames, args.video = [data for _, data in frames], True
 
 
 def fit_new_tokens(args, prompt, n_prompt, max_seq_len):

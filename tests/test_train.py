@@ -513,5 +513,10 @@ def test_the_readme_sample_command_answers_from_a_demo_checkpoint(shapes, tmp_pa
            str(shapes / "images/000000.png"), "--prompt", "How many circles are there?"]
     r = forkserver.run(ask, os.environ | {"OMP_NUM_THREADS": "1"}, cwd=ROOT)
     assert r.returncode == 0 and len(r.stdout.strip().splitlines()) == 1, r.stderr[-2000:]
+    # the run's folder as --ckpt (its config.json was read as a model's): its newest committed step, said so
+    (tmp_path / "step-000003").mkdir()  # a step whose write never finished: no manifest
+    run_folder = forkserver.run([*ask[:3], str(tmp_path), *ask[4:]], os.environ | {"OMP_NUM_THREADS": "1"}, cwd=ROOT)
+    assert run_folder.returncode == 0 and run_folder.stdout == r.stdout, run_folder.stderr[-2000:]
+    assert "its newest committed checkpoint, step-000002" in run_folder.stderr
     r = forkserver.run(ask + ["--max-new-tokens", "64"], os.environ | {"OMP_NUM_THREADS": "1"}, cwd=ROOT)
     assert r.returncode == 1 and "exceeds the model's max_seq_len=64" in r.stderr and "Traceback" not in r.stderr
