@@ -16,6 +16,7 @@ loader.py.
 import argparse
 import json
 import math
+import signal
 import sys
 from pathlib import Path
 
@@ -173,6 +174,10 @@ def video_settings(args, parser):
         parser.error(str(e))
 
 
+def stopped(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def pack_command(args):
     given = [flag for flag in ("json", "parquet", "mixture") if getattr(args, flag)]
     if len(given) != 1:
@@ -183,6 +188,7 @@ def pack_command(args):
         raise SystemExit("pack: --columns maps parquet / Arrow columns; a JSON file's keys are LLaVA's")
     options = {"shard_size": args.shard_size, "val_ratio": args.val_ratio, "strict": args.strict,
                "video": args.video}
+    signal.signal(signal.SIGTERM, stopped)  # a scheduler's stop: the pack says it was interrupted, never "done"
     if args.mixture:
         if not args.raw or args.out:
             raise SystemExit("pack: --mixture needs --raw DIR (where each dataset's raw input is) and no --out (each "

@@ -513,22 +513,30 @@ def pack_into(source, out_dir, shard_size, val_ratio, workers, strict, val_ids, 
                for split, prefix in (("train", "shard"), ("val", "val"))}
     n, facts = 0, {"count": 0, "train": [], "val": []}  # (record index in the source, modality length) a sample
     repeats = Skips()  # videos whose frames repeat (force_sample over a short video), by the most repeats of one
-    with SPAWN.Pool(workers, initializer=die_with_parent) if workers > 1 else nullcontext() as pool:
-        entries = progress(prepared(source, pool, workers, video), total=source.count(), unit="rec",
-                           desc=f"packing {source.name}", position=position, leave=position is None)
-        for index, (sample_id, sample, reason) in enumerate(entries):  # one entry a record, unreadable ones too
-            facts["count"] = index + 1
-            if reason:
-                skips.add(reason, sample_id)
-                continue
-            members = list(sample.items())  # images in tag order, then txt and json
-            split = "val" if (val_ids(sample_id) if val_ids else val_ratio and is_val(sample_id, val_ratio)) else \
-                "train"
-            writers[split].add(f"sample{n:09d}", members)
-            facts[split].append((index, modality_length(sample)))
-            n += 1
-            if "f0.jpg" in sample or "f0.png" in sample:
-                repeated_frames(sample, sample_id, repeats)
+    total = source.count()
+    try:
+        with SPAWN.Pool(workers, initializer=die_with_parent) if workers > 1 else nullcontext() as pool, \
+                progress(prepared(source, pool, workers, video), total=total, unit="rec", desc=f"packing {source.name}",
+                         position=position, leave=position is None) as entries:
+            for index, (sample_id, sample, reason) in enumerate(entries):  # one entry a record, unreadable ones too
+                facts["count"] = index + 1
+                if reason:
+                    skips.add(reason, sample_id)
+                    continue
+                members = list(sample.items())  # images in tag order, then txt and json
+                split = "val" if (val_ids(sample_id) if val_ids else val_ratio and is_val(sample_id, val_ratio)) \
+                    else "train"
+                writers[split].add(f"sample{n:09d}", members)
+                facts[split].append((index, modality_length(sample)))
+                n += 1
+                if "f0.jpg" in sample or "f0.png" in sample:
+                    repeated_frames(sample, sample_id, repeats)
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (data.py): said last, never "done"
+        of = f" of {total:,}" if total is not None else ""
+        log(f"pack: interrupted after {facts['count']:,}{of} records: {out_dir} is left unfinished (no "
+            ".nv-meta/.info.json: training and audit refuse it); pack it again with --overwrite (a mixture: run the "
+            "same command again)")
+        raise SystemExit(130) from None
     good = {split: w.close() for split, w in writers.items()}
     if n == 0:
         sys.exit(f"pack: {source.name}: no record could be packed, so no dataset was written\npack: {skips.summary()}")
@@ -639,6 +647,17 @@ def pack_todo(yaml_path, targets, todo, rows, workers, **options):
         f"a time{each}")
     tqdm.get_lock()  # made before the fork: the bars of all processes share it
     running, free, queue = {}, list(range(at_once)), list(todo)
+    try:
+        run_todo(running, free, queue, rows, options)
+    except KeyboardInterrupt:  # its sources' processes end with it (die_with_parent)
+        log(f"pack: --mixture {yaml_path} interrupted, {sum(r == 'packed' for r in rows.values())} of its datasets "
+            f"packed by this run and {len(running) + len(queue)} unfinished: run the same command again to pack them")
+        raise SystemExit(130) from None
+    return mixture_table(targets, rows)
+
+
+def run_todo(running, free, queue, rows, options):
+    """Start a process (pack_one) for each job of queue while a slot is free, and note each one's end in rows."""
     while queue or running:
         while queue and free:
             out, raw, source = queue.pop(0)
@@ -653,7 +672,6 @@ def pack_todo(yaml_path, targets, todo, rows, workers, **options):
             rows[out] = "packed" if proc.exitcode == 0 else "refused, with skips (--strict)" if refused(out) else \
                 f"failed (exit {proc.exitcode})"
             log(f"pack: {raw}: {rows[out]} in {time.monotonic() - t0:.0f} s")
-    return mixture_table(targets, rows)
 
 
 def mixture_table(targets, rows):

@@ -39,29 +39,37 @@ def progress(iterable=None, total=None, desc="", unit="it", unit_scale=False, di
 
 class PlainProgress:
     """tqdm's bar as plain lines: the count, the rate and the time left, a line `every_s` seconds and then every 5% of
-    the elapsed time (a day's job prints about 150 lines, not thousands), and one at the end if any was printed."""
+    the elapsed time (a day's job prints about 150 lines, not thousands), and one at the end if any was printed: "done
+    in" only when all was gone through, else "interrupted after" (an exception, Ctrl-C) or "stopped after"."""
 
     def __init__(self, iterable, total, desc, unit, unit_scale, every_s, file):
         self.iterable, self.desc, self.unit, self.unit_scale, self.every_s, self.file = \
             iterable, desc, unit, unit_scale, every_s, file
         if total is None and hasattr(iterable, "__len__"):
             total = len(iterable)
-        self.total, self.n, self.printed = total, 0, False
+        self.total, self.n, self.printed, self.managed = total, 0, False, False
         self.t0 = self.last = time.perf_counter()
 
     def __iter__(self):
+        ended = "stopped"  # a loop that broke off (GeneratorExit), unless it had all the items it was counted for
         try:
             for item in self.iterable:
                 yield item
                 self.update()
-        finally:  # the end, or a loop that broke off
-            self.close()
+            ended = "done"
+        except (Exception, KeyboardInterrupt):
+            ended = "interrupted"
+            raise
+        finally:  # in a `with`, a loop left early ends with it: an exception in its body is told apart there
+            if not (self.managed and ended == "stopped"):
+                self.close(ended)
 
     def __enter__(self):
+        self.managed = True
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, kind, *exc):
+        self.close("stopped" if kind is None else "interrupted")
 
     def update(self, n=1):
         self.n += n
@@ -70,9 +78,10 @@ class PlainProgress:
             self.last = now
             self.show(now)
 
-    def close(self):
+    def close(self, ended="done"):
         if self.printed:  # a short job says nothing, as it would have nothing to watch
-            self.show(time.perf_counter(), done=True)
+            done = ended == "done" or (ended == "stopped" and (self.total is None or self.n >= self.total))
+            self.show(time.perf_counter(), done=True if done else ended)
             self.printed = False
 
     def count(self, n):
@@ -81,15 +90,20 @@ class PlainProgress:
         return f"{n:,}" if isinstance(n, int) else f"{n:,.3g}" if n < 100 else f"{n:,.0f}"
 
     def show(self, now, done=False):
+        """A line; done: True at the end of it all, or how it ended early ("interrupted", "stopped")."""
         elapsed = now - self.t0
         rate = self.n / elapsed if elapsed > 0 else 0.0
         of = f"/{self.count(self.total)}" if self.total else ""
         share = f" ({100 * self.n / self.total:.0f}%)" if self.total else ""
         left = f", {clock_text((self.total - self.n) / rate if rate else None)} left" if self.total and not done else ""
         print(f"{self.desc + ': ' if self.desc else ''}{self.count(self.n)}{of} {self.unit}{share}, "
-              f"{self.count(rate)} {self.unit}/s, {'done in' if done else 'elapsed'} {clock_text(elapsed)}{left}",
+              f"{self.count(rate)} {self.unit}/s, {self.ending(done)} {clock_text(elapsed)}{left}",
               file=self.file, flush=True)
         self.printed = True
+
+    @staticmethod
+    def ending(done):
+        return "done in" if done is True else f"{done} after" if done else "elapsed"
 
 
 # -----------------------------------------------------------------------------

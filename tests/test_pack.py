@@ -353,6 +353,30 @@ def test_a_second_pack_of_the_same_mixture_refuses_naming_the_first(tmp_path, to
     assert len(open_stream(tmp_path / "packed/big", tok)) == 1500 and len(open_stream(tmp_path / "packed/small", tok)) == 7
 
 
+@pytest.mark.slow  # one python + torch start-up
+def test_a_pack_stopped_by_sigterm_says_it_was_interrupted_and_exits_nonzero(tmp_path):
+    """SIGTERM (a scheduler's stop) mid-pack: the last line says interrupted and what is left (before: killed with no
+    word, or a progress line's "done in" last), the exit status is not 0, and the folder is released."""
+    imgs = images_dir(tmp_path)
+    (tmp_path / "d.json").write_text(json.dumps([record(i % 4, answer=f"Answer {i}.") for i in range(1500)]))
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "data.py"), "pack", "--json", str(tmp_path / "d.json"),
+                             "--images", str(imgs), "--out", str(out), "--shard-size", "20"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (out / "shard-000001.tar").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert not (out / "shard-000074.tar").exists(), "stopped too late"
+    last = err.strip().splitlines()[-1]
+    assert proc.returncode == 130 and "done" not in err, err
+    assert re.fullmatch(rf"pack: interrupted after [\d,]+ of 1,500 records: {re.escape(str(out))} is left unfinished "
+                        r"\(no \.nv-meta/\.info\.json: training and audit refuse it\); pack it again with --overwrite.*",
+                        last), last
+    assert not pack.finished(out) and not (out / pack.PACK_LOCK).exists()
+
+
 @pytest.fixture
 def packed(tmp_path):
     imgs = images_dir(tmp_path)

@@ -81,7 +81,31 @@ def test_update_driven_bytes_read_as_sizes_and_a_loop_that_breaks_off_ends_its_l
     for i in progress.progress(range(100), desc="audit", file=out):
         if i == 20:
             break
-    assert out.getvalue().splitlines()[-1].startswith("audit: 20/100 it (20%)") and "done in" in out.getvalue()
+    last = out.getvalue().splitlines()[-1]
+    assert last.startswith("audit: 20/100 it (20%)") and "stopped after" in last and "done" not in out.getvalue()
+
+
+def test_an_interrupted_loop_says_interrupted_never_done(monkeypatch):
+    """Ctrl-C (or SIGTERM made KeyboardInterrupt) in the source or in the loop's body: the last line says interrupted
+    (before, "done in 0:00:17" ended an interrupted pack's log)."""
+    monkeypatch.setattr(progress.time, "perf_counter", FakeClock(tick=1.0))
+
+    def records():
+        yield from range(30)
+        raise KeyboardInterrupt
+
+    out = io.StringIO()
+    with pytest.raises(KeyboardInterrupt):
+        for _ in progress.progress(records(), total=100, desc="packing x.json", unit="rec", file=out):
+            pass
+    assert out.getvalue().splitlines()[-1].startswith("packing x.json: 30/100 rec (30%)") and \
+        "interrupted after" in out.getvalue().splitlines()[-1] and "done" not in out.getvalue()
+    out = io.StringIO()
+    with pytest.raises(KeyboardInterrupt), progress.progress(range(100), desc="packing", unit="rec", file=out) as bar:
+        for i in bar:
+            if i == 40:
+                raise KeyboardInterrupt
+    assert "interrupted after" in out.getvalue().splitlines()[-1] and "done" not in out.getvalue()
 
 
 def test_pack_in_a_log_file_shows_no_redrawn_bar(shapes, tmp_path, capsys, monkeypatch):
