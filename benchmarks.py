@@ -511,8 +511,9 @@ def answer_batch(raw, asker, env, questions, bucket, new_tokens, stop):
     rows = [ids for ids, _ in questions] + [[]] * (asker.batch_size - len(questions))
     ids, mask = left_pad(rows, asker.tok.pad_id, length=bucket)
     blank = torch.zeros(3, size, size, dtype=torch.uint8)
-    pixels = torch.stack([load_image(image, size, asker.image_mode, mean=raw.cfg.vision.image_stats[0])
-                          if image is not None else blank for _, image in questions]
+    pixels = torch.stack([load_image(image, size, asker.image_mode, mean=raw.cfg.vision.image_stats[0],
+                                     resample=raw.cfg.vision.resample) if image is not None else blank
+                          for _, image in questions]
                          + [blank] * (asker.batch_size - len(questions)))
     if env.kind == "xla":  # each host places its part of the global batch
         part = slice(env.rank * asker.batch_size // env.world, (env.rank + 1) * asker.batch_size // env.world)

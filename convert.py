@@ -26,7 +26,7 @@ import torch
 import storage
 from hf_config import hf_model_type, llama_config, llava_hf_config, read_json, vit_config
 from hf_names import (check_complete, drop_siglip_head, drop_tied_head, expected_shapes, hub_name, llama_table,
-                      llava_from_hf, llava_table, memory_name, projector_table, remap, vit_table)
+                      llava_from_hf, llava_table, memory_name, processor_resample, projector_table, remap, vit_table)
 from lora import LORA_SITES, LoRAConfig, is_lora_parameter, merge_lora_state
 from model import Projector
 from model_config import LlamaConfig, ViTConfig, VLMConfig, vlm_preset
@@ -227,6 +227,7 @@ def assemble(llm_state, llm_cfg, vision_dir, vision_state, tokenizer_dir, projec
              projector_state=None, pad_vocab=64, seed=0):
     """Join an LLM, a vision tower and a projector (fresh when projector_state is None) into one checkpoint."""
     vision_cfg = vit_config(read_json(storage.join(vision_dir, "config.json")), vision_dir) if vision_dir else None
+    vision_cfg = processor_resample(vision_dir, vision_cfg) if vision_dir else None  # its processor's filter
     cfg = VLMConfig(vision=vision_cfg or ViTConfig(), llm=llm_cfg, projector=projector, vision_layer=vision_layer,
                     vision_select=vision_select, image_token_id=0)
     if vision_state is None:

@@ -195,7 +195,8 @@ def model_answers(model, questions, stream, template, n_samples, temperature, ma
     ids, mask = left_pad([prompt for prompt, _ in questions], tok.pad_id)
     blank = torch.zeros(3, stream.image_size, stream.image_size, dtype=torch.uint8)  # rows without an image
     images = [blank if blob is None else load_image(blob, stream.image_size, stream.image_mode,
-                                                         mean=stream.image_mean) for _, blob in questions]
+                                                         mean=stream.image_mean, resample=stream.resample)
+              for _, blob in questions]
     pixels = normalize_images(torch.stack(images), *cfg.vision.image_stats)
     pixels = pixels if (ids == cfg.image_token_id).any() else None
     suppress = torch.arange(cfg.llm.vocab_size)
@@ -326,7 +327,7 @@ def pairs_command(args):
             stream = loader.ShardStream(args.data, tok, 1, model.cfg.llm.max_seq_len, model.cfg.vision.image_size,
                                       model.cfg.image_token_id, model.cfg.n_image_tokens, template,
                                       args.image_mode or trained.get("image_mode", "pad"), split=split,
-                                      image_mean=model.cfg.vision.image_stats[0])
+                                      image_mean=model.cfg.vision.image_stats[0], resample=model.cfg.vision.resample)
         except FileNotFoundError:
             if split == "val":
                 continue

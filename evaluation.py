@@ -80,7 +80,7 @@ def answer_accuracy(raw, stream, env, cfg, n, show=5, batch_size=32):
         batch = asked[first : first + batch_size]
         ids, mask = left_pad([prompt for prompt, *_ in batch], tok.pad_id)
         blank = torch.zeros(3, stream.image_size, stream.image_size, dtype=torch.uint8)
-        images = [load_image(image, stream.image_size, stream.image_mode, mean=stream.image_mean)
+        images = [load_image(image, stream.image_size, stream.image_mode, mean=stream.image_mean, resample=stream.resample)
                   if image is not None else blank for _, _, image, _ in batch]
         pixels = normalize_images(torch.stack(images).to(env.device), *raw.cfg.vision.image_stats) \
             if stream.image_token_id in ids else None

@@ -6,6 +6,7 @@ its budget), which re-exports every name; hf_config.py is the same for config.js
 """
 
 import re
+from dataclasses import replace
 
 import torch
 
@@ -152,8 +153,26 @@ def check_complete(state, cfg, what):
     return state
 
 
+def processor_resample(directory, vision: ViTConfig):
+    """vision with the resize filter of the image processor saved beside the weights (preprocessor_config.json, or
+    processor_config.json's image_processor as transformers 5 writes it): SigLIP2's say 2 (bilinear); unchanged where
+    none says."""
+    for name in ("preprocessor_config.json", "processor_config.json"):
+        path = storage.join(directory, name)
+        settings = read_json(path) if storage.exists(path) else {}
+        settings = settings.get("image_processor", settings)
+        if "resample" in settings:
+            if settings["resample"] not in (2, 3):
+                raise ConversionError(f"{path}: resample {settings['resample']!r} is a filter llavax does not resize "
+                                      "with (2 bilinear, 3 bicubic)")
+            return replace(vision, resample=settings["resample"])
+    return vision
+
+
 def llava_from_hf(hf_dir):
+    """(state, cfg) of an HF LLaVA directory, its tower's resize filter its processor's."""
     cfg = llava_config(read_json(storage.join(hf_dir, "config.json")), hf_dir)
+    cfg = replace(cfg, vision=processor_resample(hf_dir, cfg.vision))
     state = drop_siglip_head({hub_name(k): v for k, v in read_weights(hf_dir).items()}, hf_dir)
     state = drop_tied_head(state, cfg.llm, "language_model.model.embed_tokens.weight", "language_model.lm_head.weight",
                            hf_dir)

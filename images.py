@@ -20,6 +20,7 @@ from PIL import Image, ImageOps
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+TORCH_MODES = {Image.BILINEAR: "bilinear", Image.BICUBIC: "bicubic"}  # fast=True's stand-ins for PIL's filters
 
 
 ORIENTATION = 0x0112  # the EXIF tag a phone writes instead of rotating the pixels
@@ -52,15 +53,16 @@ def as_tensor(img):
     return torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1)  # (3, H, W) uint8
 
 
-def load_image(data, size, mode="pad", fast=False, mean=CLIP_MEAN):
+def load_image(data, size, mode="pad", fast=False, mean=CLIP_MEAN, resample=Image.BICUBIC):
     """Image bytes (any mode PIL reads, upright by EXIF: open_rgb) -> (3, size, size) uint8, equal to what
     transformers' PIL-backend processors compute from load_image(path) before rescaling (tests). 'crop':
     CLIPImageProcessor: short side to `size`, long side int(size * long / short) (truncated, as
     get_resize_output_image_size does), centre crop. 'pad': LLaVA's expand2square in the tower's mean colour (CLIP's
-    by default), then the same (LlavaImageProcessor(do_pad=True)). 'resize': squash.
+    by default), then the same (LlavaImageProcessor(do_pad=True)). 'resize': squash. resample: the tower's filter (PIL's
+    number, ViTConfig.resample: bicubic, or SigLIP2's bilinear).
     fast=True trades exactness for speed (README, BENCHMARKS.md): a big JPEG decodes at 1/2, 1/4 or 1/8 scale
     (to at least twice the resized size; the draft acts on the stored, unrotated pixels), and torch's uint8
-    antialiased bicubic replaces PIL's."""
+    antialiased bicubic (or bilinear) replaces PIL's."""
     img = Image.open(io.BytesIO(data))
     if fast and img.format == "JPEG":
         w, h = img.size
@@ -76,14 +78,14 @@ def load_image(data, size, mode="pad", fast=False, mean=CLIP_MEAN):
         nw, nh = (int(size * w / h), size) if h <= w else (size, int(size * h / w))
     if fast:
         x = as_tensor(img)[None]  # (1, 3, h, w)
-        x = F.interpolate(x, size=(nh, nw), mode="bicubic", antialias=True)[0]  # (3, nh, nw)
-    else:  # PIL's bicubic, as the reference
-        x = as_tensor(img.resize((nw, nh), Image.BICUBIC))  # (3, nh, nw)
+        x = F.interpolate(x, size=(nh, nw), mode=TORCH_MODES[resample], antialias=True)[0]  # (3, nh, nw)
+    else:  # PIL's, as the reference
+        x = as_tensor(img.resize((nw, nh), resample))  # (3, nh, nw)
     top, left = (nh - size) // 2, (nw - size) // 2
     return x[:, top : top + size, left : left + size].contiguous()
 
 
-def anyres_tiles(img, size, best_resolution):
+def anyres_tiles(img, size, best_resolution, resample=Image.BICUBIC):
     """LLaVA-NeXT's tiling of a PIL RGB image into (1 + rows * cols, 3, size, size): the base view (the whole
     image squashed to size x size, aspect lost) first, then the grid row-major. The grid is the image resized
     into best_resolution (height, width) keeping its aspect (the short side rounded up, as HF's
@@ -96,10 +98,10 @@ def anyres_tiles(img, size, best_resolution):
         nw, nh = min(math.ceil(w * best_h / h), best_w), best_h
     canvas = torch.zeros((3, best_h, best_w), dtype=torch.uint8)
     top, left = (best_h - nh) // 2, (best_w - nw) // 2
-    canvas[:, top : top + nh, left : left + nw] = as_tensor(img.resize((nw, nh), Image.BICUBIC))
+    canvas[:, top : top + nh, left : left + nw] = as_tensor(img.resize((nw, nh), resample))
     rows, cols = best_h // size, best_w // size
     grid = canvas.view(3, rows, size, cols, size).permute(1, 3, 0, 2, 4).reshape(rows * cols, 3, size, size)
-    base = as_tensor(img.resize((size, size), Image.BICUBIC))[None]  # (1, 3, size, size)
+    base = as_tensor(img.resize((size, size), resample))[None]  # (1, 3, size, size)
     return torch.cat([base, grid])  # (1 + rows * cols, 3, size, size)
 
 
@@ -109,19 +111,19 @@ def image_tiles(data, vlm, kind="image", image_mode="pad", mean=None):
     LlavaOnevisionImageProcessor), or load_image's single view (`image_mode`) when vlm.anyres is "". kind "multi":
     one of several images: OneVision (anyres_max_N) pads it to a square in the mean colour and takes that one view
     (its processor's batch_num_images > 1 rule); LLaVA-NeXT tiles it as a single image. kind "video": a frame
-    squashed to S x S (OneVision's video preprocessing)."""
+    squashed to S x S (OneVision's video preprocessing). Every resize uses the tower's filter (vlm.vision.resample)."""
     from anyres import select_best_resolution
 
-    size, mean = vlm.vision.image_size, mean or vlm.vision.image_stats[0]
+    size, mean, resample = vlm.vision.image_size, mean or vlm.vision.image_stats[0], vlm.vision.resample
     if not vlm.anyres and kind != "video":
-        return load_image(data, size, image_mode, mean=mean)[None]
+        return load_image(data, size, image_mode, mean=mean, resample=resample)[None]
     img = open_rgb(data)
     if kind == "video":
-        return as_tensor(img.resize((size, size), Image.BICUBIC))[None]
+        return as_tensor(img.resize((size, size), resample))[None]
     if kind == "multi" and vlm.anyres.startswith("anyres_max"):
-        return as_tensor(pad_to_square(img, mean).resize((size, size), Image.BICUBIC))[None]
+        return as_tensor(pad_to_square(img, mean).resize((size, size), resample))[None]
     w, h = img.size
-    return anyres_tiles(img, size, select_best_resolution(h, w, vlm.grid_pinpoints))
+    return anyres_tiles(img, size, select_best_resolution(h, w, vlm.grid_pinpoints), resample)
 
 
 def png_chunk_types(data):

@@ -129,7 +129,8 @@ class ShardStream(torch.utils.data.IterableDataset):
 
     def __init__(self, paths, tokenizer, batch_size, seq_len, image_size, image_token_id, n_image_tokens,
                  template="plain", image_mode="pad", split="train", seed=0, rank=0, world_size=1, shuffle_block=1000,
-                 pack=0, fast_images=False, image_mean=CLIP_MEAN, vlm=None, max_tiles=0, preference=False, group=0):
+                 pack=0, fast_images=False, image_mean=CLIP_MEAN, vlm=None, max_tiles=0, preference=False, group=0,
+                 resample=3):
         if not isinstance(max_tiles, int) or max_tiles < 0:
             raise ValueError(f"ShardStream: max_tiles must be an integer >= 0 (tile slots a row), got {max_tiles!r}")
         if max_tiles and vlm is None:
@@ -152,6 +153,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.image_token_id, self.n_image_tokens = image_token_id, n_image_tokens
         self.template, self.image_mode, self.split, self.fast_images = template, image_mode, split, fast_images
         self.image_mean = image_mean  # the pad colour: the tower's mean
+        self.resample = resample  # the tower's resize filter (ViTConfig.resample)
         self.seed, self.rank, self.world_size, self.shuffle_block = seed, rank, world_size, shuffle_block
         self.start = 0  # sample position in this rank's stream; set by Loader
         self.origin = 0  # the global position where the mixture's position 0 lies: a changed mixture restarted there
@@ -197,8 +199,8 @@ class ShardStream(torch.utils.data.IterableDataset):
             raise DropSample(f"{kind}_needs_max_tiles ({len(blobs)} {'frames' if kind == 'video' else 'images'}: "
                              "set max_tiles > 0)")
         try:
-            pixels = load_image(blobs[0], self.image_size, self.image_mode, self.fast_images, self.image_mean) \
-                if blobs else None
+            pixels = load_image(blobs[0], self.image_size, self.image_mode, self.fast_images, self.image_mean,
+                                self.resample) if blobs else None
         except Exception as e:  # noqa: BLE001  image bytes PIL cannot decode
             raise DropSample(f"unreadable_sample ({type(e).__name__}: {e})") from None
         if self.preference:

@@ -45,12 +45,17 @@ class ViTConfig:
     kind: str = "clip"  # "clip": class token + pre-LayerNorm; "siglip": neither, and a bias on the patch conv
     image_mean: tuple | None = None  # the pixel statistics the tower was trained with; None: its kind's (IMAGE_STATS)
     image_std: tuple | None = None
+    # the filter its image processor resizes with (its preprocessor_config.json "resample", PIL's numbers): 3 bicubic
+    # (CLIP, SigLIP, LLaVA's processors), 2 bilinear (SigLIP2's published processors)
+    resample: int = 3
 
     def __post_init__(self):
         if self.kind not in ("clip", "siglip"):
             raise ValueError(f"vision kind must be 'clip' or 'siglip', got {self.kind!r}")
         if self.act not in VIT_ACTIVATIONS:
             raise ValueError(f"vision act {self.act!r} is not one of {sorted(VIT_ACTIVATIONS)}")
+        if self.resample not in (2, 3):
+            raise ValueError(f"vision resample must be 2 (bilinear) or 3 (bicubic), PIL's numbers, got {self.resample!r}")
 
     @property
     def image_stats(self):  # (mean, std) the images are normalised with, and the pad colour's mean
@@ -215,11 +220,14 @@ VIT_PRESETS = {
     # SigLIP2 of the same shape (google/siglip2-so400m-patch14-384, a SiglipModel in transformers)
     "siglip-so400m-patch14-384": ViTConfig(image_size=384, patch_size=14, dim=1152, n_layers=27, n_heads=16,
                                            ffn_dim=4304, norm_eps=1e-6, act="gelu_pytorch_tanh", kind="siglip"),
+    # SigLIP2's processors resize bilinear (their preprocessor_config.json: "resample": 2)
     "siglip2-so400m-patch14-384": ViTConfig(image_size=384, patch_size=14, dim=1152, n_layers=27, n_heads=16,
-                                            ffn_dim=4304, norm_eps=1e-6, act="gelu_pytorch_tanh", kind="siglip"),
+                                            ffn_dim=4304, norm_eps=1e-6, act="gelu_pytorch_tanh", kind="siglip",
+                                            resample=2),
     # google/siglip2-base-patch16-{224,256,384,512}: SiglipModel towers at fixed resolution (not NaFlex's siglip2)
     **{f"siglip2-base-patch16-{side}": ViTConfig(image_size=side, patch_size=16, dim=768, n_layers=12, n_heads=12,
-                                                 ffn_dim=3072, norm_eps=1e-6, act="gelu_pytorch_tanh", kind="siglip")
+                                                 ffn_dim=3072, norm_eps=1e-6, act="gelu_pytorch_tanh", kind="siglip",
+                                                 resample=2)
        for side in (224, 256, 384, 512)},
 }
 

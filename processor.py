@@ -27,12 +27,13 @@ class ExportError(ValueError):
     pass
 
 
-def image_processor_config(size, mode, mean=images.CLIP_MEAN, std=images.CLIP_STD):
+def image_processor_config(size, mode, mean=images.CLIP_MEAN, std=images.CLIP_STD, resample=3):
     """HF's image processor for images.load_image's modes: 'crop' = shortest edge then centre crop (CLIP's),
-    'resize' = squash to size x size, 'pad' = LlavaImageProcessor's pad to square with the mean colour first."""
+    'resize' = squash to size x size, 'pad' = LlavaImageProcessor's pad to square with the mean colour first; every
+    resize with the tower's filter (ViTConfig.resample: 3 bicubic, SigLIP2's 2 bilinear)."""
     square, shortest = {"height": size, "width": size}, {"shortest_edge": size}
     return {"image_processor_type": "LlavaImageProcessor" if mode == "pad" else "CLIPImageProcessor",
-            "do_resize": True, "size": square if mode == "resize" else shortest, "resample": 3,  # bicubic
+            "do_resize": True, "size": square if mode == "resize" else shortest, "resample": resample,
             "do_center_crop": mode != "resize", "crop_size": square, "do_pad": mode == "pad",
             "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": list(mean),
             "image_std": list(std), "do_convert_rgb": True, "processor_class": "LlavaProcessor"}
@@ -156,7 +157,7 @@ def write_processor(cfg, directory, template, image_mode, tokenizer=None):
     if template not in chat.TEMPLATES or image_mode not in ("pad", "crop", "resize"):
         raise ExportError(f"cannot write a processor for template {template!r} and image mode {image_mode!r}")
     extra = 1 if cfg.vision.kind == "clip" else 0  # LlavaProcessor: patches + this, - 1 for "default"
-    image = image_processor_config(cfg.vision.image_size, image_mode, *cfg.vision.image_stats)
+    image = image_processor_config(cfg.vision.image_size, image_mode, *cfg.vision.image_stats, cfg.vision.resample)
     settings = {"processor_class": "LlavaProcessor", "image_token": chat.IMAGE_TAG, "patch_size": cfg.vision.patch_size,
                 "vision_feature_select_strategy": "default" if cfg.vision_select == "patch" else "full",
                 "num_additional_image_tokens": extra}

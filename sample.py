@@ -110,7 +110,7 @@ def main(argv=None):
     for f in images:
         try:
             pixels.append(load_image(Path(f).read_bytes(), cfg.vision.image_size, args.image_mode,
-                                          mean=cfg.vision.image_stats[0]))
+                                          mean=cfg.vision.image_stats[0], resample=cfg.vision.resample))
         except (OSError, ValueError) as e:  # PIL's UnidentifiedImageError is an OSError
             sys.exit(f"sample: --image {f}: cannot read it as an image ({e})")
     pixels = normalize_images(torch.stack(pixels).to(args.device), *cfg.vision.image_stats) if pixels else None

@@ -327,7 +327,7 @@ def make_loaders(vlm, cfg, env, rows_per_host, pairs):
                    "n_image_tokens": vlm.n_image_tokens, "template": cfg["template"], "image_mode": cfg["image_mode"],
                    "seed": cfg["seed"], "rank": env.rank, "world_size": env.world, "shuffle_block": cfg["shuffle_block"],
                    "pack": cfg["pack"], "fast_images": cfg["fast_images"],
-                   "image_mean": vlm.vision.image_stats[0]}
+                   "image_mean": vlm.vision.image_stats[0], "resample": vlm.vision.resample}
     if cfg["max_tiles"]:  # tiles and placement by the model's config (anyres, grid_pinpoints, image_layout)
         stream_args |= {"vlm": vlm, "max_tiles": cfg["max_tiles"]}
     stream_args["preference"] = pairs  # rows [chosen..., rejected...], an image a pair

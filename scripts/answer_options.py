@@ -30,7 +30,8 @@ def answers(ckpt, data_dir, n, batch_size=50):
     template, cfg = "llama_3", model.cfg
     stop = chat.stop_token_id(template, tok)
     stream = loader.ShardStream(data_dir, tok, 1, cfg.llm.max_seq_len, cfg.vision.image_size, cfg.image_token_id,
-                              cfg.n_image_tokens, template, split="val", image_mean=cfg.vision.image_stats[0])
+                              cfg.n_image_tokens, template, split="val", image_mean=cfg.vision.image_stats[0],
+                              resample=cfg.vision.resample)
     out = []
     for first in range(0, min(n, len(stream)), batch_size):
         qs = []
@@ -39,7 +40,8 @@ def answers(ckpt, data_dir, n, batch_size=50):
             prompt, truth = chat.prompt_and_answer(conv, True, template, tok, stream.image_token_id, stream.n_image_tokens)
             qs.append((conv, image, prompt, truth))
         pixels = images.normalize_images(torch.stack([images.load_image(im, stream.image_size, stream.image_mode,
-                                                                    mean=stream.image_mean) for _, im, _, _ in qs]),
+                                                                    mean=stream.image_mean, resample=stream.resample)
+                                                  for _, im, _, _ in qs]),
                                        *cfg.vision.image_stats)
         ids, mask = left_pad([p for _, _, p, _ in qs], tok.pad_id)
         said = [chat.decode_answer(tok, r, stop) for r in

@@ -163,3 +163,84 @@ def test_a_siglip_tower_gets_siglips_statistics_and_pad_colour(w, h):
         assert ((theirs - ours) * 0.5 * 255).abs().max() <= 1.0 + 1e-3, mode  # within one uint8 level
     exported = processor.image_processor_config(384, "pad", *siglip.image_stats)
     assert exported["image_mean"] == [0.5] * 3 and exported["image_std"] == [0.5] * 3
+
+
+# -----------------------------------------------------------------------------
+# SigLIP2's processors resize bilinear: google/siglip2-base-patch16-224's published preprocessor_config.json
+SIGLIP2_PROCESSOR = {"do_normalize": True, "do_rescale": True, "do_resize": True, "image_mean": [0.5, 0.5, 0.5],
+                     "image_processor_type": "SiglipImageProcessor", "image_std": [0.5, 0.5, 0.5],
+                     "processor_class": "SiglipProcessor", "resample": 2, "rescale_factor": 0.00392156862745098,
+                     "size": {"height": 224, "width": 224}}
+ODD = [(500, 333), (333, 500), (17, 9), (225, 223), (641, 479)]
+
+
+def siglip2_vlm(**change):
+    from dataclasses import replace
+
+    import model_config
+
+    return replace(model_config.vlm_preset("debug"), vision=model_config.VIT_PRESETS["siglip2-base-patch16-224"],
+                   vision_select="cls_patch", **change)
+
+
+def levels(pixel_values):
+    """SigLIP's normalised pixels back to 0..255 (mean and std 0.5)."""
+    return (pixel_values * 0.5 + 0.5) * 255
+
+
+@pytest.mark.parametrize("w,h", ODD, ids=[f"{w}x{h}" for w, h in ODD])
+def test_siglip2_pixels_are_within_one_level_of_its_published_processor(w, h):
+    """Every path a SigLIP2 tower's pixels take (squash, pad, anyres tiles, video frames) resizes bilinear, as
+    SiglipImageProcessor with the published config does; bicubic was 14-16 levels away on photos of odd sizes."""
+    from transformers import LlavaImageProcessor, LlavaOnevisionImageProcessor, SiglipImageProcessor
+
+    raw = encode(photo(w, h, seed=w * h), "PNG", compress_level=1)
+    rgb = np.asarray(Image.open(io.BytesIO(raw)).convert("RGB"))
+    siglip2 = SiglipImageProcessor(**SIGLIP2_PROCESSOR)
+    squashed = levels(siglip2(images=rgb, return_tensors="pt")["pixel_values"][0])
+    vlm = siglip2_vlm()
+    assert (images.image_tiles(raw, vlm, "image", "resize")[0].float() - squashed).abs().max() <= 1
+    assert (images.image_tiles(raw, vlm, "video")[0].float() - squashed).abs().max() <= 1  # a frame
+    pad = {k: v for k, v in SIGLIP2_PROCESSOR.items() if k not in ("size", "image_processor_type", "processor_class")}
+    padded = LlavaImageProcessor(do_pad=True, size={"shortest_edge": 224}, crop_size={"height": 224, "width": 224},
+                                 **pad)(images=rgb, return_tensors="pt")["pixel_values"][0]
+    assert (images.image_tiles(raw, vlm, "image", "pad")[0].float() - levels(padded)).abs().max() <= 1
+    pinpoints = [[224, 448], [448, 224], [448, 448], [224, 672]]
+    tiled = siglip2_vlm(anyres="anyres_max_9", grid_pinpoints=pinpoints, video_token_id=510)
+    theirs = LlavaOnevisionImageProcessor(image_grid_pinpoints=pinpoints, **{**pad, "size": SIGLIP2_PROCESSOR["size"]})
+    want = levels(theirs(images=rgb, return_tensors="pt")["pixel_values"][0])
+    ours = images.image_tiles(raw, tiled, "image").float()
+    assert ours.shape == want.shape and (ours - want).abs().max() <= 1
+    assert (images.load_image(raw, 224, "resize", mean=(0.5,) * 3).float() - squashed).abs().max() > 4  # bicubic
+
+
+def test_the_export_and_from_hf_carry_the_towers_resize_filter(tmp_path):
+    """to-hf writes the tower's filter ("resample" 2 for SigLIP2, 3 for CLIP and SigLIP), which transformers' processor
+    then resizes with (our pixels, within a level); from-hf reads it from the processor config beside the weights."""
+    import json
+
+    from transformers import AutoImageProcessor
+
+    import model_config
+    import processor
+    from hf_names import processor_resample
+    from weight_files import ConversionError
+
+    raw = encode(photo(333, 500, seed=3), "PNG", compress_level=1)
+    for vlm, want in [(siglip2_vlm(), 2), (model_config.vlm_preset("debug"), 3)]:
+        out = tmp_path / str(want)
+        out.mkdir()
+        processor.write_processor(vlm, out, "chatml", "resize")
+        assert json.loads((out / "preprocessor_config.json").read_text())["resample"] == want
+        theirs = AutoImageProcessor.from_pretrained(out)(images=np.asarray(Image.open(io.BytesIO(raw)).convert("RGB")),
+                                                        return_tensors="pt")["pixel_values"][0]
+        mean, std = (torch.tensor(s).view(3, 1, 1) for s in vlm.vision.image_stats)
+        ours = images.image_tiles(raw, vlm, "image", "resize")[0].float()
+        assert (ours - (theirs * std + mean) * 255).abs().max() <= 1
+        assert processor_resample(out, model_config.ViTConfig()).resample == want
+    (tmp_path / "t5").mkdir()
+    (tmp_path / "t5" / "processor_config.json").write_text(json.dumps({"image_processor": SIGLIP2_PROCESSOR}))
+    assert processor_resample(tmp_path / "t5", model_config.ViTConfig()).resample == 2
+    (tmp_path / "t5" / "processor_config.json").write_text(json.dumps({"image_processor": {"resample": 1}}))
+    with pytest.raises(ConversionError, match="resample 1 is a filter llavax does not resize with"):
+        processor_resample(tmp_path / "t5", model_config.ViTConfig())
