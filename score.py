@@ -8,7 +8,9 @@ Score a checkpoint on benchmarks without training: the answers and metrics train
 
 --ckpt is a training step, a convert.py output or an HF LLaVA directory, local or in a bucket. The template and image
 mode default to the ones the checkpoint was trained with. Scores are printed, one benchmark a line, then as one JSON
-line; the answers go to a JSONL beside the checkpoint (CKPT.benchmarks.jsonl) or to --out.
+line; the answers go to a JSONL beside the checkpoint (CKPT.score.jsonl) or to --out. Nothing already there is
+overwritten (the run's own CKPT.benchmarks.jsonl, an earlier score): a name taken gets -2, -3, ... and the line that
+starts scoring says where the answers go.
 """
 
 import argparse
@@ -23,7 +25,7 @@ import config
 import model_files
 import storage
 import weight_files
-from benchmarks import TASKS, Asker, answers_beside, open_benchmarks, run_benchmarks
+from benchmarks import TASKS, Asker, open_benchmarks, run_benchmarks
 from parallel import Env, print0, shard
 
 
@@ -34,6 +36,16 @@ def trained_config(ckpt):
         return json.loads(storage.read_text(state))["config"] if storage.exists(state) else {}
     except (ValueError, KeyError, TypeError):
         return {}
+
+
+def unused(path):
+    """path, or the first of path-2, path-3, ... (before its extension) that nothing has written yet."""
+    base, dot, ext = path.rpartition(".") if "." in storage.name(path) else (path, "", "")
+    n, found = 1, path
+    while storage.exists(found):
+        n += 1
+        found = f"{base}-{n}{dot}{ext}"
+    return found
 
 
 def main(argv=None):
@@ -48,7 +60,7 @@ def main(argv=None):
     p.add_argument("--tokenizer", help="default: tokenizer.model or tokenizer.json in --ckpt")
     p.add_argument("--device", default="", help="'' picks cuda when available, else cpu; 'xla' under torch_xla SPMD")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--out", help="the answers' JSONL (default: beside --ckpt)")
+    p.add_argument("--out", help="the answers' JSONL (default: CKPT.score.jsonl; a name taken gets -2, -3, ...)")
     args = p.parse_args(argv)
     if args.batch_size < 1 or args.limit < 0:
         p.error(f"--batch-size must be >= 1 (got {args.batch_size}), --limit >= 0 (got {args.limit})")
@@ -72,8 +84,11 @@ def main(argv=None):
                  "scored yet")
     model = shard(model, env) if env.kind == "xla" else model  # under torchrun every rank holds the whole model
     asker = Asker(tok, template, image_mode, args.batch_size, args.limit)
-    print0(env, f"score: {ckpt}, template {template}, image mode {image_mode}, {env.world} x {env.kind}")
-    scores = run_benchmarks(model, benchmarks, asker, env, args.out or answers_beside(ckpt))
+    wanted = str(args.out or storage.join(storage.parent(ckpt), storage.name(ckpt) + ".score.jsonl"))
+    answers = unused(wanted)  # asked by every rank alike, before any writes (rank 0 writes at the end)
+    print0(env, f"score: {ckpt}, template {template}, image mode {image_mode}, {env.world} x {env.kind}; answers to "
+                f"{answers}" + (f" ({wanted} is there already: not overwritten)" if answers != wanted else ""))
+    scores = run_benchmarks(model, benchmarks, asker, env, answers)
     print0(env, json.dumps(scores))
     if env.distributed:
         dist.destroy_process_group()

@@ -6,6 +6,7 @@ runs in a side venv of its own (tests/lmms_eval_reference.py), installed once.""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -18,6 +19,7 @@ from test_train import free_port
 
 import benchmarks
 import chat
+import score as score_program
 from model import build_model
 from model_config import vlm_preset
 from model_files import save_model
@@ -274,6 +276,27 @@ def test_two_ranks_score_as_one(scored, tmp_path):
     assert len(one_lines) == 12 * len(benchmarks.TASKS)
     assert {"benchmark", "id", "prompt", "answer", "score"} <= one_lines[0].keys()
     assert any(line["score"] for line in one_lines) and not all(line["score"] for line in one_lines)
+
+
+def test_score_never_overwrites_what_a_run_or_an_earlier_score_wrote(scored, tmp_path, capsys):
+    """score.py on a run's step writes its answers beside it under a name of its own (CKPT.score.jsonl, then -2, ...),
+    says where, and leaves the run's CKPT.benchmarks.jsonl (and an earlier score's answers) as they were."""
+    ckpt, bench_dir = scored
+    step = tmp_path / "out/step-000040"
+    shutil.copytree(ckpt, step)
+    runs = tmp_path / "out/step-000040.benchmarks.jsonl"
+    runs.write_text("".join(json.dumps({"benchmark": b, "id": i}) + "\n" for b in ("mme", "pope") for i in range(40)))
+    before = runs.read_text()
+    said = []
+    for _ in range(2):
+        score_program.main(["--ckpt", str(step), "--benchmarks", "pope", "--benchmark-dir", str(bench_dir), "--device",
+                            "cpu", "--limit", "5"])
+        said.append(capsys.readouterr().out)
+    assert runs.read_text() == before
+    first, second = tmp_path / "out/step-000040.score.jsonl", tmp_path / "out/step-000040.score-2.jsonl"
+    assert f"answers to {first}" in said[0] and "not overwritten" not in said[0], said[0]
+    assert f"answers to {second} ({first} is there already: not overwritten)" in said[1], said[1]
+    assert first.read_text() == second.read_text() and len(first.read_text().splitlines()) == 5
 
 
 XLA_SCORE = """
