@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 
 import storage
-from hf_config import hf_model_type, llama_config, llava_hf_config, read_json, vit_config
+from hf_config import HF_ARCHITECTURES, LLAVA_TYPES, hf_model_type, llama_config, llava_hf_config, read_json, vit_config
 from hf_names import (check_complete, drop_siglip_head, drop_tied_head, expected_shapes, hub_name, llama_table,
-                      llava_from_hf, llava_table, memory_name, processor_resample, projector_table, remap, vit_table)
+                      llava_from_hf, llava_table, memory_name, processor_resample, projector_table, remap, to_hf_shape,
+                      vit_table)
 from lora import LORA_SITES, LoRAConfig, is_lora_parameter, merge_lora_state
 from model import Projector
 from model_config import LlamaConfig, ViTConfig, VLMConfig, vlm_preset
@@ -55,8 +56,10 @@ def llava_to_hf(ckpt_dir, out, template=None, image_mode=None, merge_lora=False)
         state = {k: v.detach() for k, v in state.items()}  # merging needs the tensors themselves
         state, cfg = merge_lora_state(state, cfg.lora), replace(cfg, lora=None)
         say(f"{ckpt_dir}: merged the LoRA adapters into the weights")
-    table = llava_table(cfg)
-    hub = {table[k]: v for k, v in state.items()}
+    table, kind = llava_table(cfg), hf_model_type(cfg)
+    hub = {table[k]: to_hf_shape(cfg, k, v) for k, v in state.items()}
+    if kind not in LLAVA_TYPES:
+        return pixel_shuffle_to_hf(ckpt_dir, out, hub, cfg)
     trained = read_json(storage.join(ckpt_dir, "state.json"))["config"] \
         if storage.exists(storage.join(ckpt_dir, "state.json")) else {}
     template, image_mode = template or trained.get("template"), image_mode or trained.get("image_mode")
@@ -79,6 +82,25 @@ def llava_to_hf(ckpt_dir, out, template=None, image_mode=None, merge_lora=False)
     return write_dir(out, fill)
 
 
+def pixel_shuffle_to_hf(ckpt_dir, out, hub, cfg: VLMConfig):
+    """Idefics3 / SmolVLM and InternVL: the weights, config.json and the tokenizer and processor files as they came
+    through from-hf; llavax writes no processor of these classes (yet)."""
+    if not has_processor(ckpt_dir):
+        say(f"{ckpt_dir}: no HF processor beside the weights; the {llava_hf_config(cfg)['architectures'][0]} export "
+            f"holds the weights, config and tokenizer files only (llavax writes no processor for it)")
+
+    def fill(tmp):
+        write_weights(hub, tmp)
+        Path(tmp, "config.json").write_text(json.dumps(llava_hf_config(cfg), indent=2))
+        copy_tokenizer(ckpt_dir, tmp)
+    return write_dir(out, fill)
+
+
+def llava_family(cfg: VLMConfig, what):
+    if (kind := hf_model_type(cfg)) not in LLAVA_TYPES:
+        raise ConversionError(f"{what} of a {HF_ARCHITECTURES[kind]} model is not implemented (LLaVA classes only)")
+
+
 PEFT_PREFIX = "base_model.model."  # peft's name of the wrapped model in an adapter file
 
 
@@ -91,6 +113,7 @@ def lora_to_peft(ckpt_dir, out):
     if not cfg.lora:
         raise ConversionError(f"{ckpt_dir}: no LoRA adapters (its config.json has no lora); use to-hf without "
                               f"--lora-only")
+    llava_family(cfg, "a peft adapter directory")
     trained = read_json(storage.join(ckpt_dir, "state.json"))["config"] \
         if storage.exists(storage.join(ckpt_dir, "state.json")) else {}
     if trained.get("stage") == 0 and not any(t.startswith("vision") for t in cfg.lora.targets):
@@ -134,6 +157,7 @@ def lora_from_peft(adapter_dir, state, cfg: VLMConfig):
     if not storage.exists(storage.join(adapter_dir, "adapter_model.safetensors")):
         raise ConversionError(f"{adapter_dir}: no adapter_model.safetensors (a pickled adapter_model.bin is not read: "
                               f"resave it with safe_serialization)")
+    llava_family(cfg, "reading a peft adapter")
     inverse = {theirs: ours for ours, theirs in llava_table(cfg).items()}
     adapters, trained, unknown = {}, {}, []
     for key, value in read_weights(adapter_dir).items():
@@ -202,12 +226,16 @@ def add_image_token(state, llm: LlamaConfig, tokenizer_dir, pad_to):
 
 
 def fresh_projector(cfg: VLMConfig, seed):
-    projector = Projector(cfg.projector, cfg.vision.dim * len(cfg.vision_layers), cfg.llm.dim)
+    projector = Projector(cfg.projector, cfg.vision.dim * len(cfg.vision_layers) * cfg.pixel_shuffle**2, cfg.llm.dim)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for fc in projector.fc:
             torch.nn.init.normal_(fc.weight, std=0.02, generator=gen)
-            torch.nn.init.zeros_(fc.bias)
+            if fc.bias is not None:
+                torch.nn.init.zeros_(fc.bias)
+        if projector.norm is not None:
+            torch.nn.init.ones_(projector.norm.weight)
+            torch.nn.init.zeros_(projector.norm.bias)
     return {f"projector.{k}": v for k, v in projector.state_dict().items()}
 
 
@@ -328,11 +356,19 @@ def to_anyres(ckpt_dir, preset, video_token_id=None, seed=0):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    a = sub.add_parser("from-hf", help="HF Llava / LlavaNext / LlavaOnevision, or LlamaForCausalLM + CLIP")
-    a.add_argument("--llava", help="HF LLaVA, LLaVA-NeXT or OneVision directory (hub, transformers-5 or in-memory "
-                                   "key layout)")
-    a.add_argument("--llm", help="HF LlamaForCausalLM directory (with --vision)")
-    a.add_argument("--vision", help="HF CLIPVisionModel or CLIPModel directory (with --llm)")
+    a = sub.add_parser("from-hf", help="an HF VLM (LLaVA, LLaVA-NeXT, OneVision, Idefics3, SmolVLM, InternVL), or an "
+                                        "HF LLM (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, SmolLM3) + a CLIP or "
+                                        "SigLIP tower")
+    a.add_argument("--llava", help="HF VLM directory: LlavaForConditionalGeneration, LlavaNextForConditionalGeneration, "
+                                   "LlavaOnevisionForConditionalGeneration, Idefics3ForConditionalGeneration, "
+                                   "SmolVLMForConditionalGeneration or InternVLForConditionalGeneration (hub, "
+                                   "transformers-5 or in-memory key layout)")
+    a.add_argument("--llm", help="HF causal LM directory (with --vision), config.json model_type llama (Llama, Vicuna, "
+                                 "SmolLM2), mistral, qwen2, qwen3, gemma2, gemma3_text or smollm3")
+    a.add_argument("--vision", help="HF vision tower directory (with --llm): CLIP or SigLIP (SigLIP2 at a fixed "
+                                    "resolution), a vision model or the whole model (model_type clip_vision_model, "
+                                    "clip, siglip_vision_model, siglip), or Idefics3's or SmolVLM's tower "
+                                    "(idefics3_vision, smolvlm_vision)")
     a.add_argument("--projector", default="mlp2x_gelu")
     a.add_argument("--vision-layer", type=int, default=-2)
     a.add_argument("--vision-select", default="patch", choices=["patch", "cls_patch"])

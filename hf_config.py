@@ -27,7 +27,10 @@ SIGLIP_DEFAULTS = CLIP_DEFAULTS | dict(patch_size=16, layer_norm_eps=1e-6, hidde
 LLM_TYPES = {None: "llama", "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "llava": "llama",
              "llava_llama": "llama", "llava_mistral": "mistral", "llava_qwen": "qwen2"}
 VISION_TYPES = {None: "clip", "clip_vision_model": "clip", "clip": "clip", "siglip_vision_model": "siglip",
-                "siglip": "siglip"}
+                "siglip": "siglip", "idefics3_vision": "siglip", "smolvlm_vision": "siglip"}
+# Idefics3's and SmolVLM's SigLIP (SmolVLMVisionConfig's defaults: the so400m width, 12 layers, 32 px patches)
+IDEFICS3_VISION_DEFAULTS = dict(hidden_size=1152, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=16,
+                                image_size=224, patch_size=32, layer_norm_eps=1e-6, hidden_act="gelu_pytorch_tanh")
 ROPE_TYPES = ("default", "linear", "llama3")  # what model.rope_frequencies implements
 
 
@@ -190,7 +193,8 @@ def vit_config(hf, where="vision config"):
     if kind is None:
         raise ConversionError(f"{where}: vision tower model_type {c.get('model_type')!r} is not supported; llavax has "
                               "CLIP and SigLIP towers" + (NAFLEX if c.get("model_type", "").startswith("siglip2") else ""))
-    c = (CLIP_DEFAULTS if kind == "clip" else SIGLIP_DEFAULTS) | c
+    idefics3 = c.get("model_type") in ("idefics3_vision", "smolvlm_vision")
+    c = (CLIP_DEFAULTS if kind == "clip" else IDEFICS3_VISION_DEFAULTS if idefics3 else SIGLIP_DEFAULTS) | c
     if c["hidden_act"] not in VIT_ACTIVATIONS:
         raise ConversionError(f"{where}: vision hidden_act {c['hidden_act']!r} is not implemented (llavax has "
                               f"{', '.join(VIT_ACTIVATIONS)})")
@@ -227,12 +231,26 @@ def vit_hf_config(v: ViTConfig):
     return out | ({"vision_use_head": False} if v.kind == "siglip" else {})
 
 
-# one view per image (LLaVA-1.5), anyres tiles + newline (LLaVA-NeXT), anyres_max_N + multi-image + video (OneVision)
+# one view per image (LLaVA-1.5), anyres tiles + newline (LLaVA-NeXT), anyres_max_N + multi-image + video (OneVision);
+# the pixel-shuffle connectors: Idefics3 / SmolVLM (SigLIP after its post-LayerNorm, one bias-free Linear) and InternVL
+# (InternViT, a LayerNorm-MLP)
 HF_ARCHITECTURES = {"llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",
-                    "llava_onevision": "LlavaOnevisionForConditionalGeneration"}
+                    "llava_onevision": "LlavaOnevisionForConditionalGeneration",
+                    "idefics3": "Idefics3ForConditionalGeneration", "smolvlm": "SmolVLMForConditionalGeneration",
+                    "internvl": "InternVLForConditionalGeneration"}
+LLAVA_TYPES = ("llava", "llava_next", "llava_onevision")
 
 
 def hf_model_type(cfg: VLMConfig):
+    """The HF model_type that computes what cfg does, or a ConversionError naming the switch no HF class holds."""
+    if cfg.vision.kind == "internvit" or cfg.projector.startswith("ln_"):
+        return check_family(cfg, "internvl", vision=("internvit", cfg.vision.kind), projector=("ln_mlp2x_gelu",
+                            cfg.projector), vision_select=("patch", cfg.vision_select),
+                            vision_post_norm=(cfg.vision.post_norm and cfg.vision_layer == -1, cfg.vision_post_norm))
+    if cfg.projector == "linear_nobias" or cfg.vision_post_norm or cfg.pixel_shuffle > 1:
+        return check_family(cfg, cfg.export_as or "smolvlm", vision=("siglip", cfg.vision.kind),
+                            projector=("linear_nobias", cfg.projector), vision_layer=(-1, cfg.vision_layer),
+                            vision_select=("cls_patch", cfg.vision_select), vision_post_norm=(True, cfg.vision_post_norm))
     if cfg.anyres.startswith("anyres_max_"):
         if cfg.video_token_id is None:
             raise ConversionError("HF LlavaOnevisionForConditionalGeneration needs a <video> id: set video_token_id")
@@ -243,8 +261,24 @@ def hf_model_type(cfg: VLMConfig):
     return {"": "llava", "anyres": "llava_next"}[cfg.anyres]
 
 
+def check_family(cfg: VLMConfig, kind, **wanted):
+    """kind, if cfg's switches are what HF's class of that kind computes ({switch: (its value, cfg's)}); no LLaVA
+    class reads any other tower kind, and none of these three holds a LoRA-free reward head or tiles (yet)."""
+    odd = [f"{name}={have!r} (it needs {want!r})" for name, (want, have) in wanted.items() if want != have]
+    if cfg.anyres or cfg.video_token_id is not None or cfg.reward_head:
+        odd.append("anyres, video or a reward head")
+    if odd:
+        raise ConversionError(f"no HF class computes this config: {HF_ARCHITECTURES[kind]} differs in "
+                              + ", ".join(odd))
+    return kind
+
+
 def llava_hf_config(cfg: VLMConfig):
     kind = hf_model_type(cfg)
+    if kind == "internvl":
+        return internvl_hf_config(cfg)
+    if kind in ("idefics3", "smolvlm"):
+        return idefics3_hf_config(cfg, kind)
     if cfg.llm.final_softcap:
         say(f"final_softcap={cfg.llm.final_softcap:g}: transformers' {HF_ARCHITECTURES[kind]} does not soft-cap the "
             f"logits, so the export's logits are uncapped (the greedy tokens are the same)")
@@ -297,6 +331,10 @@ def read_json(path):
 def llava_config(hf, hf_dir):
     """The VLMConfig of an HF LLaVA / LLaVA-NeXT / OneVision config.json (a dict)."""
     kind = hf.get("model_type", "llava")
+    if kind in ("smolvlm", "idefics3"):
+        return idefics3_config(hf, hf_dir)
+    if kind == "internvl":
+        return internvl_config(hf, hf_dir)
     if kind not in HF_ARCHITECTURES:
         raise ConversionError(f"{hf_dir}: model_type {kind!r} is not supported; llavax converts "
                               + ", ".join(f"{v} ({k!r})" for k, v in HF_ARCHITECTURES.items()) + " directories")
@@ -325,3 +363,118 @@ def llava_config(hf, hf_dir):
     except ValueError as e:
         raise ConversionError(f"{hf_dir}: {e}") from None
     return cfg
+
+
+# -----------------------------------------------------------------------------
+# the pixel-shuffle families, read through transformers' own config classes (their defaults and sub-configs): a field
+# not listed as read or harmless that is not at its default changes the numbers and is refused by name
+
+VLM_HARMLESS = HARMLESS | {"vision_config", "text_config", "image_seq_length", "pad_token_id", "_pad_token_id",
+                           "output_hidden_states", "return_dict", "tokenizer_class", "prefix", "sep_token_id",
+                           "decoder_start_token_id", "task_specific_params", "tf_legacy_loss", "use_bfloat16",
+                           "torchscript", "pruned_heads", "tie_encoder_decoder", "chunk_size_feed_forward"}
+
+
+def transformers_config(hf, kind, where):
+    """(config dict with every default filled, the class defaults) of a model_type transformers knows."""
+    from transformers import AutoConfig
+
+    given = {k: v for k, v in hf.items() if k != "model_type"}
+    try:
+        return AutoConfig.for_model(kind, **given).to_dict(), AutoConfig.for_model(kind).to_dict()
+    except (ValueError, TypeError) as e:
+        raise ConversionError(f"{where}: transformers refuses this {kind} config ({' '.join(str(e).split())[:200]})") \
+            from None
+
+
+def refuse_unread(t, default, read, where, what):
+    odd = sorted(k for k in t if k not in read | VLM_HARMLESS and t[k] != default.get(k))
+    if odd:
+        raise ConversionError(f"{where}: {what} field(s) {', '.join(f'{k}={t[k]!r}' for k in odd)} change the numbers "
+                              f"and llavax does not implement them")
+
+
+def text_of(t, where):
+    """The decoder's LlamaConfig: the top level's tie_word_embeddings is the one transformers ties by."""
+    text = {k: v for k, v in t["text_config"].items() if v is not None} | {"tie_word_embeddings": t["tie_word_embeddings"]}
+    return llama_config(text, f"{where} text_config")
+
+
+def idefics3_config(hf, where):
+    """Idefics3 / SmolVLM (one image, no splitting): SigLIP read after its post-LayerNorm, pixel shuffle by
+    scale_factor, one bias-free Linear; the decoder a Llama (SmolLM2, Llama 3)."""
+    kind = hf["model_type"]
+    t, default = transformers_config(hf, kind, where)
+    refuse_unread(t, default, {"scale_factor", "image_token_id", "tie_word_embeddings"}, where, kind)
+    vision = vit_config(t["vision_config"], f"{where} vision_config")
+    try:
+        return VLMConfig(vision=vision, llm=text_of(t, where), projector="linear_nobias", vision_layer=-1,
+                         vision_select="cls_patch", vision_post_norm=True, pixel_shuffle=t["scale_factor"],
+                         image_token_id=t["image_token_id"], export_as=kind)
+    except ValueError as e:
+        raise ConversionError(f"{where}: {e}") from None
+
+
+def idefics3_hf_config(cfg: VLMConfig, kind):
+    v = cfg.vision
+    vision = dict(model_type=f"{kind}_vision", hidden_size=v.dim, intermediate_size=v.ffn_dim, num_hidden_layers=v.n_layers,
+                  num_attention_heads=v.n_heads, image_size=v.image_size, patch_size=v.patch_size,
+                  layer_norm_eps=v.norm_eps, hidden_act=v.act, num_channels=3)
+    return {"architectures": [HF_ARCHITECTURES[kind]], "model_type": kind, "image_token_id": cfg.image_token_id,
+            "scale_factor": cfg.pixel_shuffle, "tie_word_embeddings": cfg.llm.tie_embeddings,
+            "text_config": llama_hf_config(cfg.llm), "vision_config": vision}
+
+
+# InternVLVisionConfig's fields llavax reads; the 6B's RMSNorm and q/k norm, a mask token and relative positions are not
+INTERNVIT_READ = {"hidden_size", "num_hidden_layers", "num_attention_heads", "attention_bias", "intermediate_size",
+                  "hidden_act", "layer_norm_eps", "image_size", "patch_size", "use_mean_pooling", "num_channels",
+                  "hidden_dropout_prob", "attention_dropout", "projection_dropout", "layer_scale_init_value"}
+
+
+def internvl_config(hf, where):
+    """InternVL 3 / 3.5 (one 448 px tile): InternViT-300M, pixel shuffle by 1 / downsample_ratio, LayerNorm -> Linear
+    -> GELU -> Linear; the decoder a Qwen2.5 or Qwen3."""
+    t, default = transformers_config(hf, "internvl", where)
+    refuse_unread(t, default, {"downsample_ratio", "image_token_id", "tie_word_embeddings", "vision_feature_layer",
+                               "projector_hidden_act", "vision_feature_select_strategy"}, where, "internvl")
+    v, v_default = t["vision_config"], default["vision_config"]
+    refuse_unread(v, v_default, INTERNVIT_READ, f"{where} vision_config",
+                  "internvl_vision (the 6B's RMSNorm and q/k norm are not implemented)")
+    sizes = [tuple(v[k]) if isinstance(v[k], (list, tuple)) else (v[k], v[k]) for k in ("image_size", "patch_size")]
+    ratio = 1 / t["downsample_ratio"]
+    odd = {k: t[k] for k, ok in (("projector_hidden_act", t["projector_hidden_act"] == "gelu"),
+                                 ("vision_feature_select_strategy", t["vision_feature_select_strategy"] == "default"),
+                                 ("vision_feature_layer", isinstance(t["vision_feature_layer"], int)),
+                                 ("downsample_ratio", abs(ratio - round(ratio)) < 1e-9)) if not ok}
+    odd |= {k: v[k] for k in ("image_size", "patch_size") if sizes[k == "patch_size"][0] != sizes[k == "patch_size"][1]}
+    odd |= {k: v[k] for k in ("hidden_act",) if v[k] not in VIT_ACTIVATIONS}
+    if odd:
+        raise ConversionError(f"{where}: internvl field(s) {', '.join(f'{k}={x!r}' for k, x in odd.items())} are "
+                              f"not implemented (llavax has a GELU projector over the patch tokens, one feature layer, "
+                              f"a pixel shuffle by an integer, square tiles)")
+    vision = ViTConfig(image_size=sizes[0][0], patch_size=sizes[1][0], dim=v["hidden_size"], n_layers=v["num_hidden_layers"],
+                       n_heads=v["num_attention_heads"], ffn_dim=v["intermediate_size"], norm_eps=v["layer_norm_eps"],
+                       act=v["hidden_act"], kind="internvit", qkv_bias=v["attention_bias"],
+                       post_norm=not v["use_mean_pooling"])
+    try:
+        return VLMConfig(vision=vision, llm=text_of(t, where), projector="ln_mlp2x_gelu",
+                         vision_layer=t["vision_feature_layer"], vision_select="patch",
+                         vision_post_norm=vision.post_norm and t["vision_feature_layer"] == -1,
+                         pixel_shuffle=round(ratio), image_token_id=t["image_token_id"])
+    except ValueError as e:
+        raise ConversionError(f"{where}: {e}") from None
+
+
+def internvl_hf_config(cfg: VLMConfig):
+    v = cfg.vision
+    vision = dict(model_type="internvl_vision", hidden_size=v.dim, num_hidden_layers=v.n_layers,
+                  num_attention_heads=v.n_heads, attention_bias=v.qkv_bias, use_qk_norm=False,
+                  intermediate_size=v.ffn_dim, hidden_act=v.act, norm_type="layer_norm", layer_norm_eps=v.norm_eps,
+                  image_size=[v.image_size, v.image_size], patch_size=[v.patch_size, v.patch_size],
+                  use_mean_pooling=not v.post_norm, use_absolute_position_embeddings=True, use_mask_token=False)
+    return {"architectures": [HF_ARCHITECTURES["internvl"]], "model_type": "internvl",
+            "image_token_id": cfg.image_token_id, "image_seq_length": cfg.n_image_tokens,
+            "downsample_ratio": 1 / cfg.pixel_shuffle, "projector_hidden_act": "gelu",
+            "vision_feature_layer": cfg.vision_layer, "vision_feature_select_strategy": "default",
+            "tie_word_embeddings": cfg.llm.tie_embeddings, "text_config": llama_hf_config(cfg.llm),
+            "vision_config": vision}

@@ -5,13 +5,14 @@ expected shape, and the remap that consumes every source key or says which did n
 its budget), which re-exports every name; hf_config.py is the same for config.json's fields.
 """
 
+import math
 import re
 from dataclasses import replace
 
 import torch
 
 import storage
-from hf_config import HF_ARCHITECTURES, hf_model_type, llava_config, read_json
+from hf_config import HF_ARCHITECTURES, LLAVA_TYPES, hf_model_type, llava_config, read_json
 from model import VLM
 from model_config import LlamaConfig, ViTConfig, VLMConfig, projector_depth
 from weight_files import ConversionError, read_weights, say
@@ -59,7 +60,13 @@ def llama_table(cfg: LlamaConfig, prefix, head):
 
 def llava_table(cfg: VLMConfig):
     """The HF hub layout (llava-hf/*): the one we write and the one other layouts are renamed to. LLaVA-NeXT and
-    OneVision add the newline embedding at the top level."""
+    OneVision add the newline embedding at the top level. Idefics3 / SmolVLM and InternVL: transformers 5's layout
+    (idefics3_table, internvl_table)."""
+    kind = hf_model_type(cfg)
+    if kind in ("idefics3", "smolvlm"):
+        return idefics3_table(cfg)
+    if kind == "internvl":
+        return internvl_table(cfg)
     if cfg.projector != "mlp2x_gelu":
         raise ConversionError(f"HF {HF_ARCHITECTURES[hf_model_type(cfg)]} holds only mlp2x_gelu projectors, "
                               f"not {cfg.projector!r}")
@@ -73,13 +80,59 @@ def llava_table(cfg: VLMConfig):
     return t | llama_table(cfg.llm, "language_model.model.", "language_model.lm_head.weight")
 
 
-def hub_name(key):
-    """Rename the transformers >= 5.6 and in-memory (model.*) layouts to the hub layout."""
+def idefics3_table(cfg: VLMConfig):
+    """Idefics3ForConditionalGeneration's and SmolVLMForConditionalGeneration's names (the hub's and transformers
+    5's alike): SigLIP's under model.vision_model, the connector's Linear, the Llama under model.text_model."""
+    return vit_table(cfg.vision, "model.vision_model.") | \
+        {"projector.fc.0.weight": "model.connector.modality_projection.proj.weight"} | \
+        llama_table(cfg.llm, "model.text_model.", "lm_head.weight")
+
+
+def internvl_table(cfg: VLMConfig):
+    """InternVLForConditionalGeneration's names in the hub layout save_pretrained writes (internvl_name renames the
+    in-memory model.* one to it): InternViT, the LayerNorm-MLP, the Qwen decoder."""
+    v = {"vision.class_embedding": "embeddings.cls_token", "vision.positional_embedding": "embeddings.position_embeddings"}
+    v |= {f"vision.conv1.{p}": f"embeddings.patch_embeddings.projection.{p}" for p in ("weight", "bias")}
+    if cfg.vision.post_norm:
+        v |= {f"vision.ln_post.{p}": f"layernorm.{p}" for p in ("weight", "bias")}
+    block = {"ln_1": "layernorm_before", "ln_2": "layernorm_after", "attn.wo": "attention.projection_layer",
+             "mlp.c_fc": "mlp.fc1", "mlp.c_proj": "mlp.fc2"}
+    for i in range(cfg.vision.n_layers):
+        for ours, theirs in block.items():
+            v |= {f"vision.blocks.{i}.{ours}.{p}": f"encoder.layer.{i}.{theirs}.{p}" for p in ("weight", "bias")}
+        for x in "qkv":
+            v |= {f"vision.blocks.{i}.attn.w{x}.{p}": f"encoder.layer.{i}.attention.{x}_proj.{p}"
+                  for p in ("weight", "bias") if p == "weight" or cfg.vision.qkv_bias}
+        v |= {f"vision.blocks.{i}.ls_{j}": f"encoder.layer.{i}.lambda_{j}" for j in (1, 2)}
+    t = {k: "vision_tower." + name for k, name in v.items()}
+    t |= {f"projector.norm.{p}": f"multi_modal_projector.layer_norm.{p}" for p in ("weight", "bias")}
+    t |= {f"projector.fc.{i}.{p}": f"multi_modal_projector.linear_{i + 1}.{p}" for i in range(2)
+          for p in ("weight", "bias")}
+    return t | llama_table(cfg.llm, "language_model.model.", "language_model.lm_head.weight")
+
+
+# InternVL's tensors stored in another shape than ours: (ours -> theirs) reshapes, undone on the way in
+HF_SHAPES = {"vision.class_embedding": lambda t: t.reshape(1, 1, -1),  # (1, 1, D)
+             "vision.positional_embedding": lambda t: t[None]}  # (1, n_positions, D)
+
+
+def to_hf_shape(cfg: VLMConfig, ours, tensor):
+    return HF_SHAPES[ours](tensor) if hf_model_type(cfg) == "internvl" and ours in HF_SHAPES else tensor
+
+
+def internvl_name(key):
+    """Rename the in-memory (model.*) layout to the hub layout save_pretrained writes (language_model.model.*,
+    language_model.lm_head, vision_tower.*, multi_modal_projector.*)."""
     if key == "lm_head.weight":
         return "language_model.lm_head.weight"
     key = re.sub(r"^model\.language_model\.(?!model\.|lm_head)", "language_model.model.", key)
-    key = re.sub(r"^model\.", "", key)
-    return re.sub(r"^vision_tower\.(?!vision_model\.)", "vision_tower.vision_model.", key)
+    return re.sub(r"^model\.", "", key)
+
+
+def hub_name(key):
+    """Rename the transformers >= 5.6 and in-memory (model.*) layouts to the hub layout; a LLaVA's CLIP or SigLIP
+    sits under vision_tower.vision_model."""
+    return re.sub(r"^vision_tower\.(?!vision_model\.)", "vision_tower.vision_model.", internvl_name(key))
 
 
 def memory_name(key):
@@ -170,10 +223,16 @@ def processor_resample(directory, vision: ViTConfig):
 
 
 def llava_from_hf(hf_dir):
-    """(state, cfg) of an HF LLaVA directory, its tower's resize filter its processor's."""
+    """(state, cfg) of an HF directory of any class in HF_ARCHITECTURES, its tower's resize filter its processor's."""
     cfg = llava_config(read_json(storage.join(hf_dir, "config.json")), hf_dir)
     cfg = replace(cfg, vision=processor_resample(hf_dir, cfg.vision))
-    state = drop_siglip_head({hub_name(k): v for k, v in read_weights(hf_dir).items()}, hf_dir)
-    state = drop_tied_head(state, cfg.llm, "language_model.model.embed_tokens.weight", "language_model.lm_head.weight",
-                           hf_dir)
-    return check_complete(remap(state, llava_table(cfg), expected_shapes(cfg), str(hf_dir)), cfg, hf_dir), cfg
+    kind, table, shapes = hf_model_type(cfg), llava_table(cfg), expected_shapes(cfg)
+    rename = hub_name if kind in LLAVA_TYPES else internvl_name if kind == "internvl" else (lambda k: k)
+    state = drop_siglip_head({rename(k): v for k, v in read_weights(hf_dir).items()}, hf_dir)
+    head = "lm_head.weight" if kind in ("idefics3", "smolvlm") else "language_model.lm_head.weight"
+    state = drop_tied_head(state, cfg.llm, table["llm.tok_embeddings.weight"], head, hf_dir)
+    for ours in HF_SHAPES if kind == "internvl" else ():  # to ours, where the element count agrees (else remap says)
+        t = state.get(table[ours])
+        if t is not None and t.numel() == math.prod(shapes[ours]):
+            state[table[ours]] = t.reshape(shapes[ours])
+    return check_complete(remap(state, table, shapes, str(hf_dir)), cfg, hf_dir), cfg

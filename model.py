@@ -19,7 +19,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from torch.utils.checkpoint import checkpoint
 
 from lora import LoRALinear, apply_lora
-from model_config import MLP_ACTIVATIONS, VIT_ACTIVATIONS, LlamaConfig, ViTConfig, VLMConfig, projector_depth
+from model_config import MLP_ACTIVATIONS, VIT_ACTIVATIONS, LlamaConfig, ViTConfig, VLMConfig, projector_parts
 
 # -----------------------------------------------------------------------------
 # the CLIP vision tower
@@ -42,9 +42,9 @@ class ViTAttention(nn.Module):
     def __init__(self, cfg: ViTConfig):
         super().__init__()
         self.n_heads = cfg.n_heads
-        self.wq = nn.Linear(cfg.dim, cfg.dim)
-        self.wk = nn.Linear(cfg.dim, cfg.dim)
-        self.wv = nn.Linear(cfg.dim, cfg.dim)
+        self.wq = nn.Linear(cfg.dim, cfg.dim, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.dim, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.dim, cfg.dim)
 
     def forward(self, x):
@@ -72,25 +72,31 @@ class ViTBlock(nn.Module):
         self.attn = ViTAttention(cfg)
         self.ln_2 = LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.mlp = ViTMLP(cfg)
+        scaled = cfg.kind == "internvit"  # layer scale: each branch times a learned per-channel gain before its add
+        self.ls_1 = nn.Parameter(torch.empty(cfg.dim)) if scaled else None
+        self.ls_2 = nn.Parameter(torch.empty(cfg.dim)) if scaled else None
 
     def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        h = self.attn(self.ln_1(x))
+        x = x + (h if self.ls_1 is None else self.ls_1 * h)
+        h = self.mlp(self.ln_2(x))
+        return x + (h if self.ls_2 is None else self.ls_2 * h)
 
 
 class ViT(nn.Module):
     def __init__(self, cfg: ViTConfig):
         super().__init__()
         self.cfg = cfg
-        clip = cfg.kind == "clip"  # SigLIP: no class token, no pre-LayerNorm, a bias on the patch conv
+        clip = cfg.kind == "clip"  # SigLIP: no class token, no pre-LayerNorm, a bias on the patch conv; InternViT:
+        # CLIP's class token, SigLIP's conv bias and no pre-LayerNorm
         self.conv1 = nn.Conv2d(3, cfg.dim, kernel_size=cfg.patch_size, stride=cfg.patch_size, bias=not clip)
-        self.class_embedding = nn.Parameter(torch.empty(cfg.dim)) if clip else None
+        self.class_embedding = nn.Parameter(torch.empty(cfg.dim)) if cfg.kind != "siglip" else None
         self.positional_embedding = nn.Parameter(torch.empty(cfg.n_positions, cfg.dim))
         self.ln_pre = LayerNorm(cfg.dim, eps=cfg.norm_eps) if clip else nn.Identity()
         self.blocks = nn.ModuleList(ViTBlock(cfg) for _ in range(cfg.n_layers))
-        # ln_post only feeds the pooled output (CLIP's) or the last hidden state (SigLIP's); LLaVA reads
-        # neither, but we keep it so checkpoints round-trip without losing weights.
-        self.ln_post = LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        # ln_post feeds the pooled output (CLIP's) or the last hidden state (SigLIP's); LLaVA reads neither, Idefics3
+        # reads SigLIP's (VLMConfig.vision_post_norm); kept either way so checkpoints round-trip whole
+        self.ln_post = LayerNorm(cfg.dim, eps=cfg.norm_eps) if cfg.post_norm else None
         self.checkpoint = None  # checkpoint(fn, *args): recompute each block in backward (train.py sets torch's or XLA's)
 
     def forward(self, pixel_values, layers=(-1,)):
@@ -118,15 +124,17 @@ class ViT(nn.Module):
 
 
 class Projector(nn.Module):
-    """LLaVA's mm_projector: Linear, then (GELU, Linear) N-1 times. GELU is exact erf."""
+    """LLaVA's mm_projector: Linear, then (GELU, Linear) N-1 times. GELU is exact erf. InternVL's LayerNorm first
+    (eps 1e-5, nn.LayerNorm's), Idefics3's one Linear without a bias: model_config.projector_parts."""
 
     def __init__(self, kind, in_dim, out_dim):
         super().__init__()
-        depth = projector_depth(kind)
-        self.fc = nn.ModuleList(nn.Linear(in_dim if i == 0 else out_dim, out_dim) for i in range(depth))
+        norm, depth, bias = projector_parts(kind)
+        self.norm = LayerNorm(in_dim, eps=1e-5) if norm else None
+        self.fc = nn.ModuleList(nn.Linear(in_dim if i == 0 else out_dim, out_dim, bias=bias) for i in range(depth))
 
     def forward(self, x):
-        x = self.fc[0](x)
+        x = self.fc[0](x if self.norm is None else self.norm(x))
         for fc in self.fc[1:]:
             x = fc(F.gelu(x))
         return x
@@ -422,7 +430,8 @@ class VLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.vision = ViT(cfg.vision)
-        self.projector = Projector(cfg.projector, cfg.vision.dim * len(cfg.vision_layers), cfg.llm.dim)
+        in_dim = cfg.vision.dim * len(cfg.vision_layers) * cfg.pixel_shuffle**2
+        self.projector = Projector(cfg.projector, in_dim, cfg.llm.dim)
         self.llm = Llama(cfg.llm)
         # anyres / video: the learned embedding after each row of tiles' features (HF's image_newline)
         self.image_newline = nn.Parameter(torch.empty(cfg.llm.dim)) if cfg.anyres or cfg.video_token_id is not None \
@@ -461,6 +470,10 @@ class VLM(nn.Module):
         nn.init.normal_(self.vision.positional_embedding, std=0.02, generator=gen)
         if self.image_newline is not None:
             nn.init.normal_(self.image_newline, std=self.cfg.llm.dim**-0.5, generator=gen)  # HF's
+        for block in self.vision.blocks:
+            if block.ls_1 is not None:  # InternViT's layer_scale_init_value
+                nn.init.constant_(block.ls_1, 0.1)
+                nn.init.constant_(block.ls_2, 0.1)
         for module in self.modules():
             if isinstance(module, LoRALinear):
                 module.reset_adapter(gen)
@@ -471,9 +484,14 @@ class VLM(nn.Module):
         B = pixel_values.shape[0]
         images = pixel_values.flatten(0, 1) if pixel_values.dim() == 5 else pixel_values  # (B * n_images, 3, H, W)
         states = self.vision(images, self.cfg.vision_layers)
+        if self.cfg.vision_post_norm:
+            states = [self.vision.ln_post(s) for s in states]
         if self.cfg.vision_select == "patch":
             states = [s[:, 1:] for s in states]  # drop CLS
-        features = self.projector(torch.cat(states, dim=-1))  # (B * n_images, n_image_tokens, D)
+        features = torch.cat(states, dim=-1)  # (B * n_images, n_read, C)
+        if self.cfg.pixel_shuffle > 1:
+            features = pixel_shuffle(features, self.cfg.pixel_shuffle)
+        features = self.projector(features)  # (B * n_images, n_image_tokens, D)
         return features.reshape(B, -1, features.shape[-1])  # (B, n_images * n_image_tokens, D)
 
     def embed(self, input_ids, pixel_values=None, packed=False):
@@ -631,6 +649,16 @@ class VLM(nn.Module):
             if after_token:
                 after_token()
         return torch.stack(out, dim=1)
+
+
+def pixel_shuffle(x, factor):
+    """(N, side * side, C) -> (N, side * side / factor**2, factor**2 * C): each factor x factor block of the square
+    feature map becomes one token, its features in row-major order of the block, the tokens in row-major order of
+    the blocks (Idefics3's and InternVL's pixel shuffle, a space-to-depth)."""
+    N, T, C = x.shape
+    n = math.isqrt(T) // factor  # blocks a side
+    x = x.view(N, n, factor, n, factor, C)  # (N, block row, row in block, block col, col in block, C)
+    return x.permute(0, 1, 3, 2, 4, 5).reshape(N, n * n, factor * factor * C)  # (N, n_blocks, factor**2 * C)
 
 
 def pair_rows(features, n_rows):

@@ -29,7 +29,9 @@ MLP_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": partial(F.gelu, approximate="tan
 
 # per-channel image mean and std of each tower kind's pretraining (CLIP's; SigLIP's are 0.5)
 IMAGE_STATS = {"clip": ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)),
-               "siglip": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))}
+               "siglip": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
+               "internvit": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))}  # InternViT: ImageNet's
+VIT_KINDS = tuple(IMAGE_STATS)
 
 
 @dataclass
@@ -42,16 +44,20 @@ class ViTConfig:
     ffn_dim: int = 4096
     norm_eps: float = 1e-5
     act: str = "quick_gelu"  # CLIP's; a key of VIT_ACTIVATIONS ("gelu_pytorch_tanh" for SigLIP)
-    kind: str = "clip"  # "clip": class token + pre-LayerNorm; "siglip": neither, and a bias on the patch conv
+    # "clip": class token + pre-LayerNorm; "siglip": neither, and a bias on the patch conv; "internvit" (InternVL's
+    # InternViT-300M): a class token, no pre-LayerNorm, a conv bias, and each block's two branches scaled per channel
+    kind: str = "clip"
     image_mean: tuple | None = None  # the pixel statistics the tower was trained with; None: its kind's (IMAGE_STATS)
     image_std: tuple | None = None
+    qkv_bias: bool = True  # a bias on wq, wk, wv (InternViT's attention_bias)
+    post_norm: bool = True  # a LayerNorm after the last block (ln_post; InternViT with mean pooling has none)
     # the filter its image processor resizes with (its preprocessor_config.json "resample", PIL's numbers): 3 bicubic
     # (CLIP, SigLIP, LLaVA's processors), 2 bilinear (SigLIP2's published processors)
     resample: int = 3
 
     def __post_init__(self):
-        if self.kind not in ("clip", "siglip"):
-            raise ValueError(f"vision kind must be 'clip' or 'siglip', got {self.kind!r}")
+        if self.kind not in VIT_KINDS:
+            raise ValueError(f"vision kind must be one of {', '.join(map(repr, VIT_KINDS))}, got {self.kind!r}")
         if self.act not in VIT_ACTIVATIONS:
             raise ValueError(f"vision act {self.act!r} is not one of {sorted(VIT_ACTIVATIONS)}")
         if self.resample not in (2, 3):
@@ -67,8 +73,8 @@ class ViTConfig:
         return (self.image_size // self.patch_size) ** 2
 
     @property
-    def n_positions(self):  # tokens out of the tower: the patches, plus CLIP's class token
-        return self.n_patches + (self.kind == "clip")
+    def n_positions(self):  # tokens out of the tower: the patches, plus CLIP's or InternViT's class token
+        return self.n_patches + (self.kind != "siglip")
 
 
 @dataclass
@@ -120,7 +126,7 @@ class LlamaConfig:
 class VLMConfig:
     vision: ViTConfig = field(default_factory=ViTConfig)
     llm: LlamaConfig = field(default_factory=LlamaConfig)
-    projector: str = "mlp2x_gelu"  # "linear" or "mlp{N}x_gelu"
+    projector: str = "mlp2x_gelu"  # "linear", "linear_nobias", "mlp{N}x_gelu" or "ln_mlp{N}x_gelu" (projector_parts)
     vision_layer: int | list = -2  # hidden state index as in HF (0 = after ln_pre); a list concatenates
     vision_select: str = "patch"  # "patch" drops token 0, CLIP's CLS (HF "default"); "cls_patch" keeps all (HF "full")
     image_token_id: int = 32000
@@ -131,6 +137,12 @@ class VLMConfig:
     video_token_id: int | None = None  # OneVision's <video> placeholder; frames are pooled 2x (see image_layout)
     lora: LoRAConfig | None = None  # LoRA adapters (see apply_lora): a checkpoint of a LoRA run rebuilds them
     reward_head: bool = False  # a scalar head beside the LM head, read at each row's last real token (a reward model)
+    # the connector's switches (docs/model.md's table says which family sets which): each factor x factor block of a
+    # tile's square feature map becomes one token of factor**2 features before the projector (Idefics3/SmolVLM: 2-4,
+    # InternVL: 2, its downsample_ratio 0.5); and the tower read after its ln_post (SigLIP's last_hidden_state)
+    pixel_shuffle: int = 1
+    vision_post_norm: bool = False
+    export_as: str = ""  # to-hf's model_type where two HF classes compute alike ("idefics3" or "smolvlm"); "": smolvlm
 
     def __post_init__(self):
         if isinstance(self.lora, dict):
@@ -141,7 +153,8 @@ class VLMConfig:
             self.llm = _from_dict(LlamaConfig, self.llm, "llm")
         if self.vision_select not in ("patch", "cls_patch"):
             raise ValueError(f"vision_select must be 'patch' or 'cls_patch', got {self.vision_select!r}")
-        projector_depth(self.projector)  # validates the name
+        projector_parts(self.projector)  # validates the name
+        self.check_connector()
         if self.anyres not in ("", "anyres") and not (self.anyres.startswith("anyres_max_")
                                                       and self.anyres[len("anyres_max_"):].isdigit()):
             raise ValueError(f"anyres must be '', 'anyres' or 'anyres_max_N' (N an integer), got {self.anyres!r}")
@@ -158,13 +171,29 @@ class VLMConfig:
             raise ValueError(f"anyres and video need a square map of {side}x{side} features a tile, but the config "
                              f"gives {self.n_image_tokens}: a CLIP tower needs vision_select='patch' (HF 'default')")
 
+    def check_connector(self):
+        read = self.vision.n_positions - (self.vision_select == "patch")
+        side = int(read**0.5)
+        if not (isinstance(self.pixel_shuffle, int) and self.pixel_shuffle >= 1):
+            raise ValueError(f"pixel_shuffle must be a positive integer, got {self.pixel_shuffle!r}")
+        if self.pixel_shuffle > 1 and (side * side != read or side % self.pixel_shuffle):
+            raise ValueError(f"pixel_shuffle={self.pixel_shuffle} needs a square feature map whose side it divides; "
+                             f"the tower gives {read} tokens a tile" + (" (drop the class token: vision_select='patch')"
+                                                                       if self.vision.kind != "siglip" else ""))
+        if self.pixel_shuffle > 1 and (self.anyres or self.video_token_id is not None):
+            raise ValueError("anyres tiles and video with a pixel_shuffle are not implemented (one view per image)")
+        if self.vision_post_norm and not self.vision.post_norm:
+            raise ValueError("vision_post_norm reads the tower after its ln_post, but vision.post_norm is False")
+        if self.export_as not in ("", "smolvlm", "idefics3"):
+            raise ValueError(f"export_as must be '', 'smolvlm' or 'idefics3', got {self.export_as!r}")
+
     @property
     def vision_layers(self):
         return list(self.vision_layer) if isinstance(self.vision_layer, (list, tuple)) else [self.vision_layer]
 
     @property
     def n_image_tokens(self):
-        return self.vision.n_positions - (self.vision_select == "patch")
+        return (self.vision.n_positions - (self.vision_select == "patch")) // self.pixel_shuffle**2
 
     @property
     def image_taps(self):  # features each placeholder mixes: 4 where a bilinear resize may apply, else 1
@@ -204,12 +233,21 @@ def _from_dict(cls, d, where):
     return cls(**d)
 
 
+def projector_parts(name):
+    """(a LayerNorm first, the number of Linears, whether they have biases) of a projector kind: "linear", LLaVA's
+    "mlp{N}x_gelu" (Linear, then GELU and Linear N-1 times), InternVL's "ln_mlp{N}x_gelu" (a LayerNorm, then the
+    MLP) and Idefics3/SmolVLM's "linear_nobias" (one Linear, no bias)."""
+    if name in ("linear", "linear_nobias"):
+        return False, 1, name == "linear"
+    mlp = name.removeprefix("ln_")
+    if mlp.startswith("mlp") and mlp.endswith("x_gelu") and mlp[3:-6].isdigit() and int(mlp[3:-6]) > 0:
+        return name.startswith("ln_"), int(mlp[3:-6]), True
+    raise ValueError(f"unknown projector {name!r}: expected 'linear', 'linear_nobias', 'mlp{{N}}x_gelu' such as "
+                     f"'mlp2x_gelu', or 'ln_mlp{{N}}x_gelu'")
+
+
 def projector_depth(name):
-    if name == "linear":
-        return 1
-    if name.startswith("mlp") and name.endswith("x_gelu") and name[3:-6].isdigit():
-        return int(name[3:-6])
-    raise ValueError(f"unknown projector {name!r}: expected 'linear' or 'mlp{{N}}x_gelu' such as 'mlp2x_gelu'")
+    return projector_parts(name)[1]
 
 
 VIT_PRESETS = {

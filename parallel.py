@@ -628,7 +628,8 @@ def freeze(model, stage):
     top = max(i if i >= 0 else n + 1 + i for i in model.cfg.vision_layers)
     adapted = {param_group(name) for name, _ in model.named_parameters() if is_lora_parameter(name)}
     for name, p in model.named_parameters():
-        unused = name.startswith("vision.ln_post") or (name.startswith("vision.blocks.") and int(name.split(".")[2]) >= top)
+        unused = (name.startswith("vision.ln_post") and not model.cfg.vision_post_norm) or \
+            (name.startswith("vision.blocks.") and int(name.split(".")[2]) >= top)
         in_full = param_group(name) not in adapted or is_lora_parameter(name)
         p.requires_grad_(param_group(name) in trained and not unused and in_full)
 
