@@ -17,6 +17,8 @@ from dataclasses import fields
 from hashlib import sha256
 from pathlib import Path
 
+import torch
+
 import chat
 import checkpoint
 import mixture
@@ -184,6 +186,9 @@ def parse(argv, defaults):
         arg = args.pop(0)
         if arg.startswith("--"):
             key, eq, raw = arg[2:].partition("=")
+            if not eq and isinstance(defaults.get(key), bool) and args and not args[0].startswith("--") and \
+                    args[0].lower() not in BOOLEANS and not args[0].endswith(".py") and not Path(args[0]).is_file():
+                raise SystemExit(f"config: --{key} {args[0]}: {key} is a bool, {BOOL_WORDS}; --{key} alone is True")
             if not eq and isinstance(defaults.get(key), bool) and not (args and args[0].lower() in BOOLEANS):
                 raw = "True"  # a boolean flag alone (--compile), as argparse's store_true
             elif not eq and args and not args[0].startswith("--"):  # --key value, as argparse users type it
@@ -217,6 +222,7 @@ def line_of(path, name):
 
 
 BOOLEANS = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+BOOL_WORDS = "True or False (also true/false, yes/no, on/off, 1/0)"
 
 
 def literal(raw, default, key="value"):
@@ -247,7 +253,8 @@ def _typed(key, value, default):
     ok = isinstance(value, type(default)) or (isinstance(default, float) and isinstance(value, int)) or \
         (isinstance(default, list) and isinstance(value, (list, tuple)))
     if not ok or (isinstance(default, int) and isinstance(value, bool) != isinstance(default, bool)):
-        raise SystemExit(f"config: {key} must be {type(default).__name__}, got {value!r} ({type(value).__name__})")
+        said = f"a bool, {BOOL_WORDS}" if isinstance(default, bool) else type(default).__name__
+        raise SystemExit(f"config: {key} must be {said}, got {value!r} ({type(value).__name__})")
     return float(value) if isinstance(default, float) else (list(value) if isinstance(default, list) else value)
 
 
@@ -295,6 +302,9 @@ def check(cfg):
     for key in POSITIVE + NON_NEGATIVE:
         if cfg[key] < 0 or (cfg[key] == 0 and key in POSITIVE):
             raise SystemExit(f"config: {key} must be {'> 0' if key in POSITIVE else '>= 0'}, got {cfg[key]}")
+    if cfg["min_lr"] > cfg["lr"]:
+        raise SystemExit(f"config: min_lr={cfg['min_lr']:g} is above lr={cfg['lr']:g}: after the warmup the cosine "
+                         f"schedule would climb from lr to min_lr; set min_lr <= lr")
     if bool(cfg["local_ckpt_interval"]) != bool(cfg["local_ckpt_dir"]):
         raise SystemExit("config: local_ckpt_dir and local_ckpt_interval go together (a folder on this host's disk, "
                          "and the steps between its checkpoints)")
@@ -325,6 +335,26 @@ def check(cfg):
         raise SystemExit(f"config: lr_scale has unknown modules {sorted(unknown)}")
     lora_config(cfg)
     return cfg
+
+
+def check_device(device, said="config: device"):
+    """Before the backend starts (torch's own error is a traceback from deep in set_device): a CUDA device where torch
+    finds none is one sentence. Checked by the programs that run, not by check (an audit of a GPU config runs anywhere)."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"{said}={device!r}, but torch finds no CUDA GPU here (torch {torch.__version__}, built with "
+                         f"CUDA {torch.version.cuda or 'none'}): run on the CPU (device 'cpu')")
+
+
+def schedule_warning(cfg):
+    """A sentence when the warmup outlasts the schedule (lr_decay_iters, else max_iters): the peak lr is never reached.
+    A warning, not an error: a few steps of a long recipe (a smoke test) are that, on purpose; so is the first part of
+    a longer schedule (lr_decay_iters past max_iters), which says nothing."""
+    schedule = cfg["lr_decay_iters"] or cfg["max_iters"]
+    if cfg["warmup_iters"] > schedule and schedule <= cfg["max_iters"]:
+        where = f"lr_decay_iters={schedule}" if cfg["lr_decay_iters"] else f"max_iters={schedule}"
+        return (f"config: warning: warmup_iters={cfg['warmup_iters']} is longer than {where}: the learning rate never "
+                f"reaches lr={cfg['lr']:g} (at most {cfg['lr'] * schedule / cfg['warmup_iters']:.3g})")
+    return None
 
 
 def check_speed_levers(cfg):

@@ -33,6 +33,7 @@ import loader
 import model_files
 import storage
 import weight_files
+from config import check_device
 from images import image_hw, load_image, normalize_images
 from model import left_pad
 from progress import progress
@@ -62,6 +63,7 @@ def main(argv=None):
             or args.batch_size < 1:
         p.error(f"--temperature must be >= 0 (got {args.temperature}), --top-p in (0, 1] (got {args.top_p}), "
                 f"--max-new-tokens >= 1 (got {args.max_new_tokens}), --batch-size >= 1 (got {args.batch_size})")
+    check_device(args.device, "sample: --device")
     ckpt = args.ckpt if storage.is_url(args.ckpt) else Path(args.ckpt)  # a folder, or a prefix in a bucket
     try:
         if storage.is_url(ckpt):

@@ -619,6 +619,7 @@ def main(argv=None):
 
 def run(cfg):
     storage.STALL_S = cfg["storage_stall_s"]  # before any bucket is touched: its clients are made with it
+    config.check_device(cfg["device"])  # torch's own error is a traceback from set_device
     env = Env(cfg)
     out = storage.join(cfg["out_dir"])
     lease = Lease(out, cfg["lease_stale_s"]) if env.master else None  # rank 0 holds out_dir's lease for the run
@@ -634,6 +635,8 @@ def train(cfg, env, out, lease):
     launched = time.perf_counter()  # the elapsed time counts the set-up
     folders = checkpoint_folders(out, cfg, env)
     config.check_inputs(cfg)  # read-only, before out_dir is taken or touched
+    if warning := config.schedule_warning(cfg):  # a smoke test's few steps of a long recipe, or a slip
+        print0(env, warning)
     benchmarks = open_benchmarks(cfg["benchmarks"], cfg["benchmark_dir"], cfg["max_tiles"])  # files said now
     prepare_out_dir(folders, cfg, env, lease)
     mirror = compile_cache_mirror(env, out)  # xla, a bucket out_dir: the compile cache outlives a recreated VM

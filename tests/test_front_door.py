@@ -78,7 +78,8 @@ def test_flags_as_people_type_them(argv, key, value):
     (["--max_iter=5"], "config: unknown key 'max_iter' (from '--max_iter=5'): did you mean max_iters"),
     (["--max_iters"], "config: expected --key=value (or --key value), got '--max_iters' with no value"),
     (["--max_iters=ten"], "config: max_iters must be int, got 'ten' (str)"),
-    (["--resume=maybe"], "config: resume must be bool, got 'maybe' (str)"),
+    (["--resume=maybe"], "config: resume must be a bool, True or False (also true/false, yes/no, on/off, 1/0), got "
+                         "'maybe' (str)"),
     (["--lora={'alpah': 3}"], "config: lora={'alpah': 3}: no field 'alpah': did you mean alpha?"),
     (["--model_overrides={'llm': {'n_layer': 3}}"], "did you mean n_layers"),
     (["--model=debgu"], "config: model 'debgu' is no preset: did you mean debug?"),  # not "model_overrides {...}"

@@ -48,7 +48,8 @@ def test_ppo_epochs_lower_the_surrogate_and_the_value_loss_and_train_both_models
     unpadded, by the models that sampled it; its advantages are whitened over the whole batch."""
     init, judge = policy_and_judge(shapes_pairs, tmp_path, stop_weight=8.0)
     train.main(ppo_args(shapes_pairs, tmp_path / "out", init, judge, "--max_iters=4", "--batch_size=4",
-                        "--micro_batch_size=2", "--ppo_epochs=4", "--lr=3e-5", "--ckpt_interval=3"))
+                        "--micro_batch_size=2", "--ppo_epochs=4", "--lr=3e-5", "--min_lr=3e-5",
+                        "--ckpt_interval=3"))
     logged = run_log(tmp_path / "out", "rl/reward")
     assert [e["step"] for e in logged] == [1, 2, 3, 4]
     assert all(math.isfinite(e[k]) for e in logged for k in LOGGED)
@@ -167,7 +168,7 @@ def test_ppo_under_torchrun_fsdp_matches_ddp_and_resumes_exactly(shapes_pairs, t
 
     init, judge = policy_and_judge(shapes_pairs, tmp_path, stop_weight=8.0)
     common = ["--batch_size=4", "--micro_batch_size=1", "--ppo_mini_batch_size=2", "--ppo_epochs=2", "--lr=3e-5",
-              "--ckpt_interval=3", f"--grpo_reference={init}", "--final_accuracy_samples=4"]
+              "--min_lr=3e-5", "--ckpt_interval=3", f"--grpo_reference={init}", "--final_accuracy_samples=4"]
     ddp_out = run(ppo_args(shapes_pairs, tmp_path / "ddp", init, judge, "--max_iters=5", "--parallel=ddp", *common),
                   nproc=2).stdout
     run(ppo_args(shapes_pairs, tmp_path / "fsdp", init, judge, "--max_iters=3", "--parallel=fsdp", *common), nproc=2)
