@@ -1,8 +1,9 @@
 """
 The data exactly as training will see it, before a thousand GPU-hours are spent on it: one source (shards, a tar, or
-a LLaVA JSON as pack would write it) sample by sample, or a mixture's sources against their shares.
+a LLaVA JSON or parquet / Arrow rows as pack would write them, with pack's video settings) sample by sample, or a
+mixture's sources against their shares. Drops are named by the loader's reasons (what train.py logs).
 
-    python data.py audit SHARDS|JSON [--images DIR] [--config configs/x.py] [--hf-tokenizer DIR] [--sheet sheet.png]
+    python data.py audit SHARDS|JSON|PARQUET [--images DIR] [--config configs/x.py] [--hf-tokenizer DIR] [--min-kept F]
 """
 
 import base64
@@ -26,21 +27,46 @@ from loader import ShardStream, image_layouts, pack_rows, sample_conversation, s
 from pack import prepare_record
 from progress import progress as progress_bar
 from shards import ShardReader, Skips, all_sample_offsets, shard_files
-from sources import JsonRecords
+from sources import SUFFIXES, JsonRecords, ParquetRows
 
 
 # -----------------------------------------------------------------------------
 # audit: the data exactly as training will see it, before a thousand GPU-hours are spent on it
 
 
-def audit_sources(source, images_dir, split):
+def table_source(source):
+    """Whether source names parquet / Arrow rows (a file, a glob, or a folder of them that is no shard folder)."""
+    text = str(source)
+    if text.endswith(SUFFIXES) or any(c in text for c in "*?["):
+        return True
+    folder = Path(text)
+    return not storage.is_url(text) and folder.is_dir() and not (folder / ".nv-meta").exists() and \
+        not any(folder.glob("*.tar")) and any(p.name.endswith(SUFFIXES) for p in folder.iterdir())
+
+
+def read_records(make):
+    """(records, their count) of a source pack reads, its refusals (sources.py's "pack: ...") as audit's."""
+    try:
+        records = make()
+        return records, records.count()
+    except SystemExit as e:
+        if isinstance(e.code, str) and e.code.startswith("pack: "):
+            raise SystemExit(f"audit: {e.code.removeprefix('pack: ').removeprefix('--parquet ')}") from None
+        raise
+
+
+def audit_sources(source, images_dir, split, video=None, columns=None):
     """(how many, an iterator of (where, members) or (where, drop reason) in source order): shards as the loader reads
-    them (from a local folder or tar, or from a bucket), a LLaVA JSON/JSONL as pack would write it."""
+    them (from a local folder or tar, or from a bucket), a LLaVA JSON/JSONL or parquet / Arrow rows as pack would write
+    them (video: pack's video.VideoSettings; columns: pack's --columns)."""
+    if table_source(source):
+        rows, n = read_records(lambda: ParquetRows([str(source)], columns))
+        return n, json_samples(rows, video)
     if not storage.is_url(source) and Path(source).is_file() and Path(source).suffix != ".tar":
         if images_dir is None or not Path(images_dir).is_dir():
             raise SystemExit(f"audit: {source} is a LLaVA JSON: --images must name its image folder (got {images_dir})")
-        records = JsonRecords(source, images_dir)
-        return records.count(), json_samples(records)
+        records, n = read_records(lambda: JsonRecords(source, images_dir))
+        return n, json_samples(records, video)
     if not storage.is_url(source) and not Path(source).exists():
         raise SystemExit(f"audit: {source}: no such shard folder, tar or JSON file")
     try:  # an unfinished or inconsistent folder is refused as the loader refuses it
@@ -52,12 +78,12 @@ def audit_sources(source, images_dir, split):
     return len(index), shard_samples(files, index)
 
 
-def json_samples(records):
+def json_samples(records, video=None):
     for i, (rec, images) in enumerate(records):
         if rec is None:  # (where, reason)
             yield images
             continue
-        sample, reason = prepare_record((i, rec, images))
+        sample, reason = prepare_record((i, rec, images, video))
         where = str(rec.get("id", i)) if isinstance(rec, dict) else f"record {i}"
         yield where, reason or {ext: b for ext, b in sample.items() if b is not None}
 
@@ -194,9 +220,10 @@ def padding_share(lengths, seq_len, rows, pack):
 
 def audit(source, tokenizer, template, seq_len, image_size, n_image_tokens, image_token_id, image_mode="pad",
           images_dir=None, split="train", pack=0, rows=8, show=4, limit=0, sheet=None, hf_tokenizer=None,
-          progress=5.0, out=None, vlm=None, max_tiles=0):
-    """Print what training would get from `source`; returns the exit status (1: samples with no supervised tokens,
-    or a template that disagrees with the HF chat template)."""
+          progress=5.0, out=None, vlm=None, max_tiles=0, video=None, columns=None, min_kept=0.0):
+    """Print what training would get from `source`; returns the exit status (1: samples with no supervised tokens, a
+    template that disagrees with the HF chat template, or fewer samples kept than min_kept of all, and none at all).
+    video, columns: how pack reads a JSON's video files and parquet's columns (video.VideoSettings, --columns)."""
     if template not in TEMPLATES:
         raise SystemExit(f"audit: unknown template {template!r}; choose from {sorted(TEMPLATES)}")
     try:
@@ -216,7 +243,7 @@ def audit(source, tokenizer, template, seq_len, image_size, n_image_tokens, imag
       f"images {image_size} px {image_mode}, {n_image_tokens} image tokens (id {image_token_id})")
     outcomes, skips, lengths, supervised, tiles, pairs = Counter(), Skips(), [], 0, [], 0
     mismatched, n_compared = [], 0
-    total, samples = audit_sources(source, images_dir, split)
+    total, samples = audit_sources(source, images_dir, split, video, columns)
     samples = progress_bar(samples, min(total, limit or total), "audit", "sample", disable=not progress, every_s=progress)
     for n, (where, members) in enumerate(samples):
         if limit and n >= limit:
@@ -241,6 +268,9 @@ def audit(source, tokenizer, template, seq_len, image_size, n_image_tokens, imag
                     mismatched.append((where, differences(expected, got)))
             if max_tiles:  # tile slots (anyres, several images, video), as ShardStream(max_tiles=...) reads them
                 kind, blobs = sample_images(members)
+                if kind == "video" and vlm.video_token_id is None:  # the loader's check, before the layouts refuse it
+                    raise DropSample(f"video_without_video_token ({len(blobs)} frames; the model has no "
+                                     "video_token_id)")
                 layouts = image_layouts(vlm, kind, [image_hw(b) for b in blobs])
                 if sum(n for n, _, _ in layouts) > max_tiles:
                     raise DropSample(f"too_many_tiles ({sum(n for n, _, _ in layouts)} tiles, max_tiles {max_tiles})")
@@ -250,7 +280,7 @@ def audit(source, tokenizer, template, seq_len, image_size, n_image_tokens, imag
                                                              vlm.video_token_id)
             else:
                 kind, blobs = sample_images(members)
-                if len(blobs) > 1:  # as the loader without tile slots drops them
+                if len(blobs) > 1 or kind == "video":  # as the loader without tile slots drops them (one frame too)
                     raise DropSample(f"{kind}_needs_max_tiles ({len(blobs)} images or frames: set max_tiles > 0)")
                 pixels = load_image(image, image_size, image_mode) if image is not None else None
                 ids, labels, truncated = encode_conversation(conv, image is not None, template, tok, seq_len,
@@ -302,6 +332,10 @@ def audit(source, tokenizer, template, seq_len, image_size, n_image_tokens, imag
           + (f"; {no_room} samples find no room in their batch (lower pack)" if no_room else "")
           + f"\nsupervised: {supervised} tokens, {supervised / sum(kept):.1%} of the sample tokens")
     status = 0
+    if outcomes["kept"] < max(min_kept * total, 1e-9):  # none kept fails whatever min_kept says
+        p(f"FAIL: {outcomes['kept']} of {total} samples would train"
+          + (f", under --min-kept {min_kept:g}" if outcomes["kept"] else ""))
+        status = 1
     if outcomes["no_supervised_tokens"]:
         p(f"FAIL: {outcomes['no_supervised_tokens']} samples have no supervised token within seq_len {seq_len}")
         status = 1

@@ -6,7 +6,7 @@ Data for llavax: LLaVA conversations and images -> Energon-compatible tar shards
     python data.py pack --parquet 'DIR/*.parquet' --out SHARDS [--columns image=img,conversations=messages]
     python data.py pack --mixture configs/mixtures/onevision.yaml --raw RAW --workers 16   # every dataset it names
     python data.py shapes --out DIR [--n 20000] [--seed 0] [--tokenizer T] [--overwrite]   # the demo data (shapes.py)
-    python data.py audit SHARDS|JSON [--config configs/x.py] [--sheet F.png]   # what training would get (audit.py)
+    python data.py audit SHARDS|JSON|PARQUET [--config configs/x.py] [--sheet F.png]   # what training gets (audit.py)
     python data.py audit MIX.yaml --config configs/x.py   # a mixture (or --config alone: its data_dir): by source
 
 Writing shards: pack.py (reading JSON and parquet: sources.py); the demo data: shapes.py; reading them into batches:
@@ -32,9 +32,13 @@ from video import VideoSettings
 
 
 def audit_arguments(a):
-    a.add_argument("source", nargs="?", help="a shard folder (or tar), a mixture (.yaml), or a LLaVA JSON/JSONL with "
-                                             "--images; default: the --config's data_dir (a mixture gets a table)")
+    a.add_argument("source", nargs="?", help="a shard folder (or tar), a mixture (.yaml), a LLaVA JSON/JSONL with "
+                   "--images, or parquet / Arrow rows (a file, a folder of them, a glob), read as pack reads them; "
+                   "default: the --config's data_dir (a mixture gets a table)")
     a.add_argument("--images", help="the image folder of a LLaVA JSON")
+    columns_argument(a)
+    a.add_argument("--min-kept", type=fraction, default=0.0, help="exit 1 when fewer than this share of the samples "
+                   "would train (default 0: only when none would)")
     a.add_argument("--split", default="train", help="the split of a shard folder to read")
     a.add_argument("--config", help="a train.py config file (e.g. configs/shapes.py): fills the settings below")
     a.add_argument("--tokenizer")
@@ -55,6 +59,7 @@ def audit_arguments(a):
     a.add_argument("--hf-tokenizer", help="a folder with tokenizer_config.json holding a chat_template: compare")
     a.add_argument("--progress", type=float, default=5.0, help="a progress bar on stderr (a terminal), else a line "
                    "every N seconds at first, then further apart; 0: none")
+    video_arguments(a.add_argument_group("a JSON's video files, read as pack reads them: the same flags as pack's"))
 
 
 def audit_command(args):
@@ -102,7 +107,8 @@ def audit_command(args):
                    given(args.n_image_tokens, mcfg.n_image_tokens), given(args.image_token_id, mcfg.image_token_id),
                    given(args.image_mode, cfg["image_mode"]), args.images, args.split, given(args.pack, cfg["pack"]),
                    given(args.rows, cfg["micro_batch_size"]), args.show, args.limit, args.sheet, args.hf_tokenizer,
-                   args.progress, vlm=mcfg, max_tiles=max_tiles))
+                   args.progress, vlm=mcfg, max_tiles=max_tiles, video=args.video, columns=args.columns,
+                   min_kept=args.min_kept))
 
 
 # the types of the pack and video flags: a value no pack could mean is refused by argparse (exit 2) before anything
@@ -139,6 +145,20 @@ def share(text):
     if not 0 <= value < 1:  # 1 would put every record in val and train on none
         raise argparse.ArgumentTypeError(f"{text!r} is not a share >= 0 and < 1")
     return value
+
+
+def fraction(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a share from 0 to 1")
+    return value
+
+
+def columns_argument(a):
+    a.add_argument("--columns", help="other column names: image=COL,conversations=COL,id=COL (image= : text-only)")
 
 
 def video_arguments(a):
@@ -210,7 +230,7 @@ def main(argv=None):
     a.add_argument("--images", help="the local folder the JSON's image names are relative to (--mixture: default --raw)")
     a.add_argument("--parquet", nargs="+", help="parquet or Arrow files, folders of them or glob patterns (local or "
                                                 "s3:// / gs://): rows of id, image {bytes, path}, conversations")
-    a.add_argument("--columns", help="other column names: image=COL,conversations=COL,id=COL (image= : text-only)")
+    columns_argument(a)
     a.add_argument("--mixture", help="a mixture file (Energon metadataset or LLaVA-NeXT data YAML): pack each dataset "
                                      "it names into its path, from --raw")
     a.add_argument("--raw", help="--mixture: the folder (or bucket prefix) with each dataset's raw input, NAME.json / "
@@ -234,11 +254,12 @@ def main(argv=None):
     b.add_argument("--tokenizer", help="use this tokenizer.model (another shapes dataset's) instead of training one: "
                                        "the two can then be mixed in one run")
     b.add_argument("--overwrite", action="store_true", help="replace the shapes dataset already in --out")
-    audit_arguments(sub.add_parser("audit", help="what training would get from a dataset: counts, lengths, prompts, "
-                                                 "images, the chat template"))
+    c = sub.add_parser("audit", help="what training would get from a dataset: counts, lengths, prompts, images, the "
+                                     "chat template")
+    audit_arguments(c)
     args = p.parse_args(argv)
-    if args.cmd == "pack":  # every setting checked before anything is read
-        args.video = video_settings(args, a)
+    if args.cmd in ("pack", "audit"):  # every setting checked before anything is read
+        args.video = video_settings(args, a if args.cmd == "pack" else c)
     try:
         if args.cmd == "audit":
             audit_command(args)

@@ -311,3 +311,55 @@ def test_an_audit_of_packed_shards_counts_what_pack_refused(shapes, capsys, tmp_
     assert code == 0 and "samples: 8\n  kept: 6 " in out, out
     assert "dropped at pack time, missing_image: 1 (first: gone)" in out
     assert "dropped at pack time, no_gpt_turn: 1 (first: mute)" in out
+
+
+# -----------------------------------------------------------------------------
+# every source pack reads, and an exit status a script can trust
+
+
+def test_a_parquet_source_is_audited_as_pack_reads_it(mixed_json, capsys, tmp_path):
+    """LLaVA-OneVision-Data's rows (id, image {bytes, path}, conversations): the audit reads them as pack does, every
+    drop by pack's reason, and keeps what pack keeps (before: "is a LLaVA JSON: --images must name its image folder",
+    then "NUL bytes: UTF-16/32 text")."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import pack
+    import sources
+
+    d, records = mixed_json
+    rows = [{"id": r["id"], "conversations": r["conversations"],
+             "image": {"bytes": (d / "images" / r["image"]).read_bytes(), "path": r["image"]}
+             if "image" in r and (d / "images" / r["image"]).exists() else None} for r in records]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train-00000-of-00001.parquet", row_group_size=4)
+    skips = pack.pack_source(sources.ParquetRows(tmp_path), tmp_path / "packed")
+    tok_dir = hf_tokenizer_dir(tmp_path / "tok", QWEN2_TEMPLATE)
+    common = ["--tokenizer", tok_dir, "--template", "chatml", "--seq-len", 128, "--image-size", 28,
+              "--n-image-tokens", 4, "--image-token-id", 400, "--show", 0]
+    for source in (tmp_path / "train-00000-of-00001.parquet", tmp_path, tmp_path / "*.parquet"):
+        code, out, err = run_audit(capsys, source, *common)
+        assert code == 0 and f"samples: {len(rows)}\n  kept: {len(rows) - sum(skips.counts.values())} " in out, out + err
+        for reason, n in skips.counts.items():
+            assert f"dropped, {reason}: {n} " in out, out
+    code, out, _ = run_audit(capsys, tmp_path / "packed", *common)
+    assert f"kept: {len(rows) - sum(skips.counts.values())} " in out
+    code, out, _ = run_audit(capsys, tmp_path / "nothing-*.parquet", *common)
+    assert code == 1 and out.strip().splitlines()[-1] == f"audit: {tmp_path / 'nothing-*.parquet'}: no .parquet or " \
+        ".arrow file there", out
+
+
+def test_audit_fails_when_nothing_or_too_little_would_train(mixed_json, capsys, tmp_path):
+    """`audit && train` must not pass on data that trains nothing: kept 0 exits 1 (before: 0), and --min-kept F
+    fails under that share of the samples."""
+    d, records = mixed_json
+    tok_dir = hf_tokenizer_dir(tmp_path / "tok", QWEN2_TEMPLATE)
+    gone = [r | {"image": "coco/nope.jpg"} for r in records if "image" in r]
+    (d / "gone.json").write_text(json.dumps(gone))
+    args = ["--images", d / "images", "--tokenizer", tok_dir, "--template", "chatml", "--seq-len", 128,
+            "--image-size", 28, "--n-image-tokens", 4, "--image-token-id", 400, "--show", 0]
+    code, out, _ = run_audit(capsys, d / "gone.json", *args)
+    assert code == 1 and "kept: 0 " in out and f"FAIL: 0 of {len(gone)} samples would train" in out, out
+    code, out, _ = run_audit(capsys, d / "mixed.json", *args, "--min-kept", 0.9)
+    assert code == 1 and f"FAIL: 4 of {len(records)} samples would train, under --min-kept 0.9" in out, out
+    code, out, _ = run_audit(capsys, d / "mixed.json", *args, "--min-kept", 0.6)
+    assert code == 0 and "FAIL" not in out, out

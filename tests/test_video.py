@@ -3,11 +3,13 @@ words), decoded from videos made here with PyAV in several codecs, frame rates a
 drop reason, never a crash or a hang; packed video samples read by the loader as tiles. References: the frame
 number painted into each frame, transformers' PyAV video reader (load_video), SigLIP's PIL image processor."""
 
+import dataclasses
 import fractions
 import gc
 import io
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -19,6 +21,7 @@ import torch
 from PIL import Image
 from test_multi_image_data import chat_tokenizer, conv, levels, tiny_onevision_config
 
+import chat
 import images
 import loader
 import audit
@@ -342,6 +345,44 @@ def test_pack_stores_the_frames_and_counts_every_bad_video_by_reason(packed, cap
     for reason, n in want.items():
         assert f"dropped, {reason}: {n} " in text, text
     assert "kept: 3" in text
+
+
+def shown_prompts(text):
+    """The prompts an audit shows, without the lines that name where each sample came from."""
+    shown = text.split("\n--- ", 1)[1].split("\nsamples: ", 1)[0]
+    return re.sub(r"(?m)^(--- )?\d+: \S+: ", "", shown)
+
+
+def test_an_audit_of_a_video_json_gives_packs_prompts_and_the_loaders_drop_reasons(packed):
+    """With pack's video settings the audit of the JSON shows the prompts pack wrote (LLaVA-Video's time instruction,
+    6 frames at 2 a second: before, it had no such flags and showed other prompts), and a model without a video token
+    drops the videos as the loader does, video_without_video_token (before: unreadable_sample: ValueError)."""
+    d, folder, recs, broken, skips, settings = packed
+    tok = chat_tokenizer(d / "tok")
+    cfg = tiny_onevision_config(tok)
+    args = (tok, "chatml", 400, 28, cfg.n_image_tokens, cfg.image_token_id)
+    texts = {}
+    for name, source in (("json", d / "videos.json"), ("shards", d / "shards")):
+        out = io.StringIO()
+        audit.audit(source, *args, images_dir=folder, show=3, progress=0, out=out, vlm=cfg, max_tiles=8,
+                    video=settings)
+        texts[name] = out.getvalue()
+    assert "The video lasts for 3.23 seconds, and 6 frames" in texts["json"]
+    assert shown_prompts(texts["json"]) == shown_prompts(texts["shards"])
+    no_video_token = dataclasses.replace(cfg, video_token_id=None)
+    out = io.StringIO()
+    audit.audit(d / "videos.json", *args, images_dir=folder, show=0, progress=0, out=out, vlm=no_video_token,
+                max_tiles=8, video=settings)
+    stream = loader.ShardStream(d / "shards", tok, batch_size=2, seq_len=400, image_size=28,
+                                image_token_id=cfg.image_token_id, n_image_tokens=cfg.n_image_tokens, template="chatml",
+                                vlm=no_video_token, max_tiles=8)
+    reasons = []
+    for sample in range(len(stream)):
+        with pytest.raises(chat.DropSample) as e:
+            stream.encode(sample)
+        reasons.append(str(e.value).split(" ")[0])
+    assert reasons == ["video_without_video_token"] * 3
+    assert "dropped, video_without_video_token: 3 " in out.getvalue() and "unreadable_sample" not in out.getvalue()
 
 
 def test_a_packed_video_sample_reaches_the_loader_as_its_frames(packed):
