@@ -583,8 +583,12 @@ def run_benchmarks(raw, benchmarks, asker, env, answers_path=None, label=""):
             except Exception as e:  # noqa: BLE001  a row the task cannot score (a null answer) does not stop the run
                 print0(env, f"{label}benchmark {benchmark.name} failed in scoring ({type(e).__name__}: {e}); going on")
                 continue
-            scores |= {f"bench/{benchmark.name}/{k}": v for k, v in metrics.items()}
             lines += done
+            if not metrics:  # MMBench rows all circular shifts, say: no question its metric counts
+                print0(env, f"{label}benchmark {benchmark.name} gave no score: none of its {len(rows)} questions is one "
+                       f"its metric counts; going on")
+                continue
+            scores |= {f"bench/{benchmark.name}/{k}": v for k, v in metrics.items()}
             print0(env, f"{label}{benchmark.name}: " + ", ".join(f"{k} {v:.4g}" for k, v in metrics.items())
                    + f" ({len(rows)} questions, {time.perf_counter() - t0:.0f} s"
                    + (f"; {too_long} longer than the model's max_seq_len, scored as unanswered" if too_long else "")

@@ -456,6 +456,27 @@ def test_a_benchmark_whose_rows_cannot_be_scored_is_a_line(tmp_path, monkeypatch
     assert set(scores) == {"bench/mme/perception"}  # its 4 questions: existence and OCR
 
 
+def test_a_benchmark_that_gives_no_metric_is_a_line_not_an_empty_score(tmp_path, monkeypatch, capsys):
+    """MMBench rows that are all circular shifts (index >= 10^6, say a file cut from the middle): its aggregate has
+    no question to count; the line said `mmbench_en_dev:  (6 questions, 0 s)` and logged nothing. Now it says so."""
+    import pandas as pd
+
+    import config
+    from parallel import Env
+
+    root = write_benchmarks(tmp_path / "b", n=12)
+    table = pd.read_parquet(root / "MMBench/en/dev-00000-of-00001.parquet")
+    table[table["index"] >= 1_000_000].to_parquet(tmp_path / "shifts.parquet")
+    monkeypatch.setattr(benchmarks, "answer_all", lambda raw, asker, env, bench, rows: (dict.fromkeys(range(len(rows)),
+                                                                                                       "A"), 0))
+    found = benchmarks.open_benchmarks([f"mmbench_en_dev={tmp_path / 'shifts.parquet'}", "mme"], root)
+    asker = benchmarks.Asker(None, "vicuna_v1", "pad", 4)
+    scores = benchmarks.run_benchmarks(torch.nn.Linear(1, 1), found, asker, Env(config.DEFAULTS | {"device": "cpu"}))
+    said = capsys.readouterr().out
+    assert "benchmark mmbench_en_dev gave no score: none of its 6 questions is one its metric counts" in said, said
+    assert "mmbench_en_dev: " not in said and set(scores) == {"bench/mme/perception", "bench/mme/cognition"}
+
+
 def test_a_failing_benchmark_is_a_line_and_the_run_goes_on(scored, tmp_path, shapes_data):
     """In a training run: scores at benchmark_interval and the end go to log.jsonl and the answers beside the
     checkpoint; a benchmark whose rows fail to be answered (an image past the rows decoded at start that is no image)
