@@ -32,7 +32,9 @@ DROP_REASONS = ("no_room_in_pack", "too_many_tiles", "multi_needs_max_tiles", "v
                 "image_tag_mismatch", "plain_template_without_image", "video_without_video_token",
                 "not_a_preference_pair", "image_and_video", "unreadable_sample", "malformed_conversations",
                 "unknown_role", "non_text_value", "invalid_unicode", "no_gpt_turn", "empty_answer",
-                "skip_steps", "other")  # skip_steps: read by a step that trains nothing (train.py's skip_steps)
+                "skip_steps", "nonfinite_update", "other")
+# skip_steps: read by a step that trains nothing (train.py's skip_steps); nonfinite_update: by a step whose update was
+# skipped (a non-finite loss or gradient). Kept by name in a checkpoint: a reason may be added before "other".
 
 
 # -----------------------------------------------------------------------------
@@ -600,14 +602,22 @@ class Loader:
                                            minlength=n * n_reasons).view(n, n_reasons)
             yield batch
 
-    def skipped(self, batches):
-        """Batches a step read and did not train on (skip_steps): their samples count as dropped, their tokens as
-        not trained."""
-        n, n_reasons = self.dropped.shape
-        for b in batches:
-            self.tokens -= torch.bincount(b["source"], b["tokens"], minlength=n).long()
-            self.dropped[:, DROP_REASONS.index("skip_steps")] += torch.bincount(b["source"][b["drop_reason"] == 0],
-                                                                                minlength=n)
+    def skipped(self, batches, reason="skip_steps"):
+        """Batches a step read and did not train on (skip_steps, or an update skipped): their samples count as dropped
+        for `reason`, their tokens as not trained."""
+        self.not_trained(self.step_counts(batches), reason)
+
+    def step_counts(self, batches):
+        """(2, sources): the samples of `batches` not dropped, and their supervised tokens, by source."""
+        n = len(self.tokens)
+        return sum((torch.stack([torch.bincount(b["source"][b["drop_reason"] == 0], minlength=n),
+                                 torch.bincount(b["source"], b["tokens"], minlength=n).long()]) for b in batches),
+                   torch.zeros((2, n), dtype=torch.long))
+
+    def not_trained(self, counts, reason):
+        """counts (step_counts, of steps that did not update the weights): dropped for `reason`, tokens not trained."""
+        self.tokens -= counts[1]
+        self.dropped[:, DROP_REASONS.index(reason)] += counts[0]
 
     def fold_tokens(self, env):
         """Every rank's supervised tokens and dropped samples per source since the last fold into the run's totals

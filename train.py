@@ -342,6 +342,8 @@ def make_loaders(vlm, cfg, env, rows_per_host, pairs):
                          f"{vlm.n_image_tokens} image tokens")
     if loader.stream.mixture.take_summary():  # what take rules select but this run cannot train on, said once
         print0(env, loader.stream.mixture.take_summary())
+    if loader.stream.mixture.left_out_line():  # the recipe's never-published sources, not there: their share
+        print0(env, loader.stream.mixture.left_out_line())
     vocab, image_id, llm = loader.stream.tok.vocab_size, vlm.image_token_id, vlm.llm
     if cfg["seq_len"] > llm.max_seq_len:
         raise SystemExit(f"config: seq_len={cfg['seq_len']} exceeds the model's max_seq_len={llm.max_seq_len}")
@@ -449,7 +451,7 @@ def start_meter(raw, cfg, env):
     meter.peak = cfg["peak_flops"] or env.peak_flops()
     meter.loss_sum, meter.tokens_sum = torch.zeros((), device=env.device), torch.zeros((), device=env.device)
     meter.t_last, meter.data_wait = time.perf_counter(), 0.0
-    meter.rows_done, meter.dropped = 0, 0
+    meter.rows_done, meter.dropped, meter.not_updated = 0, 0, 0  # not_updated: XLA's (not_updated())
     meter.dpo, meter.dpo_micro = {}, 0  # dpo, reward, grpo: their metrics summed over micro-steps, and their count
     meter.gen_seconds, meter.gen_rows = 0.0, 0  # grpo: time in rollouts, and completions sampled
     meter.per_row = max(1, cfg["pack"])  # samples read per row
@@ -510,7 +512,7 @@ def train_step(model, micro, trainable, env, cfg, objective, poison=False, ref_m
 def update_if_finite(optimizer, step_loss, count, grad_norm, meter, env, it, log):
     """optimizer.step() unless the loss or gradient is non-finite: then the update is skipped (the batch is consumed,
     as with skip_steps) and counted. Under XLA the skip happens inside the compiled step (no host sync); elsewhere one
-    flag a step is agreed over the ranks."""
+    flag a step is agreed over the ranks. Whether it updated: a bool, or under XLA a device tensor."""
     finite = torch.isfinite(step_loss) & torch.isfinite(grad_norm.to_local() if hasattr(grad_norm, "to_local")
                                                        else grad_norm)
     finite = finite & (count > 0)  # a batch with nothing to learn from (every sample dropped) moves no weight
@@ -527,6 +529,7 @@ def update_if_finite(optimizer, step_loss, count, grad_norm, meter, env, it, log
         meter.loss_sum += step_loss
         meter.tokens_sum += count / env.replicas
         meter.nonfinite_worst = meter.nonfinite_run = 0
+        return True
     else:
         meter.nonfinite_run, meter.nonfinite_total = meter.nonfinite_run + 1, meter.nonfinite_total + 1
         meter.nonfinite_worst = max(meter.nonfinite_worst, meter.nonfinite_run)
@@ -536,6 +539,25 @@ def update_if_finite(optimizer, step_loss, count, grad_norm, meter, env, it, log
         print0(env, f"step {it}: {why}: update skipped, {meter.nonfinite_run} in a row, {meter.nonfinite_total} in "
                f"this run")
         log({"step": it, "nonfinite_skipped": True, "nonfinite_in_a_row": meter.nonfinite_run})
+        return False
+    return finite
+
+
+def not_updated(counts, updated, meter, loader, env):
+    """A step's samples and tokens by source (counts) that did not update the weights count as dropped
+    (nonfinite_update), as skip_steps' do. Under XLA, summed on the device and handed over at the next fold."""
+    if env.kind == "xla":
+        meter.not_updated = meter.not_updated + torch.where(updated, 0, counts.to(env.device))
+    elif not updated:
+        loader.not_trained(counts, "nonfinite_update")
+
+
+def fold_counts(loader, meter, env):
+    """Every rank's per-source counts into the run's totals (loader.fold_tokens), XLA's updates not made first."""
+    if torch.is_tensor(meter.not_updated):
+        loader.not_trained(meter.not_updated.cpu(), "nonfinite_update")
+        meter.not_updated = 0
+    loader.fold_tokens(env)
 
 
 def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader, lease, clock):
@@ -563,7 +585,7 @@ def log_progress(meter, it, lr_now, grad_norm, env, cfg, log, out, loader, lease
              "samples_per_s": rows_done * meter.per_row / dt, "mfu": flops / (peak * env.n_devices) if peak else None,
              "data_wait": meter.data_wait / dt, "peak_mem_gib": mem, "dropped_samples": dropped,
              "elapsed_s": clock.elapsed(), "eta_s": eta}
-    loader.fold_tokens(env)
+    fold_counts(loader, meter, env)
     event |= loader.figures()  # a mixture's samples and supervised tokens so far, by source
     for said in loader.quiet_sources():  # a source that drew samples but trained nothing since the last log line
         print0(env, f"step {it}: {said}")
@@ -687,11 +709,13 @@ def train(cfg, env, out, lease):
                 loader.skipped(micro)  # read, not trained: dropped/NAME/skip_steps
             else:
                 lr_now = set_lr(optimizer, it, cfg)
+                counts = loader.step_counts(micro)  # what this step trains on, if its update is made
                 micro = steps.prepare(micro, raw, ref_model, meter, it)
                 step_loss, count, grad_norm = train_step(model, micro, trainable, env, cfg, objective,
                                                          poison=it in poison, ref_model=ref_model, meter=meter,
                                                          value_model=value_model)
-                update_if_finite(optimizer, step_loss, count, grad_norm, meter, env, it, log)
+                updated = update_if_finite(optimizer, step_loss, count, grad_norm, meter, env, it, log)
+                not_updated(counts, updated, meter, loader, env)
                 optimizer.zero_grad(set_to_none=True)
                 env.step_end()
                 meter.rows_done += steps.rows_per_step
@@ -726,7 +750,7 @@ def train(cfg, env, out, lease):
                        f"last checkpoint stays {last_checkpoint(out)}")
             elif persist or local:
                 step_dir, t0 = storage.join(folders[0] if persist else folders[1], f"step-{it:06d}"), time.perf_counter()
-                loader.fold_tokens(env)  # the state saved holds every rank's counts
+                fold_counts(loader, meter, env)  # the state saved holds every rank's counts
                 checkpointer.save(step_dir, model, raw, optimizer, loader, it, stop=stopping, until=stop["until"],
                                   own=steps.in_flight(it), value=value)  # grpo, ppo: the rollouts the next step uses
                 print0(env, f"step {it}: checkpoint {step_dir}" + ("" if stopping else " (writing)"))

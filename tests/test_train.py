@@ -231,6 +231,27 @@ def test_skip_steps_consume_batches_without_training(shapes, single_run, tmp_pat
     assert json.loads((tmp_path / "step-000010/state.json").read_text())["loader"]["position"] == 80
 
 
+def test_updates_skipped_for_a_nonfinite_loss_are_not_counted_as_trained(shapes, tmp_path, monkeypatch):
+    """Steps whose update is skipped (a non-finite loss) trained nothing: their samples count as dropped and their
+    tokens as not trained, by source, as the same steps under skip_steps count them (which only the reason tells
+    apart), in the checkpoint's figures and the run's closing line."""
+    said = {}
+    said["skip"] = run(args(shapes, tmp_path / "skip", "--max_iters=10", "--skip_steps=[(3, 5), (7, 8)]")).stdout
+    monkeypatch.setenv("LLAVAX_TEST_NONFINITE", "3,4,7")
+    said["nan"] = run(args(shapes, tmp_path / "nan", "--max_iters=10")).stdout
+    figures = {k: json.loads((tmp_path / k / "step-000010/state.json").read_text())["loader"]["by_source"]
+               for k in said}
+    assert figures["nan"]["samples"] == figures["skip"]["samples"] and figures["nan"]["tokens"] == figures["skip"]["tokens"]
+    (name, drawn), = figures["nan"]["samples"].items()
+    assert drawn == 80 and figures["nan"]["dropped"][name].get("nonfinite_update") == 24
+    assert figures["nan"]["dropped"][name] == {("nonfinite_update" if k == "skip_steps" else k): v
+                                               for k, v in figures["skip"]["dropped"][name].items()}
+    closing = {k: next(line for line in v.splitlines() if f"data: source {name}:" in line) for k, v in said.items()}
+    assert closing["nan"].replace("nonfinite_update", "skip_steps") == closing["skip"], closing
+    gone = sum(figures["nan"]["dropped"][name].values())
+    assert f"{drawn} samples drawn, {drawn - gone} trained, {gone} dropped" in closing["nan"], closing
+
+
 # -----------------------------------------------------------------------------
 # in-process: config and stages
 
