@@ -377,13 +377,14 @@ def vlm_preset(name):
                          video_token_id=151647, anyres="anyres_max_9",
                          grid_pinpoints=[[h, w] for h in sides for w in sides])
     if name == "nanovlm-460m":
-        # nanoVLM's sizes (huggingface/nanoVLM models/config.py): SigLIP2-base-512 + SmolLM2-360M-Instruct, tied, the
-        # image token after the 49152 text tokens (vocab padded to 64). nanoVLM's projector pixel-shuffles 4 x 4
-        # patches into one token (64 a 512 px image) and maps them with one Linear(12288, 960); LLaVA's mlp2x_gelu
-        # here keeps all 1024 patches (its parameters: docs/model.md)
+        # nanoVLM's default model (huggingface/nanoVLM models/config.py): SigLIP2-base-512 read after its final
+        # LayerNorm, each 4 x 4 block of patches one token (64 a 512 px image), one bias-free Linear(12288, 960), and
+        # SmolLM2-360M-Instruct, tied; the image token after the 49152 text tokens (vocab padded to 64). Idefics3's
+        # connector, so the export opens as SmolVLMForConditionalGeneration
         llm = LlamaConfig(**{**asdict(LLM_PRESETS["smollm2-360m"]), "vocab_size": 49216})
-        return VLMConfig(vision=VIT_PRESETS["siglip2-base-patch16-512"], llm=llm, vision_layer=-1,
-                         vision_select="cls_patch", image_token_id=49152)
+        return VLMConfig(vision=replace(VIT_PRESETS["siglip2-base-patch16-512"]), llm=llm, projector="linear_nobias",
+                         vision_layer=-1, vision_select="cls_patch", vision_post_norm=True, pixel_shuffle=4,
+                         image_token_id=49152)
     if name == "onevision-qwen3-8b":
         # LLaVA-OneVision's recipe on Qwen3-8B and SigLIP2-so400m (its last layer dropped, as OneVision's SigLIP):
         # Qwen3's own <|image_pad|> and <|video_pad|> (151655, 151656) as the placeholders, inside its vocabulary

@@ -1,11 +1,11 @@
 # A nanoVLM-size model (huggingface/nanoVLM's models/config.py): SmolLM2-360M-Instruct + SigLIP2-base-patch16-512,
-# trained together on one GPU. nanoVLM pixel-shuffles 4 x 4 patches into one token (64 a 512 px image) and maps them
-# with one Linear(12288, 960); this recipe keeps LLaVA's mlp2x_gelu over all 1024 patches (preset nanovlm-460m:
-# 450.0M parameters, nanoVLM 460.1M, the 10.1M apart all in the projector; docs/model.md). Its learning rates are
-# nanoVLM's: backbones 5e-5, the projector 100x (nanoVLM's 0.00512 for a fresh projector is 102x), batch 16 x 8.
-# Two samples a row: each is 1024 image tokens and a Cauldron conversation (a few hundred tokens, some over a thousand).
+# trained together on one GPU, with nanoVLM's connector (preset nanovlm-460m, 460.1M parameters as nanoVLM's): the
+# tower read after its final LayerNorm, each 4 x 4 block of patches one token (64 a 512 px image), one bias-free
+# Linear(12288, 960); to-hf exports it as a SmolVLMForConditionalGeneration. Its learning rates are nanoVLM's:
+# backbones 5e-5, the projector 100x (nanoVLM's 0.00512 for a fresh projector is 102x), batch 16 x 8.
+# Two samples a row: each is 64 image tokens and a Cauldron conversation (a few hundred tokens, some over a thousand).
 #   python convert.py from-hf --llm SmolLM2-360M-Instruct --vision siglip2-base-patch16-512 --vision-layer -1 \
-#       --vision-select cls_patch --out ckpt/nanovlm
+#       --vision-select cls_patch --vision-post-norm --pixel-shuffle 4 --projector linear_nobias --out ckpt/nanovlm
 #   python data.py pack --json the_cauldron.json --images images/ --out data/cauldron --val-ratio 0.005 --workers 16
 #   python train.py configs/nanovlm.py
 out_dir = "out/nanovlm"

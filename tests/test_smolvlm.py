@@ -2,6 +2,7 @@
 (model.py's connector switches); convert.py from-hf and to-hf, one image a sample."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -9,8 +10,10 @@ from safetensors.torch import load_file
 
 import convert
 import hf_config
+import hf_names
 import model_files
-from model import pixel_shuffle
+from model import build_model, pixel_shuffle
+from model_config import vlm_preset
 from weight_files import ConversionError
 
 # (scale_factor, image side, patch) per class: SmolVLM-2.2B's factor 3 on a 9 x 9 map, and 2 on 8 x 8; SmolVLM tied
@@ -133,3 +136,68 @@ def test_from_hf_refuses_a_vision_field_it_does_not_read(converted, tmp_path):
     with pytest.raises(SystemExit, match="vision hidden_act 'relu' is not implemented"):
         convert.main(["from-hf", "--llava", str(tmp_path / "hf"), "--out", str(tmp_path / "ours")])
     assert not (tmp_path / "ours").exists()
+
+
+def test_nanovlm_preset_is_nanovlms_model_and_opens_as_smolvlm():
+    """nanovlm-460m is nanoVLM's default model (460.1M parameters, 64 tokens a 512 px image), and its export is a
+    SmolVLMForConditionalGeneration with the same tensors (built on the meta device: no 460M weights made)."""
+    from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration
+
+    cfg = vlm_preset("nanovlm-460m")
+    shapes = hf_names.expected_shapes(cfg)
+    assert cfg.n_image_tokens == 64 and shapes["projector.fc.0.weight"] == (960, 12288)
+    assert round(sum(math.prod(s) for s in shapes.values()) / 1e6, 1) == 460.1
+    exported = hf_config.llava_hf_config(cfg)
+    assert exported["architectures"] == ["SmolVLMForConditionalGeneration"] and exported["scale_factor"] == 4
+    with torch.device("meta"):
+        hf = SmolVLMForConditionalGeneration(SmolVLMConfig(**{k: v for k, v in exported.items() if k != "model_type"}))
+    assert hf.lm_head.weight is hf.model.text_model.embed_tokens.weight  # tied, as nanoVLM's
+    theirs = {k: tuple(v.shape) for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    table = hf_names.llava_table(cfg)
+    assert {table[k]: s for k, s in shapes.items()} == theirs
+    assert hf.model.image_seq_len == 64
+
+
+def test_a_tiny_nanovlm_exports_to_what_transformers_computes(tmp_path):
+    """The preset's switches at 2 layers, width 64 (factor 4 on an 8 x 8 map, tied): our logits are the export's."""
+    from transformers import SmolVLMForConditionalGeneration
+
+    cfg = vlm_preset("nanovlm-460m").with_overrides({
+        "vision": {"image_size": 64, "patch_size": 8, "dim": 64, "n_layers": 2, "n_heads": 4, "ffn_dim": 128},
+        "llm": {"vocab_size": VOCAB, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 96,
+                "max_seq_len": 256}, "image_token_id": IMAGE_ID})
+    ours = build_model(cfg, seed=0).eval()
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            if "norm" in name or "ln_" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model_files.save_model(ours, tmp_path / "ours")
+    convert.llava_to_hf(tmp_path / "ours", tmp_path / "hf")
+    hf = SmolVLMForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
+    ids, pixels = batch(cfg.n_image_tokens, 64)
+    with torch.no_grad():
+        assert (ours(ids, pixels)[0] - hf(input_ids=ids, pixel_values=pixels[:, None]).logits).abs().max() <= 1e-5
+
+
+def test_the_nanovlm_recipes_from_hf_command_assembles_nanovlms_connector(tmp_path):
+    """configs/nanovlm.py's from-hf --llm --vision with --pixel-shuffle 4 --vision-post-norm --projector linear_nobias:
+    a fresh bias-free Linear over 16 patches' features, and the result exports as SmolVLM."""
+    from transformers import LlamaConfig, LlamaForCausalLM, SiglipVisionConfig, SiglipVisionModel
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                 num_attention_heads=4, max_position_embeddings=256,
+                                 tie_word_embeddings=True)).save_pretrained(tmp_path / "llm")
+    SiglipVisionModel(SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                         image_size=64, patch_size=8)).save_pretrained(tmp_path / "siglip")
+    convert.main(["from-hf", "--llm", str(tmp_path / "llm"), "--vision", str(tmp_path / "siglip"), "--vision-layer", "-1",
+                  "--vision-select", "cls_patch", "--vision-post-norm", "--pixel-shuffle", "4", "--projector",
+                  "linear_nobias", "--out", str(tmp_path / "ours")])
+    state, cfg = model_files.read_checkpoint(tmp_path / "ours")
+    assert cfg.n_image_tokens == 4 and state["projector.fc.0.weight"].shape == (64, 32 * 16)
+    assert "projector.fc.0.bias" not in state
+    convert.llava_to_hf(tmp_path / "ours", tmp_path / "hf")
+    assert json.loads((tmp_path / "hf/config.json").read_text())["model_type"] == "smolvlm"
+    with pytest.raises(SystemExit, match="pixel_shuffle=3 needs a square feature map whose side it divides"):
+        convert.main(["from-hf", "--llm", str(tmp_path / "llm"), "--vision", str(tmp_path / "siglip"),
+                      "--vision-select", "cls_patch", "--pixel-shuffle", "3", "--out", str(tmp_path / "bad")])
