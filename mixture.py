@@ -50,14 +50,19 @@ class Source:
     repeat: float | None = None  # blend_epochized: its kept samples repeat times a mixture epoch
     take: str = "all"  # all, first:N, end:N, random:N; N a count or a percentage (N%)
     raw: str = ""  # the published file it is packed from, where the mixture names one (json_path beside path)
+    # False: a source of the recipe that was never published (a LLaVA-NeXT file's `released: false`): left out, and
+    # said, where its dataset is not there; records: the count of the file the recipe read (its share, when left out)
+    released: bool = True
+    records: int | None = None
 
 
 # -----------------------------------------------------------------------------
 # reading a mixture: a config list, an Energon metadataset, a LLaVA-NeXT data YAML
 
 
-def sources(data_dir, split="train"):
-    """[Source] that data_dir names for `split` ('train' or 'val'). A val source reads its dataset's val part whole."""
+def sources(data_dir, split="train", every=False):
+    """[Source] that data_dir names for `split` ('train' or 'val'). A val source reads its dataset's val part whole.
+    A source marked never published whose dataset is not there is left out (left_out says which), unless every."""
     if isinstance(data_dir, Source) or (isinstance(data_dir, (list, tuple)) and data_dir and
                                         all(isinstance(x, Source) for x in data_dir)):
         return [data_dir] if isinstance(data_dir, Source) else list(data_dir)  # resolved already
@@ -76,7 +81,17 @@ def sources(data_dir, split="train"):
         for s in found:
             kept.setdefault((s.path.rstrip("/"), s.part), s)
         found = list(kept.values())
-    return unique_names(found)
+    found = unique_names(found)
+    gone = [] if every else left_out(found)
+    if gone and len(gone) == len(found):
+        raise MixtureError(f"{data_dir}: every source is one nobody published (released: false) and none is there")
+    return [s for s in found if s not in gone]
+
+
+def left_out(found):
+    """The sources of `found` a mixture marks never published (released: false) whose dataset is not there: packing
+    and training the recipe as released leave them out, and say so (Mixture.left_out_line, pack --mixture)."""
+    return [s for s in found if not s.released and not storage.exists(s.path)]
 
 
 GENERIC = ("shards", "data", "train", "val", "preference", "onpolicy")  # folder names data.py and dpo.py write
@@ -240,7 +255,7 @@ def yaml_sources(path, split):
                        f"data file (datasets:); its keys: {sorted(doc)}")
 
 
-NEXT_KEYS = {"json_path", "path", "sampling_strategy", "weight", "repeat", "name"}
+NEXT_KEYS = {"json_path", "path", "sampling_strategy", "weight", "repeat", "name", "released", "records"}
 
 
 def check_entry(at, e, allowed, what):
@@ -271,8 +286,21 @@ def next_sources(path, doc, split):
                                f"pack --json {where} --images DIR --out DATASET` and give `path: DATASET`")
         source = make_source(at, relative(path, where), e.get("name"), split, e.get("weight"), e.get("repeat"),
                              str(e.get("sampling_strategy", "all")))
-        out.append(replace(source, raw=str(e["json_path"])) if e.get("path") and e.get("json_path") else source)
+        if e.get("path") and e.get("json_path"):
+            source = replace(source, raw=str(e["json_path"]))
+        out.append(replace(source, **unpublished(at, e)))
     return check_modes(out, path)
+
+
+def unpublished(at, e):
+    """An entry's released: false and records: N (the recipe's records of a file that was never published)."""
+    released, records = e.get("released", True), e.get("records")
+    if not isinstance(released, bool):
+        raise MixtureError(f"{at}: released must be true or false, got {released!r}")
+    if records is not None and (isinstance(records, bool) or not isinstance(records, int) or records < 1):
+        raise MixtureError(f"{at}: records must be a whole number >= 1 (the records of the file the recipe read), "
+                           f"got {records!r}")
+    return {"released": released, "records": records}
 
 
 ENERGON_TOP = {"__module__", "__class__", "splits"}
@@ -656,6 +684,7 @@ class Mixture:
 
     def __init__(self, data_dir, split="train", seed=0, shuffle_block=1000, group=0, by_length=True):
         self.sources, self.seed = sources(data_dir, split), seed
+        self.left_out = left_out(sources(data_dir, split, every=True))  # never published, and not there
         self.records, self.taken, self.shard_starts = [], [], []  # per source: what pack recorded, take_counts
         shards = [shard_files(s.path, s.part) for s in self.sources]  # FileNotFoundError: no such split
         offsets = all_sample_offsets({f: c for found in shards for f, c in found.items()})
@@ -710,6 +739,27 @@ class Mixture:
         return (f"take: the take rules of {len(apart)} source(s) select {total['records']:,} records of the files "
                 f"packed: {total['train']:,} train, {total['val']:,} are held out for val and {total['dropped']:,} "
                 f"were dropped by pack ({each}{'; ...' if len(apart) > 5 else ''})")
+
+    def left_out_line(self):
+        """One line naming each source left out (never published, not there) with the share of the recipe it held,
+        which the other sources take in proportion to their own; None when none is."""
+        if not self.left_out:
+            return None
+        if self.sources[0].weight is not None:  # drawn by weight: its weight's part of the draws
+            held = [s.weight for s in self.left_out]
+            total = sum(s.weight for s in self.sources) + sum(held)
+            each = [f"{s.name} (weight {s.weight:g})" for s in self.left_out]
+        else:  # each kept sample once an epoch (times its repeat): the samples its take rule kept of its records
+            held = [len(take_indices(s.take, s.records, s.name, self.seed)) * (s.repeat or 1.0) if s.records else 0
+                    for s in self.left_out]
+            total = sum(self.blend.per_epoch) if self.blend.per_epoch is not None else sum(self.kept_sizes)
+            total += sum(held)
+            each = [f"{s.name} ({s.take} of its {s.records:,} records: {n:,.0f} samples)" if s.records else
+                    f"{s.name} ({s.take}; its records unknown: no records in the mixture file)"
+                    for s, n in zip(self.left_out, held)]
+        return (f"mixture: left out {len(each)} source(s) the recipe names but nobody published (released: false, "
+                f"not there): {'; '.join(each)}: {sum(held) / total:.2%} of the recipe's samples, which the other "
+                f"{len(self.sources)} sources take in proportion to their own")
 
     def counts_before(self, position):
         """Each source's draws at global positions [0, position)."""

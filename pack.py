@@ -568,7 +568,7 @@ def mixture_targets(yaml_path):
     targets = {}
     for split in ("train", "val"):
         try:
-            found = mixture.sources(yaml_path, split)
+            found = mixture.sources(yaml_path, split, every=True)  # never-published ones too: packed where given
         except mixture.MixtureError as e:
             sys.exit(f"pack: --mixture: {e}")
         for s in found:
@@ -618,14 +618,21 @@ def pack_mixture(yaml_path, raw_dir, workers=1, images_dir=None, columns=None, o
     sentence naming this one, and never takes what this one is writing for a killed run's. Prints a table of what each
     kept and dropped; returns its rows, or exits 1 when a source failed."""
     targets, todo, rows, missing = mixture_targets(yaml_path), [], {}, []
+    unpublished = {storage.canonical(s.path): s for s in mixture.sources(yaml_path, "train", every=True)
+                   if not s.released}
     for out, raw in targets:
         if not overwrite and finished(out):
             rows[out] = "already packed"
             continue
         source = raw_source(raw_dir, raw, images_dir, columns)
+        if source is None and out in unpublished:  # never published: left out, and said (training says its share)
+            log(f"pack: {raw}: left out: the recipe names it but nobody published it (released: false in "
+                f"{yaml_path}) and {raw_dir} has no raw input for it")
+            continue
         if source is None:
             missing.append(raw)
         todo.append((out, raw, source))
+    targets = [(out, raw) for out, raw in targets if out in rows or any(out == job[0] for job in todo)]
     if missing:
         sys.exit(f"pack: --mixture {yaml_path}: no raw input under {raw_dir} for {len(missing)} of its datasets: "
                  f"{', '.join(missing[:5])}{', ...' if len(missing) > 5 else ''} (each NAME is NAME.json or NAME.jsonl, "
@@ -635,7 +642,19 @@ def pack_mixture(yaml_path, raw_dir, workers=1, images_dir=None, columns=None, o
             if not overwrite and finished(out):
                 rows[out] = "already packed"
         todo = [job for job in todo if job[0] not in rows]
-        return pack_todo(yaml_path, targets, todo, rows, workers, **options)
+        table = pack_todo(yaml_path, targets, todo, rows, workers, **options)
+    if len(targets) < len(mixture_targets(yaml_path)):
+        say_left_out(yaml_path)
+    return table
+
+
+def say_left_out(yaml_path):
+    """The share of the recipe the never-published sources held, which the packed ones take (as training says)."""
+    try:
+        line = mixture.Mixture(yaml_path, "train").left_out_line()
+    except (mixture.MixtureError, OSError, ValueError) as e:
+        line = f"pack: the share of the recipe the sources left out held is not known yet ({e})"
+    log(line)
 
 
 def pack_todo(yaml_path, targets, todo, rows, workers, **options):

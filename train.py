@@ -342,6 +342,8 @@ def make_loaders(vlm, cfg, env, rows_per_host, pairs):
                          f"{vlm.n_image_tokens} image tokens")
     if loader.stream.mixture.take_summary():  # what take rules select but this run cannot train on, said once
         print0(env, loader.stream.mixture.take_summary())
+    if loader.stream.mixture.left_out_line():  # the recipe's never-published sources, not there: their share
+        print0(env, loader.stream.mixture.left_out_line())
     vocab, image_id, llm = loader.stream.tok.vocab_size, vlm.image_token_id, vlm.llm
     if cfg["seq_len"] > llm.max_seq_len:
         raise SystemExit(f"config: seq_len={cfg['seq_len']} exceeds the model's max_seq_len={llm.max_seq_len}")
