@@ -10,9 +10,12 @@ row's answer does not depend on the rows beside it, every rank (under torchrun) 
 one prefill and one decode step per prompt bucket and answer length.
 """
 
+import atexit
 import difflib
-import io
 import json
+import os
+import shutil
+import tempfile
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -355,10 +358,24 @@ def find(spec, benchmark_dir):
     return Benchmark(name, task, files)
 
 
+COPIES = {}  # a benchmark file in a bucket -> its copy in the temporary folder, downloaded once a process
+
+
 def parquet_file(path):
+    """A benchmark file opened with pyarrow. One in a bucket is downloaded once a process (the start's checks and
+    every pass read that copy), into a temporary folder removed at exit."""
     import pyarrow.parquet as pq
 
-    return pq.ParquetFile(io.BytesIO(storage.read_bytes(path, big=True)) if storage.is_url(path) else str(path))
+    if storage.is_url(path):
+        if path not in COPIES:
+            folder = tempfile.mkdtemp(prefix="llavax-benchmark-")
+            atexit.register(shutil.rmtree, folder, True)
+            copy = os.path.join(folder, storage.name(path))
+            with open(copy, "wb") as f:
+                f.write(storage.read_bytes(path, big=True))
+            COPIES[path] = copy
+        path = COPIES[path]
+    return pq.ParquetFile(str(path))
 
 
 DECODED_ROWS = 4  # the rows whose images are decoded at start (each run decodes the rest)

@@ -20,6 +20,7 @@ from test_train import free_port
 import benchmarks
 import chat
 import score as score_program
+import storage
 from model import build_model
 from model_config import vlm_preset
 from model_files import save_model
@@ -297,6 +298,20 @@ def test_score_never_overwrites_what_a_run_or_an_earlier_score_wrote(scored, tmp
     assert f"answers to {first}" in said[0] and "not overwritten" not in said[0], said[0]
     assert f"answers to {second} ({first} is there already: not overwritten)" in said[1], said[1]
     assert first.read_text() == second.read_text() and len(first.read_text().splitlines()) == 5
+
+
+def test_a_benchmark_file_in_a_bucket_is_downloaded_once(scored, s3_proxy, s3_bucket):
+    """A benchmark file in a bucket is downloaded once a process: the start's checks and every pass of the run read
+    the same copy (moto behind a proxy that counts the requests)."""
+    _, bench_dir = scored
+    url = f"{s3_bucket}/bench/pope.parquet"
+    storage.write_bytes(url, (bench_dir / "POPE/data/test-00000-of-00001.parquet").read_bytes())
+    s3_proxy.requests.clear()
+    found = benchmarks.open_benchmarks([f"pope={url}"], str(bench_dir))
+    passes = [benchmarks.read_rows(found[0]) for _ in range(2)]
+    assert len(passes[0]) == 12 and passes[0] == passes[1]
+    gets = [r for r in s3_proxy.requests if r.startswith("GET ") and "pope.parquet" in r]
+    assert len(gets) == 1, s3_proxy.requests
 
 
 XLA_SCORE = """
