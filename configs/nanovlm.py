@@ -3,7 +3,7 @@
 # tower read after its final LayerNorm, each 4 x 4 block of patches one token (64 a 512 px image), one bias-free
 # Linear(12288, 960); to-hf exports it as a SmolVLMForConditionalGeneration. Its learning rates are nanoVLM's:
 # backbones 5e-5, the projector 100x (nanoVLM's 0.00512 for a fresh projector is 102x), batch 16 x 8.
-# Two samples a row: each is 64 image tokens and a Cauldron conversation (a few hundred tokens, some over a thousand).
+# Four samples a row: each is 64 image tokens and a Cauldron conversation (a few hundred tokens, some over a thousand).
 #   python convert.py from-hf --llm SmolLM2-360M-Instruct --vision siglip2-base-patch16-512 --vision-layer -1 \
 #       --vision-select cls_patch --vision-post-norm --pixel-shuffle 4 --projector linear_nobias --out ckpt/nanovlm
 #   python data.py pack --json the_cauldron.json --images images/ --out data/cauldron --val-ratio 0.005 --workers 16
@@ -17,7 +17,7 @@ tokenizer = "ckpt/nanovlm/tokenizer.json"
 template = "smollm2"  # SmolLM2-Instruct's ChatML, its own default system prompt
 image_mode = "resize"  # SigLIP's processor squashes to 512 x 512
 seq_len = 4096
-pack = 2  # four would need 4 x 1024 image tokens a row and leave the text no room
+pack = 4  # six or more drop samples whose long conversations (tables, code) leave the row no room
 stage = 0
 lr_scale = {"vision": 1.0, "projector": 100.0, "llm": 1.0}
 batch_size = 128  # nanoVLM: 2 x 8 accumulation per GPU on 8 GPUs; here 16 rows x 8 micro-steps on one

@@ -16,7 +16,7 @@ TYPICAL = {
     "bench.py": (80, (480, 640)),  # LLaVA stage 1 (BLIP-558K): a one-line caption in the plain template
     "bench_7b_stage1.py": (80, (480, 640)),
     "llava_next_7b.py": (300, (480, 640)),  # LLaVA-NeXT's 760K: LLaVA-1.5's conversations and more
-    "nanovlm.py": (400, (480, 640)),  # The Cauldron: a few question-answer turns in chatml
+    "nanovlm.py": (400, (480, 640)),  # The Cauldron: a few question-answer turns in ChatML
     "onevision_qwen2_7b.py": (400, (480, 640)),  # OneVision's single-image SFT: a question or two and the answers
     "onevision_qwen3_8b.py": (400, (480, 640)),
 }
