@@ -198,6 +198,8 @@ def vit_config(hf, where="vision config"):
     if c["hidden_act"] not in VIT_ACTIVATIONS:
         raise ConversionError(f"{where}: vision hidden_act {c['hidden_act']!r} is not implemented (llavax has "
                               f"{', '.join(VIT_ACTIVATIONS)})")
+    if c.get("num_channels", 3) != 3:
+        raise ConversionError(f"{where}: a vision tower of {c['num_channels']} input channels; llavax reads RGB (3)")
     return ViTConfig(image_size=c["image_size"], patch_size=c["patch_size"], dim=c["hidden_size"],
                      n_layers=c["num_hidden_layers"], n_heads=c["num_attention_heads"], ffn_dim=c["intermediate_size"],
                      norm_eps=c["layer_norm_eps"], act=c["hidden_act"], kind=kind)
@@ -369,10 +371,13 @@ def llava_config(hf, hf_dir):
 # the pixel-shuffle families, read through transformers' own config classes (their defaults and sub-configs): a field
 # not listed as read or harmless that is not at its default changes the numbers and is refused by name
 
+# ... and the published configs' fields their models never read: a top-level vocab_size (the text config's is the
+# one used), the training-time drop path and dropout of InternViT's original config
 VLM_HARMLESS = HARMLESS | {"vision_config", "text_config", "image_seq_length", "pad_token_id", "_pad_token_id",
                            "output_hidden_states", "return_dict", "tokenizer_class", "prefix", "sep_token_id",
                            "decoder_start_token_id", "task_specific_params", "tf_legacy_loss", "use_bfloat16",
-                           "torchscript", "pruned_heads", "tie_encoder_decoder", "chunk_size_feed_forward"}
+                           "torchscript", "pruned_heads", "tie_encoder_decoder", "chunk_size_feed_forward",
+                           "vocab_size", "drop_path_rate", "dropout"}
 
 
 def transformers_config(hf, kind, where):
@@ -440,19 +445,21 @@ def internvl_config(hf, where):
     v, v_default = t["vision_config"], default["vision_config"]
     refuse_unread(v, v_default, INTERNVIT_READ, f"{where} vision_config",
                   "internvl_vision (the 6B's RMSNorm and q/k norm are not implemented)")
-    sizes = [tuple(v[k]) if isinstance(v[k], (list, tuple)) else (v[k], v[k]) for k in ("image_size", "patch_size")]
+    side, patch = ((v[k], v[k]) if isinstance(v[k], int) else tuple(v[k]) for k in ("image_size", "patch_size"))
     ratio = 1 / t["downsample_ratio"]
-    odd = {k: t[k] for k, ok in (("projector_hidden_act", t["projector_hidden_act"] == "gelu"),
-                                 ("vision_feature_select_strategy", t["vision_feature_select_strategy"] == "default"),
-                                 ("vision_feature_layer", isinstance(t["vision_feature_layer"], int)),
-                                 ("downsample_ratio", abs(ratio - round(ratio)) < 1e-9)) if not ok}
-    odd |= {k: v[k] for k in ("image_size", "patch_size") if sizes[k == "patch_size"][0] != sizes[k == "patch_size"][1]}
-    odd |= {k: v[k] for k in ("hidden_act",) if v[k] not in VIT_ACTIVATIONS}
+    fine = {"projector_hidden_act": t["projector_hidden_act"] == "gelu",
+            "vision_feature_select_strategy": t["vision_feature_select_strategy"] == "default",
+            "vision_feature_layer": isinstance(t["vision_feature_layer"], int),
+            "downsample_ratio": abs(ratio - round(ratio)) < 1e-9}
+    odd = {k: t[k] for k, ok in fine.items() if not ok}
+    fine = {"image_size": side[0] == side[1], "patch_size": patch[0] == patch[1], "hidden_act": v["hidden_act"] in
+            VIT_ACTIVATIONS}
+    odd |= {k: v[k] for k, ok in fine.items() if not ok}
     if odd:
         raise ConversionError(f"{where}: internvl field(s) {', '.join(f'{k}={x!r}' for k, x in odd.items())} are "
                               f"not implemented (llavax has a GELU projector over the patch tokens, one feature layer, "
                               f"a pixel shuffle by an integer, square tiles)")
-    vision = ViTConfig(image_size=sizes[0][0], patch_size=sizes[1][0], dim=v["hidden_size"], n_layers=v["num_hidden_layers"],
+    vision = ViTConfig(image_size=side[0], patch_size=patch[0], dim=v["hidden_size"], n_layers=v["num_hidden_layers"],
                        n_heads=v["num_attention_heads"], ffn_dim=v["intermediate_size"], norm_eps=v["layer_norm_eps"],
                        act=v["hidden_act"], kind="internvit", qkv_bias=v["attention_bias"],
                        post_norm=not v["use_mean_pooling"])

@@ -117,3 +117,16 @@ def test_the_6bs_norms_are_refused_by_name(tmp_path, field, value):
     with pytest.raises(SystemExit, match=f"{field}={value!r}.*change the numbers"):
         convert.main(["from-hf", "--llava", str(tmp_path / "hf"), "--out", str(tmp_path / "ours")])
     assert not (tmp_path / "ours").exists()
+
+
+def test_a_hub_shaped_config_reads_as_the_plain_one(converted, tmp_path):
+    """InternVL3's published vision_config keeps its training-time drop_path_rate and dropout: read as the same model."""
+    import hf_names
+
+    _, src, _, _ = converted["qwen2"]
+    config = json.loads((src / "config.json").read_text())
+    config["vision_config"] |= {"drop_path_rate": 0.1, "dropout": 0.0}
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf/config.json").write_text(json.dumps(config))
+    (tmp_path / "hf/model.safetensors").write_bytes((src / "model.safetensors").read_bytes())
+    assert hf_names.llava_from_hf(tmp_path / "hf")[1] == hf_names.llava_from_hf(src)[1]

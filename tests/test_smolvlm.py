@@ -201,3 +201,17 @@ def test_the_nanovlm_recipes_from_hf_command_assembles_nanovlms_connector(tmp_pa
     with pytest.raises(SystemExit, match="pixel_shuffle=3 needs a square feature map whose side it divides"):
         convert.main(["from-hf", "--llm", str(tmp_path / "llm"), "--vision", str(tmp_path / "siglip"),
                       "--vision-select", "cls_patch", "--pixel-shuffle", "3", "--out", str(tmp_path / "bad")])
+
+
+def test_a_hub_shaped_config_reads_as_the_plain_one(converted, tmp_path):
+    """SmolVLM-256M's published config.json keeps fields its model never reads (a top-level vocab_size, the processor's
+    sizes in vision_config, whose model_type is 'idefics3'): read as the same model, not refused."""
+    _, src, _, _ = converted["idefics3"]
+    config = json.loads((src / "config.json").read_text())
+    config["vocab_size"] = config["text_config"]["vocab_size"] + 64
+    config["vision_config"] |= {"model_type": "idefics3", "max_image_size": {"longest_edge": 64},
+                                "size": {"longest_edge": 256}, "use_base_siglip": True}
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf/config.json").write_text(json.dumps(config))
+    (tmp_path / "hf/model.safetensors").write_bytes((src / "model.safetensors").read_bytes())
+    assert hf_names.llava_from_hf(tmp_path / "hf")[1] == hf_names.llava_from_hf(src)[1]
