@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import ROOT, checkpoint_tensors
 from safetensors.torch import load_file
 
 import convert
@@ -215,3 +216,22 @@ def test_a_hub_shaped_config_reads_as_the_plain_one(converted, tmp_path):
     (tmp_path / "hf/config.json").write_text(json.dumps(config))
     (tmp_path / "hf/model.safetensors").write_bytes((src / "model.safetensors").read_bytes())
     assert hf_names.llava_from_hf(tmp_path / "hf")[1] == hf_names.llava_from_hf(src)[1]
+
+
+def test_a_pixel_shuffle_model_trains_every_part_it_reads(shapes_data, tmp_path):
+    """train.py at stage 0 on the shapes demo with Idefics3's connector (SigLIP read after its ln_post, pixel shuffle
+    2, a bias-free Linear): every parameter moves, ln_post too (freeze had it as never reaching the loss)."""
+    import train
+
+    shapes = shapes_data(n=400, seed=0, val_fraction=0.1)
+    cfg = vlm_preset("debug").with_overrides({
+        "vision": {"image_size": 56, "patch_size": 14, "kind": "siglip", "act": "gelu_pytorch_tanh"},
+        "llm": {"vocab_size": 576}, "image_token_id": 512, "projector": "linear_nobias", "pixel_shuffle": 2,
+        "vision_post_norm": True, "vision_select": "cls_patch", "vision_layer": -1})
+    model_files.save_model(build_model(cfg, seed=0), tmp_path / "init")
+    train.main([str(ROOT / "configs/debug.py"), f"--data_dir={shapes / 'shards'}", "--eval_interval=0",
+                f"--tokenizer={shapes / 'tokenizer.model'}", f"--out_dir={tmp_path / 'out'}", "--stage=0",
+                f"--init_from={tmp_path / 'init'}", "--max_iters=3", "--lr_decay_iters=20"])
+    before = load_file(tmp_path / "init/model.safetensors")
+    after = {k[len("model."):]: v for k, v in checkpoint_tensors(tmp_path / "out/step-000003", "model.").items()}
+    assert [k for k in before if torch.equal(before[k], after[k])] == []
