@@ -552,6 +552,18 @@ class Checkpointer:
             print(f"{failed}; training goes on and the next checkpoint tries again ({self.failed_in_a_row} in a row, "
                   f"max_failed_checkpoints={self.cfg['max_failed_checkpoints']})", file=sys.stderr, flush=True)
 
+    def joined(self):
+        """Wait for the write in flight, if any: True once it ended, False if a signal ended the wait (train.py's
+        handler raises storage.Interrupted in a wait on storage, storage.waiting)."""
+        if self.thread is None:
+            return True
+        try:
+            with storage.waiting():
+                self.thread.join()
+        except storage.Interrupted:
+            return False
+        return True
+
     def poll(self):
         """wait() if the write in flight has ended (the loop calls this every step: a failed write stops the run
         soon, not at the next save)."""
@@ -568,8 +580,14 @@ class Checkpointer:
     def save(self, path, model, raw, optimizer, loader, it, stop=False, own=None, value=None, until=None):
         """own: {name: tensor} of this rank alone (GRPO's generation batch in flight), in rank{R}.safetensors. value:
         PPO's value model (as the step runs it, unwrapped), under value.*. until: a stop's deadline (time.monotonic):
-        its detached writer is waited for until then."""
+        its detached writer is waited for until then. Returns whether this was a stop's checkpoint."""
         env, cfg, buffers = self.env, self.cfg, self.buffers
+        if not stop and env.kind != "xla" and env.agree(not self.joined()):
+            # a signal came while this save waited for the write in flight (a storage that stalls): this save is the
+            # stop's, within storage_stall_s of it, as if the signal had come before the step ended
+            stop, until = True, until or time.monotonic() + storage.STALL_S
+            print0(env, f"{storage.name(path)}: a signal came while the checkpoint in flight was awaited: this is the "
+                        f"stop's checkpoint")
         if stop and env.kind != "xla" and self.thread is not None and self.thread.is_alive():
             # a stop must not wait for a periodic write (it may take longer than the grace period): that write goes
             # on in its thread, or dies with this process, while the stop's own writers, in their own sessions and
@@ -603,6 +621,7 @@ class Checkpointer:
             self.thread = threading.Thread(target=self.write, args=args, name=f"checkpoint {storage.name(path)}",
                                            daemon=True)
             self.thread.start()
+        return stop
 
     def write(self, path, staged, small, t0, blocked):
         """DCP writes each rank's shards into the step directory; each rank hashes its own files; rank 0 adds the small

@@ -751,8 +751,10 @@ def train(cfg, env, out, lease):
             elif persist or local:
                 step_dir, t0 = storage.join(folders[0] if persist else folders[1], f"step-{it:06d}"), time.perf_counter()
                 fold_counts(loader, meter, env)  # the state saved holds every rank's counts
-                checkpointer.save(step_dir, model, raw, optimizer, loader, it, stop=stopping, until=stop["until"],
-                                  own=steps.in_flight(it), value=value)  # grpo, ppo: the rollouts the next step uses
+                # grpo, ppo: own, the rollouts the next step uses. A save is the stop's also when a signal came while
+                # it waited for the write in flight
+                stopping = checkpointer.save(step_dir, model, raw, optimizer, loader, it, stop=stopping,
+                                             until=stop["until"], own=steps.in_flight(it), value=value)
                 print0(env, f"step {it}: checkpoint {step_dir}" + ("" if stopping else " (writing)"))
                 if persist and not stopping:
                     push_compile_cache(env, mirror, pushed)  # what this host compiled so far, for a recreated VM

@@ -169,3 +169,33 @@ def test_a_final_checkpoint_that_fails_is_not_marked_done(shapes, s3_bucket, s3_
     assert "training goes on" not in err + last and "Traceback" not in err, err[-3000:]
     assert [storage.name(p) for p in checkpoint.checkpoints(out)] == ["step-000003"]
     assert not storage.exists(f"{out}/DONE")
+
+
+def test_a_signal_while_a_save_waits_for_the_write_in_flight_stops_there(shapes, s3_bucket, s3_proxy):
+    """Step 2's checkpoint upload hangs (the proxy holds it 40 s), so the save at step 4 waits for that write. A
+    SIGTERM then ends the wait: step 4's checkpoint is the stop's, written and committed by its own writer, and the
+    run ends 0 within seconds, not once the hung upload returns (then at step 5)."""
+    out, bucket = f"{s3_bucket}/waiting", storage.bucket(s3_bucket)
+    s3_proxy.hold = 40.0
+    s3_proxy.inject(rf"^PUT /{bucket}/waiting/step-000002/__0_0\.distcp", "hold", 1)
+    cmd = [sys.executable, str(ROOT / "train.py"),
+           *args(shapes, out, "--max_iters=100000", "--ckpt_interval=2", "--keep_last=100", "--storage_stall_s=60")]
+    proc = forkserver.spawn(cmd, os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    log, t0 = f"{out}/log.jsonl", time.monotonic()
+    while not (s3_proxy.faults and storage.exists(log) and '"step": 4, "loss"' in storage.read_text(log)):
+        if proc.poll() is not None or time.monotonic() - t0 > 120:
+            proc.kill()
+            raise AssertionError(f"no step 4 (exit {proc.poll()}): {proc.communicate()[1][-3000:]}")
+        time.sleep(0.1)
+    time.sleep(1.0)  # in step 4's save, waiting for step 2's write
+    proc.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    try:
+        stdout, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"still running 60 s after the signal: {proc.communicate()[1][-3000:]}") from None
+    assert proc.returncode == 0 and time.monotonic() - signalled < 20, (time.monotonic() - signalled, err[-3000:])
+    assert "stopped at step 4 by a signal" in stdout, stdout[-3000:]
+    assert [storage.name(p) for p in checkpoint.checkpoints(out)] == ["step-000004"]
+    assert checkpoint.verify_checkpoint(f"{out}/step-000004") is None
