@@ -225,8 +225,13 @@ def processor_resample(directory, vision: ViTConfig):
 def llava_from_hf(hf_dir):
     """(state, cfg) of an HF directory of any class in HF_ARCHITECTURES, its tower's resize filter its processor's."""
     cfg = llava_config(read_json(storage.join(hf_dir, "config.json")), hf_dir)
-    cfg = replace(cfg, vision=processor_resample(hf_dir, cfg.vision))
     kind, table, shapes = hf_model_type(cfg), llava_table(cfg), expected_shapes(cfg)
+    try:
+        cfg = replace(cfg, vision=processor_resample(hf_dir, cfg.vision))
+    except ConversionError as e:  # Idefics3's and SmolVLM's Lanczos: their processor is not llavax's (yet) anyway
+        if kind in LLAVA_TYPES:
+            raise
+        say(f"{e}; llavax resizes this {HF_ARCHITECTURES[kind]}'s images bicubic (its processor is not implemented)")
     rename = hub_name if kind in LLAVA_TYPES else internvl_name if kind == "internvl" else (lambda k: k)
     state = drop_siglip_head({rename(k): v for k, v in read_weights(hf_dir).items()}, hf_dir)
     head = "lm_head.weight" if kind in ("idefics3", "smolvlm") else "language_model.lm_head.weight"

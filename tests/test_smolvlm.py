@@ -235,3 +235,19 @@ def test_a_pixel_shuffle_model_trains_every_part_it_reads(shapes_data, tmp_path)
     before = load_file(tmp_path / "init/model.safetensors")
     after = {k[len("model."):]: v for k, v in checkpoint_tensors(tmp_path / "out/step-000003", "model.").items()}
     assert [k for k in before if torch.equal(before[k], after[k])] == []
+
+
+def test_smolvlms_lanczos_processor_does_not_refuse_its_weights(converted, tmp_path, capsys):
+    """SmolVLM's and Idefics3's image processors resize with Lanczos (resample 1), a filter llavax lacks: the weights
+    convert (images resized bicubic, said), and the processor file travels through to-hf unchanged."""
+    _, src, _, _ = converted["smolvlm"]
+    (tmp_path / "hf").mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / "hf" / name).write_bytes((src / name).read_bytes())
+    processor = {"image_processor_type": "SmolVLMImageProcessor", "resample": 1, "do_image_splitting": True}
+    (tmp_path / "hf/preprocessor_config.json").write_text(json.dumps(processor))
+    convert.main(["from-hf", "--llava", str(tmp_path / "hf"), "--out", str(tmp_path / "ours")])
+    assert "resizes this SmolVLMForConditionalGeneration's images bicubic" in capsys.readouterr().err
+    assert model_files.read_checkpoint(tmp_path / "ours")[1].vision.resample == 3
+    convert.main(["to-hf", "--ckpt", str(tmp_path / "ours"), "--out", str(tmp_path / "back")])
+    assert json.loads((tmp_path / "back/preprocessor_config.json").read_text()) == processor
