@@ -1,5 +1,6 @@
 """
-The LLaVA-style vision-language model in one file: a CLIP ViT, a projector and LLaMA.
+The LLaVA-style vision-language model in one file: a ViT (CLIP, SigLIP or InternViT), a connector (an optional pixel
+shuffle, then the projector: LLaVA's, InternVL's or Idefics3's) and LLaMA with the decoder families' switches.
 
 No device, distributed or file code lives here (see STYLE.md); train.py and convert.py
 do that. Parameter names follow OpenAI CLIP for the ViT and Meta's reference model.py for
