@@ -358,6 +358,8 @@ class Lease:
             return True
         if self.acquired:
             self.ours(held)
+            if held == {}:  # a version not ours, unreadable: another writer's all the same (the condition tells)
+                self.lost = "another process, which wrote out_dir's lease unreadable"
         return False
 
     def rewrite(self, name):

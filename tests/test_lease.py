@@ -457,3 +457,14 @@ def test_a_lease_being_rewritten_is_no_takeover(server, request):
     assert not mine.refresh() and f"pid {os.getpid()}," in mine.lost
     assert not mine.fenced(manifest, lambda: storage.write_text(manifest, "zombie"))
     assert storage.read_text(manifest) == "committed"
+
+
+def test_a_lease_rewritten_unreadable_where_conditions_hold_is_lost_to_its_writer(s3_bucket):
+    """Where the server honours the conditions, a refused rewrite means another process wrote the lease: one it left
+    unreadable is still a takeover, said as such (not 'a run without a run id')."""
+    out = f"{s3_bucket}/garbled"
+    mine = lease.Lease(out, 300)
+    mine.acquire(take_over=False)
+    assert mine.mode == "conditional"
+    storage.write_text(f"{out}/LEASE.json", "{not json")
+    assert not mine.refresh() and mine.lost == "another process, which wrote out_dir's lease unreadable"
