@@ -54,7 +54,7 @@ prepare = []  # shell commands printed when an input is missing (the demos' earl
 # data
 data_dir = "data/shapes/shards"  # one packed dataset, or a mixture: a list of sources or a YAML file (mixture.py)
 tokenizer = "data/shapes/tokenizer.model"  # a sentencepiece tokenizer.model or an HF tokenizer.json (or their folder)
-template = "llama_3"  # the chat template (chat.TEMPLATES): plain, vicuna_v1, llama_2, llama_3, chatml, qwen3, gemma3
+template = "llama_3"  # the chat template (chat.TEMPLATES; each model's: chat.PRESET_TEMPLATES, docs/model.md)
 seq_len = 36  # the demo's samples are 30-34 tokens (9 image tokens, llama_3); padding past them is compute
 pack = 0  # > 0: each micro-batch reads pack x rows samples and packs them into its rows (no padding waste)
 max_tiles = 0  # > 0: static ViT tile slots a row, shared by its images and their anyres tiles; 0: one image a row
