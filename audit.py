@@ -282,7 +282,8 @@ def audit(source, tokenizer, template, seq_len, image_size, n_image_tokens, imag
                 kind, blobs = sample_images(members)
                 if len(blobs) > 1 or kind == "video":  # as the loader without tile slots drops them (one frame too)
                     raise DropSample(f"{kind}_needs_max_tiles ({len(blobs)} images or frames: set max_tiles > 0)")
-                pixels = load_image(image, image_size, image_mode) if image is not None else None
+                tower = {"mean": vlm.vision.image_stats[0], "resample": vlm.vision.resample} if vlm else {}
+                pixels = load_image(image, image_size, image_mode, **tower) if image is not None else None
                 ids, labels, truncated = encode_conversation(conv, image is not None, template, tok, seq_len,
                                                              image_token_id, n_image_tokens)
         except Exception as e:  # noqa: BLE001  a foreign shard's bad JSON, image or roles: counted, as the loader does
