@@ -373,6 +373,8 @@ def take_out_dir(out_dir):
                 raise SystemExit(f"pack: {out_dir} is being written by another pack ({holder_text(held)}), as {path} "
                                  f"says where it cannot be locked ({e.strerror or e}); wait for it to end, or remove "
                                  f"{path} if that pack is gone") from None
+            log(f"pack: {path} cannot be locked ({e.strerror or e}): a second pack into {out_dir} is told apart by the "
+                "pid it names only")
         with contextlib.suppress(FileNotFoundError):
             if os.path.samestat(os.fstat(fd), os.stat(path)):  # not a file a finishing pack removed meanwhile
                 break
@@ -515,7 +517,7 @@ def pack_into(source, out_dir, shard_size, val_ratio, workers, strict, val_ids, 
     repeats = Skips()  # videos whose frames repeat (force_sample over a short video), by the most repeats of one
     total = source.count()
     try:
-        with SPAWN.Pool(workers, initializer=die_with_parent) if workers > 1 else nullcontext() as pool, \
+        with record_pool(workers) if workers > 1 else nullcontext() as pool, \
                 progress(prepared(source, pool, workers, video), total=total, unit="rec", desc=f"packing {source.name}",
                          position=position, leave=position is None) as entries:
             for index, (sample_id, sample, reason) in enumerate(entries):  # one entry a record, unreadable ones too
@@ -599,6 +601,27 @@ def die_with_parent():
             os._exit(1)
 
 
+def record_pool(workers):
+    """The record workers, which leave Ctrl-C (sent to the whole terminal's group) to the parent: it ends the pool and
+    says what was interrupted. SIGINT is ignored while they start, as an ignored signal stays ignored through exec: a
+    worker still importing when Ctrl-C comes would print a traceback."""
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: no signal reaches this one anyway
+        previous = None
+    try:
+        return SPAWN.Pool(workers, initializer=record_worker)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def record_worker():
+    """A record worker's first act: it dies with its parent, and ignores Ctrl-C (one the pool starts again too)."""
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def pack_one(source, out_dir, options, position):
     """One source of a mixture, in its own process, out_dir held by its parent (pack_mixture): what a killed run left
     in out_dir (never a finished dataset: those are skipped) is removed first. The process ends with its parent, so a
@@ -668,7 +691,11 @@ def pack_todo(yaml_path, targets, todo, rows, workers, **options):
     running, free, queue = {}, list(range(at_once)), list(todo)
     try:
         run_todo(running, free, queue, rows, options)
-    except KeyboardInterrupt:  # its sources' processes end with it (die_with_parent)
+    except KeyboardInterrupt:  # its sources' processes stop too, each saying where (SIGTERM: data.py's handler), first
+        for proc, *_ in running.values():
+            proc.terminate()
+        for proc, *_ in running.values():
+            proc.join(timeout=30)  # then ended with this process at the latest (die_with_parent)
         log(f"pack: --mixture {yaml_path} interrupted, {sum(r == 'packed' for r in rows.values())} of its datasets "
             f"packed by this run and {len(running) + len(queue)} unfinished: run the same command again to pack them")
         raise SystemExit(130) from None

@@ -353,24 +353,29 @@ def test_a_second_pack_of_the_same_mixture_refuses_naming_the_first(tmp_path, to
     assert len(open_stream(tmp_path / "packed/big", tok)) == 1500 and len(open_stream(tmp_path / "packed/small", tok)) == 7
 
 
-@pytest.mark.slow  # one python + torch start-up
-def test_a_pack_stopped_by_sigterm_says_it_was_interrupted_and_exits_nonzero(tmp_path):
-    """SIGTERM (a scheduler's stop) mid-pack: the last line says interrupted and what is left (before: killed with no
-    word, or a progress line's "done in" last), the exit status is not 0, and the folder is released."""
+@pytest.mark.slow  # a python + torch start-up, and two spawned workers
+@pytest.mark.parametrize("stop, workers", [("SIGTERM to the command", 1), ("Ctrl-C to its process group", 2)])
+def test_a_stopped_pack_says_it_was_interrupted_and_exits_nonzero(tmp_path, stop, workers):
+    """SIGTERM (a scheduler's stop) or Ctrl-C (SIGINT to the terminal's group, record workers too) mid-pack: the last
+    line says interrupted and what is left (before: killed with no word, a worker's traceback, or a progress line's
+    "done in" last), the exit status is 130, and the folder is released."""
     imgs = images_dir(tmp_path)
     (tmp_path / "d.json").write_text(json.dumps([record(i % 4, answer=f"Answer {i}.") for i in range(1500)]))
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, str(ROOT / "data.py"), "pack", "--json", str(tmp_path / "d.json"),
-                             "--images", str(imgs), "--out", str(out), "--shard-size", "20"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--images", str(imgs), "--out", str(out), "--shard-size", "20", "--workers", str(workers)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 120
     while not (out / "shard-000001.tar").exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)
-    proc.send_signal(signal.SIGTERM)
+    if workers == 1:
+        proc.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert not (out / "shard-000074.tar").exists(), "stopped too late"
     last = err.strip().splitlines()[-1]
-    assert proc.returncode == 130 and "done" not in err, err
+    assert proc.returncode == 130 and "done" not in err and "Traceback" not in err and "Worker" not in err, err
     assert re.fullmatch(rf"pack: interrupted after [\d,]+ of 1,500 records: {re.escape(str(out))} is left unfinished "
                         r"\(no \.nv-meta/\.info\.json: training and audit refuse it\); pack it again with --overwrite.*",
                         last), last
