@@ -37,8 +37,8 @@ def audit_arguments(a):
                    "default: the --config's data_dir (a mixture gets a table)")
     a.add_argument("--images", help="the image folder of a LLaVA JSON")
     columns_argument(a)
-    a.add_argument("--min-kept", type=fraction, default=0.0, help="exit 1 when fewer than this share of the samples "
-                   "would train (default 0: only when none would)")
+    a.add_argument("--min-kept", type=share(all_allowed=True), default=0.0, help="exit 1 when fewer than this share "
+                   "of the samples would train (default 0: only when none would)")
     a.add_argument("--split", default="train", help="the split of a shard folder to read")
     a.add_argument("--config", help="a train.py config file (e.g. configs/shapes.py): fills the settings below")
     a.add_argument("--tokenizer")
@@ -137,24 +137,16 @@ def positive(text):
     return value
 
 
-def share(text):
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 <= value < 1:  # 1 would put every record in val and train on none
-        raise argparse.ArgumentTypeError(f"{text!r} is not a share >= 0 and < 1")
-    return value
-
-
-def fraction(text):
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a share from 0 to 1")
-    return value
+def share(all_allowed):
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (0 <= value < 1 or (all_allowed and value == 1)):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a share >= 0 and {'<=' if all_allowed else '<'} 1")
+        return value
+    return parse
 
 
 def columns_argument(a):
@@ -237,8 +229,8 @@ def main(argv=None):
                                  "NAME.jsonl or NAME/*.parquet")
     a.add_argument("--out")
     a.add_argument("--shard-size", type=whole(1), default=1000, help="samples a shard (default 1000)")
-    a.add_argument("--val-ratio", type=share, default=0.0, help="the share of records held out in val shards, by a "
-                   "hash of their id (>= 0, < 1; default 0)")
+    a.add_argument("--val-ratio", type=share(all_allowed=False), default=0.0, help="the share of records held out in "
+                   "val shards, by a hash of their id (>= 0, < 1; default 0)")
     a.add_argument("--workers", type=whole(1), default=1, help="processes (--mixture: in all, across datasets)")
     a.add_argument("--strict", action="store_true", help="exit non-zero if any record was skipped")
     a.add_argument("--overwrite", action="store_true", help="replace the dataset already in --out (its shards first)")
