@@ -75,3 +75,18 @@ def test_a_bad_released_or_records_is_one_sentence(tmp_path, entry, message):
     mix.write_text(yaml.safe_dump({"datasets": [{"path": "a"}, {"path": "b", **entry}]}))
     with pytest.raises(mixture.MixtureError, match=rf"datasets\[1\]: {message}"):
         mixture.sources(str(mix))
+
+
+def test_a_weighted_mixture_says_the_weight_a_left_out_source_held(tmp_path, shapes_data):
+    """Drawn by weight, a source left out gives up its weight's part of the draws; a never-published source that is
+    there (a copy of your own) is read as any other."""
+    shapes = shapes_data(n=120, seed=0)
+    mix = tmp_path / "mix.yaml"
+    mix.write_text(yaml.safe_dump({"datasets": [
+        {"path": str(shapes / "shards"), "weight": 3.0},
+        {"path": str(shapes / "shards"), "name": "own_copy", "weight": 2.0, "released": False},
+        {"path": str(tmp_path / "internal_92K"), "weight": 5.0, "released": False, "records": 92000}]}))
+    assert [s.name for s in mixture.sources(str(mix))][1:] == ["own_copy"]
+    line = mixture.Mixture(str(mix)).left_out_line()
+    assert "left out 1 source(s)" in line and "internal_92K (weight 5)" in line and "50.00% of the recipe" in line
+    assert "other 2 sources" in line
