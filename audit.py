@@ -438,6 +438,8 @@ def audit_mixture(data_dir, stream_args, steps, batch_size, limit=0, progress=5.
       f"{rows} rows (seq_len {stream.seq_len}, max_tiles {stream.max_tiles})"
       + (f"; the first {simulated} of each rank's {batches} batches simulated, the figures scaled to all"
          if simulated < batches else ""))
+    if mix.left_out_line():  # the recipe's never-published sources, not there: which, and the share they held
+        p(f"audit: {mix.left_out_line()}")
     p("| source | rule | samples kept | left out by take | drawn | trained | dropped | tokens | supervised | images | "
       "tiles | share of samples | share of tokens | epochs |")
     p("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")

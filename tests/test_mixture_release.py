@@ -66,6 +66,10 @@ def test_a_published_mixture_packs_and_trains_from_the_release_as_it_is(tmp_path
     said = capsys.readouterr()
     assert line in said.out + said.err
     assert (out / "DONE").exists() or any(out.iterdir())
+    with pytest.raises(SystemExit):  # the table of the mixture by source says it too
+        data.main(["audit", str(mix), "--config", str(ROOT / "configs/debug.py"), "--tokenizer",
+                   str(shapes / "tokenizer.model"), "--limit", "8"])
+    assert f"audit: {line}" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("entry,message", [({"released": "no"}, "released must be true or false, got 'no'"),
