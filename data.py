@@ -14,6 +14,7 @@ loader.py.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import signal
@@ -200,7 +201,25 @@ def pack_command(args):
         raise SystemExit("pack: --columns maps parquet / Arrow columns; a JSON file's keys are LLaVA's")
     options = {"shard_size": args.shard_size, "val_ratio": args.val_ratio, "strict": args.strict,
                "video": args.video}
-    signal.signal(signal.SIGTERM, stopped)  # a scheduler's stop: the pack says it was interrupted, never "done"
+    with stop_on_sigterm():
+        run_pack(args, options)
+
+
+@contextlib.contextmanager
+def stop_on_sigterm():
+    """SIGTERM (a scheduler's stop) raises KeyboardInterrupt inside: the pack says it was interrupted, never "done"."""
+    try:
+        previous = signal.signal(signal.SIGTERM, stopped)
+    except ValueError:  # not the main thread: no signal reaches this one
+        previous = None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def run_pack(args, options):
     if args.mixture:
         if not args.raw or args.out:
             raise SystemExit("pack: --mixture needs --raw DIR (where each dataset's raw input is) and no --out (each "

@@ -290,17 +290,22 @@ def started_pack(args, out, first_file):
     return proc
 
 
-def second_pack(args):
-    return subprocess.run([sys.executable, str(ROOT / "data.py"), "pack", *map(str, args)], capture_output=True,
-                          text=True, timeout=120)
+def second_pack(args, capsys):
+    """(exit status, stderr) of `data.py pack ARGS` in this process: the second of two processes."""
+    import data
+
+    with pytest.raises(SystemExit) as e:
+        data.main(["pack", *map(str, args)])
+    code = e.value.code
+    return (code if isinstance(code, int) else 1), capsys.readouterr().err + (code if isinstance(code, str) else "")
 
 
 def tree(folder):
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.slow  # three python + torch start-ups
-def test_a_second_pack_into_the_same_folder_refuses_naming_the_first(tmp_path, tok):
+@pytest.mark.slow  # a python + torch start-up
+def test_a_second_pack_into_the_same_folder_refuses_naming_the_first(tmp_path, tok, capsys):
     """Two `data.py pack --out SAME`: the second, started while the first writes, stops in one sentence naming the
     first (pid, host, start) and touches none of its files (before, it took the first's unfinished dataset for a killed
     run's: --overwrite removed it under the first, whose dataset then could not load); the first finishes whole."""
@@ -311,9 +316,9 @@ def test_a_second_pack_into_the_same_folder_refuses_naming_the_first(tmp_path, t
     first = started_pack(args, out, "shard-000001.tar")
     try:
         before = tree(out)
-        second = second_pack(args)
-        assert second.returncode == 1 and tree(out) == before
-        said = second.stderr.strip()
+        code, said = second_pack(args, capsys)
+        assert code == 1 and tree(out) == before
+        said = said.strip()
         assert said.count("\n") == 0 and "Traceback" not in said, said
         assert re.fullmatch(rf"pack: {re.escape(str(out))} is being written by another pack \(pid {first.pid} on host "
                             rf"\S+, started \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d: data\.py pack --json .*\); wait for it "
@@ -324,8 +329,8 @@ def test_a_second_pack_into_the_same_folder_refuses_naming_the_first(tmp_path, t
     assert len(open_stream(out, tok)) == 1500 and not (out / pack.PACK_LOCK).exists()
 
 
-@pytest.mark.slow  # three python + torch start-ups
-def test_a_second_pack_of_the_same_mixture_refuses_naming_the_first(tmp_path, tok):
+@pytest.mark.slow  # a python + torch start-up
+def test_a_second_pack_of_the_same_mixture_refuses_naming_the_first(tmp_path, tok, capsys):
     """`data.py pack --mixture M --raw RAW` twice, the second while the first packs: the second stops in one
     sentence naming the first and removes nothing (before, it took the first's unfinished datasets for a killed
     run's, the first said "packed" of datasets that could not load, and a rerun said "already packed"); the first
@@ -340,9 +345,9 @@ def test_a_second_pack_of_the_same_mixture_refuses_naming_the_first(tmp_path, to
     first = started_pack(args, tmp_path / "packed/big", "shard-000001.tar")
     try:
         before = tree(tmp_path / "packed")
-        second = second_pack(args)
-        assert second.returncode == 1 and tree(tmp_path / "packed") == before
-        said = second.stderr.strip()
+        code, said = second_pack(args, capsys)
+        assert code == 1 and tree(tmp_path / "packed") == before
+        said = said.strip()
         assert said.count("\n") == 0 and "Traceback" not in said, said
         assert re.fullmatch(rf"pack: \S+/packed/(big|small) is being written by another pack \(pid {first.pid} on "
                             r"host \S+, started [-\d]+ [:\d]+: data\.py pack --mixture .*\); wait for it to end, or "
@@ -353,8 +358,9 @@ def test_a_second_pack_of_the_same_mixture_refuses_naming_the_first(tmp_path, to
     assert len(open_stream(tmp_path / "packed/big", tok)) == 1500 and len(open_stream(tmp_path / "packed/small", tok)) == 7
 
 
-@pytest.mark.slow  # a python + torch start-up, and two spawned workers
-@pytest.mark.parametrize("stop, workers", [("SIGTERM to the command", 1), ("Ctrl-C to its process group", 2)])
+@pytest.mark.slow  # a python + torch start-up (and two spawned workers: ~20 s, make test-full only)
+@pytest.mark.parametrize("stop, workers", [("SIGTERM to the command", 1),
+                                           pytest.param("Ctrl-C to its process group", 2, marks=pytest.mark.full)])
 def test_a_stopped_pack_says_it_was_interrupted_and_exits_nonzero(tmp_path, stop, workers):
     """SIGTERM (a scheduler's stop) or Ctrl-C (SIGINT to the terminal's group, record workers too) mid-pack: the last
     line says interrupted and what is left (before: killed with no word, a worker's traceback, or a progress line's
