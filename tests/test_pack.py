@@ -358,6 +358,34 @@ def test_a_second_pack_of_the_same_mixture_refuses_naming_the_first(tmp_path, to
     assert len(open_stream(tmp_path / "packed/big", tok)) == 1500 and len(open_stream(tmp_path / "packed/small", tok)) == 7
 
 
+def test_where_flock_is_refused_the_pid_in_the_lock_file_decides(tmp_path, monkeypatch, capsys):
+    """A file system without locks (flock: ENOLCK): a lock file naming a live process on this host refuses the pack,
+    naming it; one whose process is gone is stale, and the pack goes on, saying the folder could not be locked."""
+    import errno
+    import socket
+
+    imgs = images_dir(tmp_path)
+    (tmp_path / "d.json").write_text(json.dumps([record(i) for i in range(4)]))
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(pack.fcntl, "flock", no_locks)
+    live = subprocess.Popen(["sleep", "60"])
+    try:
+        (out / pack.PACK_LOCK).write_text(json.dumps({"host": socket.gethostname(), "pid": live.pid, "started": 0}))
+        with pytest.raises(SystemExit, match=rf"is being written by another pack \(pid {live.pid} on host .*remove "):
+            pack.pack(tmp_path / "d.json", imgs, out)
+    finally:
+        live.kill()
+        live.wait()
+    assert json.loads((out / pack.PACK_LOCK).read_text())["pid"] == live.pid  # nothing written
+    pack.pack(tmp_path / "d.json", imgs, out)  # its process is gone: stale
+    assert pack.finished(out) and "cannot be locked (No locks available)" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # a python + torch start-up (and two spawned workers: ~20 s, make test-full only)
 @pytest.mark.parametrize("stop, workers", [("SIGTERM to the command", 1),
                                            pytest.param("Ctrl-C to its process group", 2, marks=pytest.mark.full)])
