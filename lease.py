@@ -17,8 +17,10 @@ If-None-Match: * or generation 0). What is written under the lease (a checkpoint
 written locally inside that same lock, after the token's check: nothing comes between (and a process stopped inside
 the lock holds the other runs' looks: they wait LOCK_WAIT_S for it, then stop in one sentence). In a bucket it is
 written right after a conditional rewrite of the lease, and a pause in the one request between the two can still land
-that one write after a successor took over: no object store makes a write to one object conditional on another. A
-server that ignores or refuses the conditions (a probe at the start tells, said in one line) gets a look, then the
+that one write after a successor took over: no object store makes a write to one object conditional on another. So
+after a manifest or DONE the lease is looked at again, and if it was taken meanwhile that write is removed if still as
+written (what a successor read of it meanwhile stays read: it may as well have landed before the takeover). A server
+that ignores or refuses the conditions (a probe at the start tells, said in one line) gets a look, then the
 write, as before. Such a server may also write an object in place (s3rver shows a part of the lease being written):
 a lease that cannot be read, or is missing, for a moment is looked at again for UNREADABLE_S, and one that stays so is
 nobody's takeover (only a readable lease with another token is); this process's own looks and writes take turns.
@@ -97,7 +99,8 @@ def alive(held):
 def pause_for_test(name):
     """Tests only: LLAVAX_TEST_PAUSE_BEFORE_LEASE_WRITE=NAME stops this process (SIGSTOP, as a host that hangs) once,
     after its look at the lease and before it writes NAME: LEASE.json (a refresh), or manifest.json or DONE (written
-    under the lease; in a bucket the stop comes before the lease's conditional rewrite that goes first)."""
+    under the lease; in a bucket the stop comes before the lease's conditional rewrite that goes first; with NAME
+    after:manifest.json, after that rewrite and before the write)."""
     if os.environ.get("LLAVAX_TEST_PAUSE_BEFORE_LEASE_WRITE") == name and name not in PAUSED:
         PAUSED.add(name)
         # to this thread, which then stops before the call returns (and the whole process with it); a stop sent to the
@@ -392,6 +395,7 @@ class Lease:
                 write()  # inside the lock, after the token's check: no other run's takeover comes between
                 return True
         if ours and write is not None:
+            pause_for_test(f"after:{name}")
             write()
         return ours
 
@@ -403,8 +407,24 @@ class Lease:
         return self.under(LEASE, write, rewrite=True)
 
     def fenced(self, path, write):
-        """write(), which writes path (a checkpoint's manifest, DONE), only while the lease is ours: False if not."""
-        return self.under(storage.name(path), write, rewrite=False)
+        """write(), which writes path (a checkpoint's manifest, DONE), only while the lease is ours: False if not. In a
+        bucket the write follows the lease's look by one request, and may land after a takeover: the lease is looked
+        at again once it is written, and if it was taken meanwhile what was written is removed (if still as written).
+        What the successor read of it between the two (it may have resumed from it) it keeps: the write may as well
+        have landed before the takeover."""
+        if not self.under(storage.name(path), write, rewrite=False):
+            return False
+        if self.mode == "lock":
+            return True
+        written = storage.read_bytes(path)
+        with self.exclusive():
+            if self.rewrite(LEASE) if self.mode == "conditional" else self.held():
+                return True
+        with contextlib.suppress(OSError):
+            if storage.read_bytes(path) == written:
+                storage.rm(path)
+                print(f"lease: removed {path}, written as out_dir was taken over by {self.lost}", flush=True)
+        return False
 
     def release(self):
         """Remove the lease if it is ours (a run that ends, stopped or done)."""

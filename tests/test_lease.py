@@ -468,3 +468,25 @@ def test_a_lease_rewritten_unreadable_where_conditions_hold_is_lost_to_its_write
     assert mine.mode == "conditional"
     storage.write_text(f"{out}/LEASE.json", "{not json")
     assert not mine.refresh() and mine.lost == "another process, which wrote out_dir's lease unreadable"
+
+
+@pytest.mark.parametrize("where", ["s3", "gs"])
+def test_a_write_that_lands_after_a_takeover_is_removed(place):
+    """In a bucket a write under the lease follows the lease's conditional rewrite by one request: a process stopped
+    between the two (a host that hangs) while a successor takes out_dir over lands its manifest after the takeover
+    once it comes back. It then finds the lease taken and removes what it wrote: out_dir is as the successor left it."""
+    out = place("late")
+    storage.makedirs(out)
+    zombie = forkserver.spawn([sys.executable, "-c", ZOMBIE, out], os.environ | {
+        "OMP_NUM_THREADS": "1", "LLAVAX_TEST_PAUSE_BEFORE_LEASE_WRITE": "after:manifest.json"})
+    wait_for(lambda: stopped(zombie.pid), zombie, timeout=60, what="pause")
+    successor = lease.Lease(out, 300)
+    successor.acquire(take_over=True)
+    taken = snapshot(out)
+    zombie.send_signal(signal.SIGCONT)
+    code, stdout, err = finish(zombie)
+    assert code == 0, err
+    assert f"lease: removed {out}/manifest.json, written as out_dir was taken over by run without a run id" in stdout
+    assert stdout.splitlines()[-1].startswith("lost to run without a run id") and f"pid {os.getpid()}," in stdout
+    assert snapshot(out) == taken and "manifest.json" not in taken
+    assert json.loads(taken["LEASE.json"])["token"] == successor.token
