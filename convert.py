@@ -226,16 +226,18 @@ def add_image_token(state, llm: LlamaConfig, tokenizer_dir, pad_to):
 
 
 def fresh_projector(cfg: VLMConfig, seed):
-    projector = Projector(cfg.projector, cfg.vision.dim * len(cfg.vision_layers) * cfg.pixel_shuffle**2, cfg.llm.dim)
+    projector = Projector(cfg.projector, cfg.vision.dim * len(cfg.vision_layers) * cfg.pixel_shuffle**2, cfg.llm.dim,
+                          cfg.vision.norm_eps)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for fc in projector.fc:
             torch.nn.init.normal_(fc.weight, std=0.02, generator=gen)
             if fc.bias is not None:
                 torch.nn.init.zeros_(fc.bias)
-        if projector.norm is not None:
-            torch.nn.init.ones_(projector.norm.weight)
-            torch.nn.init.zeros_(projector.norm.bias)
+        if projector.norm is not None:  # a scale of 1: Gemma's RMSNorm stores it as 0 (1 + w)
+            torch.nn.init.constant_(projector.norm.weight, 1.0 - getattr(projector.norm, "offset", 0.0))
+            if getattr(projector.norm, "bias", None) is not None:
+                torch.nn.init.zeros_(projector.norm.bias)
     return {f"projector.{k}": v for k, v in projector.state_dict().items()}
 
 
@@ -360,13 +362,14 @@ def to_anyres(ckpt_dir, preset, video_token_id=None, seed=0):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    a = sub.add_parser("from-hf", help="an HF VLM (LLaVA, LLaVA-NeXT, OneVision, Idefics3, SmolVLM, InternVL), or an "
+    a = sub.add_parser("from-hf", help="an HF VLM (LLaVA, LLaVA-NeXT, OneVision, Idefics3, SmolVLM, InternVL, Gemma 3), "
+                                        "or an "
                                         "HF LLM (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, SmolLM3) + a CLIP or "
                                         "SigLIP tower")
     a.add_argument("--llava", help="HF VLM directory: LlavaForConditionalGeneration, LlavaNextForConditionalGeneration, "
                                    "LlavaOnevisionForConditionalGeneration, Idefics3ForConditionalGeneration, "
-                                   "SmolVLMForConditionalGeneration or InternVLForConditionalGeneration (hub, "
-                                   "transformers-5 or in-memory key layout)")
+                                   "SmolVLMForConditionalGeneration, InternVLForConditionalGeneration or "
+                                   "Gemma3ForConditionalGeneration (hub, transformers-5 or in-memory key layout)")
     a.add_argument("--llm", help="HF causal LM directory (with --vision), config.json model_type llama (Llama, Vicuna, "
                                  "SmolLM2), mistral, qwen2, qwen3, gemma2, gemma3_text or smollm3")
     a.add_argument("--vision", help="HF vision tower directory (with --llm): CLIP or SigLIP (SigLIP2 at a fixed "
@@ -388,7 +391,8 @@ def main(argv=None):
     b.add_argument("--llm", help="base LLM, needed when --llava holds only mm_projector.bin")
     b.add_argument("--pad-vocab", type=int, default=64)
     b.add_argument("--out", required=True)
-    c = sub.add_parser("to-hf", help="our checkpoint -> HF Llava / LlavaNext / LlavaOnevision (hub layout) + processor")
+    c = sub.add_parser("to-hf", help="our checkpoint -> HF Llava / LlavaNext / LlavaOnevision (hub layout) + processor, "
+                                     "or Idefics3 / SmolVLM / InternVL / Gemma 3 + the processor files from-hf read")
     c.add_argument("--ckpt", required=True)
     c.add_argument("--template", choices=TEMPLATE_NAMES, help="default: the training config's")
     c.add_argument("--image-mode", choices=["pad", "crop", "resize"], help="default: the training config's")

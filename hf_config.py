@@ -9,6 +9,7 @@ pure functions of dicts, where every HF config field name lives.
 """
 
 import json
+import math
 import re
 from dataclasses import replace
 
@@ -239,7 +240,7 @@ def vit_hf_config(v: ViTConfig):
 HF_ARCHITECTURES = {"llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",
                     "llava_onevision": "LlavaOnevisionForConditionalGeneration",
                     "idefics3": "Idefics3ForConditionalGeneration", "smolvlm": "SmolVLMForConditionalGeneration",
-                    "internvl": "InternVLForConditionalGeneration"}
+                    "internvl": "InternVLForConditionalGeneration", "gemma3": "Gemma3ForConditionalGeneration"}
 LLAVA_TYPES = ("llava", "llava_next", "llava_onevision")
 
 
@@ -249,6 +250,11 @@ def hf_model_type(cfg: VLMConfig):
         return check_family(cfg, "internvl", vision=("internvit", cfg.vision.kind), projector=("ln_mlp2x_gelu",
                             cfg.projector), vision_select=("patch", cfg.vision_select),
                             vision_post_norm=(cfg.vision.post_norm and cfg.vision_layer == -1, cfg.vision_post_norm))
+    if cfg.pool > 1 or cfg.projector == "rms_linear_nobias" or cfg.attention_blocks:
+        return check_family(cfg, "gemma3", vision=("siglip", cfg.vision.kind), projector=("rms_linear_nobias",
+                            cfg.projector), vision_layer=(-1, cfg.vision_layer), vision_select=("cls_patch",
+                            cfg.vision_select), vision_post_norm=(True, cfg.vision_post_norm), attention_blocks=(
+                            "images", cfg.attention_blocks), decoder=("gemma3_text", family_of(cfg.llm)))
     if cfg.projector == "linear_nobias" or cfg.vision_post_norm or cfg.pixel_shuffle > 1:
         return check_family(cfg, cfg.export_as or "smolvlm", vision=("siglip", cfg.vision.kind),
                             projector=("linear_nobias", cfg.projector), vision_layer=(-1, cfg.vision_layer),
@@ -281,6 +287,8 @@ def llava_hf_config(cfg: VLMConfig):
         return internvl_hf_config(cfg)
     if kind in ("idefics3", "smolvlm"):
         return idefics3_hf_config(cfg, kind)
+    if kind == "gemma3":
+        return gemma3_hf_config(cfg)
     if cfg.llm.final_softcap:
         say(f"final_softcap={cfg.llm.final_softcap:g}: transformers' {HF_ARCHITECTURES[kind]} does not soft-cap the "
             f"logits, so the export's logits are uncapped (the greedy tokens are the same)")
@@ -337,6 +345,8 @@ def llava_config(hf, hf_dir):
         return idefics3_config(hf, hf_dir)
     if kind == "internvl":
         return internvl_config(hf, hf_dir)
+    if kind == "gemma3":
+        return gemma3_config(hf, hf_dir)
     if kind not in HF_ARCHITECTURES:
         raise ConversionError(f"{hf_dir}: model_type {kind!r} is not supported; llavax converts "
                               + ", ".join(f"{v} ({k!r})" for k, v in HF_ARCHITECTURES.items()) + " directories")
@@ -485,3 +495,35 @@ def internvl_hf_config(cfg: VLMConfig):
             "vision_feature_layer": cfg.vision_layer, "vision_feature_select_strategy": "default",
             "tie_word_embeddings": cfg.llm.tie_embeddings, "text_config": llama_hf_config(cfg.llm),
             "vision_config": vision}
+
+
+def gemma3_config(hf, where):
+    """Gemma 3 (one 896 px image a view): SigLIP read after its post-LayerNorm, its square patch map averaged in blocks
+    down to mm_tokens_per_image tokens, Gemma's RMSNorm (1 + w) and one bias-free matrix; each image's run of tokens
+    sees itself both ways (HF: token_type_ids 1). The <start_of_image> / <end_of_image> ids are the processor's."""
+    t, default = transformers_config(hf, "gemma3", where)
+    refuse_unread(t, default, {"mm_tokens_per_image", "image_token_index", "tie_word_embeddings", "boi_token_index",
+                               "eoi_token_index"}, where, "gemma3")
+    vision = vit_config(t["vision_config"], f"{where} vision_config")
+    side, per_side = vision.image_size // vision.patch_size, math.isqrt(t["mm_tokens_per_image"])
+    if per_side**2 != t["mm_tokens_per_image"] or side % per_side:
+        raise ConversionError(f"{where}: mm_tokens_per_image={t['mm_tokens_per_image']} is not a square whose side "
+                              f"divides the tower's {side} x {side} patch map (Gemma 3 average-pools it)")
+    llm = text_of(t, where)
+    if llm.final_softcap:  # transformers' Gemma3ForConditionalGeneration never soft-caps its logits
+        say(f"{where}: final_logit_softcapping={llm.final_softcap:g} is not applied, as transformers' "
+            f"{HF_ARCHITECTURES['gemma3']} does not apply it")
+        llm = replace(llm, final_softcap=None)
+    try:
+        return VLMConfig(vision=vision, llm=llm, projector="rms_linear_nobias", vision_layer=-1,
+                         vision_select="cls_patch", vision_post_norm=True, pool=side // per_side,
+                         image_token_id=t["image_token_index"], attention_blocks="images")
+    except ValueError as e:
+        raise ConversionError(f"{where}: {e}") from None
+
+
+def gemma3_hf_config(cfg: VLMConfig):
+    return {"architectures": [HF_ARCHITECTURES["gemma3"]], "model_type": "gemma3",
+            "image_token_index": cfg.image_token_id, "mm_tokens_per_image": cfg.n_image_tokens,
+            "tie_word_embeddings": cfg.llm.tie_embeddings, "text_config": llama_hf_config(cfg.llm),
+            "vision_config": vit_hf_config(cfg.vision)}

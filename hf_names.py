@@ -67,6 +67,8 @@ def llava_table(cfg: VLMConfig):
         return idefics3_table(cfg)
     if kind == "internvl":
         return internvl_table(cfg)
+    if kind == "gemma3":
+        return gemma3_table(cfg)
     if cfg.projector != "mlp2x_gelu":
         raise ConversionError(f"HF {HF_ARCHITECTURES[hf_model_type(cfg)]} holds only mlp2x_gelu projectors, "
                               f"not {cfg.projector!r}")
@@ -111,13 +113,27 @@ def internvl_table(cfg: VLMConfig):
     return t | llama_table(cfg.llm, "language_model.model.", "language_model.lm_head.weight")
 
 
+def gemma3_table(cfg: VLMConfig):
+    """Gemma3ForConditionalGeneration's names in the hub layout (google/gemma-3-*; hub_name renames transformers 5's):
+    SigLIP under vision_tower.vision_model, the connector's norm and matrix, the Gemma 3 decoder."""
+    return vit_table(cfg.vision, "vision_tower.vision_model.") | \
+        {"projector.norm.weight": "multi_modal_projector.mm_soft_emb_norm.weight",
+         "projector.fc.0.weight": "multi_modal_projector.mm_input_projection_weight"} | \
+        llama_table(cfg.llm, "language_model.model.", "language_model.lm_head.weight")
+
+
 # InternVL's tensors stored in another shape than ours: (ours -> theirs) reshapes, undone on the way in
 HF_SHAPES = {"vision.class_embedding": lambda t: t.reshape(1, 1, -1),  # (1, 1, D)
              "vision.positional_embedding": lambda t: t[None]}  # (1, n_positions, D)
+# Gemma 3's projection is a bare matrix that multiplies from the right: (vision dim, llm dim), our Linear's transposed
+TRANSPOSED = {"gemma3": ("projector.fc.0.weight",)}
 
 
 def to_hf_shape(cfg: VLMConfig, ours, tensor):
-    return HF_SHAPES[ours](tensor) if hf_model_type(cfg) == "internvl" and ours in HF_SHAPES else tensor
+    kind = hf_model_type(cfg)
+    if ours in TRANSPOSED.get(kind, ()):
+        return tensor.detach().t().contiguous()
+    return HF_SHAPES[ours](tensor) if kind == "internvl" and ours in HF_SHAPES else tensor
 
 
 def internvl_name(key):
@@ -232,7 +248,7 @@ def llava_from_hf(hf_dir):
         if kind in LLAVA_TYPES:
             raise
         say(f"{e}; llavax resizes this {HF_ARCHITECTURES[kind]}'s images bicubic (its processor is not implemented)")
-    rename = hub_name if kind in LLAVA_TYPES else internvl_name if kind == "internvl" else (lambda k: k)
+    rename = hub_name if kind in LLAVA_TYPES + ("gemma3",) else internvl_name if kind == "internvl" else (lambda k: k)
     state = drop_siglip_head({rename(k): v for k, v in read_weights(hf_dir).items()}, hf_dir)
     head = "lm_head.weight" if kind in ("idefics3", "smolvlm") else "language_model.lm_head.weight"
     state = drop_tied_head(state, cfg.llm, table["llm.tok_embeddings.weight"], head, hf_dir)
@@ -240,4 +256,8 @@ def llava_from_hf(hf_dir):
         t = state.get(table[ours])
         if t is not None and t.numel() == math.prod(shapes[ours]):
             state[table[ours]] = t.reshape(shapes[ours])
+    for ours in TRANSPOSED.get(kind, ()):  # to ours, where the transpose fits (else remap says)
+        t = state.get(table[ours])
+        if t is not None and tuple(t.shape) == shapes[ours][::-1]:
+            state[table[ours]] = t.t().contiguous()
     return check_complete(remap(state, table, shapes, str(hf_dir)), cfg, hf_dir), cfg

@@ -1,6 +1,7 @@
 """
 The LLaVA-style vision-language model in one file: a ViT (CLIP, SigLIP or InternViT), a connector (an optional pixel
-shuffle, then the projector: LLaVA's, InternVL's or Idefics3's) and LLaMA with the decoder families' switches.
+shuffle or average pool, then the projector: LLaVA's, InternVL's, Idefics3's or Gemma 3's) and LLaMA with the decoder
+families' switches, its attention causal or with blocks of tokens that see each other both ways (Gemma 3's images).
 
 No device, distributed or file code lives here (see STYLE.md); train.py and convert.py
 do that. Parameter names follow OpenAI CLIP for the ViT and Meta's reference model.py for
@@ -126,12 +127,13 @@ class ViT(nn.Module):
 
 class Projector(nn.Module):
     """LLaVA's mm_projector: Linear, then (GELU, Linear) N-1 times. GELU is exact erf. InternVL's LayerNorm first
-    (eps 1e-5, nn.LayerNorm's), Idefics3's one Linear without a bias: model_config.projector_parts."""
+    (eps 1e-5, nn.LayerNorm's), Idefics3's one Linear without a bias, Gemma 3's RMSNorm (1 + w, the tower's eps) before
+    one: model_config.projector_parts."""
 
-    def __init__(self, kind, in_dim, out_dim):
+    def __init__(self, kind, in_dim, out_dim, eps=1e-6):
         super().__init__()
         norm, depth, bias = projector_parts(kind)
-        self.norm = LayerNorm(in_dim, eps=1e-5) if norm else None
+        self.norm = LayerNorm(in_dim, eps=1e-5) if norm == "ln" else RMSNorm(in_dim, eps, offset=1.0) if norm else None
         self.fc = nn.ModuleList(nn.Linear(in_dim if i == 0 else out_dim, out_dim, bias=bias) for i in range(depth))
 
     def forward(self, x):
@@ -247,9 +249,10 @@ class Attention(nn.Module):
             cache.v[self.layer_id][:, :, start_pos:end] = v
             # in q's dtype: the cache holds the embeddings' (fp32 under autocast), and XLA's autocast leaves SDPA alone
             k, v = cache.k[self.layer_id][:, :, :end].to(q.dtype), cache.v[self.layer_id][:, :, :end].to(q.dtype)
-            # query t sits at start_pos + t and sees every key up to there; a given mask (B, 1, 1, end) adds padding
+            # query t sits at start_pos + t and sees every key up to there; a given mask (B, 1, T, end) is whole (Llama's:
+            # causal, padding and the prefill's blocks, which see later keys of their own block)
             seen = torch.arange(end, device=x.device)[None, :] <= torch.arange(start_pos, end, device=x.device)[:, None]
-            mask, causal = seen if mask is None else mask & seen, False
+            mask, causal = seen if mask is None else mask, False
         if self.window and (static or start_pos + T > self.window):  # keys up to window - 1 back (HF: kv > q - window)
             S = k.shape[2]
             # (T, 1) cache slots; packed rows: row offsets
@@ -354,18 +357,22 @@ class Llama(nn.Module):
         cap = self.cfg.final_softcap
         return cap * torch.tanh(logits / cap) if cap else logits
 
-    def forward(self, h, cache=None, start_pos=0, position_ids=None, pad=None):
+    def forward(self, h, cache=None, start_pos=0, position_ids=None, pad=None, blocks=None):
         """Embeddings (B, T, D) in, final-normed hidden states (B, T, D) out; self.output makes logits.
 
         position_ids (B, T) marks packed rows: a new sample starts wherever the position is 0, and no
         sample attends to another (tokens after the last sample form one more, unsupervised, sample).
         pad (B, start_pos + T), True at left padding (generation): no query attends a padded key, and
         positions count from each row's first real token, as HF derives them from the attention mask.
-        Static decoding (generate(static=True)): start_pos a (1,) tensor, T = 1, pad (B, the cache's max_len)."""
+        Static decoding (generate(static=True)): start_pos a (1,) tensor, T = 1, pad (B, the cache's max_len).
+        blocks (B, T), from position 0 (a whole sequence or a prefill): tokens of one block id >= 0 see each other both
+        ways (Gemma 3's images), -1 only what causal attention sees; the sliding window and the samples still bound it."""
         T, static = h.shape[1], torch.is_tensor(start_pos)
         if not static and start_pos + T > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {start_pos + T} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
-        mask, kernel = None, self.attention_kernel if cache is None and pad is None else None
+        if blocks is not None and (static or start_pos):
+            raise ValueError("blocks cover a sequence from its first token (a prefill), not a decode step")
+        mask, kernel, doc = None, self.attention_kernel if cache is None and pad is None else None, None
         if pad is not None:
             positions = ((~pad).long().cumsum(dim=1) - 1).clamp(min=0)
             positions = positions.index_select(1, start_pos) if static else positions[:, start_pos:]  # (B, T)
@@ -379,9 +386,15 @@ class Llama(nn.Module):
         else:
             at = lambda table: table[position_ids].to(h.dtype)[:, None]  # noqa: E731  (B, 1, T, hd)
             doc = (position_ids == 0).cumsum(dim=1)  # (B, T) numbers the samples along each row
-            mask = doc if kernel else self.document_mask(doc)
+            mask = doc if kernel else self.document_mask(doc, blocks)
         if kernel:
-            mask = partial(kernel, segments=mask)
+            mask = partial(kernel, segments=mask) if blocks is None else partial(kernel, segments=mask, blocks=blocks)
+        elif blocks is not None and not isinstance(mask, BlockMask):  # OR'ed with what causal attention sees
+            both_ways = (blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0)  # (B, T, T)
+            if doc is not None:
+                both_ways = both_ways & (doc[:, :, None] == doc[:, None, :])
+            seen = torch.ones(T, T, dtype=torch.bool, device=h.device).tril() if mask is None else mask
+            mask = seen | both_ways[:, None]  # (B, 1, T, T); Attention ANDs the sliding window
         cos, sin = at(self.rope_cos), at(self.rope_sin)
         local = (at(self.local_cos), at(self.local_sin)) if self.cfg.local_rope_theta else (cos, sin)
         for layer in self.layers:
@@ -392,9 +405,14 @@ class Llama(nn.Module):
                 h = layer(h, c, s, cache, start_pos, mask)
         return self.norm(h)
 
-    def document_mask(self, doc):
-        """Causal attention within each sample of a packed row; doc (B, T) numbers the samples along the row."""
+    def document_mask(self, doc, blocks=None):
+        """Causal attention within each sample of a packed row; doc (B, T) numbers the samples along the row. FlexAttention
+        reads blocks (B, T) here too (see forward); the dense mask gets them in forward."""
         B, T = doc.shape
+        if self.flex_attention and blocks is not None:
+            def seen(b, h, q, kv):
+                return (doc[b, q] == doc[b, kv]) & ((q >= kv) | ((blocks[b, q] == blocks[b, kv]) & (blocks[b, q] >= 0)))
+            return create_block_mask(seen, B, None, T, T, device=doc.device)
         if self.flex_attention:
             same_doc = lambda b, h, q, kv: (doc[b, q] == doc[b, kv]) & (q >= kv)  # noqa: E731
             return create_block_mask(same_doc, B, None, T, T, device=doc.device)
@@ -432,7 +450,7 @@ class VLM(nn.Module):
         self.cfg = cfg
         self.vision = ViT(cfg.vision)
         in_dim = cfg.vision.dim * len(cfg.vision_layers) * cfg.pixel_shuffle**2
-        self.projector = Projector(cfg.projector, in_dim, cfg.llm.dim)
+        self.projector = Projector(cfg.projector, in_dim, cfg.llm.dim, cfg.vision.norm_eps)
         self.llm = Llama(cfg.llm)
         # anyres / video: the learned embedding after each row of tiles' features (HF's image_newline)
         self.image_newline = nn.Parameter(torch.empty(cfg.llm.dim)) if cfg.anyres or cfg.video_token_id is not None \
@@ -492,6 +510,8 @@ class VLM(nn.Module):
         features = torch.cat(states, dim=-1)  # (B * n_images, n_read, C)
         if self.cfg.pixel_shuffle > 1:
             features = pixel_shuffle(features, self.cfg.pixel_shuffle)
+        if self.cfg.pool > 1:
+            features = average_pool(features, self.cfg.pool)
         features = self.projector(features)  # (B * n_images, n_image_tokens, D)
         return features.reshape(B, -1, features.shape[-1])  # (B, n_images * n_image_tokens, D)
 
@@ -554,7 +574,8 @@ class VLM(nn.Module):
             h = self.embed(input_ids, pixel_values, packed)
         else:
             h = self.place_features(input_ids, pixel_values, image_index, image_weight)
-        h = self.llm(h, position_ids=position_ids, pad=None if attention_mask is None else attention_mask == 0)
+        h = self.llm(h, position_ids=position_ids, pad=None if attention_mask is None else attention_mask == 0,
+                     blocks=self.attention_blocks(input_ids, position_ids))
         if reward:
             return None, self.read_reward(h, attention_mask)
         if values:
@@ -573,6 +594,19 @@ class VLM(nn.Module):
         if loss_reduction == "row":
             return logits, loss.view(targets.shape).sum(dim=1)
         return logits, loss.view(targets.shape) if loss_reduction == "none" else loss
+
+    def attention_blocks(self, input_ids, position_ids=None):
+        """Block ids (B, T) for Llama.forward, or None (causal): with attention_blocks "images", each run of image
+        placeholders is a block (0, 1, ... along the row; a packed sample's first token starts a new one), text -1.
+        HF's Gemma 3 makes the same from token_type_ids (its get_block_sequence_ids_for_mask). A cumulative count:
+        no loop over the batch, no nonzero."""
+        if not self.cfg.attention_blocks:
+            return None
+        is_image = input_ids == self.cfg.image_token_id
+        starts = is_image & ~F.pad(is_image, (1, 0), value=False)[:, :-1]  # (B, T): an image token after a text one
+        if position_ids is not None:
+            starts = starts | (is_image & (position_ids == 0))
+        return torch.where(is_image, starts.long().cumsum(dim=1) - 1, -1)  # (B, T)
 
     def read_reward(self, h, attention_mask):
         """The reward head at each row's last real token (the last 1 of attention_mask, whichever side is padded)."""
@@ -627,7 +661,9 @@ class VLM(nn.Module):
         if static and temperature > 0:
             seed = torch.randint(2**31 - 1, (), generator=generator, device=generator.device if generator else "cpu")
             seed = seed.to(input_ids.device)
-        logits = self.llm.logits(self.llm(h, cache, 0, pad=None if pad is None else pad[:, :T])[:, -1])  # (B, vocab)
+        # the prompt with its blocks; the new tokens decode causally, as HF's generate (no token_type_ids after the first)
+        h = self.llm(h, cache, 0, pad=None if pad is None else pad[:, :T], blocks=self.attention_blocks(input_ids))
+        logits = self.llm.logits(h[:, -1])  # (B, vocab)
         if after_token:
             after_token()
         out = []
@@ -660,6 +696,15 @@ def pixel_shuffle(x, factor):
     n = math.isqrt(T) // factor  # blocks a side
     x = x.view(N, n, factor, n, factor, C)  # (N, block row, row in block, block col, col in block, C)
     return x.permute(0, 1, 3, 2, 4, 5).reshape(N, n * n, factor * factor * C)  # (N, n_blocks, factor**2 * C)
+
+
+def average_pool(x, factor):
+    """(N, side * side, C) -> (N, side * side / factor**2, C): each factor x factor block of the square feature map
+    averaged into one token, the tokens in row-major order of the blocks (Gemma 3's AvgPool2d over the patch map)."""
+    N, T, C = x.shape
+    n = math.isqrt(T) // factor  # blocks a side
+    x = x.view(N, n, factor, n, factor, C)  # (N, block row, row in block, block col, col in block, C)
+    return x.mean(dim=(2, 4)).reshape(N, n * n, C)  # (N, n_blocks, C)
 
 
 def pair_rows(features, n_rows):

@@ -32,6 +32,7 @@ IMAGE_STATS = {"clip": ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.2613
                "siglip": ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5)),
                "internvit": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))}  # InternViT: ImageNet's
 VIT_KINDS = tuple(IMAGE_STATS)
+ATTENTION_BLOCKS = ("", "images")  # VLMConfig.attention_blocks: what makes a block of tokens that see each other
 
 
 @dataclass
@@ -142,6 +143,12 @@ class VLMConfig:
     # InternVL: 2, its downsample_ratio 0.5); and the tower read after its ln_post (SigLIP's last_hidden_state)
     pixel_shuffle: int = 1
     vision_post_norm: bool = False
+    # each pool x pool block of a tile's square feature map averaged into one token before the projector (Gemma 3: 4,
+    # its 64 x 64 map to 256 tokens)
+    pool: int = 1
+    # attention beyond causal, as one block id a token that every attention path reads (Llama.forward's blocks): "" causal
+    # everywhere; "images": each run of image placeholders is a block whose tokens see each other both ways (Gemma 3)
+    attention_blocks: str = ""
     export_as: str = ""  # to-hf's model_type where two HF classes compute alike ("idefics3" or "smolvlm"); "": smolvlm
 
     def __post_init__(self):
@@ -180,10 +187,18 @@ class VLMConfig:
             raise ValueError(f"pixel_shuffle={self.pixel_shuffle} needs a square feature map whose side it divides; "
                              f"the tower gives {read} tokens a tile" + (" (drop the class token: vision_select='patch')"
                                                                        if self.vision.kind != "siglip" else ""))
-        if self.pixel_shuffle > 1 and (self.anyres or self.video_token_id is not None):
-            raise ValueError("anyres tiles and video with a pixel_shuffle are not implemented (one view per image)")
+        if not (isinstance(self.pool, int) and self.pool >= 1):
+            raise ValueError(f"pool must be a positive integer, got {self.pool!r}")
+        if self.pool > 1 and (side * side != read or side % self.pool or self.pixel_shuffle > 1):
+            raise ValueError(f"pool={self.pool} needs a square feature map whose side it divides, and no pixel_shuffle; "
+                             f"the tower gives {read} tokens a tile, pixel_shuffle={self.pixel_shuffle}")
+        if (self.pixel_shuffle > 1 or self.pool > 1) and (self.anyres or self.video_token_id is not None):
+            raise ValueError("anyres tiles and video with a pixel_shuffle or pool are not implemented (one view per "
+                             "image)")
         if self.vision_post_norm and not self.vision.post_norm:
             raise ValueError("vision_post_norm reads the tower after its ln_post, but vision.post_norm is False")
+        if self.attention_blocks not in ATTENTION_BLOCKS:
+            raise ValueError(f"attention_blocks must be one of {ATTENTION_BLOCKS}, got {self.attention_blocks!r}")
         if self.export_as not in ("", "smolvlm", "idefics3"):
             raise ValueError(f"export_as must be '', 'smolvlm' or 'idefics3', got {self.export_as!r}")
 
@@ -193,7 +208,7 @@ class VLMConfig:
 
     @property
     def n_image_tokens(self):
-        return (self.vision.n_positions - (self.vision_select == "patch")) // self.pixel_shuffle**2
+        return (self.vision.n_positions - (self.vision_select == "patch")) // self.pixel_shuffle**2 // self.pool**2
 
     @property
     def image_taps(self):  # features each placeholder mixes: 4 where a bilinear resize may apply, else 1
@@ -234,16 +249,17 @@ def _from_dict(cls, d, where):
 
 
 def projector_parts(name):
-    """(a LayerNorm first, the number of Linears, whether they have biases) of a projector kind: "linear", LLaVA's
-    "mlp{N}x_gelu" (Linear, then GELU and Linear N-1 times), InternVL's "ln_mlp{N}x_gelu" (a LayerNorm, then the
-    MLP) and Idefics3/SmolVLM's "linear_nobias" (one Linear, no bias)."""
-    if name in ("linear", "linear_nobias"):
-        return False, 1, name == "linear"
+    """(the norm first: "", "ln" or "rms", the number of Linears, whether they have biases) of a projector kind:
+    "linear", LLaVA's "mlp{N}x_gelu" (Linear, then GELU and Linear N-1 times), InternVL's "ln_mlp{N}x_gelu" (a
+    LayerNorm, then the MLP), Idefics3/SmolVLM's "linear_nobias" (one Linear, no bias) and Gemma 3's
+    "rms_linear_nobias" (Gemma's RMSNorm, scaled by 1 + w, then one Linear without a bias)."""
+    if name in ("linear", "linear_nobias", "rms_linear_nobias"):
+        return "rms" if name.startswith("rms_") else "", 1, name == "linear"
     mlp = name.removeprefix("ln_")
     if mlp.startswith("mlp") and mlp.endswith("x_gelu") and mlp[3:-6].isdigit() and int(mlp[3:-6]) > 0:
-        return name.startswith("ln_"), int(mlp[3:-6]), True
-    raise ValueError(f"unknown projector {name!r}: expected 'linear', 'linear_nobias', 'mlp{{N}}x_gelu' such as "
-                     f"'mlp2x_gelu', or 'ln_mlp{{N}}x_gelu'")
+        return "ln" if name.startswith("ln_") else "", int(mlp[3:-6]), True
+    raise ValueError(f"unknown projector {name!r}: expected 'linear', 'linear_nobias', 'rms_linear_nobias', "
+                     f"'mlp{{N}}x_gelu' such as 'mlp2x_gelu', or 'ln_mlp{{N}}x_gelu'")
 
 
 def projector_depth(name):

@@ -1,0 +1,189 @@
+"""Gemma 3 the VLM (Gemma3ForConditionalGeneration) against transformers: SigLIP read after its post-LayerNorm, the patch
+map average-pooled, Gemma's RMSNorm and a bias-free matrix; each image's tokens see each other both ways (OR'ed with
+causal, AND'ed with the sliding window on the local layers); convert.py from-hf and to-hf."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import convert
+import model_files
+from model import average_pool
+
+VOCAB, BOI, EOI, IMAGE_ID = 300, 297, 298, 299
+N_IMAGE = 16  # a 64 px image of 8 px patches: an 8 x 8 map, pooled 2 x 2
+
+
+def tiny_hf():
+    """A random, tiny transformers Gemma3ForConditionalGeneration: a sliding, a global and a sliding layer, width 64, a
+    window of 6 (shorter than an image's 16 tokens), local RoPE base apart from the global one; every weight perturbed
+    (HF initialises the projection to zeros and the norms to a scale of 1)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    torch.manual_seed(0)
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=256, sliding_window=6,
+                layer_types=["sliding_attention", "full_attention", "sliding_attention"], query_pre_attn_scalar=16,
+                rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=64,
+                  patch_size=8, vision_use_head=False)
+    cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=N_IMAGE, image_token_index=IMAGE_ID,
+                       boi_token_index=BOI, eoi_token_index=EOI)
+    model = Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """(HF model, its directory, ours, the to-hf export), converted once through the command line."""
+    root = tmp_path_factory.mktemp("gemma3")
+    hf = tiny_hf()
+    hf.save_pretrained(root / "hf")
+    convert.main(["from-hf", "--llava", str(root / "hf"), "--out", str(root / "ours")])
+    convert.main(["to-hf", "--ckpt", str(root / "ours"), "--out", str(root / "back")])
+    return hf, root / "hf", root / "ours", root / "back"
+
+
+def batch(starts=(5, 11), seq=40):
+    """Two rows, each <start_of_image> + 16 image tokens + <end_of_image> at its own offset, and their images."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, BOI, (len(starts), seq), generator=g)
+    for row, at in enumerate(starts):
+        ids[row, at] = BOI
+        ids[row, at + 1:at + 1 + N_IMAGE] = IMAGE_ID
+        ids[row, at + 1 + N_IMAGE] = EOI
+    return ids, torch.randn(len(starts), 3, 64, 64, generator=g)
+
+
+def hf_logits(hf, ids, pixels, **kwargs):
+    # token_type_ids as Gemma3Processor makes them: 1 at the image tokens
+    with torch.no_grad():
+        return hf(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == IMAGE_ID).long(), **kwargs).logits
+
+
+def test_logits_match_transformers(converted):
+    hf, _, ours_dir, _ = converted
+    ours = model_files.load_model(ours_dir).eval()
+    cfg = ours.cfg
+    assert (cfg.pool, cfg.n_image_tokens, cfg.projector, cfg.attention_blocks) == (2, 16, "rms_linear_nobias", "images")
+    assert cfg.llm.sliding_layers == [0, 2] and cfg.llm.sliding_window == 6
+    ids, pixels = batch()
+    with torch.no_grad():
+        mine = ours(ids, pixels)[0]
+    assert (mine - hf_logits(hf, ids, pixels)).abs().max() <= 1e-5
+
+
+def test_the_image_blocks_change_the_logits(converted):
+    """Causal attention alone is transformers' Gemma 3 without token_type_ids, and differs from it with them at the image
+    tokens and after (not before: nothing there sees an image)."""
+    hf, _, ours_dir, _ = converted
+    ours = model_files.load_model(ours_dir).eval()
+    ids, pixels = batch()
+    with torch.no_grad():
+        blocked = ours(ids, pixels)[0]
+        ours.cfg.attention_blocks = ""
+        causal = ours(ids, pixels)[0]
+        theirs_causal = hf(input_ids=ids, pixel_values=pixels).logits
+    assert (causal - theirs_causal).abs().max() <= 1e-5
+    apart = (blocked - causal).abs().amax(dim=-1)  # (B, T)
+    for row, at in enumerate((5, 11)):
+        assert apart[row, :at + 1].max() == 0  # up to <start_of_image>
+        assert (apart[row, at + 1:at + N_IMAGE] > 1e-4).all()  # the image's tokens but its last, which sees no later one
+
+
+def test_left_padded_rows_match_transformers(converted):
+    """An attention_mask with left padding: the padding is hidden, positions count from each row's first token, the blocks
+    still see each other both ways."""
+    hf, _, ours_dir, _ = converted
+    ours = model_files.load_model(ours_dir).eval()
+    ids, pixels = batch()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        mine = ours(ids, pixels, attention_mask=mask)[0]
+    theirs = hf_logits(hf, ids, pixels, attention_mask=mask)
+    assert (mine - theirs)[mask.bool()].abs().max() <= 1e-5
+
+
+def test_packed_samples_keep_their_blocks_apart(converted):
+    """Two samples packed in one row (position_ids restart at 0), the first ending in its image tokens and the second
+    starting with its own: each sample's logits are what it gets alone."""
+    _, _, ours_dir, _ = converted
+    ours = model_files.load_model(ours_dir).eval()
+    ids, pixels = batch()
+    first, second = ids[0, :5 + 1 + N_IMAGE], ids[1, 12:]  # the first ends inside its image, the second starts in its own
+    row = torch.cat([first, second])[None]
+    positions = torch.cat([torch.arange(len(first)), torch.arange(len(second))])[None]
+    with torch.no_grad():
+        packed = ours(row, pixels, position_ids=positions)[0][0]
+        alone = [ours(x[None], p[None])[0][0] for x, p in ((first, pixels[0]), (second, pixels[1]))]
+    assert (packed - torch.cat(alone)).abs().max() <= 1e-5
+
+
+def test_generation_prefills_with_the_blocks_and_decodes_causally(converted):
+    """Greedy tokens are transformers' generate's (its token_type_ids only in the prefill), left padding included."""
+    hf, _, ours_dir, _ = converted
+    ours = model_files.load_model(ours_dir).eval()
+    ids, pixels = batch()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with torch.no_grad():
+        mine = ours.generate(ids, pixels, max_new_tokens=8, attention_mask=mask)
+        theirs = hf.generate(input_ids=ids, pixel_values=pixels, attention_mask=mask,
+                             token_type_ids=(ids == IMAGE_ID).long(), max_new_tokens=8, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)[:, ids.shape[1]:]
+    assert torch.equal(mine, theirs)
+
+
+def test_round_trip_is_exact_and_loads_without_warnings(converted, caplog):
+    import transformers
+    from transformers import Gemma3ForConditionalGeneration
+
+    hf, src, _, back = converted
+    before, after = load_file(src / "model.safetensors"), load_file(back / "model.safetensors")
+    rename = {k: k.replace("vision_tower.", "vision_tower.vision_model.") for k in before}  # the hub's layout
+    assert sorted(rename.values()) == sorted(after)
+    assert all(torch.equal(before[k], after[rename[k]]) for k in before)
+    old, new = json.loads((src / "config.json").read_text()), json.loads((back / "config.json").read_text())
+    for key in ("model_type", "architectures", "image_token_index", "mm_tokens_per_image", "tie_word_embeddings"):
+        assert new[key] == old[key], key
+    for key in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "image_size", "patch_size", "layer_norm_eps", "hidden_act"):
+        assert new["vision_config"][key] == old["vision_config"][key], key
+    for key in ("model_type", "vocab_size", "hidden_size", "num_key_value_heads", "head_dim", "rms_norm_eps",
+                "layer_types", "sliding_window", "query_pre_attn_scalar", "rope_parameters"):
+        assert new["text_config"][key] == old["text_config"][key], key
+    transformers.logging.enable_propagation()  # transformers' logger does not reach caplog otherwise
+    try:
+        with caplog.at_level("WARNING"):
+            loaded, info = Gemma3ForConditionalGeneration.from_pretrained(back, output_loading_info=True)
+    finally:
+        transformers.logging.disable_propagation()
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+    ids, pixels = batch()
+    assert torch.equal(hf_logits(loaded.eval(), ids, pixels), hf_logits(hf, ids, pixels))
+
+
+@pytest.mark.parametrize("side", [4, 8, 12])
+def test_average_pool_is_gemma3s(side):
+    x = torch.randn(3, side * side, 5)
+    theirs = torch.nn.AvgPool2d(2, 2)(x.transpose(1, 2).reshape(3, 5, side, side)).flatten(2).transpose(1, 2)
+    assert torch.allclose(average_pool(x, 2), theirs, atol=1e-6)
+
+
+@pytest.mark.parametrize("field, value", [("use_bidirectional_attention", True), ("attention_bias", True)])
+def test_what_llavax_does_not_compute_is_refused_by_name(tmp_path, field, value):
+    config = tiny_hf().config.to_dict()
+    config["text_config"][field] = value
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf/config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit, match=f"{field}={value!r}.*change the numbers"):
+        convert.main(["from-hf", "--llava", str(tmp_path / "hf"), "--out", str(tmp_path / "ours")])
+    assert not (tmp_path / "ours").exists()
