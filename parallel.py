@@ -344,14 +344,21 @@ def pallas_refusal(kind, device):
             f"VM), not on {device}: use attention='blockwise' (bounded memory on every device) or 'dense'")
 
 
-def attention_kernel(kind, block, env, window=None, softcap=None):
+def attention_kernel(kind, block, env, window=None, softcap=None, blocks=""):
     """f(q, k, v, segments, window, scale, softcap) -> (B, H, T, hd) for Llama.attention_kernel, or None for SDPA
     ('dense': packed rows get a (B, 1, T, T) mask, or FlexAttention on CUDA with compiled blocks). window: the model's
     sliding window where it is shorter than the rows (torch_xla's flash kernel has none); softcap: its attention
-    soft-cap (Gemma 2's; torch_xla's Pallas kernels have none)."""
+    soft-cap (Gemma 2's; torch_xla's Pallas kernels have none); blocks: its VLMConfig.attention_blocks (Gemma 3's image
+    blocks, which the blockwise kernel reads and torch_xla's Pallas kernels cannot)."""
     if kind == "bounded":  # the recipes' default: bounded memory wherever they run, the fastest kernel that has it
-        kind = "splash" if on_tpu(env) and importlib.util.find_spec("jax") is not None else "blockwise"
-        print0(env, f"attention='bounded': {kind} ({'a TPU' if kind == 'splash' else 'no TPU with Pallas here'})")
+        pallas = on_tpu(env) and importlib.util.find_spec("jax") is not None
+        kind = "splash" if pallas and not blocks else "blockwise"
+        why = "a TPU" if kind == "splash" else "Pallas has no image blocks" if pallas else "no TPU with Pallas here"
+        print0(env, f"attention='bounded': {kind} ({why})")
+    if kind in PALLAS and blocks:
+        raise SystemExit(f"config: attention={kind!r} (torch_xla's Pallas kernel) is causal only, and this model's "
+                         f"tokens see each other both ways in blocks (attention_blocks={blocks!r}): use attention="
+                         f"'blockwise' or 'dense'")
     if kind == "dense":
         return None
     if kind == "blockwise":

@@ -306,7 +306,7 @@ def backends(raw, cfg, env, reward_head):
     window = raw.cfg.llm.sliding_window
     raw.llm.attention_kernel = attention_kernel(cfg["attention"], cfg["attention_block"], env,
                                                 window if window and window < cfg["seq_len"] else None,
-                                                raw.cfg.llm.attn_softcap)
+                                                raw.cfg.llm.attn_softcap, raw.cfg.attention_blocks)
     if cfg["frozen_dtype"] == "bfloat16":
         n = sum(p.numel() for p in frozen_matmul_weights(raw))
         store_frozen(raw, torch.bfloat16)

@@ -187,3 +187,59 @@ def test_what_llavax_does_not_compute_is_refused_by_name(tmp_path, field, value)
     with pytest.raises(SystemExit, match=f"{field}={value!r}.*change the numbers"):
         convert.main(["from-hf", "--llava", str(tmp_path / "hf"), "--out", str(tmp_path / "ours")])
     assert not (tmp_path / "ours").exists()
+
+
+def test_the_blockwise_kernel_reads_the_blocks(converted):
+    """attention='blockwise' (key blocks of 7: no multiple of the rows) gives transformers' logits, on packed rows too."""
+    from functools import partial
+
+    from attention import blockwise_attention
+
+    hf, _, ours_dir, _ = converted
+    ours = model_files.load_model(ours_dir).eval()
+    ids, pixels = batch()
+    with torch.no_grad():
+        dense_packed = ours(ids.reshape(1, -1), pixels, position_ids=torch.arange(40).repeat(2)[None])[0]
+        ours.llm.attention_kernel = partial(blockwise_attention, block=7)
+        mine = ours(ids, pixels)[0]
+        packed = ours(ids.reshape(1, -1), pixels, position_ids=torch.arange(40).repeat(2)[None])[0]
+    assert (mine - hf_logits(hf, ids, pixels)).abs().max() <= 1e-5
+    assert (packed - dense_packed).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_blockwise_attention_with_blocks_equals_sdpa_both_ways(window):
+    """Forward and backward against SDPA with the dense mask: (causal or same block) within a sample, the window back."""
+    from attention import blockwise_attention
+
+    g = torch.Generator().manual_seed(0)
+    B, H, Hkv, T, hd = 2, 4, 2, 23, 8
+    q, k, v = (torch.randn(B, h, T, hd, generator=g, requires_grad=True) for h in (H, Hkv, Hkv))
+    segments = torch.tensor([[0] * 14 + [1] * 9, [0] * 23])
+    blocks = torch.full((B, T), -1)
+    blocks[0, 3:9], blocks[0, 14:20], blocks[1, 10:21] = 0, 1, 0
+    at = torch.arange(T)
+    seen = (at[:, None] >= at[None, :]) | ((blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0))
+    mask = seen & (segments[:, :, None] == segments[:, None, :]) & (at[:, None] - at[None, :] < (window or T + 1))
+    dense = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                                             attn_mask=mask[:, None])
+    mine = blockwise_attention(q, k, v, segments, window, block=5, blocks=blocks)
+    assert (mine - dense).abs().max() <= 1e-5
+    grads = torch.autograd.grad(dense.square().sum(), (q, k, v))
+    for theirs, ours in zip(grads, torch.autograd.grad(mine.square().sum(), (q, k, v))):
+        assert (ours - theirs).abs().max() <= 1e-4
+
+
+def test_pallas_kernels_refuse_image_blocks_at_start():
+    """torch_xla's Pallas kernels are causal only: asked for with blocks, one sentence before anything runs; 'bounded'
+    takes the blockwise kernel."""
+    from types import SimpleNamespace
+
+    import attention
+    import parallel
+
+    env = SimpleNamespace(kind="cpu", master=True, rank=0)
+    for kind in ("flash", "splash"):
+        with pytest.raises(SystemExit, match=rf"attention='{kind}' .* causal only.*attention_blocks='images'"):
+            parallel.attention_kernel(kind, 512, env, blocks="images")
+    assert parallel.attention_kernel("bounded", 512, env, blocks="images").func is attention.blockwise_attention
