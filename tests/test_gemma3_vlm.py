@@ -243,3 +243,22 @@ def test_pallas_kernels_refuse_image_blocks_at_start():
         with pytest.raises(SystemExit, match=rf"attention='{kind}' .* causal only.*attention_blocks='images'"):
             parallel.attention_kernel(kind, 512, env, blocks="images")
     assert parallel.attention_kernel("bounded", 512, env, blocks="images").func is attention.blockwise_attention
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # flex_attention run eagerly (CPU) says it is slow
+def test_flex_attention_reads_the_blocks(converted):
+    """Packed rows through FlexAttention (CUDA's packed path; eager on the CPU here) equal the dense mask with blocks, and
+    differ from causal. FlexAttention has no sliding window (it refuses one), so the layers' windows are taken off."""
+    _, _, ours_dir, _ = converted
+    ours = model_files.load_model(ours_dir).eval()
+    for layer in ours.llm.layers:
+        layer.attention.window = None
+    ids, pixels = batch(seq=64)
+    row, positions = ids.reshape(1, -1), torch.arange(64).repeat(2)[None]
+    with torch.no_grad():
+        dense = ours(row, pixels, position_ids=positions)[0]
+        ours.llm.flex_attention = True
+        flex = ours(row, pixels, position_ids=positions)[0]
+        ours.cfg.attention_blocks = ""
+        causal = ours(row, pixels, position_ids=positions)[0]
+    assert (flex - dense).abs().max() <= 1e-5 and (flex - causal).abs().max() > 1e-3
