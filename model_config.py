@@ -401,6 +401,15 @@ def vlm_preset(name):
         return VLMConfig(vision=replace(VIT_PRESETS["siglip2-base-patch16-512"]), llm=llm, projector="linear_nobias",
                          vision_layer=-1, vision_select="cls_patch", vision_post_norm=True, pixel_shuffle=4,
                          image_token_id=49152)
+    if name in ("gemma-3-4b-vlm", "gemma-3-12b-vlm"):
+        # google/gemma-3-{4b,12b}-it (Gemma3ForConditionalGeneration): SigLIP so400m at 896 px, a 64 x 64 patch map read
+        # after its post-LayerNorm, averaged 4 x 4 to 256 tokens, Gemma's RMSNorm and a bias-free matrix; <image_soft_token>
+        # 262144 inside the vocabulary, each image's 256 tokens one block that sees itself both ways; bilinear resizing
+        # (Gemma3ImageProcessor's). The decoder is the text preset of the same name (RoPE tables for 8k positions)
+        vision = ViTConfig(**{**asdict(VIT_PRESETS["siglip-so400m-patch14-384"]), "image_size": 896, "resample": 2})
+        return VLMConfig(vision=vision, llm=replace(LLM_PRESETS[name.removesuffix("-vlm")]), projector="rms_linear_nobias",
+                         vision_layer=-1, vision_select="cls_patch", vision_post_norm=True, pool=4,
+                         image_token_id=262144, attention_blocks="images")
     if name == "onevision-qwen3-8b":
         # LLaVA-OneVision's recipe on Qwen3-8B and SigLIP2-so400m (its last layer dropped, as OneVision's SigLIP):
         # Qwen3's own <|image_pad|> and <|video_pad|> (151655, 151656) as the placeholders, inside its vocabulary
@@ -417,4 +426,4 @@ def vlm_preset(name):
 
 VLM_PRESETS = ("debug", "llava-1.5-7b", "llava-1.5-13b", "llava-llama3-8b", "llava-interleave-qwen-0.5b",
                "llava-next-vicuna-7b", "llava-next-mistral-7b", "llava-onevision-qwen2-7b", "llava-onevision-qwen2-0.5b",
-               "nanovlm-460m", "onevision-qwen3-8b", "bench")  # vlm_preset's names
+               "nanovlm-460m", "gemma-3-4b-vlm", "gemma-3-12b-vlm", "onevision-qwen3-8b", "bench")  # vlm_preset's names

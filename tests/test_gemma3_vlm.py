@@ -126,15 +126,17 @@ def test_packed_samples_keep_their_blocks_apart(converted):
     assert (packed - torch.cat(alone)).abs().max() <= 1e-5
 
 
-def test_generation_prefills_with_the_blocks_and_decodes_causally(converted):
-    """Greedy tokens are transformers' generate's (its token_type_ids only in the prefill), left padding included."""
+@pytest.mark.parametrize("static", [False, True])
+def test_generation_prefills_with_the_blocks_and_decodes_causally(converted, static):
+    """Greedy tokens are transformers' generate's (its token_type_ids only in the prefill), left padding included; the
+    static decode (XLA's: one graph a step over the whole cache) too."""
     hf, _, ours_dir, _ = converted
     ours = model_files.load_model(ours_dir).eval()
     ids, pixels = batch()
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
     with torch.no_grad():
-        mine = ours.generate(ids, pixels, max_new_tokens=8, attention_mask=mask)
+        mine = ours.generate(ids, pixels, max_new_tokens=8, attention_mask=mask, static=static)
         theirs = hf.generate(input_ids=ids, pixel_values=pixels, attention_mask=mask,
                              token_type_ids=(ids == IMAGE_ID).long(), max_new_tokens=8, do_sample=False,
                              eos_token_id=None, pad_token_id=0)[:, ids.shape[1]:]
@@ -262,3 +264,29 @@ def test_flex_attention_reads_the_blocks(converted):
         ours.cfg.attention_blocks = ""
         causal = ours(row, pixels, position_ids=positions)[0]
     assert (flex - dense).abs().max() <= 1e-5 and (flex - causal).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("preset, billions", [("gemma-3-4b-vlm", 4.30), ("gemma-3-12b-vlm", 12.19)])
+def test_the_presets_are_gemma3s_models(preset, billions):
+    """gemma-3-{4b,12b}-vlm export as Gemma3ForConditionalGeneration configs that transformers builds with the same
+    tensors (on the meta device) and the model cards' parameter counts (4.30B, 12.19B); 256 tokens an 896 px image."""
+    import math
+
+    import hf_config
+    import hf_names
+    from model_config import vlm_preset
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    cfg = vlm_preset(preset)
+    assert cfg.n_image_tokens == 256 and cfg.vision.image_size == 896
+    exported = hf_config.llava_hf_config(cfg)
+    with torch.device("meta"):
+        hf = Gemma3ForConditionalGeneration(Gemma3Config(**{k: v for k, v in exported.items() if k != "model_type"}))
+    theirs = {k: tuple(v.shape) for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    theirs = {k.replace("model.language_model.", "language_model.model.").replace("model.vision_tower.", "vision_tower.")
+              .replace("model.multi_modal_projector.", "multi_modal_projector."): s for k, s in theirs.items()}
+    shapes, table = hf_names.expected_shapes(cfg), hf_names.llava_table(cfg)
+    ours = {hf_names.hub_name(table[k]).replace("vision_tower.vision_model.", "vision_tower."):
+            s[::-1] if k == "projector.fc.0.weight" else s for k, s in shapes.items()}
+    assert ours == theirs
+    assert round(sum(math.prod(s) for s in shapes.values()) / 1e9, 2) == billions
