@@ -290,3 +290,35 @@ def test_the_presets_are_gemma3s_models(preset, billions):
             s[::-1] if k == "projector.fc.0.weight" else s for k, s in shapes.items()}
     assert ours == theirs
     assert round(sum(math.prod(s) for s in shapes.values()) / 1e9, 2) == billions
+
+
+@pytest.mark.parametrize("attention", ["dense", pytest.param("blockwise", marks=pytest.mark.full)])
+def test_train_py_trains_a_gemma3_shaped_model_on_packed_rows(shapes_data, tmp_path, attention):
+    """train.py at stage 0 on the shapes demo, 2 samples a row, with Gemma 3's connector (SigLIP after its ln_post, a
+    4 x 4 map pooled 2 x 2, RMSNorm and a bias-free Linear), its decoder switches (a window of 8 < the rows on the first
+    layer) and image blocks: every parameter moves, the loss is finite."""
+    import math
+
+    import train
+    from conftest import ROOT, checkpoint_tensors, run_log
+    from model import build_model
+    from model_config import vlm_preset
+
+    shapes = shapes_data(n=400, seed=0, val_fraction=0.1)
+    cfg = vlm_preset("debug").with_overrides({
+        "vision": {"image_size": 56, "patch_size": 14, "kind": "siglip", "act": "gelu_pytorch_tanh"},
+        "llm": {"vocab_size": 576, "norm_offset": 1.0, "qk_norm": True, "sandwich_norms": True, "mlp_act": "gelu_tanh",
+                "embed_scale": True, "sliding_window": 8, "sliding_layers": [0], "local_rope_theta": 1000.0},
+        "image_token_id": 512, "projector": "rms_linear_nobias", "pool": 2, "vision_post_norm": True,
+        "vision_select": "cls_patch", "vision_layer": -1, "attention_blocks": "images"})
+    assert cfg.n_image_tokens == 4
+    model_files.save_model(build_model(cfg, seed=0), tmp_path / "init")
+    train.main([str(ROOT / "configs/debug.py"), f"--data_dir={shapes / 'shards'}", "--eval_interval=0",
+                f"--tokenizer={shapes / 'tokenizer.model'}", f"--out_dir={tmp_path / 'out'}", "--stage=0",
+                f"--init_from={tmp_path / 'init'}", "--max_iters=3", "--lr_decay_iters=20", "--pack=2",
+                "--seq_len=96", f"--attention={attention}", "--attention_block=32", "--log_interval=1"])
+    losses = [e["loss"] for e in run_log(tmp_path / "out", "loss")]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    before = load_file(tmp_path / "init/model.safetensors")
+    after = {k[len("model."):]: v for k, v in checkpoint_tensors(tmp_path / "out/step-000003", "model.").items()}
+    assert [k for k in before if torch.equal(before[k], after[k])] == []
