@@ -322,3 +322,39 @@ def test_train_py_trains_a_gemma3_shaped_model_on_packed_rows(shapes_data, tmp_p
     before = load_file(tmp_path / "init/model.safetensors")
     after = {k[len("model."):]: v for k, v in checkpoint_tensors(tmp_path / "out/step-000003", "model.").items()}
     assert [k for k in before if torch.equal(before[k], after[k])] == []
+
+
+def test_the_published_4b_config_reads_as_the_preset():
+    """google/gemma-3-4b-it's config.json (transformers 4.50's fields: the text config's legacy rope_scaling, the defaults
+    of the rest, a list of EOS ids) is the gemma-3-4b-vlm preset but for its 128k positions (the preset's RoPE tables
+    hold 8k) and the resize filter, which from-hf takes from the processor beside the weights."""
+    import hf_config
+    from model_config import vlm_preset
+
+    published = {
+        "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999, "eoi_token_index": 256000,
+        "eos_token_id": [1, 106], "image_token_index": 262144, "initializer_range": 0.02, "mm_tokens_per_image": 256,
+        "model_type": "gemma3", "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                        "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                        "sliding_window": 1024},
+        "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                          "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                          "patch_size": 14, "vision_use_head": False}}
+    cfg = hf_config.llava_config(published, "gemma-3-4b-it")
+    assert cfg.llm.max_seq_len == 131072 and cfg.vision.resample == 3
+    preset = vlm_preset("gemma-3-4b-vlm").with_overrides({"llm": {"max_seq_len": 131072}, "vision": {"resample": 3}})
+    assert cfg == preset
+
+
+def test_image_blocks_or_a_pool_on_a_llava_are_not_exported_as_one():
+    """A LLaVA-shaped model with image blocks (or a pool) computes what no LLaVA class does: to-hf refuses it, naming
+    the switches Gemma 3's class would need, rather than writing a LLaVA that attends causally."""
+    import hf_config
+    from model_config import vlm_preset
+    from weight_files import ConversionError
+
+    for switch in ({"attention_blocks": "images"}, {"pool": 2, "vision": {"image_size": 56}}):
+        cfg = vlm_preset("debug").with_overrides(switch)
+        with pytest.raises(ConversionError, match=r"Gemma3ForConditionalGeneration differs in .*projector='mlp2x_gelu'"):
+            hf_config.llava_hf_config(cfg)
