@@ -254,14 +254,15 @@ def vision_from_clip(clip_dir, shapes_cfg):
 
 
 def assemble(llm_state, llm_cfg, vision_dir, vision_state, tokenizer_dir, projector, vision_layer, vision_select,
-             projector_state=None, pad_vocab=64, seed=0, pixel_shuffle=1, vision_post_norm=False):
-    """Join an LLM, a vision tower and a projector (fresh when projector_state is None) into one checkpoint."""
+             projector_state=None, pad_vocab=64, seed=0, connector=None):
+    """Join an LLM, a vision tower and a projector (fresh when projector_state is None) into one checkpoint. connector:
+    VLMConfig's other connector and attention switches ({"pixel_shuffle": 4, "vision_post_norm": True}, Gemma 3's
+    {"pool": 4, "attention_blocks": "images"})."""
     vision_cfg = vit_config(read_json(storage.join(vision_dir, "config.json")), vision_dir) if vision_dir else None
     vision_cfg = processor_resample(vision_dir, vision_cfg) if vision_dir else None  # its processor's filter
     try:
         cfg = VLMConfig(vision=vision_cfg or ViTConfig(), llm=llm_cfg, projector=projector, vision_layer=vision_layer,
-                        vision_select=vision_select, image_token_id=0, pixel_shuffle=pixel_shuffle,
-                        vision_post_norm=vision_post_norm)
+                        vision_select=vision_select, image_token_id=0, **(connector or {}))
     except ValueError as e:
         raise ConversionError(f"{vision_dir}: {e}") from None
     if vision_state is None:
@@ -285,10 +286,10 @@ def llm_from_hf(llm_dir):
 
 
 def from_hf_parts(llm_dir, vision_dir, projector="mlp2x_gelu", vision_layer=-2, vision_select="patch", pad_vocab=64,
-                  seed=0, pixel_shuffle=1, vision_post_norm=False):
+                  seed=0, connector=None):
     llm_state, llm_cfg = llm_from_hf(llm_dir)
     return assemble(llm_state, llm_cfg, vision_dir, None, llm_dir, projector, vision_layer, vision_select,
-                    pad_vocab=pad_vocab, seed=seed, pixel_shuffle=pixel_shuffle, vision_post_norm=vision_post_norm)
+                    pad_vocab=pad_vocab, seed=seed, connector=connector)
 
 
 def from_llava(llava_dir, vision_dir, llm_dir=None, pad_vocab=64):
@@ -381,6 +382,9 @@ def main(argv=None):
     a.add_argument("--vision-select", default="patch", choices=["patch", "cls_patch"])
     a.add_argument("--pixel-shuffle", type=int, default=1, help="each NxN block of patches one token (nanoVLM: 4)")
     a.add_argument("--vision-post-norm", action="store_true", help="read the tower after its post-LayerNorm")
+    a.add_argument("--pool", type=int, default=1, help="each NxN block of patches averaged into one token (Gemma 3: 4)")
+    a.add_argument("--attention-blocks", default="", choices=["", "images"],
+                   help="'images': each image's tokens see each other both ways (Gemma 3)")
     a.add_argument("--pad-vocab", type=int, default=64, help="pad a grown vocab to a multiple of this")
     a.add_argument("--seed", type=int, default=0, help="seed of the fresh projector")
     a.add_argument("--lora", help="a peft LoRA adapter directory trained on --llava: its adapters come along")
@@ -439,8 +443,9 @@ def main(argv=None):
                 tokenizer_dir = args.llava
             elif args.llm and args.vision:
                 state, cfg = from_hf_parts(args.llm, args.vision, args.projector, args.vision_layer,
-                                           args.vision_select, args.pad_vocab, args.seed, args.pixel_shuffle,
-                                           args.vision_post_norm)
+                                           args.vision_select, args.pad_vocab, args.seed,
+                                           {"pixel_shuffle": args.pixel_shuffle, "vision_post_norm": args.vision_post_norm,
+                                            "pool": args.pool, "attention_blocks": args.attention_blocks})
                 tokenizer_dir = args.llm
             else:
                 p.error("from-hf needs --llava, or both --llm and --vision")

@@ -358,3 +358,32 @@ def test_image_blocks_or_a_pool_on_a_llava_are_not_exported_as_one():
         cfg = vlm_preset("debug").with_overrides(switch)
         with pytest.raises(ConversionError, match=r"Gemma3ForConditionalGeneration differs in .*projector='mlp2x_gelu'"):
             hf_config.llava_hf_config(cfg)
+
+
+def test_from_hf_parts_assembles_gemma3s_connector(tmp_path):
+    """from-hf --llm (a Gemma 3 text model) --vision (SigLIP) with --pool 2 --projector rms_linear_nobias
+    --vision-post-norm --attention-blocks images: a fresh RMSNorm (a scale of 1) and bias-free Linear over the pooled
+    map, and the export is a Gemma3ForConditionalGeneration that computes our logits."""
+    from transformers import (Gemma3ForConditionalGeneration, Gemma3TextConfig, Gemma3ForCausalLM, SiglipVisionConfig,
+                              SiglipVisionModel)
+
+    torch.manual_seed(0)
+    Gemma3ForCausalLM(Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=5,
+                                       layer_types=["sliding_attention", "full_attention"],
+                                       max_position_embeddings=256)).save_pretrained(tmp_path / "llm")
+    SiglipVisionModel(SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                         image_size=64, patch_size=8)).save_pretrained(tmp_path / "siglip")
+    convert.main(["from-hf", "--llm", str(tmp_path / "llm"), "--vision", str(tmp_path / "siglip"), "--vision-layer", "-1",
+                  "--vision-select", "cls_patch", "--vision-post-norm", "--pool", "2", "--projector", "rms_linear_nobias",
+                  "--attention-blocks", "images", "--out", str(tmp_path / "ours")])
+    ours = model_files.load_model(tmp_path / "ours").eval()
+    assert ours.cfg.n_image_tokens == N_IMAGE and ours.cfg.image_token_id == VOCAB  # appended: the tokenizer has none
+    assert ours.projector.norm.weight.abs().max() == 0 and ours.projector.fc[0].bias is None
+    convert.llava_to_hf(tmp_path / "ours", tmp_path / "hf")
+    hf = Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
+    ids, pixels = batch()
+    ids[ids == IMAGE_ID] = VOCAB
+    with torch.no_grad():
+        theirs = hf(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == VOCAB).long()).logits
+        assert (ours(ids, pixels)[0] - theirs).abs().max() <= 1e-5
