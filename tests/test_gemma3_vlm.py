@@ -387,3 +387,20 @@ def test_from_hf_parts_assembles_gemma3s_connector(tmp_path):
     with torch.no_grad():
         theirs = hf(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == VOCAB).long()).logits
         assert (ours(ids, pixels)[0] - theirs).abs().max() <= 1e-5
+
+
+def test_the_in_memory_key_layout_reads_alike(converted, tmp_path):
+    """Weights saved under transformers 5's in-memory names (model.language_model.*, model.vision_tower.*, a tied
+    lm_head.weight) read as the same tensors as save_pretrained's layout."""
+    import shutil
+
+    import hf_names
+    from safetensors.torch import save_file
+
+    hf, src, _, _ = converted
+    (tmp_path / "hf").mkdir()
+    shutil.copy(src / "config.json", tmp_path / "hf/config.json")
+    save_file({k: v.clone().contiguous() for k, v in hf.state_dict().items()}, tmp_path / "hf/model.safetensors")
+    (mine, cfg), (plain, plain_cfg) = hf_names.llava_from_hf(tmp_path / "hf"), hf_names.llava_from_hf(src)
+    assert cfg == plain_cfg and sorted(mine) == sorted(plain)
+    assert all(torch.equal(mine[k], plain[k]) for k in mine)
