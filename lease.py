@@ -100,7 +100,7 @@ def pause_for_test(name):
     """Tests only: LLAVAX_TEST_PAUSE_BEFORE_LEASE_WRITE=NAME stops this process (SIGSTOP, as a host that hangs) once,
     after its look at the lease and before it writes NAME: LEASE.json (a refresh), or manifest.json or DONE (written
     under the lease; in a bucket the stop comes before the lease's conditional rewrite that goes first; with NAME
-    after:manifest.json, after that rewrite and before the write)."""
+    after:manifest.json, after that rewrite and before the write; written:manifest.json, once it is written)."""
     if os.environ.get("LLAVAX_TEST_PAUSE_BEFORE_LEASE_WRITE") == name and name not in PAUSED:
         PAUSED.add(name)
         # to this thread, which then stops before the call returns (and the whole process with it); a stop sent to the
@@ -416,10 +416,14 @@ class Lease:
             return False
         if self.mode == "lock":
             return True
-        written = storage.read_bytes(path)
-        with self.exclusive():
-            if self.rewrite(LEASE) if self.mode == "conditional" else self.held():
-                return True
+        pause_for_test(f"written:{storage.name(path)}")
+        try:
+            written = storage.read_bytes(path)
+            with self.exclusive():
+                if self.rewrite(LEASE) if self.mode == "conditional" else self.held():
+                    return True
+        except storage.StorageError:  # the write landed, then the bucket stopped answering: it stays committed (the
+            return True  # loop's next look at the lease stops the run in one sentence naming it)
         with contextlib.suppress(OSError):
             if storage.read_bytes(path) == written:
                 storage.rm(path)

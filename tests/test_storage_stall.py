@@ -153,6 +153,39 @@ def test_a_frozen_endpoint_ends_the_run_in_bounded_time_and_one_sentence(shapes,
     assert not storage.exists(f"{out}/DONE")
 
 
+@pytest.mark.parametrize("own_server", ["s3"], indirect=True)
+def test_a_bucket_that_freezes_right_after_a_manifest_lands_keeps_that_checkpoint_committed(shapes, own_server):
+    """The server stops answering between a checkpoint's manifest landing and the lease's look that follows it (the
+    run stopped there by its test pause, the server frozen, the run let go): the manifest is in the bucket, so the step
+    is committed and the run's last sentence names it (it said 'the last checkpoint is none' of a step a resume takes)."""
+    server, bucket = own_server
+    out = f"{bucket}/frozen"
+    cmd = [sys.executable, str(ROOT / "train.py"), *args(shapes, out, "--max_iters=100000", "--ckpt_interval=5",
+                                                         "--keep_last=100", f"--storage_stall_s={STALL}")]
+    proc = forkserver.spawn(cmd, os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                                               "LLAVAX_TEST_PAUSE_BEFORE_LEASE_WRITE": "written:manifest.json"})
+    t0 = time.monotonic()
+    while not (storage.exists(f"{out}/step-000005/manifest.json") and stopped(proc.pid)):
+        assert proc.poll() is None and time.monotonic() - t0 < 240, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    server.send_signal(signal.SIGSTOP)
+    os.kill(proc.pid, signal.SIGCONT)
+    try:
+        _, err = proc.communicate(timeout=4 * STALL + 60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(proc.communicate()[1][-3000:]) from None
+    server.send_signal(signal.SIGCONT)
+    assert proc.returncode != 0 and one_sentence_naming_a_commit(err, out) == "step-000005", err[-3000:]
+    forget_filesystems()
+    assert [storage.name(p) for p in checkpoint.checkpoints(out)] == ["step-000005"]
+
+
+def stopped(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
 def test_a_final_checkpoint_that_fails_is_not_marked_done(shapes, s3_bucket, s3_proxy, monkeypatch, capsys):
     """The last step's checkpoint fails (503 through every retry): the run exits non-zero in one sentence naming the
     last committed step, writes no DONE (a babysitter would delete the VM), and never says that training goes on."""
