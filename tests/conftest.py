@@ -13,7 +13,7 @@ from buckets import (gcs_bucket, gcs_proxy, gcs_server, s3_bucket, s3_proxy, s3_
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(2)
+torch.set_num_threads(1)  # two workers on two cores: a second thread each only oversubscribes them
 
 
 def tiny_hf_llava(vocab=512, image_token=511, rope_parameters=None, vision_layer=-2, strategy="default", kv_heads=2,
@@ -59,7 +59,7 @@ def hf_llava_dir(tmp_path):
 
 # -----------------------------------------------------------------------------
 # long self-contained subprocesses (the XLA gradient matrix, the compiled-program audit, ...) start with the session,
-# at low priority, beside the rest of the suite; their fixtures wait. Under pytest-xdist (make test: -n 2) the first
+# at low priority, beside the rest of the suite; their fixtures wait. Under pytest-xdist (make test: -n 3) the first
 # worker starts them in a folder every worker sees, and a fixture on either worker waits for its job's exit status
 
 BACKGROUND = {}  # module name -> Popen, in the process that started it

@@ -266,6 +266,7 @@ def score(ckpt, bench_dir, out, nproc=1, extra=()):
     return json.loads(r.stdout.strip().splitlines()[-1]), [json.loads(x) for x in out.read_text().splitlines()]
 
 
+@pytest.mark.full  # a second launcher (torchrun, 2 ranks) through what the in-process runs here check
 def test_two_ranks_score_as_one(scored, tmp_path):
     """score.py under torchrun (2 gloo ranks, each a slice of every benchmark, the answers gathered) gives the answers
     and scores of one process, and a JSONL line a question with its id, prompt, answer and score."""
