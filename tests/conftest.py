@@ -50,6 +50,21 @@ def image_batch(model_cfg_n_tokens, image_token, vocab, batch=2, seq=16, image_a
     return ids, pixels, labels
 
 
+def load_cleanly(cls, folder, caplog):
+    """cls.from_pretrained(folder), asserting that transformers found every key and said no warning."""
+    import transformers
+
+    transformers.logging.enable_propagation()  # transformers' logger does not reach caplog otherwise
+    try:
+        with caplog.at_level("WARNING"):
+            loaded, info = cls.from_pretrained(folder, output_loading_info=True)
+    finally:
+        transformers.logging.disable_propagation()
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+    return loaded
+
+
 @pytest.fixture
 def hf_llava_dir(tmp_path):
     model = tiny_hf_llava()

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from conftest import load_cleanly
 from safetensors.torch import load_file
 
 import convert
@@ -144,7 +145,6 @@ def test_generation_prefills_with_the_blocks_and_decodes_causally(converted, sta
 
 
 def test_round_trip_is_exact_and_loads_without_warnings(converted, caplog):
-    import transformers
     from transformers import Gemma3ForConditionalGeneration
 
     hf, src, _, back = converted
@@ -161,14 +161,7 @@ def test_round_trip_is_exact_and_loads_without_warnings(converted, caplog):
     for key in ("model_type", "vocab_size", "hidden_size", "num_key_value_heads", "head_dim", "rms_norm_eps",
                 "layer_types", "sliding_window", "query_pre_attn_scalar", "rope_parameters"):
         assert new["text_config"][key] == old["text_config"][key], key
-    transformers.logging.enable_propagation()  # transformers' logger does not reach caplog otherwise
-    try:
-        with caplog.at_level("WARNING"):
-            loaded, info = Gemma3ForConditionalGeneration.from_pretrained(back, output_loading_info=True)
-    finally:
-        transformers.logging.disable_propagation()
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+    loaded = load_cleanly(Gemma3ForConditionalGeneration, back, caplog)
     ids, pixels = batch()
     assert torch.equal(hf_logits(loaded.eval(), ids, pixels), hf_logits(hf, ids, pixels))
 

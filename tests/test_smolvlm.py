@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import ROOT, checkpoint_tensors
+from conftest import ROOT, checkpoint_tensors, load_cleanly
 from safetensors.torch import load_file
 
 import convert
@@ -96,14 +96,7 @@ def test_round_trip_is_exact_and_loads_without_warnings(converted, kind, caplog)
     for key in ("vocab_size", "hidden_size", "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings"):
         assert new["text_config"][key] == old["text_config"][key], key
     cls = getattr(transformers, hf_config.HF_ARCHITECTURES[kind])
-    transformers.logging.enable_propagation()  # transformers' logger does not reach caplog otherwise
-    try:
-        with caplog.at_level("WARNING"):
-            loaded, info = cls.from_pretrained(back, output_loading_info=True)
-    finally:
-        transformers.logging.disable_propagation()
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+    loaded = load_cleanly(cls, back, caplog)
     ids, pixels = batch(loaded.model.image_seq_len, CASES[kind][1])
     with torch.no_grad():
         assert torch.equal(loaded.eval()(input_ids=ids, pixel_values=pixels[:, None]).logits,
