@@ -676,7 +676,6 @@ class Checkpointer:
                     self.error = (f"step {small['state']['iter']}: {name} not committed: out_dir was taken over by "
                                   f"{self.lease.lost} while it was written; this run writes nothing more there")
                 else:
-                    self.committed = path
                     try:  # committed: a storage failing now costs only the pruning, which the next commit does again
                         prune_checkpoints(storage.parent(path), path, cfg["keep_last"])
                     except OSError as e:
@@ -733,11 +732,22 @@ class Checkpointer:
 
     def commit(self, path, files):
         """The manifest of `files` written while out_dir's lease is this run's (rank 0's; lease.py: locally inside its
-        lock, in a bucket right after its conditional rewrite): False, nothing written, once another run took it."""
-        if self.lease is None:
+        lock, in a bucket right after its conditional rewrite): False, nothing written, once another run took it. The
+        step is this run's last committed one as soon as its manifest landed, before the lease's look that follows (a
+        bucket that stops answering holds that look for storage_stall_s and more, and a stop's message is due sooner)."""
+        before = self.committed
+
+        def write():
             write_manifest(path, files)
+            self.committed = path
+
+        if self.lease is None:
+            write()
             return True
-        return self.lease.fenced(storage.join(path, MANIFEST), lambda: write_manifest(path, files))
+        if self.lease.fenced(storage.join(path, MANIFEST), write):
+            return True
+        self.committed = before  # removed again: written after a takeover
+        return False
 
     def write_detached(self, args, until=None):
         """Run write() in a forked child in its own session on every rank, and wait for it while we live. A signalled

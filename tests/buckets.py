@@ -88,7 +88,8 @@ def gcs_server():
     server = FakeGCSServer()
     server.start()  # sets STORAGE_EMULATOR_HOST
     # the wrapper pipes the server's log and never reads it: once the pipe is full the server stops answering
-    threading.Thread(target=lambda: all(iter(lambda: server._process.stderr.read(1 << 16), b"")), daemon=True).start()
+    log = server._process.stderr  # held here: stop() forgets the process while this thread may still read
+    threading.Thread(target=lambda: all(iter(lambda: log.read(1 << 16), b"")), daemon=True).start()
     forget_filesystems()
     yield server.port
     server.stop()
