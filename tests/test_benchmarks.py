@@ -12,6 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import forkserver
 import pytest
 import torch
 from conftest import ROOT, run_log
@@ -355,10 +356,10 @@ def test_missing_or_malformed_benchmark_file_is_one_sentence(scored, tmp_path, s
     one that lacks a column the task reads."""
     _, bench_dir = scored
     shapes = shapes_data(n=64, seed=0, val_fraction=0.1)
-    r = subprocess.run([sys.executable, str(ROOT / "train.py"), str(ROOT / "configs/debug.py"),
-                        f"--data_dir={shapes / 'shards'}", f"--tokenizer={shapes / 'tokenizer.model'}",
-                        f"--out_dir={tmp_path / 'out'}", "--benchmarks=['mme']", f"--benchmark_dir={tmp_path}"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    r = forkserver.run([sys.executable, str(ROOT / "train.py"), str(ROOT / "configs/debug.py"),
+                       f"--data_dir={shapes / 'shards'}", f"--tokenizer={shapes / 'tokenizer.model'}",
+                       f"--out_dir={tmp_path / 'out'}", "--benchmarks=['mme']", f"--benchmark_dir={tmp_path}"],
+                       os.environ | {"OMP_NUM_THREADS": "1"})
     assert r.returncode == 1 and not (tmp_path / "out").exists()
     said = r.stderr.strip().splitlines()
     assert len(said) == 1 and said[0].startswith("benchmarks: mme: no data/test-*.parquet in"), r.stderr[-2000:]
@@ -506,13 +507,13 @@ def test_a_failing_benchmark_is_a_line_and_the_run_goes_on(scored, tmp_path, sha
                       for i, image in enumerate(table["image"])]
     table.to_parquet(broken)
     shapes = shapes_data(n=64, seed=0, val_fraction=0.1)
-    r = subprocess.run([sys.executable, str(ROOT / "train.py"), str(ROOT / "configs/debug.py"),
-                        f"--data_dir={shapes / 'shards'}", f"--tokenizer={shapes / 'tokenizer.model'}",
-                        f"--out_dir={tmp_path / 'out'}", "--max_iters=4", "--eval_interval=0", "--log_interval=2",
-                        f"--benchmarks=['mme', 'scienceqa_img={broken}']", f"--benchmark_dir={bench_dir}",
-                        "--benchmark_interval=2", f"--benchmark_limit={benchmarks.DECODED_ROWS + 1}",
-                        "--final_accuracy_samples=0"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    r = forkserver.run([sys.executable, str(ROOT / "train.py"), str(ROOT / "configs/debug.py"),
+                       f"--data_dir={shapes / 'shards'}", f"--tokenizer={shapes / 'tokenizer.model'}",
+                       f"--out_dir={tmp_path / 'out'}", "--max_iters=4", "--eval_interval=0", "--log_interval=2",
+                       f"--benchmarks=['mme', 'scienceqa_img={broken}']", f"--benchmark_dir={bench_dir}",
+                       "--benchmark_interval=2", f"--benchmark_limit={benchmarks.DECODED_ROWS + 1}",
+                       "--final_accuracy_samples=0"],
+                       os.environ | {"OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     failed = [line for line in r.stdout.splitlines() if "benchmark scienceqa_img failed" in line]
     assert len(failed) == 2 and "UnidentifiedImageError" in failed[0], r.stdout[-3000:]

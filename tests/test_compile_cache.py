@@ -29,6 +29,7 @@ def events_in(out):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # two XLA runs that compile from nothing: ~35 s; make test: the cache's warnings and mirror below
 def test_a_recreated_host_finds_its_compiled_programs_beside_a_bucket_out_dir_and_a_cut_one_is_compiled_afresh(
         shapes, s3_bucket, tmp_path):
     """A spot VM recreated after a preemption starts with an empty disk: the run on it finds the programs its
