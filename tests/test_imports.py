@@ -3,8 +3,11 @@ no module imports one of a higher layer, and no program imports another program.
 those inside functions and under `if __name__ == "__main__":` included."""
 
 import ast
+import os
 import subprocess
 import sys
+
+import forkserver
 
 from conftest import ROOT
 
@@ -101,9 +104,8 @@ def test_no_module_only_passes_names_on():
 
 def test_data_py_is_still_the_command_line(tmp_path):
     """`python data.py pack|shapes|audit` as README documents it: the packing program."""
-    r = subprocess.run([sys.executable, str(ROOT / "data.py"), "audit", str(tmp_path / "none"), "--tokenizer",
-                        str(tmp_path / "none.model"), "--show", "0"], capture_output=True, text=True, cwd=ROOT,
-                       timeout=120)
+    r = forkserver.run([sys.executable, str(ROOT / "data.py"), "audit", str(tmp_path / "none"), "--tokenizer",
+                        str(tmp_path / "none.model"), "--show", "0"], os.environ | {"OMP_NUM_THREADS": "1"})
     assert r.returncode != 0 and "Traceback" not in r.stderr and str(tmp_path / "none") in r.stdout + r.stderr, \
         r.stdout + r.stderr
     r = subprocess.run([sys.executable, str(ROOT / "data.py"), "--help"], capture_output=True, text=True, cwd=ROOT,

@@ -4,12 +4,14 @@ group_by_modality_length (LLaVA-NeXT's LengthGroupedSampler with group_by_modali
 
 import json
 import math
+import os
 import random
 import re
 import subprocess
 import sys
 import tarfile
 
+import forkserver
 import numpy as np
 import pytest
 from PIL import Image
@@ -188,8 +190,8 @@ def test_a_cycle_of_metadatasets_is_one_sentence(two, tmp_path):
     byte_tokenizer(tmp_path / "tok")
     (tmp_path / "cfg.py").write_text(f"data_dir = {str(tmp_path / 'A.yaml')!r}\n"
                                      f"tokenizer = {str(tmp_path / 'tok/tokenizer.json')!r}\n")
-    r = subprocess.run([sys.executable, "data.py", "audit", "--config", str(tmp_path / "cfg.py")],
-                       cwd=ROOT, capture_output=True, text=True)
+    r = forkserver.run([sys.executable, "data.py", "audit", "--config", str(tmp_path / "cfg.py")],
+                       os.environ | {"OMP_NUM_THREADS": "1"})
     said = [line for line in (r.stdout + r.stderr).splitlines() if "leads back" in line]
     assert len(said) == 1 and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
 
