@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import forkserver
 import pytest
@@ -154,6 +155,37 @@ def test_sigterm_during_a_background_write_commits_it_then_the_stop_checkpoint(s
     assert found[0] == "step-000004" and len(found) == 2, (found, rest)
     assert all(checkpoint.verify_checkpoint(p) is None for p in checkpoint.checkpoints(tmp_path))
     run(args(shapes, tmp_path, "--max_iters=10", "--init_from=resume", *common))
+    assert checkpoint_bytes(tmp_path / "step-000010") == checkpoint_bytes(single_run_10 / "step-000010")
+
+
+def test_the_stop_checkpoint_outlives_the_sigkill_that_follows_the_signal(shapes, single_run_10, tmp_path):
+    """SIGTERM, then SIGKILL to the process while its stop checkpoint is written (torchrun's and SLURM's kill after
+    their grace period, brought forward; a slow disk: 3 s a write): the writer, in a session of its own, commits the
+    step, and the resume ends with the uninterrupted run's weights bit for bit. (make test-full: the same under torchrun
+    and through scripts/slurm.sbatch with its requeue.)"""
+    common = ["--max_iters=10", "--ckpt_interval=4", "--keep_last=5"]
+    proc = forkserver.spawn([sys.executable, str(ROOT / "train.py"), *args(shapes, tmp_path, *common)],
+                            os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                                          "LLAVAX_TEST_SLOW_CHECKPOINT": "3"})
+    said, t0 = Path(proc.job["stdout"]), time.monotonic()
+    while "step 2:" not in (said.read_text() if said.exists() else ""):
+        assert proc.poll() is None and time.monotonic() - t0 < 120, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    marker = checkpoint.writer_pid_file(tmp_path, 0)
+    while not marker.exists():  # the stop's writer is forked
+        assert proc.poll() is None and time.monotonic() - t0 < 120, proc.communicate()
+        time.sleep(0.02)
+    writer = int(marker.read_text())
+    assert not checkpoint.checkpoints(tmp_path)  # the kill comes mid-write
+    proc.kill()
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    while os.path.exists(f"/proc/{writer}") and time.monotonic() - t0 < 120:  # it lives on, in its own session
+        time.sleep(0.1)
+    (step,) = checkpoint.checkpoints(tmp_path)
+    assert 2 <= json.loads((step / "state.json").read_text())["iter"] < 10 and checkpoint.verify_checkpoint(step) is None
+    r = run(args(shapes, tmp_path, "--init_from=resume", *common))
+    assert f"resuming from {step}" in r.stdout
     assert checkpoint_bytes(tmp_path / "step-000010") == checkpoint_bytes(single_run_10 / "step-000010")
 
 

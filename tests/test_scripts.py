@@ -200,7 +200,7 @@ def test_scripts_pass_bucket_paths_through(gcloud):
 
 
 @pytest.mark.slow
-@pytest.mark.full  # a minute of two torchrun jobs; make test: tests/test_checkpoint.py's stop checkpoints under torchrun
+@pytest.mark.full  # a minute of two torchrun jobs; make test: tests/test_checkpoint.py's stop writer outliving a SIGKILL
 def test_slurm_signal_reaches_train_py_and_the_job_requeues_and_resumes(shapes, s3_bucket, tmp_path):  # noqa: F811
     # out_dir in a bucket: the stop checkpoint goes there through the detached writer, which the task waits for in the
     # local folder checkpoint.writer_folder names (the workers are SIGKILLed while it writes, as torchrun does 30 s on)

@@ -167,7 +167,7 @@ def torchrun_workers(torchrun_pid):
 
 
 @pytest.mark.slow
-@pytest.mark.full  # make test: tests/test_scripts.py's SLURM job, whose torchrun worker is SIGKILLed mid-write
+@pytest.mark.full  # make test: tests/test_checkpoint.py's one-process run, SIGKILLed while its stop writer writes
 def test_torchrun_stop_checkpoint_survives_the_sigkill_after_the_grace_period(shapes, ddp_run, tmp_path):
     # torchrun forwards SIGTERM to each worker's group and SIGKILLs them 30 s later (hard-coded in torch 2.9);
     # a stop checkpoint slower than that (LLAVAX_TEST_SLOW_CHECKPOINT: a slow disk) must still be completed
