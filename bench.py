@@ -41,7 +41,7 @@ from bench_data import (bench_images, bench_loader, bench_mixture_start, bench_p
                         start_s3)
 from memory import (print_attention_memory, print_bucket_reads, print_checkpoint_recipes, print_levers,
                     print_recipe_memory, print_xla_memory)
-import checkpoint
+import checkpoint_writer
 import config
 import parallel
 import storage
@@ -368,7 +368,7 @@ def rss_bytes():
 
 def bench_checkpoint(args):
     """A stage-0 model of about --gib GiB of weights and AdamW moments, FSDP2-sharded over the ranks (gloo, CPU),
-    saved --saves times through checkpoint.Checkpointer to each target (--out, and with --s3 a bucket on moto's S3
+    saved --saves times through checkpoint_writer.Checkpointer to each target (--out, and with --s3 a bucket on moto's S3
     server, side by side): the time the loop is blocked (host copy of this rank's shards), the time until the step is
     committed (every rank written and hashed, the manifest written), and rank 0's resident memory above what it held
     before the save (sampled every 10 ms)."""
@@ -409,7 +409,7 @@ def bench_checkpoint(args):
     loader = SimpleNamespace(state_dict=lambda: {"position": 0})
     targets = [("local", Path(args.out) / f"ranks-{world}")] + ([("s3", f"{args.s3_url}/ranks-{world}")] if args.s3_url
                                                                 else [])
-    ckpt = checkpoint.Checkpointer(env, cfg_run)
+    ckpt = checkpoint_writer.Checkpointer(env, cfg_run)
     state_bytes = sum(p.numel() * 12 for p in raw.parameters()) / 2**30
     rows = []
     for i in range(args.saves):

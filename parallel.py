@@ -122,6 +122,7 @@ class Env:
         if kind not in ("cpu", "cuda", "xla"):
             raise SystemExit(f"config: device must be '', 'cpu', 'cuda' or 'xla', got {kind!r}")
         self.kind, self.mesh, self.compile_cache = kind, None, ""
+        self.cpu_group = None  # a gloo group beside CUDA's NCCL; None: the default group (if any) is on the CPU already
         # under torchrun: 'ddp' or 'fsdp'; bf16: bf16 compute over fp32 master weights (FSDP2's policy, else autocast)
         self.parallel, self.bf16 = cfg.get("parallel", "ddp"), cfg.get("dtype", "float32") == "bfloat16"
         if kind == "xla":
@@ -141,7 +142,6 @@ class Env:
                 import torch_xla.distributed.xla_backend  # noqa: F401  registers the xla:// rendezvous
 
                 dist.init_process_group("gloo", init_method="xla://")
-            self.cpu_group = None
         else:
             self.distributed = "RANK" in os.environ
             self.rank = int(os.environ.get("RANK", 0))

@@ -506,7 +506,7 @@ TRAINED_ON = ("ids", "mask", "completion_mask", "pixel_values", "image_index", "
 def load_value_model(cfg, env, policy, tok, resume_from=None):
     """PPO's value model, unsharded: the reward-model checkpoint ppo_value_init (else grpo_reward's), its head read at
     every token (VLM.forward(values=True)), as EasyLM, TRL and LLaVA-RLHF start it; or, resuming, built empty as the
-    checkpoint's (which Checkpointer.load fills). It must read ids and images as the policy (a VLM) does."""
+    checkpoint's (which checkpoint.load_checkpoint fills). It must read ids and images as the policy (a VLM) does."""
     spec = cfg["ppo_value_init"] or cfg["grpo_reward"]
     build_on = "cpu" if env.kind == "xla" else env.device
     if resume_from:

@@ -32,8 +32,9 @@ import rl
 import storage
 import weight_files
 from benchmarks import Asker, answers_beside, open_benchmarks, run_benchmarks, summary
-from checkpoint import (Checkpointer, check_resume_config, checkpoints, newest_good_checkpoint, remove_step,
-                        unfinished_steps, wait_for_stop_writer)
+from checkpoint import (check_resume_config, checkpoints, load_checkpoint, newest_good_checkpoint, remove_step,
+                        unfinished_steps)
+from checkpoint_writer import Checkpointer, wait_for_stop_writer
 from config import check_tiles, load_config
 from dpo import reference_model
 from evaluation import final_accuracy
@@ -676,8 +677,9 @@ def train(cfg, env, out, lease):
     value = (value_model, value_raw) if value_raw is not None else None
     ref_model = reference_model(cfg, env, raw) if objective.reference(cfg) else None
     loader, val_loaders, stream_args = loaders or make_loaders(raw.cfg, cfg, env, rows_per_host, objective.pairs)
-    checkpointer = Checkpointer(env, cfg, lease)
-    start = checkpointer.load(resume_from, model, raw, optimizer, loader, value) if resume_from else 0
+    checkpointer = Checkpointer(env, cfg, lease, committed=resume_from)
+    start = load_checkpoint(resume_from, model, raw, optimizer, loader, env, "data_dir" in cfg["allow_config_change"],
+                            value) if resume_from else 0
     stop = stop_on_signal(env)
     log, close_log = open_log(out, cfg, env, lease, start)
     poison, poison_weight = injected_faults(env)

@@ -286,13 +286,13 @@ def flip_a_bit(path):
 KILLED_AT_COMMIT = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
-import checkpoint, train
-real = checkpoint.write_manifest
+import checkpoint_writer, train
+real = checkpoint_writer.write_manifest
 def dying(path, files=None):  # every shard of step {step} is in the bucket; the manifest, the commit, is next
     if str(path).endswith("step-{step:06d}"):
         os.kill(os.getpid(), signal.SIGKILL)
     real(path, files)
-checkpoint.write_manifest = dying
+checkpoint_writer.write_manifest = dying
 train.main({argv!r})
 """
 

@@ -19,6 +19,7 @@ from conftest import ROOT, checkpoint_bytes, checkpoint_tensors
 from test_train import args, free_port, losses, run, torchrun_workers
 
 import checkpoint
+import checkpoint_writer
 import convert
 import model_files
 from loader import Loader, ShardStream
@@ -172,7 +173,7 @@ def test_the_stop_checkpoint_outlives_the_sigkill_that_follows_the_signal(shapes
         assert proc.poll() is None and time.monotonic() - t0 < 120, proc.communicate()
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
-    marker = checkpoint.writer_pid_file(tmp_path, 0)
+    marker = checkpoint_writer.writer_pid_file(tmp_path, 0)
     while not marker.exists():  # the stop's writer is forked
         assert proc.poll() is None and time.monotonic() - t0 < 120, proc.communicate()
         time.sleep(0.02)

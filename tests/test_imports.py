@@ -16,7 +16,7 @@ MODULES = sorted(p.stem for p in ROOT.glob("*.py"))
 # STYLE.md's layers: 1 model, 2 formats and I/O, 3 data, 4 pieces of the training loop, 5 programs
 LAYERS = {"model": 1, "attention": 1, "model_config": 1, "anyres": 1, "lora": 1, "losses": 1,
           "chat": 2, "images": 2, "shards": 2, "weight_files": 2, "hf_config": 2, "hf_names": 2, "checkpoint": 2,
-          "model_files": 2, "parallel": 2, "storage": 2, "lease": 2, "progress": 2,
+          "checkpoint_writer": 2, "model_files": 2, "parallel": 2, "storage": 2, "lease": 2, "progress": 2,
           "loader": 3, "mixture": 3, "pack": 3, "audit": 3, "sources": 3, "shapes": 3, "processor": 3, "video": 3,
           "config": 4, "evaluation": 4, "benchmarks": 4, "dpo": 4, "rl": 4, "objectives": 4, "memory": 4, "bench_data": 4,
           "train": 5, "convert": 5, "sample": 5, "bench": 5, "data": 5, "plot": 5, "score": 5}

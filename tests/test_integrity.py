@@ -16,6 +16,7 @@ from test_train import args, run, shapes, weights  # noqa: F401  (shapes is a fi
 
 import chat
 import checkpoint
+import checkpoint_writer
 import config
 import evaluation
 import loader
@@ -107,7 +108,7 @@ def drop_from_index(d, key="model.llm.norm.weight"):
     del meta.state_dict_metadata[key]
     (d / ".metadata").write_bytes(pickle.dumps(meta))
     (d / "manifest.json").unlink()
-    checkpoint.write_manifest(d, checkpoint.describe([f for f in d.iterdir() if f.is_file()]))
+    checkpoint_writer.write_manifest(d, checkpoint.describe([f for f in d.iterdir() if f.is_file()]))
 
 
 def list_a_gone_file(d):

@@ -10,7 +10,7 @@ import time
 import pytest
 from conftest import ROOT, run_log
 
-import checkpoint
+import checkpoint_writer
 import data
 import progress
 import sample
@@ -206,14 +206,14 @@ def eta_run(shapes, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(said):
         mp.setattr(train, "train_step", clock.costing(train.train_step, STEP_S))
         mp.setattr(train, "evaluate_and_log", clock.costing(train.evaluate_and_log, EVAL_S))
-        save = checkpoint.Checkpointer.save
+        save = checkpoint_writer.Checkpointer.save
 
         def save_and_wait(checkpointer, *args, **kwargs):  # its write done in its cost, not beside the steps' costs
             save(checkpointer, *args, **kwargs)
             checkpointer.wait()
 
-        mp.setattr(checkpoint.Checkpointer, "save", clock.costing(save_and_wait, SAVE_S))
-        mp.setattr(time, "perf_counter", clock)  # train.py's, checkpoint.py's and progress.py's
+        mp.setattr(checkpoint_writer.Checkpointer, "save", clock.costing(save_and_wait, SAVE_S))
+        mp.setattr(time, "perf_counter", clock)  # train.py's, checkpoint_writer.py's and progress.py's
         train.main([str(ROOT / "configs/debug.py"), f"--data_dir={shapes / 'shards'}",
                     f"--tokenizer={shapes / 'tokenizer.model'}", f"--out_dir={out}", "--max_iters=40",
                     "--log_interval=4", "--eval_interval=10", "--ckpt_interval=15", "--keep_last=5",

@@ -13,6 +13,7 @@ from conftest import ROOT
 from test_train import args, free_port, losses, run, shapes, weights  # noqa: F401  (shapes is a fixture)
 
 import checkpoint
+import checkpoint_writer
 import storage
 
 SCRIPTS = ROOT / "scripts"
@@ -203,7 +204,8 @@ def test_scripts_pass_bucket_paths_through(gcloud):
 @pytest.mark.full  # a minute of two torchrun jobs; make test: tests/test_checkpoint.py's stop writer outliving a SIGKILL
 def test_slurm_signal_reaches_train_py_and_the_job_requeues_and_resumes(shapes, s3_bucket, tmp_path):  # noqa: F811
     # out_dir in a bucket: the stop checkpoint goes there through the detached writer, which the task waits for in the
-    # local folder checkpoint.writer_folder names (the workers are SIGKILLed while it writes, as torchrun does 30 s on)
+    # local folder checkpoint_writer.writer_folder names (the workers are SIGKILLed while it writes, as torchrun does
+    # 30 s on)
     bin_dir, state, out = tmp_path / "bin", tmp_path / "slurm", f"{s3_bucket}/run"
     bin_dir.mkdir()
     state.mkdir()
@@ -223,14 +225,14 @@ def test_slurm_signal_reaches_train_py_and_the_job_requeues_and_resumes(shapes, 
     assert "got signal 15" in r.stdout and "requeueing job 4242" in r.stdout, r.stdout[-3000:]
     assert (state / "requeues").read_text() == "4242\n" and not storage.exists(f"{out}/DONE")
     (ckpt,) = checkpoint.checkpoints(out)  # committed by the writer that outlived its worker
-    assert checkpoint.writer_pid_file(out, 0).exists()  # its worker died before it could remove it
+    assert checkpoint_writer.writer_pid_file(out, 0).exists()  # its worker died before it could remove it
     # the requeued job: same script, same job id; it resumes and finishes without requeueing again
     r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
                        env=env | {"MASTER_PORT": str(free_port()), "SLURM_RESTART_COUNT": "1"})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"resuming from {ckpt}" in r.stdout and "the run is complete" in r.stdout
     assert (state / "requeues").read_text() == "4242\n" and storage.exists(f"{out}/DONE")
-    assert not checkpoint.writer_folder(out).exists()  # the stale pid file cleared at the start, its folder with it
+    assert not checkpoint_writer.writer_folder(out).exists()  # the stale pid file cleared at the start, its folder with it
     straight = tmp_path / "straight"  # one process: bit-identical to torchrun with one (checked)
     run(args(shapes, straight, "--max_iters=10", "--ckpt_interval=0"))
     assert weights(f"{out}/step-000010") == weights(straight / "step-000010")

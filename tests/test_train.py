@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 import chat
 import checkpoint
+import checkpoint_writer
 import config
 import evaluation
 import images
@@ -183,7 +184,7 @@ def test_torchrun_stop_checkpoint_survives_the_sigkill_after_the_grace_period(sh
             os.killpg(proc.pid, signal.SIGTERM)  # as systemd or a shell's kill -- -PGID deliver it
             break
     t0 = time.time()
-    markers = [checkpoint.writer_pid_file(out, rank) for rank in (0, 1)]
+    markers = [checkpoint_writer.writer_pid_file(out, rank) for rank in (0, 1)]
     while not all(m.exists() for m in markers) and time.time() < t0 + 10:  # every rank has forked its writer
         time.sleep(0.05)
     writer = int(markers[0].read_text())
@@ -204,12 +205,12 @@ def test_torchrun_stop_checkpoint_survives_the_sigkill_after_the_grace_period(sh
 
 def test_kill_during_checkpoint_write_keeps_the_previous_one(shapes, tmp_path):
     # fault injection: SIGKILL ourselves halfway through writing the step-10 checkpoint
-    script = (f"import sys, os, signal; sys.path.insert(0, {str(ROOT)!r}); import checkpoint, train\n"
-              "real = checkpoint.write_manifest\n"
+    script = (f"import sys, os, signal; sys.path.insert(0, {str(ROOT)!r}); import checkpoint_writer, train\n"
+              "real = checkpoint_writer.write_manifest\n"
               "def dying(d, files):\n"  # every shard is on disk; the manifest, the commit, is next
               "    if 'step-000010' in str(d): os.kill(os.getpid(), signal.SIGKILL)\n"
               "    real(d, files)\n"
-              "checkpoint.write_manifest = dying\n"
+              "checkpoint_writer.write_manifest = dying\n"
               f"train.main({args(shapes, tmp_path, '--max_iters=20', '--ckpt_interval=5')!r})\n")
     r = forkserver.run([sys.executable, "-c", script], os.environ | {"OMP_NUM_THREADS": "1"})
     assert r.returncode == -signal.SIGKILL
