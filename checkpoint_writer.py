@@ -36,6 +36,10 @@ from parallel import print0
 WRITER_PID = ".stop-writer.pid"  # rank 0's detached stop-checkpoint writer's pid, while it runs (what scripts wait on)
 
 
+# -----------------------------------------------------------------------------
+# the detached stop writers' pid files, which scripts and the next run wait on
+
+
 def writer_folder(out):
     """Where each rank names its detached stop writer while it runs: out_dir, or for a bucket out_dir a local folder
     named after it (a pid means something only on its host; scripts/slurm.sbatch asks for this folder)."""
@@ -61,6 +65,10 @@ def wait_for_stop_writer(out):
     if storage.is_url(out):  # a bucket's local folder, empty now: not left behind in the temp folder
         with contextlib.suppress(OSError):
             folder.rmdir()
+
+
+# -----------------------------------------------------------------------------
+# a step's files, hashed as they are written: the manifest's entries without reading them back
 
 
 def put(path, data):
@@ -150,6 +158,10 @@ def dcp_writer(path, guard=None):
         writer = dcp.FileSystemWriter(str(path), sync_files=True, single_file_per_rank=True)
     writer.fs = HashedStreams(writer.fs, in_place=storage.is_url(path) or storage.write_once(path), guard=guard)
     return writer
+
+
+# -----------------------------------------------------------------------------
+# staging: host copies of this rank's shards
 
 
 def local_part(t):
